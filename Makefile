@@ -1,0 +1,31 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp-install
+
+.PHONY: install demo test bench warm clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# Compile every numba kernel into the on-disk cache (keyed on the kernel sources).
+warm: install
+	$(PY) -m shmbroker.cli warm
+
+demo: warm
+	$(VENV)/bin/shmbroker demo
+
+test: warm
+	$(PY) -m pytest -q
+
+bench: warm
+	$(VENV)/bin/shmbroker bench ring --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,286 @@
+"""The producer client: submit token-id prompts into shared memory, never blocking on a GPU.
+
+    from shmbroker import Producer
+    with Producer("my-app") as p:
+        item = p.submit(np.array([1, 2, 3], np.uint32), max_new_tokens=64)
+        ids = p.submit_many(flat, offsets, max_new_tokens=64)
+        for result in p.results(timeout_seconds=1.0):
+            ...
+
+`submit` returns once the item is committed to the producer's ingest ring
+(shared memory). A full ring makes it wait up to its timeout and then raise
+`Full`, or raise at once with `block=False`. Bad input raises TypeError or
+ValueError before anything is written, so nothing already submitted is
+affected. The fast path is one numba call: a C-contiguous uint32 array and
+plain ints pass numba's own type check; anything else takes a slower path
+that converts it or says what is wrong.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import config
+from .errors import BrokerError, Full, NotRunning
+from .registry import PROTOCOL_VERSION, request
+from .ring import layout as L
+from .ring.items import (
+    ITEM_BAD_MAX_NEW,
+    ITEM_EMPTY,
+    NO_PREFIX,
+    STATUS_NAMES,
+    U32_MAX,
+    as_tokens,
+    item_id,
+    model_id,
+    push_item,
+)
+from .ring.ring import CONSUMER, PRODUCER, Ring, RingNames
+
+RESULT_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Result:
+    item_id: int
+    status: str  # ok | too_long | invalid | engine_error
+    tokens: np.ndarray
+
+
+class Producer:
+    """A producer's connection to a running broker: one ingest ring and one result ring."""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        data_dir: str | os.PathLike | None = None,
+        timeout_seconds: float = config.DEFAULT_SUBMIT_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float = config.DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    ):
+        self.name = name if name is not None else f"p{os.getpid()}-{secrets.token_hex(3)}"
+        self.data_dir = config.data_dir(data_dir)
+        self.timeout_seconds = float(timeout_seconds)
+        try:
+            reply = request(
+                self.data_dir,
+                {"op": "connect", "version": PROTOCOL_VERSION, "name": self.name},
+                connect_timeout_seconds,
+            )
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise NotRunning(f"no broker is running on data directory {self.data_dir!r} ({exc.strerror})") from None
+        if not reply.get("ok"):
+            raise BrokerError(f"broker refused producer {self.name!r}: {reply.get('error')}")
+        self.producer_id = int(reply["producer_id"])
+        self._ingest = Ring.attach(RingNames.from_dict(reply["ingest"]), PRODUCER)
+        try:
+            self._results = Ring.attach(RingNames.from_dict(reply["results"]), CONSUMER)
+        except BaseException:
+            self._ingest.close()
+            raise
+        self._buf = self._ingest.buf
+        self._seq = self._ingest.next_key  # resumes after a reconnect
+        self._id_base = item_id(self.producer_id, 0)
+        self._models: dict[str | None, int] = {None: 0}
+        self.max_tokens = self._ingest.max_tokens
+        self._result_out = None
+
+    # -- submit ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        tokens,
+        *,
+        max_new_tokens: int,
+        prefix_len: int | None = None,
+        model: str | None = None,
+        block: bool = True,
+        timeout_seconds: float | None = None,
+    ) -> int:
+        """Submit one prompt; returns its item id once it is in shared memory."""
+        seq = self._seq
+        prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
+        mid = self._models.get(model)
+        if mid is None:
+            mid = self._models.setdefault(model, model_id(model))
+        if type(max_new_tokens) is not int:
+            max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
+        try:
+            rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
+        except TypeError:
+            tokens = as_tokens(tokens)
+            prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
+            rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
+        if rc != L.OK:
+            self._submit_slow(rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds)
+        self._seq = seq + 1
+        return self._id_base | seq
+
+    def _submit_slow(self, rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds) -> None:
+        if rc == L.OK_WAKE:
+            self._ingest.data_bell.ring()
+            return
+        if rc == ITEM_EMPTY:
+            raise ValueError("tokens is empty: an item needs at least one token")
+        if rc == ITEM_BAD_MAX_NEW:
+            raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}")
+        if rc == L.TOO_LARGE:
+            raise ValueError(f"item of {tokens.size} tokens exceeds the ingest ring's limit of {self.max_tokens}")
+        assert rc == L.FULL
+        if not block:
+            raise Full("ingest ring is full")
+        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+        self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0, timeout)
+
+    def submit_many(
+        self,
+        flat_tokens,
+        offsets,
+        *,
+        max_new_tokens,
+        prefix_len=None,
+        model: str | None = None,
+        block: bool = True,
+        timeout_seconds: float | None = None,
+    ) -> np.ndarray:
+        """Submit many prompts: item i is flat_tokens[offsets[i]:offsets[i+1]].
+
+        `max_new_tokens` and `prefix_len` are one value for all or one per item.
+        Every item is checked before any is written. Returns the item ids
+        (uint64). A full ring past the deadline raises Full whose `submitted`
+        and `ids` say which items went in.
+        """
+        flat = as_tokens(flat_tokens, "flat_tokens")
+        offs = _as_offsets(offsets, flat.size, self.max_tokens)
+        count = offs.size - 1
+        meta = np.zeros((count, L.META_WORDS), np.uint32)
+        meta[:, 0] = _per_item(max_new_tokens, count, "max_new_tokens")
+        if prefix_len is None:
+            meta[:, 1] = NO_PREFIX
+        else:
+            prefixes = _per_item(prefix_len, count, "prefix_len")
+            if np.any(prefixes > np.diff(offs)):
+                raise ValueError("prefix_len exceeds its item's length")
+            meta[:, 1] = prefixes
+        mid = self._models.get(model)
+        if mid is None:
+            mid = self._models.setdefault(model, model_id(model))
+        meta[:, 2] = mid
+        seq0 = self._seq
+        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+        ids = np.arange(self._id_base | seq0, (self._id_base | seq0) + count, dtype=np.uint64)
+        try:
+            self._ingest.push_many(flat, offs, seq0, meta, timeout if block else 0.0)
+        except Full as exc:
+            self._seq = seq0 + exc.submitted
+            raise Full(str(exc), submitted=exc.submitted, ids=ids[: exc.submitted]) from None
+        self._seq = seq0 + count
+        return ids
+
+    def _prefix(self, prefix_len, tokens) -> int:
+        value = _as_int(prefix_len, "prefix_len")
+        size = len(tokens)
+        if not 0 <= value <= size:
+            raise ValueError(f"prefix_len must be in 0..{size} (the item's length), got {value}")
+        return value
+
+    # -- results ---------------------------------------------------------------------
+
+    def results(self, timeout_seconds: float = 0.0) -> Iterator[Result]:
+        """Yield results as they arrive; stops once none has come for `timeout_seconds`."""
+        if self._result_out is None:
+            cap = self._results.max_tokens
+            self._result_out = (
+                np.empty(cap, np.uint32),
+                np.empty(RESULT_BATCH + 1, np.int64),
+                np.empty(RESULT_BATCH, np.uint64),
+                np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
+            )
+        tokens, offsets, keys, meta = self._result_out
+        while True:
+            n = self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
+            if n == 0:
+                if not self._results.wait_readable(timeout_seconds):
+                    return
+                continue
+            for i in range(n):
+                yield Result(
+                    self._id_base | int(keys[i]),
+                    STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
+                    tokens[offsets[i] : offsets[i + 1]].copy(),
+                )
+
+    # -- lifetime --------------------------------------------------------------------
+
+    @property
+    def next_item_id(self) -> int:
+        return self._id_base | self._seq
+
+    def close(self) -> None:
+        """Detach from the rings (idempotent). Items already submitted stay with the broker."""
+        if self._buf is None:
+            return
+        self._buf = None
+        self._ingest.close()
+        self._results.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _as_int(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+
+
+def _per_item(value, count: int, what: str) -> np.ndarray:
+    """One value per item as int64, from a scalar or a length-`count` sequence, range-checked."""
+    if np.isscalar(value) or isinstance(value, int):
+        arr = np.full(count, _as_int(value, what), np.int64)
+    else:
+        raw = np.asarray(value)
+        if raw.ndim != 1 or raw.size != count:
+            raise ValueError(f"{what} must be one integer or {count} of them, got shape {raw.shape}")
+        if raw.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be integers, got dtype {raw.dtype}")
+        arr = raw.astype(np.int64)
+    if count and (arr.min() < 0 or arr.max() > U32_MAX):
+        raise ValueError(f"{what} must be in 0..{U32_MAX}")
+    return arr
+
+
+def _as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
+    raw = np.asarray(offsets)
+    if raw.ndim != 1 or raw.size < 2:
+        raise ValueError("offsets must be 1-D with at least two entries (item i is flat[offsets[i]:offsets[i+1]])")
+    if raw.dtype.kind not in "iu":
+        raise TypeError(f"offsets must be integers, got dtype {raw.dtype}")
+    offs = np.ascontiguousarray(raw, dtype=np.int64)
+    if offs[0] != 0 or offs[-1] != flat_size:
+        raise ValueError(f"offsets must start at 0 and end at len(flat_tokens) = {flat_size}")
+    sizes = np.diff(offs)
+    if np.any(sizes <= 0):
+        raise ValueError(f"item {int(np.argmax(sizes <= 0))} is empty or offsets decrease")
+    if int(sizes.max()) > max_tokens:
+        raise ValueError(f"item {int(np.argmax(sizes > max_tokens))} exceeds the ingest ring's limit of {max_tokens} tokens")
+    return offs
+

@@ -1,0 +1,19 @@
+"""Defaults in one place (the TOML configuration of a running broker builds on these)."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_DATA_DIR = "shmbroker-data"
+DEFAULT_INSTANCE = "main"
+DEFAULT_SUBMIT_TIMEOUT_SECONDS = 10.0
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 5.0
+DEFAULT_INGEST_RING_BYTES = 64 << 20
+DEFAULT_RESULT_RING_BYTES = 16 << 20
+
+
+def data_dir(explicit: str | os.PathLike | None = None) -> str:
+    """The data directory: the argument, else $SHMBROKER_DATA_DIR, else ./shmbroker-data."""
+    if explicit is not None:
+        return os.fspath(explicit)
+    return os.environ.get("SHMBROKER_DATA_DIR", DEFAULT_DATA_DIR)

@@ -1,0 +1,32 @@
+"""Exceptions that cross module boundaries."""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """Base of shmbroker's own errors."""
+
+
+class Full(BrokerError):
+    """The ring stayed full past the deadline (or at once, with block=False).
+
+    `submitted` counts the items of the call that did go in before it filled
+    (always 0 for a single submit); their ids are `ids`.
+    """
+
+    def __init__(self, message: str, submitted: int = 0, ids=None):
+        super().__init__(message)
+        self.submitted = submitted
+        self.ids = ids if ids is not None else []
+
+
+class PeerDead(BrokerError):
+    """The process on the other side of a ring is gone (liveness-checked, not guessed)."""
+
+
+class RingCorrupt(BrokerError):
+    """A record read from a ring failed its checks; the ring stops at it."""
+
+
+class NotRunning(BrokerError):
+    """No broker answers on the data directory's socket."""

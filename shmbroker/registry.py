@@ -1,0 +1,232 @@
+"""The broker's front door: producers get their ring pair through a Unix socket.
+
+`<data_dir>/broker.sock` (mode 0600, in a 0700 directory). One request per
+connection, one JSON line each way:
+
+    -> {"op": "connect", "version": 1, "name": "ingest-7"}
+    <- {"ok": true, "producer_id": 3, "instance": "main",
+        "ingest": {"segment": ..., "data_bell": ..., "space_bell": ...},
+        "results": {...}}
+    <- {"ok": false, "error": "..."}
+
+The registry learns the peer's pid and uid from SO_PEERCRED (it trusts no pid
+the client claims) and refuses other users. A name held by a live process is
+refused; a name whose process died gets its old rings back, so a producer that
+reconnects resumes its item sequence and its unread results. The accept loop
+runs in one blocking thread; the broker's hot loop only reads `version` and
+`producers()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import config
+from .ring.items import MAX_PRODUCER_ID
+from .ring.liveness import is_alive, start_ticks
+from .ring.ring import OwnedRing, create_ring
+from .ring.shm import Owner
+
+SOCKET_NAME = "broker.sock"
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 4096
+REQUEST_TIMEOUT_SECONDS = 2.0
+ACCEPT_POLL_SECONDS = 0.2
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass
+class ProducerEntry:
+    producer_id: int
+    name: str
+    pid: int
+    pid_start: int
+    ingest: OwnedRing
+    results: OwnedRing
+
+
+def socket_path(data_dir: str | os.PathLike) -> Path:
+    return Path(data_dir) / SOCKET_NAME
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+class Registry:
+    """Creates a ring pair per producer name and serves their names over the socket."""
+
+    def __init__(
+        self,
+        owner: Owner,
+        data_dir: str | os.PathLike,
+        *,
+        ingest_ring_bytes: int = config.DEFAULT_INGEST_RING_BYTES,
+        result_ring_bytes: int = config.DEFAULT_RESULT_RING_BYTES,
+    ):
+        self.owner = owner
+        self.path = socket_path(data_dir)
+        self.ingest_ring_bytes = ingest_ring_bytes
+        self.result_ring_bytes = result_ring_bytes
+        self.version = 0  # bumped whenever the producer table changes
+        self._by_name: dict[str, ProducerEntry] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        # Every ingest ring rings this one doorbell, so one consumer sleeps on all of them.
+        self.ingest_bell = owner.doorbell("ingest-d")
+
+    def start(self) -> None:
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()  # a crashed broker's socket; the data-dir lock makes us its owner
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(str(self.path))
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.path, 0o600)
+            sock.listen(64)
+            sock.settimeout(ACCEPT_POLL_SECONDS)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="registry", daemon=True)
+        self._thread.start()
+
+    def producers(self) -> list[ProducerEntry]:
+        with self._lock:
+            return list(self._by_name.values())
+
+    def close(self) -> None:
+        """Stop serving (idempotent). The rings stay with the owner, which unlinks them."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * ACCEPT_POLL_SECONDS)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> Registry:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the accept thread --------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            with conn:
+                conn.settimeout(REQUEST_TIMEOUT_SECONDS)
+                try:
+                    reply = self._handle(conn)
+                except (OSError, ValueError) as exc:
+                    reply = {"ok": False, "error": str(exc)}
+                try:
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass  # the client went away; its rings (if any) wait for a reconnect
+
+    def _handle(self, conn: socket.socket) -> dict:
+        pid, uid, _gid = peer_credentials(conn)
+        if uid not in (os.geteuid(), 0):
+            return {"ok": False, "error": f"uid {uid} may not use this broker"}
+        request = _read_line(conn)
+        if request.get("op") != "connect":
+            return {"ok": False, "error": f"unknown op {request.get('op')!r}"}
+        if request.get("version") != PROTOCOL_VERSION:
+            return {"ok": False, "error": f"protocol version {request.get('version')!r}, broker speaks {PROTOCOL_VERSION}"}
+        name = request.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            return {"ok": False, "error": f"producer name must match {NAME_RE.pattern}, got {name!r}"}
+        entry = self._connect(name, pid)
+        return {
+            "ok": True,
+            "producer_id": entry.producer_id,
+            "ingest": entry.ingest.names.to_dict(),
+            "results": entry.results.names.to_dict(),
+        }
+
+    def _connect(self, name: str, pid: int) -> ProducerEntry:
+        ticks = start_ticks(pid)
+        if ticks is None:
+            raise ValueError(f"peer pid {pid} vanished during connect")
+        with self._lock:
+            entry = self._by_name.get(name)
+            if entry is not None:
+                if entry.pid != pid and is_alive(entry.pid, entry.pid_start):
+                    raise ValueError(f"producer name {name!r} is in use by live pid {entry.pid}")
+                entry.pid, entry.pid_start = pid, ticks
+                self.version += 1
+                return entry
+            producer_id = len(self._by_name) + 1
+            if producer_id > MAX_PRODUCER_ID:
+                raise ValueError("producer table is full")
+            tag = f"p{producer_id}"
+            ingest = create_ring(self.owner, tag + "i", self.ingest_ring_bytes, data_bell=self.ingest_bell)
+            try:
+                results = create_ring(self.owner, tag + "r", self.result_ring_bytes)
+            except BaseException:
+                self.owner.release(ingest.segment)
+                self.owner.release(ingest.space_bell)
+                raise
+            entry = ProducerEntry(producer_id, name, pid, ticks, ingest, results)
+            self._by_name[name] = entry
+            self.version += 1
+            return entry
+
+
+def _read_line(conn: socket.socket) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(MAX_REQUEST_BYTES)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_REQUEST_BYTES:
+            raise ValueError("request too long")
+    try:
+        request = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed request: {exc}") from None
+    if not isinstance(request, dict):
+        raise ValueError("request must be a JSON object")
+    return request
+
+
+def request(data_dir: str | os.PathLike, message: dict, timeout_seconds: float) -> dict:
+    """Client side: send one JSON request to the broker's socket and return its reply."""
+    path = socket_path(data_dir)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_seconds)
+        sock.connect(str(path))
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        return _read_line(sock)

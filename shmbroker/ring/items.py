@@ -1,0 +1,105 @@
+"""Item and result records on the rings: what the four meta words mean, and the submit kernel.
+
+Ingest ring record (producer -> broker), see `layout.py` for the record frame:
+
+| field   | meaning                                                   |
+|---------|-----------------------------------------------------------|
+| key     | the item's sequence number within its producer            |
+| meta[0] | max_new_tokens                                            |
+| meta[1] | declared prefix_len, or NO_PREFIX                         |
+| meta[2] | model id (`model_id(name)`; 0 = the broker's default)     |
+| meta[3] | flags (0)                                                 |
+| tokens  | the prompt's token ids                                    |
+
+Result ring record (broker -> producer):
+
+| field   | meaning                                                   |
+|---------|-----------------------------------------------------------|
+| key     | the item's sequence number                                |
+| meta[0] | status code (STATUS_CODES)                                |
+| meta[1] | reserved (0)                                              |
+| meta[2] | model id                                                  |
+| meta[3] | flags (0)                                                 |
+| tokens  | generated token ids                                       |
+
+An item id is `producer_id << SEQ_BITS | seq`: unique per broker, and the
+producer is readable from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .layout import OK, RECORD_HEADER_WORDS
+from .spsc import push
+
+NO_PREFIX = 0xFFFFFFFF
+U32_MAX = 0xFFFFFFFF
+SEQ_BITS = 40
+SEQ_MASK = (1 << SEQ_BITS) - 1
+MAX_PRODUCER_ID = (1 << (64 - SEQ_BITS)) - 1
+
+# push_item's extra return values (beside layout.OK/OK_WAKE/FULL/TOO_LARGE).
+ITEM_EMPTY = 10
+ITEM_BAD_MAX_NEW = 11
+
+STATUS_CODES = {"ok": 0, "too_long": 1, "invalid": 2, "engine_error": 3}
+STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
+
+assert OK == 0 and RECORD_HEADER_WORDS == 8
+
+
+@kernel(signature="int64(uint8[::1], uint32[::1], int64, int64, int64, int64)")
+def push_item(buf, tokens, seq, max_new_tokens, prefix_len, model):
+    """Validate and push one item record: layout codes, or ITEM_EMPTY / ITEM_BAD_MAX_NEW."""
+    if tokens.size == 0:
+        return ITEM_EMPTY
+    if max_new_tokens < 0 or max_new_tokens > U32_MAX:
+        return ITEM_BAD_MAX_NEW
+    return push(buf, tokens, seq, max_new_tokens, prefix_len, model, 0)
+
+
+def model_id(name: str | None) -> int:
+    """Stable 32-bit id of a model name (FNV-1a, never 0); None is the default model, 0."""
+    if name is None:
+        return 0
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"model must be a non-empty str or None, got {name!r}")
+    h = 0x811C9DC5
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x01000193) & U32_MAX
+    return h or 1
+
+
+def item_id(producer_id: int, seq: int) -> int:
+    return producer_id << SEQ_BITS | seq
+
+
+def split_item_id(item: int) -> tuple[int, int]:
+    """(producer_id, seq) of an item id."""
+    return item >> SEQ_BITS, item & SEQ_MASK
+
+
+def as_tokens(tokens, what: str = "tokens") -> np.ndarray:
+    """Coerce token ids to a C-contiguous 1-D uint32 array, or raise a clear TypeError/ValueError."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError) as exc:
+            raise TypeError(f"{what} must be 1-D integer data, got {type(tokens).__name__}: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got {arr.ndim}-D with shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{what} is empty: an item needs at least one token")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers in uint32 range, got dtype {arr.dtype}")
+    if arr.dtype != np.uint32:
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise ValueError(f"{what} holds a negative token id ({int(arr.min())})")
+        if int(arr.max()) > U32_MAX:
+            raise ValueError(f"{what} holds a token id above uint32 ({int(arr.max())})")
+        arr = arr.astype(np.uint32)
+    return np.ascontiguousarray(arr)

@@ -1,0 +1,310 @@
+"""One side's handle on an SPSC ring: attach, push/pop, and waits that never starve a core.
+
+A ring is a shared-memory segment (`layout.py`, kernels in `spsc.py`) plus two
+doorbells: `data` (the consumer sleeps on it when the ring is empty) and
+`space` (the producer sleeps on it when the ring is full). Only the owner
+(`create_ring`) creates and unlinks them; each side attaches by name.
+
+Waiting: spin briefly on the shared words (with a CPU pause), then announce
+the sleep in the header, look once more, and sleep on the doorbell for at most
+`SLEEP_SLICE_SECONDS`; the peer rings the doorbell only when it sees the
+announcement. Between slices the waiter refreshes its heartbeat and, when the
+peer's heartbeat is stale, checks the peer's liveness (pid + start time):
+a dead peer raises `PeerDead`. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import Full, PeerDead, RingCorrupt
+from . import layout as L
+from . import spsc
+from .liveness import is_alive, start_ticks
+from .shm import Doorbell, Owner, Segment
+
+PRODUCER = "producer"
+CONSUMER = "consumer"
+
+SPIN_ROUNDS = 4000  # ~100-300 µs of pause-spinning before sleeping
+SLEEP_SLICE_SECONDS = 0.05  # longest single doorbell sleep
+STALE_SECONDS = 0.1  # a heartbeat older than this triggers a liveness check
+
+_SIDE_FIELDS = {
+    PRODUCER: (L.H_PRODUCER_PID, L.H_PRODUCER_START, L.H_PRODUCER_BEAT, L.H_PRODUCER_WAITING),
+    CONSUMER: (L.H_CONSUMER_PID, L.H_CONSUMER_START, L.H_CONSUMER_BEAT, L.H_CONSUMER_WAITING),
+}
+
+
+@dataclass(frozen=True)
+class RingNames:
+    """What a peer needs to attach: the segment and the two doorbells."""
+
+    segment: str
+    data_bell: str
+    space_bell: str
+
+    def to_dict(self) -> dict:
+        return {"segment": self.segment, "data_bell": self.data_bell, "space_bell": self.space_bell}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RingNames:
+        return cls(str(d["segment"]), str(d["data_bell"]), str(d["space_bell"]))
+
+
+@dataclass
+class OwnedRing:
+    """The owner's objects for one ring (it unlinks them through its `Owner`)."""
+
+    names: RingNames
+    segment: Segment
+    data_bell: Doorbell
+    space_bell: Doorbell
+
+    def attach(self, side: str) -> Ring:
+        """A side's handle in the owner's process, sharing the owner's mapping."""
+        return Ring(self.segment, self.data_bell, self.space_bell, side, owns_handles=False)
+
+
+def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | None = None) -> OwnedRing:
+    """Create a ring of at least `data_bytes` of data (rounded up to a power of two).
+
+    A consumer that drains many rings passes one shared `data_bell` for all of
+    them, so it can sleep on one doorbell (see `ingest.RingSet`).
+    """
+    cap = L.capacity_for_bytes(data_bytes)
+    segment = owner.segment(role, L.segment_bytes(cap))
+    own_bell = data_bell is None
+    try:
+        L.init_header(segment.buf, cap)
+        if own_bell:
+            data_bell = owner.doorbell(role + "-d")
+        try:
+            space_bell = owner.doorbell(role + "-s")
+        except BaseException:
+            if own_bell:
+                owner.release(data_bell)
+            raise
+    except BaseException:
+        owner.release(segment)
+        raise
+    return OwnedRing(RingNames(segment.name, data_bell.name, space_bell.name), segment, data_bell, space_bell)
+
+
+class Ring:
+    """The producer's or the consumer's handle on one ring."""
+
+    def __init__(self, segment: Segment, data_bell: Doorbell, space_bell: Doorbell, side: str, *, owns_handles: bool):
+        if side not in _SIDE_FIELDS:
+            raise ValueError(f"ring side must be {PRODUCER!r} or {CONSUMER!r}, got {side!r}")
+        self.segment = segment
+        self.data_bell = data_bell
+        self.space_bell = space_bell
+        self.side = side
+        self._owns_handles = owns_handles
+        self.buf = segment.buf
+        self.capacity_words = L.check_header(self.buf)
+        self.max_tokens = L.max_tokens(self.capacity_words)
+        self.header = self.buf[: L.HEADER_BYTES].view(np.int64)
+        self._pid_i, self._start_i, self._beat_i, self._wait_i = _SIDE_FIELDS[side]
+        peer = CONSUMER if side == PRODUCER else PRODUCER
+        self._peer_pid_i, self._peer_start_i, self._peer_beat_i, _ = _SIDE_FIELDS[peer]
+        self._own_bell = data_bell if side == CONSUMER else space_bell
+        self._peer_bell = space_bell if side == CONSUMER else data_bell
+        self._closed = False
+        self._claim_side()
+
+    @classmethod
+    def attach(cls, names: RingNames, side: str) -> Ring:
+        segment = Segment.attach(names.segment)
+        bells: list[Doorbell] = []
+        try:
+            bells.append(Doorbell.attach(names.data_bell))
+            bells.append(Doorbell.attach(names.space_bell))
+            return cls(segment, bells[0], bells[1], side, owns_handles=True)
+        except BaseException:
+            for bell in bells:
+                bell.close()
+            segment.close()
+            raise
+
+    # -- attachment and liveness -------------------------------------------------
+
+    def _claim_side(self) -> None:
+        pid = os.getpid()
+        old_pid = int(self.header[self._pid_i])
+        if old_pid not in (0, pid) and is_alive(old_pid, int(self.header[self._start_i])):
+            raise RuntimeError(f"ring {self.segment.name} already has a live {self.side} (pid {old_pid})")
+        ticks = start_ticks(pid)
+        assert ticks is not None
+        self.header[self._start_i] = ticks
+        self.header[self._pid_i] = pid
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        self.header[self._beat_i] = time.monotonic_ns()
+
+    def peer_pid(self) -> int | None:
+        pid = int(self.header[self._peer_pid_i])
+        return pid or None
+
+    def peer_alive(self) -> bool:
+        """True while a peer is attached and runs; False when none is attached or it died."""
+        return is_alive(int(self.header[self._peer_pid_i]), int(self.header[self._peer_start_i]))
+
+    def _check_peer(self) -> None:
+        """Raise PeerDead when an attached peer's heartbeat is stale and its process is gone."""
+        pid = int(self.header[self._peer_pid_i])
+        if pid == 0:
+            return  # nobody attached yet: absent, not dead
+        age_seconds = (time.monotonic_ns() - int(self.header[self._peer_beat_i])) / 1e9
+        if age_seconds > STALE_SECONDS and not self.peer_alive():
+            peer = CONSUMER if self.side == PRODUCER else PRODUCER
+            raise PeerDead(f"{peer} pid {pid} of ring {self.segment.name} is gone")
+
+    # -- waiting -------------------------------------------------------------------
+
+    def _wait(self, ready, deadline: float) -> bool:
+        """Spin, then sleep on this side's doorbell until `ready()` or the deadline."""
+        if ready():
+            return True
+        while True:
+            self.heartbeat()
+            spsc.set_waiting(self.buf, self._wait_i)
+            if ready():
+                spsc.clear_waiting(self.buf, self._wait_i)
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                spsc.clear_waiting(self.buf, self._wait_i)
+                return False
+            self._own_bell.sleep(min(remaining, SLEEP_SLICE_SECONDS))
+            spsc.clear_waiting(self.buf, self._wait_i)
+            if ready():
+                return True
+            self._check_peer()
+
+    def wait_readable(self, timeout_seconds: float) -> bool:
+        """Consumer: wait until a record is there; False at the deadline; PeerDead if the producer died."""
+        buf = self.buf
+        return self._wait(lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS), time.monotonic() + timeout_seconds)
+
+    def wait_writable(self, num_tokens: int, timeout_seconds: float) -> bool:
+        """Producer: wait until a record of `num_tokens` fits; False at the deadline; PeerDead if the consumer died."""
+        buf = self.buf
+        return self._wait(lambda: spsc.spin_until_writable(buf, num_tokens, SPIN_ROUNDS), time.monotonic() + timeout_seconds)
+
+    # -- producer ------------------------------------------------------------------
+
+    def push(self, tokens: np.ndarray, key: int, m0: int = 0, m1: int = 0, m2: int = 0, m3: int = 0) -> int:
+        """Push one record without waiting: layout.OK, FULL or TOO_LARGE (rings the doorbell itself)."""
+        rc = spsc.push(self.buf, tokens, key, m0, m1, m2, m3)
+        if rc == L.OK_WAKE:
+            self._peer_bell.ring()
+            return L.OK
+        return rc
+
+    def push_wait(self, tokens: np.ndarray, key: int, m0: int, m1: int, m2: int, m3: int, timeout_seconds: float) -> None:
+        """Push one record, waiting up to `timeout_seconds` for space; raises Full or PeerDead."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            rc = self.push(tokens, key, m0, m1, m2, m3)
+            if rc == L.OK:
+                return
+            if rc == L.TOO_LARGE:
+                raise ValueError(f"record of {tokens.size} tokens exceeds the ring's {self.max_tokens}")
+            if not self._wait(lambda: spsc.spin_until_writable(self.buf, tokens.size, SPIN_ROUNDS), deadline):
+                raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s")
+
+    def push_many(self, flat: np.ndarray, offsets: np.ndarray, key0: int, meta: np.ndarray, timeout_seconds: float) -> int:
+        """Push every record, waiting for space up to `timeout_seconds` in all.
+
+        Returns the count (all of them); raises Full (with `.submitted`) when the
+        deadline passes first, ValueError when a record can never fit.
+        """
+        count = len(offsets) - 1
+        deadline = time.monotonic() + timeout_seconds
+        done = 0
+        while True:
+            pushed, status, wake = spsc.push_many(self.buf, flat, offsets, key0, meta, done, count)
+            if wake:
+                self._peer_bell.ring()
+            done += pushed
+            if status == L.OK:
+                return done
+            if status == L.TOO_LARGE:
+                raise ValueError(f"record {done} exceeds the ring's {self.max_tokens} tokens")
+            size = int(offsets[done + 1] - offsets[done])
+            if not self._wait(lambda: spsc.spin_until_writable(self.buf, size, SPIN_ROUNDS), deadline):
+                raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s", submitted=done)
+
+    @property
+    def next_key(self) -> int:
+        """The key the producer pushes next (kept in the header: a reattached producer resumes)."""
+        return int(self.header[L.H_NEXT_KEY])
+
+    # -- consumer ------------------------------------------------------------------
+
+    def pop_many(self, out_tokens, out_offsets, out_keys, out_meta, max_records: int) -> int:
+        """Copy out and consume up to `max_records` records; returns how many (0 when empty)."""
+        n, status, wake = spsc.pop_many(self.buf, out_tokens, out_offsets, out_keys, out_meta, max_records)
+        if wake:
+            self._peer_bell.ring()
+        if status == L.CORRUPT and n == 0:
+            raise RingCorrupt(f"ring {self.segment.name}: corrupt record at tail {int(self.header[L.H_TAIL])}")
+        return n
+
+    def peek_many(self, out_positions: np.ndarray, max_records: int) -> tuple[int, int]:
+        """Zero-copy: (count, new_tail); record i starts at word out_positions[i] of `data_words`."""
+        n, new_tail, status = spsc.peek_many(self.buf, out_positions, max_records)
+        if status == L.CORRUPT and n == 0:
+            raise RingCorrupt(f"ring {self.segment.name}: corrupt record at tail {int(self.header[L.H_TAIL])}")
+        return n, new_tail
+
+    def release(self, new_tail: int, count: int) -> None:
+        if spsc.release(self.buf, new_tail, count):
+            self._peer_bell.ring()
+
+    @property
+    def data_words(self) -> np.ndarray:
+        return self.buf[L.HEADER_BYTES :].view(np.uint32)
+
+    # -- state ---------------------------------------------------------------------
+
+    def used_words(self) -> int:
+        return int(self.header[L.H_HEAD]) - int(self.header[L.H_TAIL])
+
+    def counters(self) -> dict[str, int]:
+        h = self.header
+        return {
+            "head": int(h[L.H_HEAD]),
+            "tail": int(h[L.H_TAIL]),
+            "capacity_words": self.capacity_words,
+            "num_pushed": int(h[L.H_NUM_PUSHED]),
+            "num_popped": int(h[L.H_NUM_POPPED]),
+            "num_full": int(h[L.H_NUM_FULL]),
+        }
+
+    def close(self) -> None:
+        """Detach this side (idempotent); closes the handles this side opened itself."""
+        if self._closed:
+            return
+        self._closed = True
+        if int(self.header[self._pid_i]) == os.getpid():
+            self.header[self._pid_i] = 0
+        self.header = None
+        self.buf = None
+        if self._owns_handles:
+            self.data_bell.close()
+            self.space_bell.close()
+            self.segment.close()
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
