@@ -26,6 +26,7 @@ def _warm(args) -> int:
     offs = np.array([0, 4], np.int64)
     meta = np.zeros((1, layout.META_WORDS), np.uint32)
     spsc.push_many(buf, tok, offs, 1, meta, 0, 1)
+    spsc.check_batch(offs, tok.size, 16)
     spsc.push(buf, tok, 2, 0, 0, 0, 0)
     out = np.empty(64, np.uint32)
     spsc.pop_many(buf, out, np.empty(3, np.int64), np.empty(2, np.uint64), np.empty((2, 4), np.uint32), 1)

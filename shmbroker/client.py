@@ -42,6 +42,7 @@ from .ring.items import (
     push_item,
 )
 from .ring.ring import CONSUMER, PRODUCER, Ring, RingNames
+from .ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
 
 RESULT_BATCH = 256
 
@@ -159,18 +160,19 @@ class Producer:
         flat = as_tokens(flat_tokens, "flat_tokens")
         offs = _as_offsets(offsets, flat.size, self.max_tokens)
         count = offs.size - 1
-        meta = np.zeros((count, L.META_WORDS), np.uint32)
-        meta[:, 0] = _per_item(max_new_tokens, count, "max_new_tokens")
-        if prefix_len is None:
-            meta[:, 1] = NO_PREFIX
-        else:
-            prefixes = _per_item(prefix_len, count, "prefix_len")
-            if np.any(prefixes > np.diff(offs)):
-                raise ValueError("prefix_len exceeds its item's length")
-            meta[:, 1] = prefixes
         mid = self._models.get(model)
         if mid is None:
             mid = self._models.setdefault(model, model_id(model))
+        shared = _is_one(max_new_tokens) and _is_one(prefix_len)
+        meta = np.zeros((1 if shared else count, L.META_WORDS), np.uint32)
+        meta[:, 0] = _per_item(max_new_tokens, count, "max_new_tokens", shared)
+        if prefix_len is None:
+            meta[:, 1] = NO_PREFIX
+        else:
+            prefixes = _per_item(prefix_len, count, "prefix_len", shared)
+            if np.any(prefixes > np.diff(offs)):
+                raise ValueError("prefix_len exceeds its item's length")
+            meta[:, 1] = prefixes
         meta[:, 2] = mid
         seq0 = self._seq
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
@@ -252,35 +254,40 @@ def _as_int(value, what: str) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
-def _per_item(value, count: int, what: str) -> np.ndarray:
-    """One value per item as int64, from a scalar or a length-`count` sequence, range-checked."""
-    if np.isscalar(value) or isinstance(value, int):
-        arr = np.full(count, _as_int(value, what), np.int64)
+def _is_one(value) -> bool:
+    return value is None or isinstance(value, (int, np.integer))
+
+
+def _per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
+    """One value (shared) or `count` values per item as int64, range-checked."""
+    if shared:
+        arr = np.array([_as_int(value, what)], np.int64)
     else:
         raw = np.asarray(value)
+        if raw.ndim == 0:
+            raw = np.full(count, _as_int(value, what), np.int64)
         if raw.ndim != 1 or raw.size != count:
             raise ValueError(f"{what} must be one integer or {count} of them, got shape {raw.shape}")
         if raw.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got dtype {raw.dtype}")
         arr = raw.astype(np.int64)
-    if count and (arr.min() < 0 or arr.max() > U32_MAX):
+    if arr.min() < 0 or arr.max() > U32_MAX:
         raise ValueError(f"{what} must be in 0..{U32_MAX}")
     return arr
 
 
 def _as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
-    raw = np.asarray(offsets)
+    raw = offsets if isinstance(offsets, np.ndarray) else np.asarray(offsets)
     if raw.ndim != 1 or raw.size < 2:
         raise ValueError("offsets must be 1-D with at least two entries (item i is flat[offsets[i]:offsets[i+1]])")
     if raw.dtype.kind not in "iu":
         raise TypeError(f"offsets must be integers, got dtype {raw.dtype}")
-    offs = np.ascontiguousarray(raw, dtype=np.int64)
-    if offs[0] != 0 or offs[-1] != flat_size:
+    offs = raw if raw.dtype == np.int64 and raw.flags.c_contiguous else np.ascontiguousarray(raw, dtype=np.int64)
+    status, index = check_batch(offs, flat_size, max_tokens)
+    if status == BATCH_BAD_BOUNDS:
         raise ValueError(f"offsets must start at 0 and end at len(flat_tokens) = {flat_size}")
-    sizes = np.diff(offs)
-    if np.any(sizes <= 0):
-        raise ValueError(f"item {int(np.argmax(sizes <= 0))} is empty or offsets decrease")
-    if int(sizes.max()) > max_tokens:
-        raise ValueError(f"item {int(np.argmax(sizes > max_tokens))} exceeds the ingest ring's limit of {max_tokens} tokens")
+    if status == BATCH_EMPTY_ITEM:
+        raise ValueError(f"item {index} is empty or offsets decrease")
+    if status == BATCH_TOO_LARGE:
+        raise ValueError(f"item {index} exceeds the ingest ring's limit of {max_tokens} tokens")
     return offs
-

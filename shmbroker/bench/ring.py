@@ -55,7 +55,7 @@ def _plan(scale: float) -> dict:
 
 def _broker_side(data_dir: str, conn, mpq, plan: dict) -> None:
     owner = Owner(data_dir, "bench")
-    registry = Registry(owner, data_dir, ingest_ring_bytes=64 << 20, result_ring_bytes=1 << 20)
+    registry = Registry(owner, data_dir, result_ring_bytes=1 << 20)
     registry.start()
     rings = RingSet(registry.ingest_bell)
     try:

@@ -1,8 +1,9 @@
 """Fold records read zero-copy from a ring into a count and checksum (delivery checks, benchmarks).
 
-The checksum of a token stream is (Σ t, Σ t·(i+1)) over each record's tokens
-t at index i, in uint64 arithmetic that wraps: order inside a record matters,
-and it vectorises. `expected_digest` computes the same on plain arrays.
+The checksum of a record is (Σ t, Σ t·(i+1)) over its tokens t at index i,
+in uint32 arithmetic that wraps (so it vectorises to 8 lanes), added into
+uint64 totals: order inside a record matters. `expected_digest` computes the
+same on plain arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from ..jit import kernel
 from .layout import RECORD_HEADER_WORDS
 
 OUT_OF_ORDER = -1  # digest_records: a key broke the expected sequence
+
+
+@kernel
+def _sums(tokens):
+    s1 = np.uint32(0)
+    s2 = np.uint32(0)
+    for i in range(tokens.size):
+        t = tokens[i]
+        s1 = np.uint32(s1 + t)  # numba widens uint32 arithmetic: truncate each step
+        s2 = np.uint32(s2 + t * np.uint32(i + 1))
+    return s1, s2
 
 
 @kernel
@@ -30,16 +42,11 @@ def digest_records(words, words64, positions, count, next_key, acc):
         next_key += 1
         n = words[pos + 1]
         base = pos + RECORD_HEADER_WORDS
-        s1 = np.uint64(0)
-        s2 = np.uint64(0)
-        for i in range(n):
-            t = np.uint64(words[base + i])
-            s1 += t
-            s2 += t * np.uint64(i + 1)
+        s1, s2 = _sums(words[base : base + n])
         acc[0] += np.uint64(1)
         acc[1] += np.uint64(n)
-        acc[2] += s1
-        acc[3] += s2
+        acc[2] += np.uint64(s1)
+        acc[3] += np.uint64(s2)
     return next_key
 
 
@@ -47,24 +54,19 @@ def expected_digest(items: list[np.ndarray] | np.ndarray, repeats: int = 1) -> n
     """acc for `items` (a list of arrays, or a 2-D array of rows) sent `repeats` times."""
     acc = np.zeros(4, np.uint64)
     for item in items:
-        t = np.asarray(item, np.uint64)
+        t = np.asarray(item, np.uint32)
         acc[0] += np.uint64(1)
         acc[1] += np.uint64(t.size)
-        acc[2] += t.sum(dtype=np.uint64)
-        acc[3] += (t * np.arange(1, t.size + 1, dtype=np.uint64)).sum(dtype=np.uint64)
+        acc[2] += np.uint64(t.sum(dtype=np.uint32))
+        acc[3] += np.uint64((t * np.arange(1, t.size + 1, dtype=np.uint32)).sum(dtype=np.uint32))
     return acc * np.uint64(repeats)
 
 
 @kernel
 def digest_tokens(tokens, acc):
     """Fold one array of tokens into acc, as digest_records folds a record."""
-    s1 = np.uint64(0)
-    s2 = np.uint64(0)
-    for i in range(tokens.size):
-        t = np.uint64(tokens[i])
-        s1 += t
-        s2 += t * np.uint64(i + 1)
+    s1, s2 = _sums(tokens)
     acc[0] += np.uint64(1)
     acc[1] += np.uint64(tokens.size)
-    acc[2] += s1
-    acc[3] += s2
+    acc[2] += np.uint64(s1)
+    acc[3] += np.uint64(s2)

@@ -99,7 +99,7 @@ class ReferenceRing:
         i = first
         while i < last:
             lo, hi = int(offsets[i]), int(offsets[i + 1])
-            m0, m1, m2, m3 = (int(v) for v in meta[i])
+            m0, m1, m2, m3 = (int(v) for v in meta[i if len(meta) > 1 else 0])
             code = self.push(flat[lo:hi], int(key0) + i, m0, m1, m2, m3)
             if code != layout.OK:
                 status = code

@@ -20,6 +20,7 @@ Lifecycle rules:
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -62,6 +63,25 @@ def _unlink_name(kind: str, name: str) -> bool:
     except posix_ipc.ExistentialError:
         return False
     return True
+
+
+def _reserve_pages(fd: int, name: str, size: int) -> None:
+    """Allocate every page now: /dev/shm does not refuse an oversized segment at
+    create, and touching a page it cannot back later raises SIGBUS. fallocate
+    turns that into a clear error here, and saves the first writer the faults."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise OSError(e.errno, f"not enough shared memory for segment {name!r} ({size} bytes): {e.strerror}") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map shared, with the page tables filled in at once (MAP_POPULATE) where the OS has it."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags)
 
 
 class _Named:
@@ -119,7 +139,8 @@ class Segment(_Named):
         try:
             try:
                 os.fchmod(shm.fd, MODE)
-                mapping = mmap.mmap(shm.fd, size)
+                _reserve_pages(shm.fd, name, size)
+                mapping = _map(shm.fd, size)
             finally:
                 shm.close_fd()
             return cls(name, size, True, mapping)
@@ -137,7 +158,7 @@ class Segment(_Named):
             size = shm.size
             if size == 0:
                 raise ValueError(f"shared memory segment {name!r} has size 0 (creator not finished?)")
-            mapping = mmap.mmap(shm.fd, size)
+            mapping = _map(shm.fd, size)
         finally:
             shm.close_fd()
         return cls(name, size, False, mapping)

@@ -132,6 +132,8 @@ def push(buf, tokens, key, m0, m1, m2, m3):
 def push_many(buf, flat, offsets, key0, meta, first, last):
     """Push records first..last-1 (tokens flat[offsets[i]:offsets[i+1]], key key0+i, meta[i]).
 
+    `meta` has one row per record, or a single row shared by all of them.
+
     Returns (records pushed, status, wake): status is OK when all went, FULL
     when the ring filled first, TOO_LARGE when record first+pushed cannot fit.
     """
@@ -155,7 +157,8 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
             h[H_NUM_FULL] += 1
             status = FULL
             break
-        head = _write_record(w, w64, h, head, skip, size, flat, lo, n, key0 + i, meta[i, 0], meta[i, 1], meta[i, 2], meta[i, 3])
+        r = i if meta.shape[0] > 1 else 0
+        head = _write_record(w, w64, h, head, skip, size, flat, lo, n, key0 + i, meta[r, 0], meta[r, 1], meta[r, 2], meta[r, 3])
         i += 1
         if (i - first) % PUBLISH_EVERY == 0:
             store_release(h, H_HEAD, head)
@@ -168,6 +171,27 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
     if _claim_waiter(h, H_CONSUMER_WAITING):
         wake = True
     return i - first, status, wake
+
+
+BATCH_OK = 0
+BATCH_EMPTY_ITEM = 1  # check_batch: an item has no tokens (or offsets decrease)
+BATCH_TOO_LARGE = 2  # check_batch: an item exceeds the ring's limit
+BATCH_BAD_BOUNDS = 3  # check_batch: offsets do not start at 0 and end at the flat size
+
+
+@kernel
+def check_batch(offsets, flat_size, max_tokens):
+    """Validate a batch's offsets in one pass: (BATCH_* status, index of the first bad item)."""
+    count = offsets.size - 1
+    if count < 1 or offsets[0] != 0 or offsets[count] != flat_size:
+        return BATCH_BAD_BOUNDS, 0
+    for i in range(count):
+        n = offsets[i + 1] - offsets[i]
+        if n <= 0:
+            return BATCH_EMPTY_ITEM, i
+        if n > max_tokens:
+            return BATCH_TOO_LARGE, i
+    return BATCH_OK, 0
 
 
 @kernel
