@@ -168,33 +168,33 @@ def run(scale: float = 1.0) -> dict:
     plan = _plan(scale)
     ctx = mp.get_context("fork")
     mpq = ctx.Queue(maxsize=65536)
-    with tempfile.TemporaryDirectory(prefix="shmb-bench-") as data_dir:
-        b_conn, b_child = ctx.Pipe()
-        p_conn, p_child = ctx.Pipe()
-        broker = ctx.Process(target=_broker_side, args=(data_dir, b_child, mpq, plan), name="bench-broker")
-        broker.start()
-        if not b_conn.poll(60):
-            raise RuntimeError("benchmark broker side did not start")
-        b_conn.recv()
-        producer = ctx.Process(target=_producer_side, args=(data_dir, p_child, mpq, plan), name="bench-producer")
+    # A fixed data directory: a run killed half-way leaves its shared memory
+    # listed in the manifest there, and the next run's Owner sweeps it.
+    data_dir = os.path.join(tempfile.gettempdir(), f"shmbroker-bench-{os.getuid()}")
+    b_conn, b_child = ctx.Pipe()
+    p_conn, p_child = ctx.Pipe()
+    broker = ctx.Process(target=_broker_side, args=(data_dir, b_child, mpq, plan), name="bench-broker")
+    producer = ctx.Process(target=_producer_side, args=(data_dir, p_child, mpq, plan), name="bench-producer")
+    broker.start()
+    try:
+        _recv(b_conn, broker, 60.0)  # "ready"
         producer.start()
-        try:
-            p_conn.send("go")
-            starts, ends = {}, {}
-            for _ in range(3):
-                phase, start = _recv(p_conn, producer)
-                starts[phase] = start
-                phase, end, acc = _recv(b_conn, broker)
-                ends[phase] = (end, acc)
-            b_conn.send("done")
-            producer.join(60)
-            broker.join(60)
-        finally:
-            for proc in (producer, broker):
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        attach = _attach_seconds(data_dir)
+        p_conn.send("go")
+        starts, ends = {}, {}
+        for _ in range(3):
+            phase, start = _recv(p_conn, producer)
+            starts[phase] = start
+            phase, end, acc = _recv(b_conn, broker)
+            ends[phase] = (end, acc)
+        b_conn.send("done")
+        producer.join(60)
+        broker.join(60)
+    finally:
+        for proc in (producer, broker):
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+                proc.join()
+    attach = _attach_seconds(data_dir)
     single_pool = _pool(SEED, POOL_ITEMS, SINGLE_TOKENS)
     bulk_rows = _pool(SEED + 1, BULK_BATCH, BULK_TOKENS)
     expect = {
