@@ -168,9 +168,9 @@ class Ring:
 
     # -- waiting -------------------------------------------------------------------
 
-    def _wait(self, ready, deadline: float) -> bool:
-        """Spin, then sleep on this side's doorbell until `ready()` or the deadline."""
-        if ready():
+    def _wait(self, spin, ready, deadline: float) -> bool:
+        """`spin()` briefly, then sleep on this side's doorbell until `ready()` or the deadline."""
+        if spin():
             return True
         while True:
             self.heartbeat()
@@ -191,12 +191,23 @@ class Ring:
     def wait_readable(self, timeout_seconds: float) -> bool:
         """Consumer: wait until a record is there; False at the deadline; PeerDead if the producer died."""
         buf = self.buf
-        return self._wait(lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS), time.monotonic() + timeout_seconds)
+        return self._wait(
+            lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS),
+            lambda: spsc.readable(buf),
+            time.monotonic() + timeout_seconds,
+        )
 
     def wait_writable(self, num_tokens: int, timeout_seconds: float) -> bool:
         """Producer: wait until a record of `num_tokens` fits; False at the deadline; PeerDead if the consumer died."""
+        return self._wait_writable(num_tokens, time.monotonic() + timeout_seconds)
+
+    def _wait_writable(self, num_tokens: int, deadline: float) -> bool:
         buf = self.buf
-        return self._wait(lambda: spsc.spin_until_writable(buf, num_tokens, SPIN_ROUNDS), time.monotonic() + timeout_seconds)
+        return self._wait(
+            lambda: spsc.spin_until_writable(buf, num_tokens, SPIN_ROUNDS),
+            lambda: spsc.spin_until_writable(buf, num_tokens, 1),
+            deadline,
+        )
 
     # -- producer ------------------------------------------------------------------
 
@@ -217,7 +228,7 @@ class Ring:
                 return
             if rc == L.TOO_LARGE:
                 raise ValueError(f"record of {tokens.size} tokens exceeds the ring's {self.max_tokens}")
-            if not self._wait(lambda: spsc.spin_until_writable(self.buf, tokens.size, SPIN_ROUNDS), deadline):
+            if not self._wait_writable(tokens.size, deadline):
                 raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s")
 
     def push_many(self, flat: np.ndarray, offsets: np.ndarray, key0: int, meta: np.ndarray, timeout_seconds: float) -> int:
@@ -238,8 +249,7 @@ class Ring:
                 return done
             if status == L.TOO_LARGE:
                 raise ValueError(f"record {done} exceeds the ring's {self.max_tokens} tokens")
-            size = int(offsets[done + 1] - offsets[done])
-            if not self._wait(lambda: spsc.spin_until_writable(self.buf, size, SPIN_ROUNDS), deadline):
+            if not self._wait_writable(int(offsets[done + 1] - offsets[done]), deadline):
                 raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s", submitted=done)
 
     @property
