@@ -55,7 +55,10 @@ class Result:
 
 
 class Producer:
-    """A producer's connection to a running broker: one ingest ring and one result ring."""
+    """A producer's connection to a running broker: one ingest ring and one result ring.
+
+    The rings are single-producer: use one Producer per thread (or a lock).
+    """
 
     def __init__(
         self,
@@ -115,9 +118,13 @@ class Producer:
         try:
             rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
         except TypeError:
+            if self._buf is None:
+                raise BrokerError("producer is closed") from None
             tokens = as_tokens(tokens)
             prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
             rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
+        except OverflowError:
+            raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}") from None
         if rc != L.OK:
             self._submit_slow(rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds)
         self._seq = seq + 1

@@ -54,26 +54,22 @@ def _align(context, arrty) -> int:
     return context.get_abi_sizeof(context.get_data_type(arrty.dtype))
 
 
-@intrinsic
-def load_acquire(typingctx, arr, idx):
-    _check_array(arr, idx)
+def _load(ordering: str):
+    def typer(typingctx, arr, idx):
+        _check_array(arr, idx)
 
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        return builder.load_atomic(ptr, "acquire", _align(context, sig.args[0]))
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            return builder.load_atomic(ptr, ordering, _align(context, sig.args[0]))
 
-    return arr.dtype(arr, idx), codegen
+        return arr.dtype(arr, idx), codegen
+
+    typer.__name__ = f"load_{ordering}"
+    return intrinsic(typer)
 
 
-@intrinsic
-def load_relaxed(typingctx, arr, idx):
-    _check_array(arr, idx)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        return builder.load_atomic(ptr, "monotonic", _align(context, sig.args[0]))
-
-    return arr.dtype(arr, idx), codegen
+load_acquire = _load("acquire")
+load_relaxed = _load("monotonic")
 
 
 @intrinsic

@@ -56,6 +56,15 @@ class RingNames:
         return cls(str(d["segment"]), str(d["data_bell"]), str(d["space_bell"]))
 
 
+@dataclass(frozen=True)
+class Record:
+    """One record, copied out of a ring."""
+
+    key: int
+    meta: tuple[int, int, int, int]
+    tokens: np.ndarray
+
+
 @dataclass
 class OwnedRing:
     """The owner's objects for one ring (it unlinks them through its `Owner`)."""
@@ -116,6 +125,7 @@ class Ring:
         self._own_bell = data_bell if side == CONSUMER else space_bell
         self._peer_bell = space_bell if side == CONSUMER else data_bell
         self._closed = False
+        self._pop_out: tuple | None = None
         self._claim_side()
 
     @classmethod
@@ -135,15 +145,34 @@ class Ring:
     # -- attachment and liveness -------------------------------------------------
 
     def _claim_side(self) -> None:
+        """Take this side of the ring: one live process per side, claimed by CAS on the pid word."""
         pid = os.getpid()
-        old_pid = int(self.header[self._pid_i])
-        if old_pid not in (0, pid) and is_alive(old_pid, int(self.header[self._start_i])):
-            raise RuntimeError(f"ring {self.segment.name} already has a live {self.side} (pid {old_pid})")
         ticks = start_ticks(pid)
         assert ticks is not None
+        for _ in range(8):
+            old_pid = int(self.header[self._pid_i])
+            if old_pid not in (0, pid) and self._holder_alive(old_pid):
+                raise RuntimeError(f"ring {self.segment.name} already has a live {self.side} (pid {old_pid})")
+            if spsc.claim_word(self.buf, self._pid_i, old_pid, pid) == old_pid:
+                break
+        else:
+            raise RuntimeError(f"ring {self.segment.name}: lost the race for the {self.side} side")
         self.header[self._start_i] = ticks
-        self.header[self._pid_i] = pid
         self.heartbeat()
+        if self.side == PRODUCER:
+            spsc.recover_head(self.buf)
+
+    def _holder_alive(self, pid: int) -> bool:
+        """Is the process holding this side alive? A claimant may sit between its pid CAS
+        and its start-time store for a moment, so a live pid whose start time does not
+        match yet is looked at again before it is judged a reused pid."""
+        for _ in range(3):
+            if is_alive(pid, int(self.header[self._start_i])):
+                return True
+            if start_ticks(pid) is None:
+                return False
+            time.sleep(0.01)
+        return False
 
     def heartbeat(self) -> None:
         self.header[self._beat_i] = time.monotonic_ns()
@@ -258,6 +287,21 @@ class Ring:
         return int(self.header[L.H_NEXT_KEY])
 
     # -- consumer ------------------------------------------------------------------
+
+    def pop(self) -> Record | None:
+        """Consume one record (a copy), or None when the ring is empty."""
+        out = self._pop_out
+        if out is None:
+            out = self._pop_out = (
+                np.empty(self.max_tokens, np.uint32),
+                np.empty(2, np.int64),
+                np.empty(1, np.uint64),
+                np.empty((1, L.META_WORDS), np.uint32),
+            )
+        tokens, offsets, keys, meta = out
+        if self.pop_many(tokens, offsets, keys, meta, 1) == 0:
+            return None
+        return Record(int(keys[0]), tuple(int(m) for m in meta[0]), tokens[: offsets[1]].copy())
 
     def pop_many(self, out_tokens, out_offsets, out_keys, out_meta, max_records: int) -> int:
         """Copy out and consume up to `max_records` records; returns how many (0 when empty)."""

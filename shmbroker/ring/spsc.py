@@ -98,6 +98,7 @@ def _write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, 
     if n > 0:
         memcpy(w, start + RECORD_HEADER_WORDS, tokens, src, n)
     w[(start + size) & (cap - 1)] = 0  # sentinel: the next commit word reads "not yet"
+    h[H_NEXT_KEY] = key + 1  # before the commit: a producer killed after it never reuses the key
     store_release(w, start, size)
     if skip > 0:
         store_release(w, head & (cap - 1), WRAP)
@@ -122,7 +123,6 @@ def push(buf, tokens, key, m0, m1, m2, m3):
     head = _write_record(w, w64, h, head, skip, size, tokens, 0, n, key, m0, m1, m2, m3)
     store_release(h, H_HEAD, head)
     h[H_NUM_PUSHED] += 1
-    h[H_NEXT_KEY] = key + 1
     if _claim_waiter(h, H_CONSUMER_WAITING):
         return OK_WAKE
     return OK
@@ -166,8 +166,6 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
                 wake = True
     store_release(h, H_HEAD, head)
     h[H_NUM_PUSHED] += i - first
-    if i > first:
-        h[H_NEXT_KEY] = key0 + i
     if _claim_waiter(h, H_CONSUMER_WAITING):
         wake = True
     return i - first, status, wake
@@ -342,3 +340,35 @@ def spin_until_writable(buf, num_tokens, spins):
             return True
         cpu_pause()
     return False
+
+
+@kernel
+def recover_head(buf):
+    """A (re)attaching producer: move `head` past every committed record and return it.
+
+    A producer killed inside a batch may have committed records it had not yet
+    published in `head` (and the consumer may already have read them): the
+    walk from max(head, tail) to the first zero commit word finds the true
+    end, so the new producer neither overwrites nor re-sends them. Bounded by
+    one lap.
+    """
+    h = buf[:HEADER_BYTES].view(np.int64)
+    w = buf[HEADER_BYTES:].view(np.uint32)
+    cap = h[H_CAPACITY]
+    tail = load_acquire(h, H_TAIL)
+    pos = max(h[H_HEAD], tail)
+    for _ in range(cap // RECORD_HEADER_WORDS + 1):
+        off, new_pos, status = _next_record(h, w, pos)
+        if status != OK or new_pos - tail > cap:
+            break
+        pos = new_pos
+    h[H_TAIL_CACHE] = tail
+    store_release(h, H_HEAD, pos)
+    return pos
+
+
+@kernel
+def claim_word(buf, index, expected, desired):
+    """Compare-and-swap header word `index` from `expected` to `desired`; returns the value seen."""
+    h = buf[:HEADER_BYTES].view(np.int64)
+    return compare_and_swap(h, index, expected, desired)
