@@ -19,6 +19,7 @@ that converts it or says what is wrong.
 from __future__ import annotations
 
 import operator
+from collections import deque
 import os
 import secrets
 from collections.abc import Iterator
@@ -94,6 +95,7 @@ class Producer:
         self._models: dict[str | None, int] = {None: 0}
         self.max_tokens = self._ingest.max_tokens
         self._result_out = None
+        self._pending: deque[Result] = deque()
 
     # -- submit ----------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ class Producer:
                 raise BrokerError("producer is closed") from None
             tokens = as_tokens(tokens)
             prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
-            rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
+            rc = push_item(self._buf, tokens, seq, _check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
         except OverflowError:
             raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}") from None
         if rc != L.OK:
@@ -194,7 +196,10 @@ class Producer:
 
     def _prefix(self, prefix_len, tokens) -> int:
         value = _as_int(prefix_len, "prefix_len")
-        size = len(tokens)
+        try:
+            size = len(tokens)
+        except TypeError:
+            raise TypeError(f"tokens must be 1-D integer data, got {type(tokens).__name__}") from None
         if not 0 <= value <= size:
             raise ValueError(f"prefix_len must be in 0..{size} (the item's length), got {value}")
         return value
@@ -202,28 +207,38 @@ class Producer:
     # -- results ---------------------------------------------------------------------
 
     def results(self, timeout_seconds: float = 0.0) -> Iterator[Result]:
-        """Yield results as they arrive; stops once none has come for `timeout_seconds`."""
+        """Yield results as they arrive; stops once none has come for `timeout_seconds`.
+
+        A result leaves the producer only when it is yielded: breaking out of
+        the loop keeps the rest for the next call.
+        """
+        pending = self._pending
+        while True:
+            while pending:
+                yield pending.popleft()
+            if self._fetch_results() == 0 and not self._results.wait_readable(timeout_seconds):
+                return
+
+    def _fetch_results(self) -> int:
+        """Move what the result ring holds (up to RESULT_BATCH) into the pending queue."""
         if self._result_out is None:
-            cap = self._results.max_tokens
             self._result_out = (
-                np.empty(cap, np.uint32),
+                np.empty(self._results.max_tokens, np.uint32),
                 np.empty(RESULT_BATCH + 1, np.int64),
                 np.empty(RESULT_BATCH, np.uint64),
                 np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
             )
         tokens, offsets, keys, meta = self._result_out
-        while True:
-            n = self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
-            if n == 0:
-                if not self._results.wait_readable(timeout_seconds):
-                    return
-                continue
-            for i in range(n):
-                yield Result(
+        n = self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
+        for i in range(n):
+            self._pending.append(
+                Result(
                     self._id_base | int(keys[i]),
                     STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
                     tokens[offsets[i] : offsets[i + 1]].copy(),
                 )
+            )
+        return n
 
     # -- lifetime --------------------------------------------------------------------
 
@@ -261,6 +276,13 @@ def _as_int(value, what: str) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
+def _check_u32(value, what: str) -> int:
+    value = _as_int(value, what)
+    if not 0 <= value <= U32_MAX:
+        raise ValueError(f"{what} must be in 0..{U32_MAX}, got {value}")
+    return value
+
+
 def _is_one(value) -> bool:
     return value is None or isinstance(value, (int, np.integer))
 
@@ -268,11 +290,11 @@ def _is_one(value) -> bool:
 def _per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
     """One value (shared) or `count` values per item as int64, range-checked."""
     if shared:
-        arr = np.array([_as_int(value, what)], np.int64)
+        arr = np.array([_check_u32(value, what)], np.int64)
     else:
         raw = np.asarray(value)
         if raw.ndim == 0:
-            raw = np.full(count, _as_int(value, what), np.int64)
+            raw = np.full(count, _check_u32(value, what), np.int64)
         if raw.ndim != 1 or raw.size != count:
             raise ValueError(f"{what} must be one integer or {count} of them, got shape {raw.shape}")
         if raw.dtype.kind not in "iu":

@@ -4,14 +4,15 @@
 connection, one JSON line each way:
 
     -> {"op": "connect", "version": 1, "name": "ingest-7"}
-    <- {"ok": true, "producer_id": 3, "instance": "main",
+    <- {"ok": true, "producer_id": 3,
         "ingest": {"segment": ..., "data_bell": ..., "space_bell": ...},
         "results": {...}}
     <- {"ok": false, "error": "..."}
 
 The registry learns the peer's pid and uid from SO_PEERCRED (it trusts no pid
 the client claims) and refuses other users. A name held by a live process is
-refused; a name whose process died gets its old rings back, so a producer that
+refused (held = its ingest ring's producer side belongs to a live process); a
+name whose producer closed or died gets its old rings back, so a producer that
 reconnects resumes its item sequence and its unread results. The accept loop
 runs in one blocking thread; the broker's hot loop only reads `version` and
 `producers()`.
@@ -28,8 +29,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import config
 from .ring.items import MAX_PRODUCER_ID
+from .ring.layout import H_PRODUCER_PID, H_PRODUCER_START, HEADER_BYTES
 from .ring.liveness import is_alive, start_ticks
 from .ring.ring import OwnedRing, create_ring
 from .ring.shm import Owner
@@ -39,7 +43,7 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_SECONDS = 2.0
 ACCEPT_POLL_SECONDS = 0.2
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass
@@ -113,6 +117,11 @@ class Registry:
     def close(self) -> None:
         """Stop serving (idempotent). The rings stay with the owner, which unlinks them."""
         self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() at once
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5 * ACCEPT_POLL_SECONDS)
             self._thread = None
@@ -148,8 +157,8 @@ class Registry:
                 conn.settimeout(REQUEST_TIMEOUT_SECONDS)
                 try:
                     reply = self._handle(conn)
-                except (OSError, ValueError) as exc:
-                    reply = {"ok": False, "error": str(exc)}
+                except Exception as exc:  # one bad request never stops the registry
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
                     conn.sendall(json.dumps(reply).encode() + b"\n")
                 except OSError:
@@ -165,7 +174,7 @@ class Registry:
         if request.get("version") != PROTOCOL_VERSION:
             return {"ok": False, "error": f"protocol version {request.get('version')!r}, broker speaks {PROTOCOL_VERSION}"}
         name = request.get("name")
-        if not isinstance(name, str) or not NAME_RE.match(name):
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
             return {"ok": False, "error": f"producer name must match {NAME_RE.pattern}, got {name!r}"}
         entry = self._connect(name, pid)
         return {
@@ -182,8 +191,10 @@ class Registry:
         with self._lock:
             entry = self._by_name.get(name)
             if entry is not None:
-                if entry.pid != pid and is_alive(entry.pid, entry.pid_start):
-                    raise ValueError(f"producer name {name!r} is in use by live pid {entry.pid}")
+                header = entry.ingest.segment.buf[:HEADER_BYTES].view(np.int64)
+                holder = int(header[H_PRODUCER_PID])
+                if holder != 0 and is_alive(holder, int(header[H_PRODUCER_START])):
+                    raise ValueError(f"producer name {name!r} is in use by live pid {holder}")
                 entry.pid, entry.pid_start = pid, ticks
                 self.version += 1
                 return entry

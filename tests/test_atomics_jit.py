@@ -429,6 +429,7 @@ print(json.dumps({
     "hits": sum(items.push_item.stats.cache_hits.values()),
     "misses": sum(items.push_item.stats.cache_misses.values()),
     "overloads": len(items.push_item.overloads),
+    "signatures": len(items.push_item.signatures),
 }))
 """
 
@@ -447,7 +448,7 @@ def probe_cache(cache_root: Path) -> dict:
 def test_fresh_process_caches_kernels_under_the_digest_directory(tmp_path):
     cache_root = tmp_path / "numba-cache"
     first = probe_cache(cache_root)
-    assert first["overloads"] == 1  # compiled eagerly at import, by its signature
+    assert first["overloads"] == first["signatures"] >= 1  # compiled eagerly at import, by its signatures
     assert Path(first["cache_dir"]) == cache_root / first["digest"]
     cached = sorted(p.name for p in (cache_root / first["digest"]).rglob("*") if p.suffix in (".nbi", ".nbc"))
     assert any(n.endswith(".nbi") for n in cached) and any(n.endswith(".nbc") for n in cached), cached

@@ -29,6 +29,7 @@ producer is readable from it.
 from __future__ import annotations
 
 import numpy as np
+from numba.core import types
 
 from ..jit import kernel
 from .layout import OK, RECORD_HEADER_WORDS
@@ -50,7 +51,11 @@ STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 assert OK == 0 and RECORD_HEADER_WORDS == 8
 
 
-@kernel(signature="int64(uint8[::1], uint32[::1], int64, int64, int64, int64)")
+_TOKENS = types.Array(types.uint32, 1, "C")
+_TOKENS_READONLY = types.Array(types.uint32, 1, "C", readonly=True)  # np.frombuffer, mmap'd files
+
+
+@kernel(signature=[types.int64(types.Array(types.uint8, 1, "C"), tokens, *(types.int64,) * 4) for tokens in (_TOKENS, _TOKENS_READONLY)])
 def push_item(buf, tokens, seq, max_new_tokens, prefix_len, model):
     """Validate and push one item record: layout codes, or ITEM_EMPTY / ITEM_BAD_MAX_NEW."""
     if tokens.size == 0:

@@ -151,7 +151,7 @@ class Ring:
         assert ticks is not None
         for _ in range(8):
             old_pid = int(self.header[self._pid_i])
-            if old_pid not in (0, pid) and self._holder_alive(old_pid):
+            if old_pid == pid or (old_pid != 0 and self._holder_alive(old_pid)):
                 raise RuntimeError(f"ring {self.segment.name} already has a live {self.side} (pid {old_pid})")
             if spsc.claim_word(self.buf, self._pid_i, old_pid, pid) == old_pid:
                 break
