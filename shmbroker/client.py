@@ -19,9 +19,9 @@ that converts it or says what is wrong.
 from __future__ import annotations
 
 import operator
-from collections import deque
 import os
 import secrets
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 

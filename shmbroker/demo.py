@@ -21,7 +21,7 @@ from .ingest import RingSet
 from .registry import Registry
 from .ring.digest import OUT_OF_ORDER, digest_records, expected_digest
 from .ring.layout import HEADER_BYTES
-from .ring.shm import Owner
+from .ring.owner import Owner
 
 SEED = 7
 

@@ -35,8 +35,8 @@ from . import config
 from .ring.items import MAX_PRODUCER_ID
 from .ring.layout import H_PRODUCER_PID, H_PRODUCER_START, HEADER_BYTES
 from .ring.liveness import is_alive, start_ticks
+from .ring.owner import Owner
 from .ring.ring import OwnedRing, create_ring
-from .ring.shm import Owner
 
 SOCKET_NAME = "broker.sock"
 PROTOCOL_VERSION = 1

@@ -35,9 +35,17 @@ import shmbroker
 from shmbroker import jit
 from shmbroker.ring import digest, items, spsc
 from shmbroker.ring import layout as L
-from shmbroker.ring.atomics import compare_and_swap, cpu_pause, fetch_add, load_acquire, load_relaxed, store_release
+from shmbroker.ring.atomics import (
+    compare_and_swap,
+    cpu_pause,
+    fetch_add,
+    load_acquire,
+    load_relaxed,
+    store_release,
+)
+from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import CONSUMER, PRODUCER, create_ring
-from shmbroker.ring.shm import Owner, Segment
+from shmbroker.ring.shm import Segment
 
 pytestmark = pytest.mark.timeout(60)
 

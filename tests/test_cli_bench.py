@@ -14,7 +14,7 @@ import pytest
 
 from shmbroker import cli, demo
 from shmbroker.bench import ring as bench_ring
-from shmbroker.ring.shm import MANIFEST_FILE
+from shmbroker.ring.owner import MANIFEST_FILE
 
 pytestmark = pytest.mark.timeout(60)
 

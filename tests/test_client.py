@@ -31,8 +31,8 @@ from shmbroker.registry import Registry
 from shmbroker.ring import items
 from shmbroker.ring import layout as L
 from shmbroker.ring.items import NO_PREFIX, STATUS_CODES, U32_MAX, model_id
+from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import PRODUCER
-from shmbroker.ring.shm import Owner
 
 pytestmark = pytest.mark.timeout(60)
 

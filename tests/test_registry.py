@@ -23,9 +23,15 @@ import pytest
 from shmbroker import registry as registry_module
 from shmbroker.client import Producer
 from shmbroker.errors import NotRunning
-from shmbroker.registry import MAX_REQUEST_BYTES, PROTOCOL_VERSION, REQUEST_TIMEOUT_SECONDS, Registry, request
+from shmbroker.registry import (
+    MAX_REQUEST_BYTES,
+    PROTOCOL_VERSION,
+    REQUEST_TIMEOUT_SECONDS,
+    Registry,
+    request,
+)
 from shmbroker.ring.liveness import start_ticks
-from shmbroker.ring.shm import Owner
+from shmbroker.ring.owner import Owner
 
 pytestmark = pytest.mark.timeout(60)
 

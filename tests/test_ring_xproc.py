@@ -24,8 +24,8 @@ from shmbroker.ring import layout as L
 from shmbroker.ring import ring as ring_mod
 from shmbroker.ring import spsc
 from shmbroker.ring.digest import OUT_OF_ORDER, digest_records, expected_digest
+from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring, RingNames, create_ring
-from shmbroker.ring.shm import Owner
 
 pytestmark = pytest.mark.timeout(60)
 

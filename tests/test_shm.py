@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmbroker.ring import shm
-from shmbroker.ring.shm import Doorbell, Manifest, Owner, Segment, make_name
+from shmbroker.ring.owner import Manifest, Owner
+from shmbroker.ring.shm import Doorbell, Segment, make_name
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,7 +159,7 @@ def test_close_is_idempotent_and_tolerates_live_views(instance):
         seg.close()  # a numpy view is still exported: no BufferError
         seg.close()
         with pytest.raises(ValueError, match="closed"):
-            seg.buf
+            _ = seg.buf
         assert (view == 9).all()  # the mapping lives on until the view dies
         del view
         seg.unlink()
@@ -363,4 +363,4 @@ def test_sweep_false_leaves_leftovers(tmp_path, instance):
     with Owner(tmp_path, instance, sweep=False) as owner:
         assert owner.swept == []
         assert segment_path(leftover.name).exists()
-    assert shm.Manifest(tmp_path).sweep() == [leftover.name]
+    assert Manifest(tmp_path).sweep() == [leftover.name]

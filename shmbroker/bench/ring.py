@@ -30,9 +30,9 @@ import numpy as np
 
 from ..ingest import RingSet
 from ..registry import Registry
-from ..ring.layout import HEADER_BYTES
 from ..ring.digest import OUT_OF_ORDER, digest_records, digest_tokens, expected_digest
-from ..ring.shm import Owner
+from ..ring.layout import HEADER_BYTES
+from ..ring.owner import Owner
 
 POOL_ITEMS = 1024
 SINGLE_TOKENS = 16
@@ -108,7 +108,7 @@ def _producer_side(data_dir: str, conn, mpq, plan: dict) -> None:
         conn.recv()  # go
         submit = p.submit
         start = time.monotonic()
-        for r in range(plan["single"] // POOL_ITEMS):
+        for _ in range(plan["single"] // POOL_ITEMS):
             for item in items:
                 submit(item, max_new_tokens=16)
         conn.send(("single", start))
@@ -117,7 +117,7 @@ def _producer_side(data_dir: str, conn, mpq, plan: dict) -> None:
             p.submit_many(bulk, offsets, max_new_tokens=16)
         conn.send(("bulk", start))
         start = time.monotonic()
-        for r in range(plan["mpqueue"] // POOL_ITEMS):
+        for _ in range(plan["mpqueue"] // POOL_ITEMS):
             for item in items:
                 mpq.put(item)
         conn.send(("mpqueue", start))

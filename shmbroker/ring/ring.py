@@ -25,7 +25,8 @@ from ..errors import Full, PeerDead, RingCorrupt
 from . import layout as L
 from . import spsc
 from .liveness import is_alive, start_ticks
-from .shm import Doorbell, Owner, Segment
+from .owner import Owner
+from .shm import Doorbell, Segment
 
 PRODUCER = "producer"
 CONSUMER = "consumer"

@@ -8,7 +8,7 @@ Lifecycle rules:
 - Names carry the instance and a random token, "/shmb.<instance>.<token>.<role>",
   so two brokers, or a broker and the leftovers of its crashed predecessor,
   never collide.
-- Manifest before create: the owner records a name in
+- Manifest before create (`owner.py`): the owner records a name in
   <data_dir>/shm-manifest.json (atomic replace, fsync) before creating it, so a
   crash at any point leaves at worst a listed name that does not exist. A
   restarted owner sweeps the manifest and unlinks what is still there.
@@ -21,26 +21,21 @@ Lifecycle rules:
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import re
 import secrets
-from pathlib import Path
 from types import TracebackType
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import posix_ipc
 
 _PART = re.compile(r"[A-Za-z0-9_-]+")
-_NAME = re.compile(r"/shmb\.[A-Za-z0-9_-]+\.[0-9a-f]{12}\.[A-Za-z0-9_-]+")
+NAME_RE = re.compile(r"/shmb\.[A-Za-z0-9_-]+\.[0-9a-f]{12}\.[A-Za-z0-9_-]+")  # what make_name makes
 NAME_LENGTH_MAX = 200
 MODE = 0o600
-DIR_MODE = 0o700
 KINDS = ("segment", "doorbell")
-MANIFEST_FILE = "shm-manifest.json"
-_Obj = TypeVar("_Obj", "Segment", "Doorbell")
 _Self = TypeVar("_Self", bound="_Named")
 
 
@@ -55,7 +50,7 @@ def make_name(instance: str, role: str) -> str:
     return name
 
 
-def _unlink_name(kind: str, name: str) -> bool:
+def unlink_name(kind: str, name: str) -> bool:
     """Unlink a shm segment or semaphore by name; False if it was already gone."""
     unlink = posix_ipc.unlink_shared_memory if kind == "segment" else posix_ipc.unlink_semaphore
     try:
@@ -100,7 +95,7 @@ class _Named:
         if not self.creator:
             raise PermissionError(f"{self.kind} {self.name!r}: only the creator unlinks it")
         if not self._unlinked:
-            _unlink_name(self.kind, self.name)
+            unlink_name(self.kind, self.name)
             self._unlinked = True
 
     def __enter__(self: _Self) -> _Self:
@@ -145,7 +140,7 @@ class Segment(_Named):
                 shm.close_fd()
             return cls(name, size, True, mapping)
         except BaseException:
-            _unlink_name("segment", name)  # rollback: the name must not outlive the error
+            unlink_name("segment", name)  # rollback: the name must not outlive the error
             raise
 
     @classmethod
@@ -222,130 +217,3 @@ class Doorbell(_Named):
         sem, self._sem = self._sem, None
         if sem is not None:
             sem.close()
-
-
-class Manifest:
-    """JSON file <data_dir>/shm-manifest.json listing live names:
-    {"owner_pid": int, "segments": [...], "doorbells": [...]}"""
-
-    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
-        self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        if self.data_dir.stat().st_uid == os.getuid():
-            os.chmod(self.data_dir, DIR_MODE)
-        self.path = self.data_dir / MANIFEST_FILE
-
-    def names(self) -> dict[str, list[str]]:
-        if not self.path.exists():
-            return {"segments": [], "doorbells": []}
-        record = json.loads(self.path.read_text())
-        out: dict[str, list[str]] = {}
-        for key in ("segments", "doorbells"):  # check the record before trusting it
-            listed = record.get(key)
-            if not isinstance(listed, list) or not all(isinstance(n, str) and _NAME.fullmatch(n) for n in listed):
-                raise ValueError(f"{self.path}: {key} must be a list of shmbroker names, got {listed!r}")
-            out[key] = listed
-        return out
-
-    def add(self, kind: str, name: str) -> None:
-        """Record a name; call BEFORE creating it so a crash right after is still swept."""
-        assert _NAME.fullmatch(name), name
-        names = self.names()
-        listed = names[self._key(kind)]
-        if name not in listed:
-            listed.append(name)
-            self._write(names)
-
-    def remove(self, kind: str, name: str) -> None:
-        names = self.names()
-        listed = names[self._key(kind)]
-        if name in listed:
-            listed.remove(name)
-            self._write(names)
-
-    def sweep(self) -> list[str]:
-        """Unlink every listed name that still exists, clear the file; return those unlinked."""
-        names = self.names()
-        unlinked = [n for kind in KINDS for n in names[self._key(kind)] if _unlink_name(kind, n)]
-        self._write({"segments": [], "doorbells": []})
-        return unlinked
-
-    @staticmethod
-    def _key(kind: str) -> str:
-        if kind not in KINDS:
-            raise ValueError(f"kind {kind!r} must be one of {KINDS}")
-        return kind + "s"
-
-    def _write(self, names: dict[str, list[str]]) -> None:
-        record = {"owner_pid": os.getpid(), **names}
-        tmp = self.path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, MODE), "wb") as f:
-            os.fchmod(f.fileno(), MODE)
-            f.write(json.dumps(record).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.data_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-class Owner:
-    """The creating side (the broker). Creates segments and doorbells for one
-    instance, records each in the manifest first, unlinks them all on close."""
-
-    def __init__(self, data_dir: str | os.PathLike[str], instance: str, sweep: bool = True) -> None:
-        make_name(instance, "probe")  # validate early
-        self.instance = instance
-        self.manifest = Manifest(data_dir)
-        self.swept: list[str] = self.manifest.sweep() if sweep else []
-        self._objects: dict[str, Segment | Doorbell] = {}
-        self._closed = False
-
-    def segment(self, role: str, size: int) -> Segment:
-        return self._create("segment", role, lambda name: Segment.create(name, size))
-
-    def doorbell(self, role: str) -> Doorbell:
-        return self._create("doorbell", role, Doorbell.create)
-
-    def _create(self, kind: str, role: str, create: Callable[[str], _Obj]) -> _Obj:
-        if self._closed:
-            raise ValueError(f"owner of instance {self.instance!r} is closed")
-        name = make_name(self.instance, role)
-        self.manifest.add(kind, name)
-        try:
-            obj = create(name)
-        except BaseException:
-            self.manifest.remove(kind, name)
-            raise
-        self._objects[name] = obj
-        return obj
-
-    def release(self, obj: Segment | Doorbell) -> None:
-        """Close and unlink one object this owner created, and forget it."""
-        if self._objects.get(obj.name) is not obj:
-            raise ValueError(f"{obj.name!r} was not created by this owner")
-        obj.close()
-        obj.unlink()
-        self.manifest.remove(obj.kind, obj.name)
-        del self._objects[obj.name]
-
-    def close(self) -> None:
-        """Release everything this owner created; idempotent. Raises the first error after trying all."""
-        self._closed = True
-        first: BaseException | None = None
-        for obj in list(self._objects.values()):
-            try:
-                self.release(obj)
-            except Exception as e:  # keep releasing the rest
-                first = first or e
-        if first is not None:
-            raise first
-
-    def __enter__(self) -> Owner:
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
