@@ -30,3 +30,15 @@ class RingCorrupt(BrokerError):
 
 class NotRunning(BrokerError):
     """No broker answers on the data directory's socket."""
+
+
+class DiskFull(BrokerError):
+    """The backlog could not get disk space for a new segment.
+
+    Nothing committed is lost; `appended` counts the records of the call that
+    did go in. Appending works again once space returns.
+    """
+
+    def __init__(self, message: str, appended: int = 0):
+        super().__init__(message)
+        self.appended = appended

@@ -1,0 +1,186 @@
+"""Record kernels over a mapped segment (layout: `layout.py`): write, scan, gather.
+
+`write_records` copies a batch into the segment in a given order (the writer
+clusters by shape), computing each record's CRC32C in the same pass, and
+commits each record by storing its length word last (a release store: a
+reader in another process that sees the length sees the record). `scan`
+walks records from an offset and checks each one right after reading it
+(magic, length, sequence, optionally the CRC): it stops at the end of the
+data, skips (quarantines) a record whose frame is sound but whose CRC fails,
+resynchronises past a broken frame when a valid record follows, and
+otherwise reports the torn tail it cut.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from ..ring.atomics import load_acquire, memcpy, store_release
+from .crc import crc32c_final, crc32c_init, crc32c_update
+from .layout import (
+    R64_ITEM,
+    R64_PREFIX_KEY,
+    R64_SEQ,
+    R_BAND,
+    R_CRC,
+    R_FLAGS,
+    R_LENGTH,
+    R_MAGIC,
+    R_MAX_NEW,
+    R_MODEL,
+    R_NUM_TOKENS,
+    R_PREFIX_LEN,
+    R_PRODUCER,
+    RECORD_HEADER_BYTES,
+    RECORD_HEADER_WORDS,
+    RECORD_MAGIC,
+)
+
+# scan outcomes per record (out_status) and for the scan as a whole
+REC_OK = 0
+REC_BAD_CRC = 1  # frame sound, checksum wrong: quarantined, skipped by its length
+REC_BAD_FRAME = 2  # header unusable; skipped up to the next valid record (resync)
+
+SCAN_END = 0  # reached a zero length word: clean end of data
+SCAN_TORN = 1  # bytes after the last valid record that form no valid record: cut
+SCAN_FULL = 2  # output arrays full; call again from the returned offset
+
+
+@kernel
+def record_crc(seg, off, length):
+    """CRC32C of a record's bytes 12..length (everything after the crc word)."""
+    return crc32c_final(crc32c_update(crc32c_init(), seg, off + 12, off + length))
+
+
+@kernel
+def write_records(seg, offset, end_limit, flat, offsets, items, order, first, seq0, out_seq, out_offset):
+    """Write records order[first], order[first+1], ... at `offset` until one does not fit.
+
+    Record order[k] gets sequence number seq0 + (k - first). Fills
+    out_seq/out_offset at the input index. Returns (records written, new offset).
+    """
+    words = seg.view(np.uint32)
+    words64 = seg.view(np.uint64)
+    k = first
+    while k < order.size:
+        i = order[k]
+        lo = offsets[i]
+        n = offsets[i + 1] - lo
+        length = (RECORD_HEADER_BYTES + 4 * n + 7) & ~7
+        if offset + length > end_limit:
+            break
+        w = offset >> 2
+        words[w + R_MAGIC] = RECORD_MAGIC
+        words[w + R_FLAGS] = items[i].flags
+        words64[(offset >> 3) + R64_SEQ] = seq0 + (k - first)
+        words64[(offset >> 3) + R64_ITEM] = items[i].item_id
+        words64[(offset >> 3) + R64_PREFIX_KEY] = items[i].prefix_key
+        words[w + R_PRODUCER] = items[i].producer
+        words[w + R_MODEL] = items[i].model
+        words[w + R_PREFIX_LEN] = items[i].prefix_len
+        words[w + R_NUM_TOKENS] = n
+        words[w + R_MAX_NEW] = items[i].max_new_tokens
+        words[w + R_BAND] = items[i].shape_band
+        if n > 0:
+            memcpy(words, w + RECORD_HEADER_WORDS, flat, lo, n)
+        if n & 1:
+            words[w + RECORD_HEADER_WORDS + n] = 0  # padding
+        words[w + R_CRC] = record_crc(seg, offset, length)
+        store_release(words, w + R_LENGTH, length)  # commit
+        out_seq[i] = seq0 + (k - first)
+        out_offset[i] = offset
+        offset += length
+        k += 1
+    return k - first, offset
+
+
+@kernel
+def _frame_ok(seg, off, end, expect_seq):
+    """Is there a plausible record frame at `off` (magic, length, sequence)?"""
+    words = seg.view(np.uint32)
+    w = off >> 2
+    length = load_acquire(words, w + R_LENGTH)
+    if length < RECORD_HEADER_BYTES or length & 7 or off + length > end:
+        return False
+    if words[w + R_MAGIC] != RECORD_MAGIC:
+        return False
+    n = words[w + R_NUM_TOKENS]
+    if (RECORD_HEADER_BYTES + 4 * np.int64(n) + 7) & ~7 != length:
+        return False
+    if expect_seq >= 0 and np.int64(seg.view(np.uint64)[(off >> 3) + R64_SEQ]) != expect_seq:
+        return False
+    return True
+
+
+@kernel
+def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
+    """Walk records from `start` (8-aligned) up to `end`.
+
+    Records found go to out_offset/out_status (REC_OK, REC_BAD_CRC,
+    REC_BAD_FRAME for the first offset of a skipped broken region).
+    Returns (count, outcome, offset after the last record taken, next_seq,
+    cut_bytes): outcome SCAN_END, SCAN_TORN (cut_bytes = nonzero bytes after
+    that offset that form no record) or SCAN_FULL.
+    """
+    words = seg.view(np.uint32)
+    off = start
+    count = 0
+    while True:
+        if count >= out_offset.size:
+            return count, SCAN_FULL, off, next_seq, 0
+        if off + RECORD_HEADER_BYTES > end:
+            return count, SCAN_END, off, next_seq, 0
+        length = load_acquire(words, (off >> 2) + R_LENGTH)
+        if length == 0:
+            return count, SCAN_END, off, next_seq, 0
+        if _frame_ok(seg, off, end, next_seq):
+            status = REC_OK
+            if check_crc and record_crc(seg, off, length) != words[(off >> 2) + R_CRC]:
+                status = REC_BAD_CRC
+            out_offset[count] = off
+            out_status[count] = status
+            count += 1
+            off += length
+            next_seq += 1
+            continue
+        # A broken frame: look for the next valid record (sequence next_seq + j).
+        probe = off + 8
+        found = -1
+        while probe + RECORD_HEADER_BYTES <= end and found < 0:
+            if words[(probe >> 2) + R_MAGIC] == RECORD_MAGIC:
+                seq = np.int64(seg.view(np.uint64)[(probe >> 3) + R64_SEQ])
+                if seq > next_seq and seq - next_seq < 1 << 20 and _frame_ok(seg, probe, end, seq):
+                    ln = words[(probe >> 2) + R_LENGTH]
+                    if record_crc(seg, probe, ln) == words[(probe >> 2) + R_CRC]:
+                        found = probe
+                        next_seq = seq
+            probe += 8
+        if found < 0:
+            last = off
+            for p in range(end - 1, off - 1, -1):
+                if seg[p] != 0:
+                    last = p + 1
+                    break
+            return count, SCAN_TORN, off, next_seq, last - off
+        out_offset[count] = off
+        out_status[count] = REC_BAD_FRAME
+        count += 1
+        off = found
+
+
+@kernel
+def gather(seg, offsets, out_flat, out_offsets, first_out):
+    """Copy the tokens of the records at `offsets` into out_flat (a batch), starting at slot first_out.
+
+    out_offsets[first_out] must hold the start; returns the next free slot.
+    """
+    words = seg.view(np.uint32)
+    pos = out_offsets[first_out]
+    for r in range(offsets.size):
+        w = offsets[r] >> 2
+        n = words[w + R_NUM_TOKENS]
+        memcpy(out_flat, pos, words, w + RECORD_HEADER_WORDS, n)
+        pos += n
+        out_offsets[first_out + r + 1] = pos
+    return first_out + offsets.size

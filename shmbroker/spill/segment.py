@@ -1,0 +1,181 @@
+"""One segment file: create (preallocated, 0600), map, header, seal with its header index.
+
+Creation allocates every block up front (`posix_fallocate`): a full disk is a
+clear `DiskFull` here, never a SIGBUS on a later write through the mapping.
+Sealing writes the `.idx` file (every record's offset and header, checksummed;
+`layout.py`) by atomic replace, so recovery reads sealed segments without
+touching their payload pages.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+import crc32c
+import numpy as np
+
+from ..errors import DiskFull
+from .acks import atomic_write
+from .layout import (
+    IDX_ENTRY_BYTES,
+    IDX_HEADER_BYTES,
+    IDX_MAGIC,
+    LAYOUT_VERSION,
+    RECORD_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
+    SEGMENT_MAGIC,
+    idx_name,
+    segment_name,
+)
+
+FILE_MODE = 0o600
+CLEAN_FILE = "CLEAN"
+_HEADER = struct.Struct("<QIIQQQ20x")
+
+
+class SegmentFile:
+    """A mapped segment file; `buf` is a uint8 view of all of it (read-only unless writable)."""
+
+    def __init__(self, path: Path, first_seq: int, writer: int, fd: int, size: int, writable: bool):
+        self.path = path
+        self.first_seq = first_seq
+        self.writer = writer
+        self.fd = fd
+        self.size = size
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot) if size else None
+        self.buf = np.frombuffer(self._mmap, np.uint8) if size else np.empty(0, np.uint8)
+
+    @classmethod
+    def create(cls, directory: Path, writer: int, first_seq: int, size: int, *, sparse: bool = False) -> SegmentFile:
+        """A new segment of `size` bytes (every block allocated unless `sparse`); DiskFull when it cannot be."""
+        path = directory / segment_name(first_seq)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            if sparse:
+                os.ftruncate(fd, size)
+            else:
+                os.posix_fallocate(fd, 0, size)
+            seg = cls(path, first_seq, writer, fd, size, True)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(f"no space for a {size}-byte backlog segment in {directory}: {exc.strerror}") from None
+            raise
+        body = _HEADER.pack(SEGMENT_MAGIC, LAYOUT_VERSION, writer, first_seq, size, time.time_ns())
+        seg.buf[: SEGMENT_HEADER_BYTES - 4] = np.frombuffer(body[: SEGMENT_HEADER_BYTES - 4], np.uint8)
+        seg.buf[SEGMENT_HEADER_BYTES - 4 : SEGMENT_HEADER_BYTES] = np.frombuffer(
+            struct.pack("<I", crc32c.crc32c(body[: SEGMENT_HEADER_BYTES - 4])), np.uint8
+        )
+        return seg
+
+    @classmethod
+    def open(cls, path: Path, *, writable: bool = False) -> SegmentFile:
+        """Map an existing segment; ValueError when its header fails the checks."""
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            seg = cls(path, 0, 0, fd, size, writable)
+            seg.first_seq, seg.writer = seg.check_header()
+        except BaseException:
+            os.close(fd)
+            raise
+        return seg
+
+    def check_header(self) -> tuple[int, int]:
+        raw = bytes(self.buf[:SEGMENT_HEADER_BYTES])
+        if len(raw) < SEGMENT_HEADER_BYTES:
+            raise ValueError(f"{self.path}: {len(raw)} bytes, shorter than a segment header")
+        magic, version, writer, first_seq, capacity, _created = _HEADER.unpack(raw[: SEGMENT_HEADER_BYTES - 4])
+        (crc,) = struct.unpack("<I", raw[SEGMENT_HEADER_BYTES - 4 :])
+        if magic != SEGMENT_MAGIC or crc != crc32c.crc32c(raw[: SEGMENT_HEADER_BYTES - 4]):
+            raise ValueError(f"{self.path}: not a backlog segment (bad magic or header checksum)")
+        if version != LAYOUT_VERSION:
+            raise ValueError(f"{self.path}: layout version {version}, this build reads {LAYOUT_VERSION}")
+        if capacity < self.size:
+            raise ValueError(f"{self.path}: header capacity {capacity} < file size {self.size}")
+        return first_seq, writer
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        """Idempotent. A mapping still viewed by numpy arrays is left to the garbage collector."""
+        if self.fd < 0:
+            return
+        self.buf = np.empty(0, np.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) -> None:
+    """Seal: the header index of a full segment (offsets of its records, in order)."""
+    offsets = np.asarray(offsets, np.uint64)
+    entries = np.empty((offsets.size, IDX_ENTRY_BYTES), np.uint8)
+    entries[:, :8] = offsets.astype("<u8").view(np.uint8).reshape(-1, 8)
+    entries[:, 8:] = seg.buf[offsets.astype(np.int64)[:, None] + np.arange(RECORD_HEADER_BYTES)]
+    body = entries.tobytes()
+    head = struct.pack("<QQQ", IDX_MAGIC, offsets.size, end).ljust(IDX_HEADER_BYTES - 4, b"\0")
+    head += struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(head)))
+    atomic_write(directory / idx_name(seg.first_seq), head + body, FILE_MODE)
+
+
+def read_idx(path: Path) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(offsets, headers (n, 64) uint8, end) from a seal index, or None when missing or failing its checks."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(data) < IDX_HEADER_BYTES:
+        return None
+    head = data[: IDX_HEADER_BYTES - 4]
+    magic, count, end = struct.unpack_from("<QQQ", head)
+    (crc,) = struct.unpack_from("<I", data, IDX_HEADER_BYTES - 4)
+    body = data[IDX_HEADER_BYTES:]
+    if magic != IDX_MAGIC or len(body) != count * IDX_ENTRY_BYTES or crc != crc32c.crc32c(body, crc32c.crc32c(head)):
+        return None
+    entries = np.frombuffer(body, np.uint8).reshape(count, IDX_ENTRY_BYTES)
+    offsets = entries[:, :8].copy().view("<u8").reshape(count).astype(np.int64)
+    return offsets, entries[:, 8:], int(end)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_CLEAN = struct.Struct("<QQQQ")  # magic, active segment first_seq, end offset, next_seq; then crc32c
+CLEAN_MAGIC = 0x4E41454C43424D53  # "SMBCLEAN"
+
+
+def write_clean_marker(directory: Path, segment: int, end: int, next_seq: int) -> None:
+    """A writer closed cleanly with its active segment ending at `end` (recovery may skip the CRC scan)."""
+    body = _CLEAN.pack(CLEAN_MAGIC, segment, end, next_seq)
+    atomic_write(directory / CLEAN_FILE, body + struct.pack("<I", crc32c.crc32c(body)), FILE_MODE)
+
+
+def read_clean_marker(directory: Path) -> tuple[int, int, int] | None:
+    """(segment, end, next_seq) of a clean shutdown, or None."""
+    try:
+        data = (directory / CLEAN_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(data) != _CLEAN.size + 4 or struct.unpack("<I", data[-4:])[0] != crc32c.crc32c(data[:-4]):
+        return None
+    magic, segment, end, next_seq = _CLEAN.unpack(data[:-4])
+    return (segment, end, next_seq) if magic == CLEAN_MAGIC else None

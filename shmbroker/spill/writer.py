@@ -1,0 +1,206 @@
+"""The backlog writer: one per ingest process, appending to its own segment files.
+
+`append_many` writes a batch in shape order (model, prefix key, length band:
+records of one shape land next to each other, so a batch is read back with
+few sequential reads) and returns each item's (sequence number, segment,
+offset) in input order. A record is committed when its length word is stored
+(`records.write_records`); what happens next depends on `fsync`:
+
+| fsync    | the data is on disk                        | survives                                  |
+|----------|--------------------------------------------|-------------------------------------------|
+| never    | when the kernel writes the page cache back | process crash, kill -9 (not power loss)   |
+| interval | within `fsync_interval_ms` (a sync thread) | also power loss, except the last interval |
+| always   | before `append_many` returns               | also power loss                           |
+
+A full segment is sealed (its header index written, the file fsynced and cut
+to its used length) and a new one is created with every block allocated, so
+a full disk fails there with `DiskFull` (`appended` says how much of the call
+went in; nothing committed is lost) and the next call tries again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DiskFull
+from .layout import DEFAULT_SEGMENT_BYTES, ITEM_DTYPE, MIN_SEGMENT_BYTES, SEGMENT_HEADER_BYTES, max_tokens, record_bytes
+from .records import write_records
+from .segment import CLEAN_FILE, SegmentFile, fsync_dir, write_clean_marker, write_idx
+
+FSYNC_POLICIES = ("never", "interval", "always")
+DEFAULT_FSYNC_INTERVAL_MS = 5.0
+PAGE_BYTES = 4096
+
+
+class SegmentWriter:
+    """Appends records for one writer; continue where recovery left off (`Backlog.writer`)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        writer: int,
+        *,
+        next_seq: int,
+        active: SegmentFile | None,
+        active_end: int,
+        active_offsets: list[np.ndarray],
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        fsync: str = "interval",
+        fsync_interval_ms: float = DEFAULT_FSYNC_INTERVAL_MS,
+        sparse: bool = False,
+    ):
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if segment_bytes < MIN_SEGMENT_BYTES or segment_bytes % PAGE_BYTES:
+            raise ValueError(f"segment_bytes must be a multiple of {PAGE_BYTES} and >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
+        if fsync_interval_ms <= 0:
+            raise ValueError(f"fsync_interval_ms must be > 0, got {fsync_interval_ms}")
+        self.directory = Path(directory)
+        self.writer = writer
+        self.segment_bytes = segment_bytes
+        self.max_tokens = max_tokens(segment_bytes)
+        self.fsync = fsync
+        self.sparse = sparse
+        self.next_seq = next_seq
+        self._active = active
+        self._end = active_end
+        self._offsets = active_offsets  # record offsets of the active segment, for its seal index
+        self._lock = threading.Lock()
+        self._dirty = False
+        self._error: OSError | None = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.num_segments_created = 0
+        (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
+        fsync_dir(self.directory)
+        if fsync == "interval":
+            self._interval_seconds = fsync_interval_ms / 1000.0
+            self._thread = threading.Thread(target=self._sync_loop, name=f"fsync-w{writer}", daemon=True)
+            self._thread.start()
+
+    # -- appending -----------------------------------------------------------------
+
+    def append_many(self, flat: np.ndarray, offsets: np.ndarray, items: np.ndarray, *, cluster: bool = True):
+        """Append records (item i = flat[offsets[i]:offsets[i+1]], metadata items[i]).
+
+        Returns (seqs, segments, record_offsets), uint64/uint64/int64 arrays in
+        input order. Raises ValueError for a record larger than a segment (before
+        writing anything), DiskFull when a new segment cannot be allocated.
+        """
+        self._raise_sync_error()
+        count = offsets.size - 1
+        if items.dtype != ITEM_DTYPE or items.shape != (count,):
+            raise TypeError(f"items must be a ({count},) array of spill.layout.ITEM_DTYPE")
+        sizes = np.diff(offsets)
+        if count and int(sizes.max()) > self.max_tokens:
+            raise ValueError(f"record {int(np.argmax(sizes > self.max_tokens))} of {int(sizes.max())} tokens exceeds a segment ({self.max_tokens} tokens)")
+        if cluster:
+            order = np.lexsort((items["shape_band"], items["prefix_key"], items["model"])).astype(np.int64)
+        else:
+            order = np.arange(count, dtype=np.int64)
+        seqs = np.empty(count, np.uint64)
+        rec_offsets = np.empty(count, np.int64)
+        segments = np.empty(count, np.uint64)
+        done = 0
+        while done < count:
+            if self._active is None or self._end + record_bytes(int(sizes[order[done]])) > self._active.size:
+                try:
+                    self._roll()
+                except DiskFull as exc:
+                    exc.appended = done
+                    raise
+            with self._lock:
+                seg = self._active
+                n, end = write_records(seg.buf, self._end, seg.size, flat, offsets, items, order, done, self.next_seq, seqs, rec_offsets)
+                self._dirty = True
+            assert n > 0
+            written = order[done : done + n]
+            segments[written] = seg.first_seq
+            self._offsets.append(rec_offsets[written].copy())
+            self._end = end
+            self.next_seq += n
+            done += n
+        if self.fsync == "always":
+            self.sync()
+        return seqs, segments, rec_offsets
+
+    def _roll(self) -> None:
+        """Seal the active segment (if any) and start a new one at next_seq."""
+        with self._lock:
+            if self._active is not None:
+                self._seal(self._active)
+                self._active = None
+            seg = SegmentFile.create(self.directory, self.writer, self.next_seq, self.segment_bytes, sparse=self.sparse)
+            if self.fsync != "never":
+                fsync_dir(self.directory)
+            self._active, self._end, self._offsets = seg, SEGMENT_HEADER_BYTES, []
+            self.num_segments_created += 1
+
+    def _seal(self, seg: SegmentFile) -> None:
+        offsets = np.concatenate(self._offsets) if self._offsets else np.empty(0, np.int64)
+        if self.fsync != "never":
+            seg.sync()
+        write_idx(self.directory, seg, offsets, self._end)
+        used = -(-self._end // PAGE_BYTES) * PAGE_BYTES
+        fd = os.dup(seg.fd)
+        seg.close()
+        try:
+            os.ftruncate(fd, used)  # give back the preallocated tail
+        finally:
+            os.close(fd)
+
+    # -- durability ----------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Make everything appended so far durable now."""
+        with self._lock:
+            if self._active is not None and self._dirty:
+                self._dirty = False
+                self._active.sync()
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self._interval_seconds):
+            try:
+                self.sync()
+            except OSError as exc:  # surfaced on the next append
+                self._error = exc
+                return
+
+    def _raise_sync_error(self) -> None:
+        if self._error is not None:
+            raise OSError(self._error.errno, f"backlog fsync failed: {self._error.strerror}")
+
+    @property
+    def active_segment(self) -> int | None:
+        return None if self._active is None else self._active.first_seq
+
+    @property
+    def end_offset(self) -> int:
+        return self._end
+
+    def close(self, clean: bool = True) -> None:
+        """Stop the sync thread, make everything durable, leave a clean-shutdown marker (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._active is None:
+            return
+        with self._lock:
+            if self.fsync != "never" or clean:
+                self._active.sync()
+            first = self._active.first_seq
+            self._active.close()
+            self._active = None
+        if clean:
+            write_clean_marker(self.directory, first, self._end, self.next_seq)
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
