@@ -35,8 +35,9 @@ class NotRunning(BrokerError):
 class DiskFull(BrokerError):
     """The backlog could not get disk space for a new segment.
 
-    Nothing committed is lost; `appended` counts the records of the call that
-    did go in. Appending works again once space returns.
+    Nothing committed is lost, and nothing of the failed call was written
+    (`appended` is 0: the writer reserves a batch's space before writing it).
+    Appending works again once space returns.
     """
 
     def __init__(self, message: str, appended: int = 0):

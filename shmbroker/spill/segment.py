@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import struct
 import time
 from pathlib import Path
@@ -53,27 +54,28 @@ class SegmentFile:
         self.buf = np.frombuffer(self._mmap, np.uint8) if size else np.empty(0, np.uint8)
 
     @classmethod
-    def create(cls, directory: Path, writer: int, first_seq: int, size: int, *, sparse: bool = False) -> SegmentFile:
-        """A new segment of `size` bytes (every block allocated unless `sparse`); DiskFull when it cannot be."""
+    def create(cls, directory: Path, writer: int, first_seq: int, size: int, *, sparse: bool = False, spare: Path | None = None) -> SegmentFile:
+        """A new segment: a spare file (allocated now unless given) gets its header, then its name.
+
+        DiskFull when the blocks cannot be allocated. The header is written
+        before the rename, so a `.seg` file always has a valid header.
+        """
+        if spare is None:
+            spare = allocate_spare(directory, size, sparse=sparse)
         path = directory / segment_name(first_seq)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        fd = os.open(spare, os.O_RDWR)
         try:
-            if sparse:
-                os.ftruncate(fd, size)
-            else:
-                os.posix_fallocate(fd, 0, size)
             seg = cls(path, first_seq, writer, fd, size, True)
-        except OSError as exc:
+            body = _HEADER.pack(SEGMENT_MAGIC, LAYOUT_VERSION, writer, first_seq, size, time.time_ns())
+            seg.buf[: SEGMENT_HEADER_BYTES - 4] = np.frombuffer(body, np.uint8)
+            seg.buf[SEGMENT_HEADER_BYTES - 4 : SEGMENT_HEADER_BYTES] = np.frombuffer(struct.pack("<I", crc32c.crc32c(body)), np.uint8)
+            if path.exists():
+                raise FileExistsError(f"backlog segment {path} already exists")
+            os.rename(spare, path)
+        except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFull(f"no space for a {size}-byte backlog segment in {directory}: {exc.strerror}") from None
+            spare.unlink(missing_ok=True)
             raise
-        body = _HEADER.pack(SEGMENT_MAGIC, LAYOUT_VERSION, writer, first_seq, size, time.time_ns())
-        seg.buf[: SEGMENT_HEADER_BYTES - 4] = np.frombuffer(body[: SEGMENT_HEADER_BYTES - 4], np.uint8)
-        seg.buf[SEGMENT_HEADER_BYTES - 4 : SEGMENT_HEADER_BYTES] = np.frombuffer(
-            struct.pack("<I", crc32c.crc32c(body[: SEGMENT_HEADER_BYTES - 4])), np.uint8
-        )
         return seg
 
     @classmethod
@@ -118,6 +120,25 @@ class SegmentFile:
                 pass
         os.close(self.fd)
         self.fd = -1
+
+
+def allocate_spare(directory: Path, size: int, *, sparse: bool = False) -> Path:
+    """A nameless (temp-named) file of `size` bytes with every block allocated; DiskFull when it cannot be."""
+    path = directory / f".spare-{secrets.token_hex(6)}.tmp"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        if sparse:
+            os.ftruncate(fd, size)
+        else:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"no space for a {size}-byte backlog segment in {directory}: {exc.strerror}") from None
+        raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) -> None:

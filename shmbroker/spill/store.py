@@ -139,7 +139,7 @@ class Backlog:
 
     def _recover_writer(self, wdir: Path, writer: int, report: RecoveryReport) -> tuple[_WriterState, list[np.ndarray]]:
         firsts = sorted(int(p.stem) for p in wdir.glob("*.seg") if p.stem.isdigit())
-        state = _WriterState(writer, firsts, {})
+        state = _WriterState(writer, list(firsts), {})
         clean = read_clean_marker(wdir)
         parts = []
         if clean is not None:
@@ -158,7 +158,16 @@ class Backlog:
             else:
                 report.scanned_segments += 1
                 trusted_end = clean[1] if (clean is not None and last and clean[0] == first) else None
-                recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report)
+                try:
+                    recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report)
+                except ValueError as exc:  # the file's own header is bad: set the whole file aside
+                    report.quarantined.append({"writer": writer, "segment": first, "offset": 0, "reason": f"segment header: {exc}"})
+                    size = path.stat().st_size
+                    path.rename(path.with_suffix(".corrupt"))
+                    state.segments.remove(first)
+                    # never reuse the sequence numbers that file may have held
+                    state.next_seq = max(state.next_seq, first + size // RECORD_HEADER_BYTES + 1)
+                    continue
                 if last:
                     state.active_end = end
                     state.active_offsets = [offsets]

@@ -13,9 +13,11 @@ offset) in input order. A record is committed when its length word is stored
 | always   | before `append_many` returns               | also power loss                           |
 
 A full segment is sealed (its header index written, the file fsynced and cut
-to its used length) and a new one is created with every block allocated, so
-a full disk fails there with `DiskFull` (`appended` says how much of the call
-went in; nothing committed is lost) and the next call tries again.
+to its used length). Before writing a batch, the writer allocates every new
+segment the batch can need (spare files with every block allocated), so a
+full disk fails there with `DiskFull` before anything of the batch is
+written (all or nothing: the ingest side keeps the batch in its ring, which
+is back-pressure on the producers), and the next call tries again.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DiskFull
-from .layout import DEFAULT_SEGMENT_BYTES, ITEM_DTYPE, MIN_SEGMENT_BYTES, SEGMENT_HEADER_BYTES, max_tokens, record_bytes
+from .layout import (
+    DEFAULT_SEGMENT_BYTES,
+    ITEM_DTYPE,
+    MIN_SEGMENT_BYTES,
+    RECORD_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
+    max_tokens,
+    record_bytes,
+)
 from .records import write_records
-from .segment import CLEAN_FILE, SegmentFile, fsync_dir, write_clean_marker, write_idx
+from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
 DEFAULT_FSYNC_INTERVAL_MS = 5.0
@@ -75,6 +85,7 @@ class SegmentWriter:
         self._stop = threading.Event()
         self._thread = None
         self.num_segments_created = 0
+        self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
         (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
         fsync_dir(self.directory)
         if fsync == "interval":
@@ -98,6 +109,8 @@ class SegmentWriter:
         sizes = np.diff(offsets)
         if count and int(sizes.max()) > self.max_tokens:
             raise ValueError(f"record {int(np.argmax(sizes > self.max_tokens))} of {int(sizes.max())} tokens exceeds a segment ({self.max_tokens} tokens)")
+        if count:
+            self._reserve(sizes)  # all or nothing: DiskFull here writes nothing
         if cluster:
             order = np.lexsort((items["shape_band"], items["prefix_key"], items["model"])).astype(np.int64)
         else:
@@ -108,11 +121,7 @@ class SegmentWriter:
         done = 0
         while done < count:
             if self._active is None or self._end + record_bytes(int(sizes[order[done]])) > self._active.size:
-                try:
-                    self._roll()
-                except DiskFull as exc:
-                    exc.appended = done
-                    raise
+                self._roll()
             with self._lock:
                 seg = self._active
                 n, end = write_records(seg.buf, self._end, seg.size, flat, offsets, items, order, done, self.next_seq, seqs, rec_offsets)
@@ -128,13 +137,30 @@ class SegmentWriter:
             self.sync()
         return seqs, segments, rec_offsets
 
+    def _reserve(self, sizes: np.ndarray) -> None:
+        """Allocate, before writing, every new segment this batch can need (spare files).
+
+        Records never straddle segments, so a segment loses less than one
+        record's bytes at its end: bound the need with the batch's largest.
+        """
+        need = int(((RECORD_HEADER_BYTES + 4 * sizes + 7) & ~7).sum())
+        room = 0 if self._active is None else self._active.size - self._end
+        if need <= room:
+            return
+        largest = record_bytes(int(sizes.max()))
+        usable = max(self.segment_bytes - SEGMENT_HEADER_BYTES - largest, largest)
+        segments = -(-(need - max(0, room - largest)) // usable)
+        while len(self._spares) < segments:
+            self._spares.append(allocate_spare(self.directory, self.segment_bytes, sparse=self.sparse))
+
     def _roll(self) -> None:
-        """Seal the active segment (if any) and start a new one at next_seq."""
+        """Seal the active segment (if any) and start a new one at next_seq (from a spare)."""
         with self._lock:
             if self._active is not None:
                 self._seal(self._active)
                 self._active = None
-            seg = SegmentFile.create(self.directory, self.writer, self.next_seq, self.segment_bytes, sparse=self.sparse)
+            spare = self._spares.pop() if self._spares else None
+            seg = SegmentFile.create(self.directory, self.writer, self.next_seq, self.segment_bytes, sparse=self.sparse, spare=spare)
             if self.fsync != "never":
                 fsync_dir(self.directory)
             self._active, self._end, self._offsets = seg, SEGMENT_HEADER_BYTES, []
@@ -188,6 +214,9 @@ class SegmentWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for spare in self._spares:
+            spare.unlink(missing_ok=True)
+        self._spares.clear()
         if self._active is None:
             return
         with self._lock:
