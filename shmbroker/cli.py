@@ -43,9 +43,40 @@ def _warm(args) -> int:
     spsc.spin_until_writable(buf, 4, 1)
     spsc.set_waiting(buf, layout.H_CONSUMER_WAITING)
     spsc.clear_waiting(buf, layout.H_CONSUMER_WAITING)
+    _warm_spill()
     removed = jit.prune_stale()
     print(f"numba kernels ready in {jit.CACHE_DIR} ({time.monotonic() - t0:.1f} s; {len(removed)} stale cache dirs removed)")
     return 0
+
+
+def _warm_spill() -> None:
+    """A tiny backlog round trip: append, recover (scan and index), gather, collect from a ring."""
+    import tempfile
+
+    import numpy as np
+
+    from .ring import layout
+    from .spill import collect, crc
+    from .spill.layout import ITEM_DTYPE
+    from .spill.store import Backlog
+
+    with tempfile.TemporaryDirectory(prefix="shmb-warm-") as d:
+        backlog, _ = Backlog.open(d, segment_bytes=8192)
+        with backlog.writer(0, fsync="never") as writer:
+            items = np.zeros(3, ITEM_DTYPE)
+            writer.append_many(np.arange(1500, dtype=np.uint32), np.array([0, 500, 1000, 1500], np.int64), items)
+        backlog.close()
+        backlog, _ = Backlog.open(d, segment_bytes=8192)
+        rows = backlog.pending()
+        backlog.gather(rows, np.empty(1500, np.uint32), np.empty(rows.size + 1, np.int64))
+        backlog.close()
+    cap = 1024
+    buf = np.zeros(layout.segment_bytes(cap), np.uint8)
+    layout.init_header(buf, cap)
+    data = buf[layout.HEADER_BYTES :]
+    collect.collect(data.view(np.uint32), data.view(np.uint64), np.zeros(1, np.int64), 1, 1, 512,
+                    np.empty(cap, np.uint32), np.empty(2, np.int64), np.zeros(1, ITEM_DTYPE))
+    crc.crc32c(np.zeros(16, np.uint8))
 
 
 def _demo(args) -> int:

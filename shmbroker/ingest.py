@@ -9,8 +9,12 @@ as positions into the ring's data words (no copy) and consumes them when the
 callback returns, so a record is never lost to a crash inside the callback
 (at-least-once).
 
-For now the callback is the caller's (the demo and the ring benchmark verify
-and count); the backlog append of later work plugs in here.
+`BacklogAppender` is the callback that makes records durable: it turns a
+ring's records into one backlog append (`spill.collect`), so they are
+released from the ring only once committed to the backlog. A full disk
+raises `DiskFull` before anything of the batch is written: the records stay
+in the ring, the ring fills, and producers wait or get `Full`
+(back-pressure); `pump` backs off and retries.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import DiskFull
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring import spsc
 from .ring.ring import CONSUMER, SLEEP_SLICE_SECONDS, Ring
 from .ring.shm import Doorbell
+from .spill.collect import collect
+from .spill.layout import ITEM_DTYPE
+from .spill.writer import SegmentWriter
 
 BATCH_RECORDS = 4096
 SPIN_ROUNDS_PER_RING = 256
@@ -106,3 +114,53 @@ class RingSet:
         for src in self.sources:
             src.ring.close()
         self.sources.clear()
+
+
+DISK_FULL_BACKOFF_SECONDS = 0.05
+PREFIX_BLOCK_TOKENS = 512
+
+
+class BacklogAppender:
+    """`drain_once` callback: append a ring's records to this ingest process's backlog writer."""
+
+    def __init__(self, writer: SegmentWriter, block_tokens: int = PREFIX_BLOCK_TOKENS):
+        self.writer = writer
+        self.block_tokens = block_tokens
+        self._flat = np.empty(0, np.uint32)
+        self._offsets = np.empty(BATCH_RECORDS + 1, np.int64)
+        self._items = np.empty(BATCH_RECORDS, ITEM_DTYPE)
+        self.num_items = 0
+        self.num_tokens = 0
+        self.num_disk_full = 0
+
+    def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:
+        if self._flat.size < ring.capacity_words:
+            self._flat = np.empty(ring.capacity_words, np.uint32)
+        data = ring.buf[L.HEADER_BYTES :]
+        total = collect(
+            data.view(np.uint32), data.view(np.uint64), positions, count, entry.producer_id,
+            self.block_tokens, self._flat, self._offsets, self._items,
+        )
+        try:
+            self.writer.append_many(self._flat[:total], self._offsets[: count + 1], self._items[:count])
+        except DiskFull:
+            self.num_disk_full += 1
+            raise  # nothing written: drain_once does not release, the ring keeps the records
+        self.num_items += count
+        self.num_tokens += total
+
+
+def pump(rings: RingSet, registry: Registry, on_records: OnRecords, wait_seconds: float = SLEEP_SLICE_SECONDS) -> int:
+    """One round of the ingest loop: attach new producers, drain, wait when idle, back off on a full disk."""
+    rings.refresh(registry)
+    try:
+        n = rings.drain_once(on_records)
+    except DiskFull:
+        time.sleep(DISK_FULL_BACKOFF_SECONDS)
+        return 0
+    if n == 0:
+        if rings.sources:
+            rings.wait(wait_seconds)
+        else:
+            time.sleep(0.005)
+    return n
