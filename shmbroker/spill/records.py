@@ -114,6 +114,26 @@ def _frame_ok(seg, off, end, expect_seq):
 
 
 @kernel
+def last_nonzero(seg, start, end):
+    """One past the last nonzero byte of seg[start:end], or `start` when all are zero."""
+    words = seg[: end & ~7].view(np.uint64)
+    p = end
+    while p > start and p & 7:  # an unaligned end, byte by byte
+        if seg[p - 1] != 0:
+            return p
+        p -= 1
+    while p - 8 >= start:  # whole words
+        if words[(p - 8) >> 3] != 0:
+            break
+        p -= 8
+    while p > start:
+        if seg[p - 1] != 0:
+            return p
+        p -= 1
+    return start
+
+
+@kernel
 def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
     """Walk records from `start` (8-aligned) up to `end`.
 
@@ -157,12 +177,7 @@ def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
                         next_seq = seq
             probe += 8
         if found < 0:
-            last = off
-            for p in range(end - 1, off - 1, -1):
-                if seg[p] != 0:
-                    last = p + 1
-                    break
-            return count, SCAN_TORN, off, next_seq, last - off
+            return count, SCAN_TORN, off, next_seq, last_nonzero(seg, off, end) - off
         out_offset[count] = off
         out_status[count] = REC_BAD_FRAME
         count += 1
@@ -184,3 +199,10 @@ def gather(seg, offsets, out_flat, out_offsets, first_out):
         pos += n
         out_offsets[first_out + r + 1] = pos
     return first_out + offsets.size
+
+
+@kernel
+def copy_headers(seg, offsets, out):
+    """out[i] = the 64 header bytes of the record at offsets[i] (for seal indexes and recovery)."""
+    for i in range(offsets.size):
+        memcpy(out[i], 0, seg, offsets[i], RECORD_HEADER_BYTES)

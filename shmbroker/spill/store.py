@@ -42,7 +42,7 @@ from .layout import (
     idx_name,
     writer_dir_name,
 )
-from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, gather, scan
+from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, last_nonzero, scan
 from .segment import SegmentFile, read_clean_marker, read_idx
 from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
 
@@ -200,8 +200,16 @@ class Backlog:
                 if outcome != SCAN_FULL:
                     break
             if outcome == SCAN_TORN:
-                report.torn_bytes += int(cut)
                 report.torn_records += 1
+            elif check_crc:
+                # A clean end (a zero length word) may still have bytes after it: a record
+                # being written when the writer died. Zero them, so that no stale bytes can
+                # ever pass for a record once the writer continues here.
+                cut = last_nonzero(seg.buf, off, seg.size) - off
+                if cut:
+                    report.torn_records += 1
+            if cut:
+                report.torn_bytes += int(cut)
                 seg.buf[off : off + cut] = 0  # cut: the writer continues here
                 seg.sync()
             offsets = np.concatenate(offsets_all)
@@ -211,7 +219,8 @@ class Backlog:
                     {"writer": writer, "segment": first, "offset": int(o), "reason": "crc mismatch" if st == REC_BAD_CRC else "broken frame"}
                 )
             good = offsets[status == REC_OK]
-            headers = seg.buf[good[:, None] + np.arange(RECORD_HEADER_BYTES)] if good.size else np.empty((0, RECORD_HEADER_BYTES), np.uint8)
+            headers = np.empty((good.size, RECORD_HEADER_BYTES), np.uint8)
+            copy_headers(seg.buf, good, headers)
             recs = _pending_from_headers(headers, writer, first, good)
             return recs, next_seq, off, good
         finally:
