@@ -22,7 +22,6 @@ import numpy as np
 
 from ..errors import DiskFull
 from .acks import atomic_write
-from .records import copy_headers
 from .layout import (
     IDX_ENTRY_BYTES,
     IDX_HEADER_BYTES,
@@ -34,6 +33,7 @@ from .layout import (
     idx_name,
     segment_name,
 )
+from .records import copy_headers
 
 FILE_MODE = 0o600
 CLEAN_FILE = "CLEAN"

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DiskFull
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
