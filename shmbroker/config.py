@@ -17,3 +17,7 @@ def data_dir(explicit: str | os.PathLike | None = None) -> str:
     if explicit is not None:
         return os.fspath(explicit)
     return os.environ.get("SHMBROKER_DATA_DIR", DEFAULT_DATA_DIR)
+
+DEFAULT_SEGMENT_BYTES = 64 << 20
+DEFAULT_FSYNC = "interval"
+DEFAULT_FSYNC_INTERVAL_MS = 5.0
