@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import DEFAULT_SEGMENT_BYTES  # noqa: F401  (re-exported: the spill package's default)
+
 SEGMENT_MAGIC = 0x3147455342484D53  # "SHMBSEG1"
 RECORD_MAGIC = 0x52424D53  # "SMBR"
 IDX_MAGIC = 0x3158444942484D53  # "SHMBIDX1"
@@ -61,7 +63,6 @@ RECORD_HEADER_WORDS = RECORD_HEADER_BYTES // 4
 IDX_HEADER_BYTES = 64
 IDX_ENTRY_BYTES = 8 + RECORD_HEADER_BYTES
 
-DEFAULT_SEGMENT_BYTES = 64 << 20
 MIN_SEGMENT_BYTES = 4096
 
 # record header: uint32 word indices

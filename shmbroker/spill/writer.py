@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import DEFAULT_FSYNC_INTERVAL_MS
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
@@ -41,7 +42,6 @@ from .records import write_records
 from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
-DEFAULT_FSYNC_INTERVAL_MS = 5.0
 PAGE_BYTES = 4096
 
 
