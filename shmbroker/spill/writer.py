@@ -22,6 +22,7 @@ is back-pressure on the producers), and the next call tries again.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -70,6 +71,7 @@ class SegmentWriter:
             raise ValueError(f"fsync_interval_ms must be > 0, got {fsync_interval_ms}")
         self.directory = Path(directory)
         self.writer = writer
+        self._lock_fd = _lock_writer_dir(self.directory, writer)
         self.segment_bytes = segment_bytes
         self.max_tokens = max_tokens(segment_bytes)
         self.fsync = fsync
@@ -217,6 +219,7 @@ class SegmentWriter:
             spare.unlink(missing_ok=True)
         self._spares.clear()
         if self._active is None:
+            self._unlock()
             return
         with self._lock:
             if self.fsync != "never" or clean:
@@ -226,9 +229,26 @@ class SegmentWriter:
             self._active = None
         if clean:
             write_clean_marker(self.directory, first, self._end, self.next_seq)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
 
     def __enter__(self) -> SegmentWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lock_writer_dir(directory: Path, writer: int) -> int:
+    """One live writer per directory: an flock held for the writer's life (a dead process's is released)."""
+    fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"backlog writer {writer} ({directory}) is held by another live process") from None
+    return fd
