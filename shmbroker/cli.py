@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring",)
+BENCHMARKS = ("ring", "backlog")
 
 
 def _warm(args) -> int:
@@ -91,6 +91,10 @@ def _bench(args) -> int:
         from .bench import ring
 
         result = ring.run(scale=args.scale)
+    elif args.name == "backlog":
+        from .bench import backlog
+
+        result = backlog.run(scale=args.scale)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:

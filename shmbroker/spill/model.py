@@ -91,7 +91,9 @@ class BacklogModel:
             if not w.segments or w.active_end + size > self.segment_bytes:
                 w.segments.append(len(w.records))
                 w.active_end = SEGMENT_HEADER_BYTES
-            rec = ModelRecord(writer, len(w.records), w.segments[-1], w.active_end, {k: int(items[i][k]) for k in META_FIELDS}, tuple(tokens[i]))
+            rec = ModelRecord(
+                writer, len(w.records), w.segments[-1], w.active_end, {k: int(items[i][k]) for k in META_FIELDS}, tuple(tokens[i])
+            )
             w.records.append(rec)
             w.active_end += size
             out[i] = rec

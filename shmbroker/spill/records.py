@@ -35,6 +35,7 @@ from .layout import (
     RECORD_HEADER_BYTES,
     RECORD_HEADER_WORDS,
     RECORD_MAGIC,
+    SEGMENT_HEADER_BYTES,
 )
 
 # scan outcomes per record (out_status) and for the scan as a whole
@@ -152,9 +153,9 @@ def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
         if off + RECORD_HEADER_BYTES > end:
             return count, SCAN_END, off, next_seq, 0
         length = load_acquire(words, (off >> 2) + R_LENGTH)
-        if length == 0:
+        if length == 0 and last_nonzero(seg, off, end) == off:
             return count, SCAN_END, off, next_seq, 0
-        if _frame_ok(seg, off, end, next_seq):
+        if length != 0 and _frame_ok(seg, off, end, next_seq):
             status = REC_OK
             if check_crc and record_crc(seg, off, length) != words[(off >> 2) + R_CRC]:
                 status = REC_BAD_CRC
@@ -206,3 +207,17 @@ def copy_headers(seg, offsets, out):
     """out[i] = the 64 header bytes of the record at offsets[i] (for seal indexes and recovery)."""
     for i in range(offsets.size):
         memcpy(out[i], 0, seg, offsets[i], RECORD_HEADER_BYTES)
+
+
+@kernel
+def segments_needed(sizes_in_order, end, size, segment_bytes):
+    """New segments a batch needs: replays the writer's roll rule (a record that does not fit rolls)."""
+    count = 0
+    for n in sizes_in_order:
+        length = (RECORD_HEADER_BYTES + 4 * n + 7) & ~7
+        if end + length > size:
+            count += 1
+            end = SEGMENT_HEADER_BYTES
+            size = segment_bytes
+        end += length
+    return count

@@ -42,7 +42,7 @@ from .layout import (
     idx_name,
     writer_dir_name,
 )
-from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, last_nonzero, scan
+from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, scan
 from .segment import SegmentFile, read_clean_marker, read_idx
 from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
 
@@ -200,17 +200,12 @@ class Backlog:
                 if outcome != SCAN_FULL:
                     break
             if outcome == SCAN_TORN:
+                # Bytes after the last record that form no record (one being written when
+                # the writer died): zero them, so that no stale byte can ever pass for a
+                # record once the writer continues here.
                 report.torn_records += 1
-            elif check_crc:
-                # A clean end (a zero length word) may still have bytes after it: a record
-                # being written when the writer died. Zero them, so that no stale bytes can
-                # ever pass for a record once the writer continues here.
-                cut = last_nonzero(seg.buf, off, seg.size) - off
-                if cut:
-                    report.torn_records += 1
-            if cut:
                 report.torn_bytes += int(cut)
-                seg.buf[off : off + cut] = 0  # cut: the writer continues here
+                seg.buf[off : off + cut] = 0
                 seg.sync()
             offsets = np.concatenate(offsets_all)
             status = np.concatenate(status_all)

@@ -34,12 +34,11 @@ from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
     MIN_SEGMENT_BYTES,
-    RECORD_HEADER_BYTES,
     SEGMENT_HEADER_BYTES,
     max_tokens,
     record_bytes,
 )
-from .records import write_records
+from .records import segments_needed, write_records
 from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
@@ -110,12 +109,12 @@ class SegmentWriter:
         sizes = np.diff(offsets)
         if count and int(sizes.max()) > self.max_tokens:
             raise ValueError(f"record {int(np.argmax(sizes > self.max_tokens))} of {int(sizes.max())} tokens exceeds a segment ({self.max_tokens} tokens)")
-        if count:
-            self._reserve(sizes)  # all or nothing: DiskFull here writes nothing
         if cluster:
             order = np.lexsort((items["shape_band"], items["prefix_key"], items["model"])).astype(np.int64)
         else:
             order = np.arange(count, dtype=np.int64)
+        if count:
+            self._reserve(sizes, order)  # all or nothing: DiskFull here writes nothing
         seqs = np.empty(count, np.uint64)
         rec_offsets = np.empty(count, np.int64)
         segments = np.empty(count, np.uint64)
@@ -138,20 +137,18 @@ class SegmentWriter:
             self.sync()
         return seqs, segments, rec_offsets
 
-    def _reserve(self, sizes: np.ndarray) -> None:
-        """Allocate, before writing, every new segment this batch can need (spare files).
+    def _reserve(self, sizes: np.ndarray, order: np.ndarray) -> None:
+        """Allocate, before writing, every new segment this batch will need (spare files).
 
-        Records never straddle segments, so a segment loses less than one
-        record's bytes at its end: bound the need with the batch's largest.
+        The count replays the roll decision exactly (same order, same fit rule),
+        so a full disk fails here or never, and no spare outlives the batch.
         """
-        need = int(((RECORD_HEADER_BYTES + 4 * sizes + 7) & ~7).sum())
-        room = 0 if self._active is None else self._active.size - self._end
-        if need <= room:
-            return
-        largest = record_bytes(int(sizes.max()))
-        usable = max(self.segment_bytes - SEGMENT_HEADER_BYTES - largest, largest)
-        segments = -(-(need - max(0, room - largest)) // usable)
-        while len(self._spares) < segments:
+        if self._active is None:
+            end, size = self.segment_bytes, self.segment_bytes  # the first record rolls
+        else:
+            end, size = self._end, self._active.size
+        need = segments_needed(sizes[order], end, size, self.segment_bytes)
+        while len(self._spares) < need:
             self._spares.append(allocate_spare(self.directory, self.segment_bytes, sparse=self.sparse))
 
     def _roll(self) -> None:

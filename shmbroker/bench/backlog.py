@@ -1,0 +1,518 @@
+"""`shmbroker bench backlog`: the durable backlog (spill/) against the disk itself, in one run.
+
+One seeded workload of V token bytes (V = 1 GiB × scale): records of
+log-normal length (64..4096 tokens, median 512), random token ids, shape =
+(model, prefix family of 64, length band floor(log2 n)), appended in calls of
+256 records, shapes interleaved. Phases, each on a fresh directory:
+
+- disk:     `os.write` of the workload's V bytes in 8 MiB chunks to a new file,
+            then `fdatasync`, timed together (the baseline).
+- interval: `SegmentWriter.append_many` of the same V bytes, fsync="interval"
+            (default 5 ms), clock stopped after a final `sync()`; right after the
+            disk phase. Rates count token bytes (record headers are not counted).
+- read:     `Backlog.open`, pending records sorted in shape order (model,
+            prefix_key, shape_band, writer, seq) and cut into batches of one
+            shape, at most 256 records / 131,072 tokens, each read with
+            `Backlog.gather` into one batch buffer, from the page cache (the
+            files were just written). Only `gather` is on the clock; after each
+            batch every record's length and (Σt, Σt·(i+1)) are checked against
+            the workload. Pages per batch = distinct 4 KiB pages of the records'
+            byte ranges; extents = maximal runs of back-to-back records.
+- drain:    every pending record acked, `save_acks`, `reclaim`, `disk_bytes`.
+- never:    the same appends with fsync="never"; then again with
+            `cluster=False` (FIFO layout), whose pages/extents per batch are the
+            baseline for the shape-clustered layout.
+- recovery: a backlog of >= 1e9 × scale tokens in records of 4096 tokens, all
+            zero, over 4 writers, built so that the payloads stay holes:
+            * every writer's sealed segments are written by this module from the
+              byte tables in `spill/layout.py`: a sparse file (ftruncate) with a
+              real segment header, each record's real 64-byte header (length,
+              magic, seq, item id, shape fields, and the crc32c of header bytes
+              12..63 plus the zero payload, computed with the `crc32c` package
+              and cross-checked against `spill.records.record_crc`) written with
+              one `pwrite`, so only each record's header page is allocated; then
+              the `.idx` seal index (offsets + headers, checksummed);
+            * then `Backlog.open` and `Backlog.writer(w, fsync="never",
+              sparse=True)` append the rest of each writer's records through the
+              real write path (`write_records`, whose memcpy of the zero tokens
+              does allocate those pages: at most one segment per writer) into
+              its unsealed active segment; writers 0, 1 close clean, writers 2, 3
+              with clean=False, so recovery CRC-scans their active segments.
+            `recovery_seconds` is the first `Backlog.open()` call in a fresh
+            Python process (numba kernels loaded from the on-disk cache inside
+            that call; the page cache is warm: the files were just written).
+            The parent then reopens, checks counts, item ids and a sample of
+            records' CRCs and tokens, and drains it too (`recovery_disk_*`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import crc32c
+import numpy as np
+
+from ..spill import layout as L
+from ..spill.records import record_crc
+from ..spill.store import BACKLOG_DIR, Backlog
+
+SEED = 20261130
+VOLUME_BYTES = 1 << 30
+FAMILIES = 64
+MODELS = 2
+TOKENS_MIN, TOKENS_MAX, TOKENS_MEDIAN, TOKENS_SIGMA = 64, 4096, 512, 0.8
+APPEND_BATCH = 256
+READ_BATCH_ITEMS, READ_BATCH_TOKENS = 256, 131_072
+DISK_CHUNK_BYTES = 8 << 20
+PAGE_BYTES = 4096
+RECOVERY_TOKENS = 1_000_000_000
+RECOVERY_RECORD_TOKENS = 4096
+RECOVERY_WRITERS = 4
+RECOVERY_SAMPLE = 256
+SUM_CHUNK_TOKENS = 1 << 23
+PRIME_EXTRA_BYTES = 256 << 20
+PRODUCER_MAIN, PRODUCER_RECOVERY = 1, 2
+ID_MASK = (1 << 40) - 1
+
+
+def _plan(scale: float) -> dict:
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    seg = L.DEFAULT_SEGMENT_BYTES if scale >= 1 else max(256 << 10, int(L.DEFAULT_SEGMENT_BYTES * scale) // PAGE_BYTES * PAGE_BYTES)
+    return {
+        "volume_bytes": max(1 << 20, int(VOLUME_BYTES * scale)),
+        "recovery_tokens": max(RECOVERY_RECORD_TOKENS * 64, int(RECOVERY_TOKENS * scale)),
+        "segment_bytes": seg,
+    }
+
+
+# -- workload and checksums -----------------------------------------------------------
+
+
+def _workload(volume_bytes: int, seed: int = SEED):
+    """(flat uint32 tokens, offsets, ITEM_DTYPE items) of about volume_bytes of tokens."""
+    rng = np.random.default_rng(seed)
+    want = volume_bytes // 4
+    guess = int(want / (TOKENS_MEDIAN * np.exp(TOKENS_SIGMA**2 / 2)) * 1.2) + 16
+    lens = np.clip(rng.lognormal(np.log(TOKENS_MEDIAN), TOKENS_SIGMA, guess), TOKENS_MIN, TOKENS_MAX).astype(np.int64)
+    offsets = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    count = int(np.searchsorted(offsets, want, side="right")) - 1
+    assert 0 < count < lens.size, "lognormal guess too small"
+    offsets = offsets[: count + 1]
+    flat = rng.integers(0, 1 << 17, size=int(offsets[-1]), dtype=np.uint32)
+    family = rng.integers(0, FAMILIES, count).astype(np.uint64)
+    items = np.zeros(count, L.ITEM_DTYPE)
+    items["item_id"] = (PRODUCER_MAIN << 40) | np.arange(count, dtype=np.uint64)
+    items["producer"] = PRODUCER_MAIN
+    items["prefix_key"] = (family + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps: a spread 64-bit key
+    items["model"] = family % np.uint64(MODELS)
+    items["shape_band"] = np.floor(np.log2(lens[:count])).astype(np.uint32)  # as spill/collect.py
+    items["max_new_tokens"] = 128
+    return flat, offsets, items
+
+
+def _record_sums(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per record (Σt, Σt·(i+1)) in wrapping uint32, i the index inside the record (ring.digest's checksum)."""
+    n = offsets.size - 1
+    assert n == 0 or int(np.diff(offsets).min()) > 0, "reduceat needs non-empty records"
+    s1 = np.empty(n, np.uint32)
+    s2 = np.empty(n, np.uint32)
+    i = 0
+    while i < n:
+        j = min(n, max(i + 1, int(np.searchsorted(offsets, offsets[i] + SUM_CHUNK_TOKENS, side="right")) - 1))
+        lo, hi = int(offsets[i]), int(offsets[j])
+        t = flat[lo:hi]
+        starts = offsets[i:j] - lo
+        a = np.add.reduceat(t, starts, dtype=np.uint32)
+        b = np.add.reduceat(t * np.arange(1, hi - lo + 1, dtype=np.uint32), starts, dtype=np.uint32)
+        s1[i:j] = a
+        s2[i:j] = b - starts.astype(np.uint32) * a  # Σ t·(start+k+1) − start·Σt = Σ t·(k+1)
+        i = j
+    return s1, s2
+
+
+# -- writing ----------------------------------------------------------------------------
+
+
+def _prime_memory(nbytes: int) -> None:
+    """Touch and free nbytes of memory, so that the next phase's page cache meets host-backed pages.
+
+    On this VM (virtio-balloon free page reporting) memory freed for a few
+    seconds goes back to the host, and faulting it in again runs at ~0.5 GiB/s:
+    slower than the device. Every timed write phase starts right after this,
+    so that the baseline and the appends meet the same memory.
+    """
+    np.ones(nbytes, np.uint8)
+
+
+def _disk_write_seconds(path: Path, flat: np.ndarray) -> float:
+    view = memoryview(flat).cast("B")
+    _prime_memory(flat.nbytes + PRIME_EXTRA_BYTES)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for lo in range(0, len(view), DISK_CHUNK_BYTES):
+            chunk = view[lo : lo + DISK_CHUNK_BYTES]
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return seconds
+
+
+def _append_seconds(data_dir: Path, segment_bytes: int, flat, offsets, items, *, fsync: str, cluster: bool = True) -> float:
+    """Append the workload with one writer in calls of APPEND_BATCH records; seconds including a final sync()."""
+    backlog, _ = Backlog.open(data_dir, segment_bytes=segment_bytes)
+    writer = backlog.writer(0, fsync=fsync)
+    try:
+        count = items.size
+        _prime_memory(int(offsets[-1]) * 4 + PRIME_EXTRA_BYTES)
+        t0 = time.perf_counter()
+        for lo in range(0, count, APPEND_BATCH):
+            hi = min(count, lo + APPEND_BATCH)
+            writer.append_many(flat, offsets[lo : hi + 1], items[lo:hi], cluster=cluster)
+        writer.sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        writer.close()
+        backlog.close()
+    return seconds
+
+
+def _warm_kernels(data_dir: Path, flat, offsets, items, segment_bytes: int) -> None:
+    """Load every kernel the timed phases call (numba's cache) outside the clocks."""
+    _append_seconds(data_dir, segment_bytes, flat, offsets[:9], items[:8], fsync="never")
+    backlog, _ = Backlog.open(data_dir, segment_bytes=segment_bytes)
+    recs = backlog.pending()
+    out = np.empty(int(offsets[8]), np.uint32)
+    backlog.gather(recs, out, np.empty(recs.size + 1, np.int64))
+    backlog.close()
+    shutil.rmtree(data_dir)
+
+
+# -- reading in shape order ---------------------------------------------------------------
+
+
+def _shape_batches(pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(records in shape order, batch bounds): batch b is recs[bounds[b]:bounds[b+1]], one shape each."""
+    p = pending
+    recs = p[np.lexsort((p["seq"], p["writer"], p["shape_band"], p["prefix_key"], p["model"]))]
+    change = np.ones(recs.size, bool)
+    change[1:] = (recs["model"][1:] != recs["model"][:-1]) | (recs["prefix_key"][1:] != recs["prefix_key"][:-1]) | (recs["shape_band"][1:] != recs["shape_band"][:-1])
+    groups = np.r_[np.flatnonzero(change), recs.size]
+    cum = np.zeros(recs.size + 1, np.int64)
+    np.cumsum(recs["num_tokens"], out=cum[1:])
+    bounds = [0]
+    for g0, g1 in zip(groups[:-1], groups[1:]):
+        i = int(g0)
+        while i < g1:
+            fit = int(np.searchsorted(cum, cum[i] + READ_BATCH_TOKENS, side="right")) - 1
+            i = min(int(g1), i + READ_BATCH_ITEMS, fit)
+            bounds.append(i)
+    return recs, np.asarray(bounds, np.int64)
+
+
+def _layout_stats(recs: np.ndarray, bounds: np.ndarray) -> tuple[float, float]:
+    """Mean distinct 4 KiB pages and mean contiguous extents per batch (from offsets and lengths)."""
+    nb = bounds.size - 1
+    batch = np.repeat(np.arange(nb), np.diff(bounds))
+    lo = recs["offset"].astype(np.int64)
+    hi = lo + ((L.RECORD_HEADER_BYTES + 4 * recs["num_tokens"].astype(np.int64) + 7) & ~7)
+    order = np.lexsort((lo, recs["segment"], recs["writer"], batch))
+    b, w, s, lo, hi = batch[order], recs["writer"][order], recs["segment"][order], lo[order], hi[order]
+    same = np.zeros(b.size, bool)
+    same[1:] = (b[1:] == b[:-1]) & (w[1:] == w[:-1]) & (s[1:] == s[:-1])
+    prev_hi = np.r_[-1, hi[:-1]]
+    extents = ~(same & (lo == prev_hi))
+    first, last = lo // PAGE_BYTES, (hi - 1) // PAGE_BYTES
+    prev_last = np.r_[-1, last[:-1]]
+    pages = last - first + 1 - (same & (first == prev_last))
+    return float(pages.sum() / nb), float(extents.sum() / nb)
+
+
+def _read_back(backlog: Backlog, recs, bounds, lengths, sums) -> float:
+    """Gather every batch (timed); check each record's length and checksum (not timed). Returns seconds."""
+    out = np.empty(READ_BATCH_TOKENS, np.uint32)
+    out_offsets = np.empty(READ_BATCH_ITEMS + 1, np.int64)
+    seen = np.zeros(lengths.size, np.int64)
+    seconds = 0.0
+    for k in range(bounds.size - 1):
+        batch = recs[bounds[k] : bounds[k + 1]]
+        t0 = time.perf_counter()
+        total = backlog.gather(batch, out, out_offsets)
+        seconds += time.perf_counter() - t0
+        idx = (batch["item_id"] & np.uint64(ID_MASK)).astype(np.int64)
+        offs = out_offsets[: batch.size + 1]
+        if total != int(lengths[idx].sum()) or not np.array_equal(np.diff(offs), lengths[idx]):
+            raise AssertionError(f"batch {k}: record lengths differ from what was written")
+        s1, s2 = _record_sums(out, offs)
+        if not (np.array_equal(s1, sums[0][idx]) and np.array_equal(s2, sums[1][idx])):
+            bad = int(np.flatnonzero((s1 != sums[0][idx]) | (s2 != sums[1][idx]))[0])
+            raise AssertionError(f"batch {k}: item {int(idx[bad])} read back with a different checksum")
+        np.add.at(seen, idx, 1)
+    if not (seen == 1).all():
+        raise AssertionError(f"{int((seen == 0).sum())} items never read, {int((seen > 1).sum())} read twice")
+    return seconds
+
+
+def _drain(backlog: Backlog) -> tuple[int, int]:
+    """Ack everything pending, persist, reclaim: (disk bytes before, after)."""
+    before = backlog.disk_bytes()
+    pending = backlog.pending()
+    for w in np.unique(pending["writer"]):
+        backlog.ack(int(w), pending["seq"][pending["writer"] == w])
+    backlog.save_acks()
+    backlog.reclaim()
+    return before, backlog.disk_bytes()
+
+
+# -- the 1e9-token recovery backlog --------------------------------------------------------
+
+_SEGMENT_HEADER = struct.Struct("<QIIQQQ20x")  # layout.py: magic, version, writer, first_seq, capacity, created_ns
+
+
+def _record_headers(seqs: np.ndarray, ids: np.ndarray, num_tokens: int) -> np.ndarray:
+    """(n, 64) uint8 committed record headers for all-zero payloads of num_tokens (layout.py's record table)."""
+    n = seqs.size
+    length = L.record_bytes(num_tokens)
+    h = np.zeros((n, L.RECORD_HEADER_WORDS), np.uint32)
+    h64 = h.view(np.uint64)
+    h[:, L.R_LENGTH] = length
+    h[:, L.R_MAGIC] = L.RECORD_MAGIC
+    h64[:, L.R64_SEQ] = seqs
+    h64[:, L.R64_ITEM] = ids
+    h64[:, L.R64_PREFIX_KEY] = (ids & np.uint64(ID_MASK)) // np.uint64(512) + np.uint64(1)
+    h[:, L.R_PRODUCER] = PRODUCER_RECOVERY
+    h[:, L.R_NUM_TOKENS] = num_tokens
+    h[:, L.R_MAX_NEW] = 128
+    h[:, L.R_BAND] = int(np.log2(num_tokens))
+    raw = h.view(np.uint8)
+    zeros = bytes(length - L.RECORD_HEADER_BYTES)
+    for r in range(n):
+        h[r, L.R_CRC] = crc32c.crc32c(zeros, crc32c.crc32c(raw[r, 12:].tobytes()))
+    return raw
+
+
+def _write_sealed_segment(wdir: Path, writer: int, first_seq: int, segment_bytes: int, ids: np.ndarray, num_tokens: int) -> None:
+    """A sealed segment whose payloads are holes: header, record headers (one pwrite each), .idx."""
+    length = L.record_bytes(num_tokens)
+    n = ids.size
+    offsets = L.SEGMENT_HEADER_BYTES + length * np.arange(n, dtype=np.int64)
+    end = L.SEGMENT_HEADER_BYTES + length * n
+    headers = _record_headers(first_seq + np.arange(n, dtype=np.uint64), ids, num_tokens)
+    head = _SEGMENT_HEADER.pack(L.SEGMENT_MAGIC, L.LAYOUT_VERSION, writer, first_seq, segment_bytes, time.time_ns())
+    fd = os.open(wdir / L.segment_name(first_seq), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, -(-end // PAGE_BYTES) * PAGE_BYTES)  # as a seal cuts it
+        os.pwrite(fd, head + struct.pack("<I", crc32c.crc32c(head)), 0)
+        for r in range(n):
+            os.pwrite(fd, headers[r], int(offsets[r]))
+    finally:
+        os.close(fd)
+    entries = np.empty((n, L.IDX_ENTRY_BYTES), np.uint8)
+    entries[:, :8] = offsets.astype("<u8").view(np.uint8).reshape(n, 8)
+    entries[:, 8:] = headers
+    body = entries.tobytes()
+    idx_head = struct.pack("<QQQ", L.IDX_MAGIC, n, end).ljust(L.IDX_HEADER_BYTES - 4, b"\0")
+    (wdir / L.idx_name(first_seq)).write_bytes(idx_head + struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(idx_head))) + body)
+
+
+def _check_header_crc(num_tokens: int) -> None:
+    """This module's record CRC equals spill's own (records.record_crc) on one record."""
+    raw = _record_headers(np.array([7], np.uint64), np.array([(PRODUCER_RECOVERY << 40) | 7], np.uint64), num_tokens)
+    rec = np.zeros(L.record_bytes(num_tokens), np.uint8)
+    rec[: L.RECORD_HEADER_BYTES] = raw[0]
+    crc = int(record_crc(rec, 0, rec.size))
+    assert crc == int(raw[0].view(np.uint32)[L.R_CRC]), "hand-built record CRC differs from spill.records.record_crc"
+
+
+def _build_recovery_backlog(data_dir: Path, total_tokens: int, segment_bytes: int) -> dict:
+    n_tok = RECOVERY_RECORD_TOKENS
+    _check_header_crc(n_tok)
+    records = -(-total_tokens // n_tok)
+    per_seg = (segment_bytes - L.SEGMENT_HEADER_BYTES) // L.record_bytes(n_tok)
+    root = data_dir / BACKLOG_DIR
+    root.mkdir(mode=0o700, parents=True)
+    os.chmod(data_dir, 0o700)
+    shares = [records // RECOVERY_WRITERS + (w < records % RECOVERY_WRITERS) for w in range(RECOVERY_WRITERS)]
+    first_id = np.cumsum([0] + shares)
+    tails = []
+    for w, share in enumerate(shares):
+        wdir = root / L.writer_dir_name(w)
+        wdir.mkdir(mode=0o700)
+        sealed = (share - 1) // per_seg
+        for k in range(sealed):
+            ids = (PRODUCER_RECOVERY << 40) | np.arange(first_id[w] + k * per_seg, first_id[w] + (k + 1) * per_seg, dtype=np.uint64)
+            _write_sealed_segment(wdir, w, k * per_seg, segment_bytes, ids, n_tok)
+        tails.append((sealed * per_seg, share - sealed * per_seg))
+    backlog, report = Backlog.open(data_dir, segment_bytes=segment_bytes)
+    if report.records != sum(done for done, _ in tails) or report.torn_records or report.quarantined:
+        raise AssertionError(f"hand-built sealed segments did not recover as built: {report.as_dict()}")
+    flat = np.zeros(APPEND_BATCH * n_tok, np.uint32)
+    offsets = np.arange(0, flat.size + 1, n_tok, dtype=np.int64)
+    items = np.zeros(APPEND_BATCH, L.ITEM_DTYPE)
+    items["producer"], items["max_new_tokens"], items["shape_band"] = PRODUCER_RECOVERY, 128, int(np.log2(n_tok))
+    for w, (done, tail) in enumerate(tails):
+        writer = backlog.writer(w, fsync="never", sparse=True)
+        assert writer.next_seq == done
+        while tail:
+            c = min(APPEND_BATCH, tail)
+            local = np.arange(done, done + c, dtype=np.uint64)
+            items["item_id"][:c] = (PRODUCER_RECOVERY << 40) | (local + np.uint64(first_id[w]))
+            items["prefix_key"][:c] = (local + np.uint64(first_id[w])) // np.uint64(512) + np.uint64(1)
+            writer.append_many(flat, offsets[: c + 1], items[:c])
+            done, tail = done + c, tail - c
+        writer.close(clean=w < RECOVERY_WRITERS // 2)
+    backlog.close()
+    return {"records": records, "tokens": records * n_tok, "writers": RECOVERY_WRITERS}
+
+
+_RECOVER_SCRIPT = """
+import json, sys, time
+t0 = time.perf_counter()
+from shmbroker.spill.store import Backlog
+t1 = time.perf_counter()
+backlog, report = Backlog.open(sys.argv[1], segment_bytes=int(sys.argv[2]))
+t2 = time.perf_counter()
+out = report.as_dict()
+out["quarantined"] = len(out["quarantined"])
+out.update(open_seconds=t2 - t1, import_seconds=t1 - t0)
+print(json.dumps(out))
+"""
+
+
+def _recover_in_fresh_process(data_dir: Path, segment_bytes: int) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECOVER_SCRIPT, str(data_dir), str(segment_bytes)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+
+
+def _verify_recovered(backlog: Backlog, report, built: dict) -> None:
+    if report.records != built["records"] or report.tokens != built["tokens"] or report.pending_records != built["records"]:
+        raise AssertionError(f"recovered {report.records} records / {report.tokens} tokens, built {built}")
+    if report.torn_records or report.quarantined:
+        raise AssertionError(f"recovery cut {report.torn_records} tails, quarantined {len(report.quarantined)}")
+    pending = backlog.pending()
+    ids = np.sort(pending["item_id"] & np.uint64(ID_MASK))
+    if not np.array_equal(ids, np.arange(built["records"], dtype=np.uint64)):
+        raise AssertionError("recovered item ids are not each built record exactly once")
+    sample = pending[np.random.default_rng(SEED).choice(pending.size, min(RECOVERY_SAMPLE, pending.size), replace=False)]
+    for rec in sample:
+        seg = backlog.segment(int(rec["writer"]), int(rec["segment"]))
+        off = int(rec["offset"])
+        words = seg.buf[off : off + L.RECORD_HEADER_BYTES].view(np.uint32)
+        length = int(words[L.R_LENGTH])
+        if crc32c.crc32c(seg.buf[off + 12 : off + length]) != int(words[L.R_CRC]):
+            raise AssertionError(f"record {rec} fails its CRC")
+        if backlog.tokens(rec).any() or backlog.tokens(rec).size != RECOVERY_RECORD_TOKENS:
+            raise AssertionError(f"record {rec} does not hold {RECOVERY_RECORD_TOKENS} zero tokens")
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def data_root() -> Path:
+    return Path(tempfile.gettempdir()) / f"shmbroker-bench-backlog-{os.getuid()}"
+
+
+def run(scale: float = 1.0) -> dict:
+    plan = _plan(scale)
+    seg_bytes = plan["segment_bytes"]
+    root = data_root()
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(mode=0o700)
+    try:
+        flat, offsets, items = _workload(plan["volume_bytes"])
+        lengths = np.diff(offsets)
+        sums = _record_sums(flat, offsets)
+        volume = flat.nbytes
+        _warm_kernels(root / "warm", flat, offsets, items, seg_bytes)
+        disk_s = _disk_write_seconds(root / "disk.bin", flat)
+        append_s = _append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
+
+        backlog, _ = Backlog.open(root / "interval", segment_bytes=seg_bytes)
+        recs, bounds = _shape_batches(backlog.pending())
+        if recs.size != items.size:
+            raise AssertionError(f"{recs.size} records pending after the append, {items.size} appended")
+        read_s = _read_back(backlog, recs, bounds, lengths, sums)
+        pages, extents = _layout_stats(recs, bounds)
+        before, after = _drain(backlog)
+        writers = len(np.unique(recs["writer"]))
+        backlog.close()
+        shutil.rmtree(root / "interval")
+
+        never_s = _append_seconds(root / "never", seg_bytes, flat, offsets, items, fsync="never")
+        shutil.rmtree(root / "never")
+        fifo_s = _append_seconds(root / "fifo", seg_bytes, flat, offsets, items, fsync="never", cluster=False)
+        backlog, _ = Backlog.open(root / "fifo", segment_bytes=seg_bytes)
+        pages_fifo, extents_fifo = _layout_stats(*_shape_batches(backlog.pending()))
+        backlog.close()
+        shutil.rmtree(root / "fifo")
+        del flat, sums
+
+        t0 = time.perf_counter()
+        built = _build_recovery_backlog(root / "recovery", plan["recovery_tokens"], seg_bytes)
+        build_s = time.perf_counter() - t0
+        recovered, process_s = _recover_in_fresh_process(root / "recovery", seg_bytes)
+        backlog, report = Backlog.open(root / "recovery", segment_bytes=seg_bytes)
+        _verify_recovered(backlog, report, built)
+        rec_before, rec_after = _drain(backlog)
+        backlog.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    tokens = volume // 4
+    result = {
+        "disk_write_bytes_per_s": volume / disk_s,
+        "append_bytes_per_s": volume / append_s,
+        "append_tokens_per_s": tokens / append_s,
+        "append_never_bytes_per_s": volume / never_s,
+        "append_never_fifo_bytes_per_s": volume / fifo_s,
+        "read_bytes_per_s": volume / read_s,
+        "read_tokens_per_s": tokens / read_s,
+        "pages_per_batch": pages,
+        "extents_per_batch": extents,
+        "pages_per_batch_fifo": pages_fifo,
+        "extents_per_batch_fifo": extents_fifo,
+        "records_per_batch": float(items.size / (bounds.size - 1)),
+        "read_batches": int(bounds.size - 1),
+        "recovery_seconds": float(recovered["open_seconds"]),
+        "recovery_tokens": int(recovered["tokens"]),
+        "recovery_records": int(recovered["records"]),
+        "recovery_segments": int(recovered["segments"]),
+        "recovery_scanned_segments": int(recovered["scanned_segments"]),
+        "recovery_clean_writers": int(recovered["clean_writers"]),
+        "recovery_process_seconds": process_s,
+        "recovery_build_seconds": build_s,
+        "recovery_disk_bytes_before_drain": rec_before,
+        "recovery_disk_bytes_after_drain": rec_after,
+        "recovery_writers": built["writers"],
+        "disk_bytes_before_drain": before,
+        "disk_bytes_after_drain": after,
+        "segment_bytes": seg_bytes,
+        "writers": writers,
+        "records": int(items.size),
+        "volume_bytes": volume,
+        "disk_write_seconds": disk_s,
+        "append_seconds": append_s,
+        "read_seconds": read_s,
+        "verified": True,
+        "cpus": os.cpu_count(),
+    }
+    result["append_vs_disk"] = result["append_bytes_per_s"] / result["disk_write_bytes_per_s"]
+    return result
