@@ -48,6 +48,13 @@ class Acks:
 
     # -- updates -------------------------------------------------------------------
 
+    def high(self, writer: int) -> int:
+        """One past the highest sequence number of `writer` marked done (0 when none)."""
+        self.compact()
+        r = self.ranges.get(writer)
+        top = int(r[-1, 1]) if r is not None and r.size else 0
+        return max(top, self.cursor.get(writer, 0))
+
     def ack(self, writer: int, seqs) -> None:
         """Mark these sequence numbers of `writer` done (any order, duplicates fine)."""
         arr = np.atleast_1d(np.asarray(seqs, dtype=np.uint64))
@@ -194,13 +201,17 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
+        raise
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

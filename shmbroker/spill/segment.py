@@ -147,6 +147,11 @@ def allocate_spare(directory: Path, size: int, *, sparse: bool = False) -> Path:
 
 def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) -> None:
     """Seal: the header index of a full segment (offsets of its records, in order)."""
+    atomic_write(directory / idx_name(seg.first_seq), idx_bytes(seg, offsets, end), FILE_MODE)
+
+
+def idx_bytes(seg: SegmentFile, offsets: np.ndarray, end: int) -> bytes:
+    """The content of a segment's header index (layout.py)."""
     offsets = np.asarray(offsets, np.uint64)
     entries = np.empty((offsets.size, IDX_ENTRY_BYTES), np.uint8)
     entries[:, :8] = offsets.astype("<u8").view(np.uint8).reshape(-1, 8)
@@ -156,7 +161,7 @@ def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) 
     body = entries.tobytes()
     head = struct.pack("<QQQ", IDX_MAGIC, offsets.size, end).ljust(IDX_HEADER_BYTES - 4, b"\0")
     head += struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(head)))
-    atomic_write(directory / idx_name(seg.first_seq), head + body, FILE_MODE)
+    return head + body
 
 
 def read_idx(path: Path) -> tuple[np.ndarray, np.ndarray, int] | None:

@@ -140,6 +140,9 @@ class Backlog:
     def _recover_writer(self, wdir: Path, writer: int, report: RecoveryReport) -> tuple[_WriterState, list[np.ndarray]]:
         firsts = sorted(int(p.stem) for p in wdir.glob("*.seg") if p.stem.isdigit())
         state = _WriterState(writer, list(firsts), {})
+        for path in wdir.glob("*.corrupt"):  # set aside earlier: never reuse its sequence numbers
+            if path.stem.isdigit():
+                state.next_seq = max(state.next_seq, int(path.stem) + path.stat().st_size // RECORD_HEADER_BYTES + 1)
         clean = read_clean_marker(wdir)
         parts = []
         if clean is not None:
@@ -174,7 +177,7 @@ class Backlog:
             if not last:
                 next_seq = max(next_seq, firsts[k + 1])
             state.seg_end_seq[first] = next_seq
-            state.next_seq = next_seq
+            state.next_seq = max(state.next_seq, next_seq)
             # sequence numbers inside the segment that are not live records (quarantined, cut) are done
             expected = np.arange(first, next_seq, dtype=np.uint64)
             missing = np.setdiff1d(expected, recs["seq"], assume_unique=True) if recs.size != expected.size else expected[:0]
@@ -243,10 +246,17 @@ class Backlog:
         if state.segments and not (wdir / idx_name(state.segments[-1])).exists():
             # the newest segment is unsealed: continue in it (a sealed one makes the writer start a new one)
             active = SegmentFile.open(wdir / f"{state.segments[-1]:020d}.seg", writable=True)
+        # Never below a number the ack file marks done (a power loss can take the last
+        # records' pages but keep their acks): a new record there would vanish. Sequence
+        # numbers run without gaps inside a segment, so a jump starts a new one.
+        next_seq = max(state.next_seq, self.acks.high(writer))
+        if active is not None and next_seq != state.next_seq:
+            active.close()
+            active = None
         return SegmentWriter(
             wdir,
             writer,
-            next_seq=state.next_seq,
+            next_seq=next_seq,
             active=active,
             active_end=state.active_end,
             active_offsets=list(state.active_offsets),

@@ -22,6 +22,7 @@ is back-pressure on the producers), and the next call tries again.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
@@ -30,16 +31,18 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_FSYNC_INTERVAL_MS
+from .acks import atomic_write
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
     MIN_SEGMENT_BYTES,
     SEGMENT_HEADER_BYTES,
+    idx_name,
     max_tokens,
     record_bytes,
 )
 from .records import segments_needed, write_records
-from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, write_clean_marker, write_idx
+from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_bytes, write_clean_marker
 
 FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
@@ -85,6 +88,7 @@ class SegmentWriter:
         self._stop = threading.Event()
         self._thread = None
         self.num_segments_created = 0
+        self.num_unindexed_seals = 0  # seals whose index did not fit on a full disk
         self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
         (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
         fsync_dir(self.directory)
@@ -165,17 +169,28 @@ class SegmentWriter:
             self.num_segments_created += 1
 
     def _seal(self, seg: SegmentFile) -> None:
+        """Sync, cut the file to its used length, write its header index.
+
+        The index is an optimisation: when the disk is too full to write it,
+        the segment stays sealed without one and recovery scans it.
+        """
         offsets = np.concatenate(self._offsets) if self._offsets else np.empty(0, np.int64)
         if self.fsync != "never":
             seg.sync()
-        write_idx(self.directory, seg, offsets, self._end)
+        index = idx_bytes(seg, offsets, self._end)
         used = -(-self._end // PAGE_BYTES) * PAGE_BYTES
         fd = os.dup(seg.fd)
         seg.close()
         try:
-            os.ftruncate(fd, used)  # give back the preallocated tail
+            os.ftruncate(fd, used)  # give back the preallocated tail (first: it makes room for the index)
         finally:
             os.close(fd)
+        try:
+            atomic_write(self.directory / idx_name(seg.first_seq), index, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.num_unindexed_seals += 1
 
     # -- durability ----------------------------------------------------------------
 
