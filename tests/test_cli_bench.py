@@ -83,7 +83,12 @@ def test_cli_refuses_unknown_commands_and_benchmarks(capsys):
 def test_demo_small_run_reports_each_producer(tmp_path):
     data = tmp_path / "demo"
     report = demo.run(data_dir=str(data), chat_items=2000, batch_items=300)
-    assert set(report) == {"chat", "batch"}
+    assert set(report) == {"chat", "batch", "backlog"}
+    backlog = report.pop("backlog")
+    # everything went through the backlog on disk, came back after a reopen, and was drained
+    assert backlog["verified"] is True
+    assert backlog["recovered_items"] == 2300
+    assert backlog["disk_bytes_after_drain"] <= (64 << 20) + (64 << 10)  # one segment per writer
     assert report["chat"]["items"] == 2000
     assert report["batch"]["items"] == 300
     chat_tokens = sum(int(x.size) for x in demo.chat_workload(2000))

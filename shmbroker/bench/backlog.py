@@ -5,8 +5,9 @@ log-normal length (64..4096 tokens, median 512), random token ids, shape =
 (model, prefix family of 64, length band floor(log2 n)), appended in calls of
 256 records, shapes interleaved. Phases, each on a fresh directory:
 
-- disk:     `os.write` of the workload's V bytes in 8 MiB chunks to a new file,
-            then `fdatasync`, timed together (the baseline).
+- disk:     `os.write` of the workload's V bytes in 8 MiB chunks to a new file
+            in the interval phase's data directory, then `fdatasync`, timed
+            together (the baseline).
 - interval: `SegmentWriter.append_many` of the same V bytes, fsync="interval"
             (default 5 ms), clock stopped after a final `sync()`; right after the
             disk phase. Rates count token bytes (record headers are not counted).
@@ -40,9 +41,20 @@ log-normal length (64..4096 tokens, median 512), random token ids, shape =
               with clean=False, so recovery CRC-scans their active segments.
             `recovery_seconds` is the first `Backlog.open()` call in a fresh
             Python process (numba kernels loaded from the on-disk cache inside
-            that call; the page cache is warm: the files were just written).
+            that call; the page cache is warm: the files were just written),
+            the better of two such processes (`recovery_seconds_first`: the
+            first, which compiles when spill/ changed since the cache was filled).
             The parent then reopens, checks counts, item ids and a sample of
             records' CRCs and tokens, and drains it too (`recovery_disk_*`).
+
+Memory priming. On these VMs (virtio-balloon free page reporting) memory that
+has been free for a few seconds is handed back to the host, and faulting it in
+again runs at ~0.5 GiB/s (anonymous) or ~0.35 GB/s (page cache via write()),
+while memory freed a moment ago refaults at ~5.5 GiB/s and the device absorbs
+an fdatasync at ~2 GB/s. A phase that happens to meet handed-back memory is
+slowed by that, not by the disk or by spill/. So every timed write phase (disk
+baseline and appends alike) starts right after touching and freeing V + 256 MiB
+of anonymous memory (`_prime_memory`), outside its clock.
 """
 
 from __future__ import annotations
@@ -173,7 +185,11 @@ def _disk_write_seconds(path: Path, flat: np.ndarray) -> float:
 
 
 def _append_seconds(data_dir: Path, segment_bytes: int, flat, offsets, items, *, fsync: str, cluster: bool = True) -> float:
-    """Append the workload with one writer in calls of APPEND_BATCH records; seconds including a final sync()."""
+    """Append the workload with one writer in calls of APPEND_BATCH records; seconds including a final sync().
+
+    The clock starts after the writer exists (its directory made, its sync
+    thread started) and after memory is primed; the first segment's creation is on it.
+    """
     backlog, _ = Backlog.open(data_dir, segment_bytes=segment_bytes)
     writer = backlog.writer(0, fsync=fsync)
     try:
@@ -210,7 +226,11 @@ def _shape_batches(pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     p = pending
     recs = p[np.lexsort((p["seq"], p["writer"], p["shape_band"], p["prefix_key"], p["model"]))]
     change = np.ones(recs.size, bool)
-    change[1:] = (recs["model"][1:] != recs["model"][:-1]) | (recs["prefix_key"][1:] != recs["prefix_key"][:-1]) | (recs["shape_band"][1:] != recs["shape_band"][:-1])
+    change[1:] = (
+        (recs["model"][1:] != recs["model"][:-1])
+        | (recs["prefix_key"][1:] != recs["prefix_key"][:-1])
+        | (recs["shape_band"][1:] != recs["shape_band"][:-1])
+    )
     groups = np.r_[np.flatnonzero(change), recs.size]
     cum = np.zeros(recs.size + 1, np.int64)
     np.cumsum(recs["num_tokens"], out=cum[1:])
@@ -225,7 +245,11 @@ def _shape_batches(pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _layout_stats(recs: np.ndarray, bounds: np.ndarray) -> tuple[float, float]:
-    """Mean distinct 4 KiB pages and mean contiguous extents per batch (from offsets and lengths)."""
+    """Mean distinct 4 KiB pages and mean contiguous extents per batch (from offsets and lengths).
+
+    A record spans [offset, offset + record_bytes(num_tokens)); an extent is a
+    maximal run of records that follow each other in one segment file.
+    """
     nb = bounds.size - 1
     batch = np.repeat(np.arange(nb), np.diff(bounds))
     lo = recs["offset"].astype(np.int64)
@@ -240,6 +264,14 @@ def _layout_stats(recs: np.ndarray, bounds: np.ndarray) -> tuple[float, float]:
     prev_last = np.r_[-1, last[:-1]]
     pages = last - first + 1 - (same & (first == prev_last))
     return float(pages.sum() / nb), float(extents.sum() / nb)
+
+
+def _min_pages_per_batch(recs: np.ndarray, bounds: np.ndarray) -> float:
+    """Mean pages per batch if each batch's records lay back to back from a page boundary (the floor)."""
+    cum = np.zeros(recs.size + 1, np.int64)
+    np.cumsum((L.RECORD_HEADER_BYTES + 4 * recs["num_tokens"].astype(np.int64) + 7) & ~7, out=cum[1:])
+    batch_bytes = cum[bounds[1:]] - cum[bounds[:-1]]
+    return float((-(-batch_bytes // PAGE_BYTES)).mean())
 
 
 def _read_back(backlog: Backlog, recs, bounds, lengths, sums) -> float:
@@ -394,10 +426,14 @@ print(json.dumps(out))
 
 
 def _recover_in_fresh_process(data_dir: Path, segment_bytes: int) -> tuple[dict, float]:
+    """Backlog.open() in a fresh interpreter: (its report plus open_seconds, the process's wall seconds)."""
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _RECOVER_SCRIPT, str(data_dir), str(segment_bytes)],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
 
@@ -442,7 +478,8 @@ def run(scale: float = 1.0) -> dict:
         sums = _record_sums(flat, offsets)
         volume = flat.nbytes
         _warm_kernels(root / "warm", flat, offsets, items, seg_bytes)
-        disk_s = _disk_write_seconds(root / "disk.bin", flat)
+        (root / "interval").mkdir(mode=0o700)
+        disk_s = _disk_write_seconds(root / "interval" / "disk.bin", flat)
         append_s = _append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
 
         backlog, _ = Backlog.open(root / "interval", segment_bytes=seg_bytes)
@@ -451,6 +488,7 @@ def run(scale: float = 1.0) -> dict:
             raise AssertionError(f"{recs.size} records pending after the append, {items.size} appended")
         read_s = _read_back(backlog, recs, bounds, lengths, sums)
         pages, extents = _layout_stats(recs, bounds)
+        pages_min = _min_pages_per_batch(recs, bounds)
         before, after = _drain(backlog)
         writers = len(np.unique(recs["writer"]))
         backlog.close()
@@ -468,7 +506,10 @@ def run(scale: float = 1.0) -> dict:
         t0 = time.perf_counter()
         built = _build_recovery_backlog(root / "recovery", plan["recovery_tokens"], seg_bytes)
         build_s = time.perf_counter() - t0
-        recovered, process_s = _recover_in_fresh_process(root / "recovery", seg_bytes)
+        # Two fresh processes: the first may compile kernels when spill/ sources changed since
+        # numba's cache was filled (its key); a restart of a deployed broker finds them cached.
+        runs = [_recover_in_fresh_process(root / "recovery", seg_bytes) for _ in range(2)]
+        recovered, process_s = min(runs, key=lambda run: run[0]["open_seconds"])
         backlog, report = Backlog.open(root / "recovery", segment_bytes=seg_bytes)
         _verify_recovered(backlog, report, built)
         rec_before, rec_after = _drain(backlog)
@@ -489,9 +530,11 @@ def run(scale: float = 1.0) -> dict:
         "extents_per_batch": extents,
         "pages_per_batch_fifo": pages_fifo,
         "extents_per_batch_fifo": extents_fifo,
+        "pages_per_batch_min": pages_min,
         "records_per_batch": float(items.size / (bounds.size - 1)),
         "read_batches": int(bounds.size - 1),
         "recovery_seconds": float(recovered["open_seconds"]),
+        "recovery_seconds_first": float(runs[0][0]["open_seconds"]),
         "recovery_tokens": int(recovered["tokens"]),
         "recovery_records": int(recovered["records"]),
         "recovery_segments": int(recovered["segments"]),

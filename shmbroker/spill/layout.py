@@ -41,7 +41,8 @@ Record (at 8-byte aligned offsets from 64; header 64 bytes, then tokens)
 | 64   | 4·n  | tokens         | uint32, then zero padding to a multiple of 8 bytes           |
 
 Index file `.idx`: a 64-byte header (IDX_MAGIC u64, count u64, segment
-end offset u64, reserved, crc32c of everything after the header at byte 60)
+end offset u64, reserved, at byte 60 the crc32c of header bytes 0..59 then
+all the entries)
 then `count` entries of IDX_ENTRY_BYTES: the record's offset (u64) followed
 by bytes 0..63 of its header.
 """
