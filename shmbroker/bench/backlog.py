@@ -3,7 +3,8 @@
 One seeded workload of V token bytes (V = 1 GiB × scale): records of
 log-normal length (64..4096 tokens, median 512), random token ids, shape =
 (model, prefix family of 64, length band floor(log2 n)), appended in calls of
-256 records, shapes interleaved. Phases, each on a fresh directory:
+APPEND_BATCH records (the ingest's batch: `ingest.BATCH_RECORDS`), shapes
+interleaved. Phases, each on a fresh directory:
 
 - disk:     `os.write` of the workload's V bytes in 8 MiB chunks to a new file
             in the interval phase's data directory, then `fdatasync`, timed
@@ -72,6 +73,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from ..ingest import BATCH_RECORDS
 from ..spill import layout as L
 from ..spill.records import record_crc
 from ..spill.store import BACKLOG_DIR, Backlog
@@ -81,7 +83,7 @@ VOLUME_BYTES = 1 << 30
 FAMILIES = 64
 MODELS = 2
 TOKENS_MIN, TOKENS_MAX, TOKENS_MEDIAN, TOKENS_SIGMA = 64, 4096, 512, 0.8
-APPEND_BATCH = 256
+APPEND_BATCH = BATCH_RECORDS  # what one ingest pass hands the writer at most
 READ_BATCH_ITEMS, READ_BATCH_TOKENS = 256, 131_072
 DISK_CHUNK_BYTES = 8 << 20
 PAGE_BYTES = 4096
