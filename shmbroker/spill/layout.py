@@ -28,7 +28,7 @@ Record (at 8-byte aligned offsets from 64; header 64 bytes, then tokens)
 |      |      |                | 0 = no record here (end of data). Written LAST: it commits.  |
 | 4    | 4    | magic          | RECORD_MAGIC                                                 |
 | 8    | 4    | crc            | crc32c of bytes 12..63 and the tokens                        |
-| 12   | 4    | flags          | 0                                                            |
+| 12   | 4    | flags          | FLAG_CONT: not the first record of its write (see below)     |
 | 16   | 8    | seq            | the record's sequence number (writer-local)                  |
 | 24   | 8    | item_id        | producer_id << 40 | producer seq                             |
 | 32   | 8    | prefix_key     | the shape's prefix key (block-hash family)                   |
@@ -39,6 +39,14 @@ Record (at 8-byte aligned offsets from 64; header 64 bytes, then tokens)
 | 56   | 4    | max_new_tokens |                                                              |
 | 60   | 4    | shape_band     | length band the writer clustered it in                       |
 | 64   | 4·n  | tokens         | uint32, then zero padding to a multiple of 8 bytes           |
+
+Writes and commits. The writer stages a run of records in memory and
+writes it with one `pwrite` whose first record's length word is still 0,
+then writes that length word (4 bytes) last: the run, all its records, is
+committed by that store. Every record of a run but the first carries
+FLAG_CONT, so recovery never takes the records of a run whose first length
+word was never written (a zero length word followed by bytes) for committed
+ones: it resynchronises only on a record without FLAG_CONT.
 
 Index file `.idx`: a 64-byte header (IDX_MAGIC u64, count u64, segment
 end offset u64, reserved, at byte 60 the crc32c of header bytes 0..59 then
@@ -55,6 +63,7 @@ from ..config import DEFAULT_SEGMENT_BYTES  # noqa: F401  (re-exported: the spil
 
 SEGMENT_MAGIC = 0x3147455342484D53  # "SHMBSEG1"
 RECORD_MAGIC = 0x52424D53  # "SMBR"
+FLAG_CONT = 0x80000000  # record flags: a record after the first of its write (run)
 IDX_MAGIC = 0x3158444942484D53  # "SHMBIDX1"
 LAYOUT_VERSION = 1
 

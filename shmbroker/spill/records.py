@@ -19,6 +19,7 @@ from ..jit import kernel
 from ..ring.atomics import load_acquire, memcpy, store_release
 from .crc import crc32c_final, crc32c_init, crc32c_update
 from .layout import (
+    FLAG_CONT,
     R64_ITEM,
     R64_PREFIX_KEY,
     R64_SEQ,
@@ -58,8 +59,10 @@ def record_crc(seg, off, length):
 def write_records(seg, offset, end_limit, flat, offsets, items, order, first, seq0, out_seq, out_offset):
     """Write records order[first], order[first+1], ... at `offset` until one does not fit.
 
-    Record order[k] gets sequence number seq0 + (k - first). Fills
-    out_seq/out_offset at the input index. Returns (records written, new offset).
+    Record order[k] gets sequence number seq0 + (k - first); every record but
+    the first carries FLAG_CONT (they form one run, committed together by the
+    caller). Fills out_seq/out_offset at the input index. Returns (records
+    written, new offset).
     """
     words = seg.view(np.uint32)
     words64 = seg.view(np.uint64)
@@ -73,7 +76,7 @@ def write_records(seg, offset, end_limit, flat, offsets, items, order, first, se
             break
         w = offset >> 2
         words[w + R_MAGIC] = RECORD_MAGIC
-        words[w + R_FLAGS] = items[i].flags
+        words[w + R_FLAGS] = items[i].flags | (FLAG_CONT if k > first else 0)
         words64[(offset >> 3) + R64_SEQ] = seq0 + (k - first)
         words64[(offset >> 3) + R64_ITEM] = items[i].item_id
         words64[(offset >> 3) + R64_PREFIX_KEY] = items[i].prefix_key
@@ -165,13 +168,17 @@ def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
             off += length
             next_seq += 1
             continue
-        # A broken frame: look for the next valid record (sequence next_seq + j).
+        # A broken frame: look for the next valid record (sequence next_seq + j). After a
+        # run's first record with a zero length word (a run whose commit word was never
+        # written), only the first record of a later run can start committed data again.
+        heads_only = length == 0 and (words[(off >> 2) + R_FLAGS] & FLAG_CONT) == 0
         probe = off + 8
         found = -1
         while probe + RECORD_HEADER_BYTES <= end and found < 0:
             if words[(probe >> 2) + R_MAGIC] == RECORD_MAGIC:
                 seq = np.int64(seg.view(np.uint64)[(probe >> 3) + R64_SEQ])
-                if seq > next_seq and seq - next_seq < 1 << 20 and _frame_ok(seg, probe, end, seq):
+                head_ok = not heads_only or (words[(probe >> 2) + R_FLAGS] & FLAG_CONT) == 0
+                if head_ok and seq > next_seq and seq - next_seq < 1 << 20 and _frame_ok(seg, probe, end, seq):
                     ln = words[(probe >> 2) + R_LENGTH]
                     if record_crc(seg, probe, ln) == words[(probe >> 2) + R_CRC]:
                         found = probe
