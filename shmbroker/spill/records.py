@@ -1,14 +1,16 @@
 """Record kernels over a mapped segment (layout: `layout.py`): write, scan, gather.
 
-`write_records` copies a batch into the segment in a given order (the writer
-clusters by shape), computing each record's CRC32C in the same pass, and
-commits each record by storing its length word last (a release store: a
-reader in another process that sees the length sees the record). `scan`
+`write_records` lays out a run of records in a buffer in a given order (the
+writer clusters by shape and stages runs in memory), computing each record's
+CRC32C in the same pass and storing each length word after the rest of its
+record; every record after the first of the run is flagged FLAG_CONT (the
+writer commits the run by writing the first length word last). `scan`
 walks records from an offset and checks each one right after reading it
 (magic, length, sequence, optionally the CRC): it stops at the end of the
 data, skips (quarantines) a record whose frame is sound but whose CRC fails,
-resynchronises past a broken frame when a valid record follows, and
-otherwise reports the torn tail it cut.
+resynchronises past a broken frame when a valid record follows (only on a
+run's first record after an uncommitted run), and otherwise reports the torn
+tail it cut.
 """
 
 from __future__ import annotations

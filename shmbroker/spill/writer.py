@@ -3,8 +3,10 @@
 `append_many` writes a batch in shape order (model, prefix key, length band:
 records of one shape land next to each other, so a batch is read back with
 few sequential reads) and returns each item's (sequence number, segment,
-offset) in input order. A record is committed when its length word is stored
-(`records.write_records`); what happens next depends on `fsync`:
+offset) in input order. Records are staged in memory in runs of up to
+STAGING_BYTES and each run is written with one `pwrite` whose first length
+word is 0, then that word is written: the run is committed (in the page
+cache) when that last 4-byte write lands. What happens next depends on `fsync`:
 
 | fsync    | the data is on disk                        | survives                                  |
 |----------|--------------------------------------------|-------------------------------------------|
