@@ -26,7 +26,7 @@ interleaved. Phases, each on a fresh directory:
             baseline for the shape-clustered layout.
 - recovery: a backlog of >= 1e9 × scale tokens in records of 4096 tokens, all
             zero, over 4 writers, built so that the payloads stay holes:
-            * every writer's sealed segments are written by this module from the
+            * every writer's sealed segments are written by `sparse_backlog.py` from the
               byte tables in `spill/layout.py`: a sparse file (ftruncate) with a
               real segment header, each record's real 64-byte header (length,
               magic, seq, item id, shape fields, and the crc32c of header bytes
@@ -36,7 +36,7 @@ interleaved. Phases, each on a fresh directory:
               the `.idx` seal index (offsets + headers, checksummed);
             * then `Backlog.open` and `Backlog.writer(w, fsync="never",
               sparse=True)` append the rest of each writer's records through the
-              real write path (`write_records`, whose memcpy of the zero tokens
+              real write path (`write_records` + `pwrite` of the zero tokens
               does allocate those pages: at most one segment per writer) into
               its unsealed active segment; writers 0, 1 close clean, writers 2, 3
               with clean=False, so recovery CRC-scans their active segments.
@@ -60,23 +60,24 @@ of anonymous memory (`_prime_memory`), outside its clock.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
 from ..ingest import BATCH_RECORDS
 from ..spill import layout as L
-from ..spill.records import record_crc
-from ..spill.store import BACKLOG_DIR, Backlog
+from ..spill.store import Backlog
+from .sparse_backlog import (
+    ID_MASK,
+    RECOVERY_RECORD_TOKENS,
+    build_recovery_backlog,
+    recover_in_fresh_process,
+    verify_recovered,
+)
 
 SEED = 20261130
 VOLUME_BYTES = 1 << 30
@@ -88,13 +89,9 @@ READ_BATCH_ITEMS, READ_BATCH_TOKENS = 256, 131_072
 DISK_CHUNK_BYTES = 8 << 20
 PAGE_BYTES = 4096
 RECOVERY_TOKENS = 1_000_000_000
-RECOVERY_RECORD_TOKENS = 4096
-RECOVERY_WRITERS = 4
-RECOVERY_SAMPLE = 256
 SUM_CHUNK_TOKENS = 1 << 23
 PRIME_EXTRA_BYTES = 256 << 20
-PRODUCER_MAIN, PRODUCER_RECOVERY = 1, 2
-ID_MASK = (1 << 40) - 1
+PRODUCER_MAIN = 1
 
 
 def _plan(scale: float) -> dict:
@@ -312,155 +309,6 @@ def _drain(backlog: Backlog) -> tuple[int, int]:
     return before, backlog.disk_bytes()
 
 
-# -- the 1e9-token recovery backlog --------------------------------------------------------
-
-_SEGMENT_HEADER = struct.Struct("<QIIQQQ20x")  # layout.py: magic, version, writer, first_seq, capacity, created_ns
-
-
-def _record_headers(seqs: np.ndarray, ids: np.ndarray, num_tokens: int) -> np.ndarray:
-    """(n, 64) uint8 committed record headers for all-zero payloads of num_tokens (layout.py's record table)."""
-    n = seqs.size
-    length = L.record_bytes(num_tokens)
-    h = np.zeros((n, L.RECORD_HEADER_WORDS), np.uint32)
-    h64 = h.view(np.uint64)
-    h[:, L.R_LENGTH] = length
-    h[:, L.R_MAGIC] = L.RECORD_MAGIC
-    h64[:, L.R64_SEQ] = seqs
-    h64[:, L.R64_ITEM] = ids
-    h64[:, L.R64_PREFIX_KEY] = (ids & np.uint64(ID_MASK)) // np.uint64(512) + np.uint64(1)
-    h[:, L.R_PRODUCER] = PRODUCER_RECOVERY
-    h[:, L.R_NUM_TOKENS] = num_tokens
-    h[:, L.R_MAX_NEW] = 128
-    h[:, L.R_BAND] = int(np.log2(num_tokens))
-    raw = h.view(np.uint8)
-    zeros = bytes(length - L.RECORD_HEADER_BYTES)
-    for r in range(n):
-        h[r, L.R_CRC] = crc32c.crc32c(zeros, crc32c.crc32c(raw[r, 12:].tobytes()))
-    return raw
-
-
-def _write_sealed_segment(wdir: Path, writer: int, first_seq: int, segment_bytes: int, ids: np.ndarray, num_tokens: int) -> None:
-    """A sealed segment whose payloads are holes: header, record headers (one pwrite each), .idx."""
-    length = L.record_bytes(num_tokens)
-    n = ids.size
-    offsets = L.SEGMENT_HEADER_BYTES + length * np.arange(n, dtype=np.int64)
-    end = L.SEGMENT_HEADER_BYTES + length * n
-    headers = _record_headers(first_seq + np.arange(n, dtype=np.uint64), ids, num_tokens)
-    head = _SEGMENT_HEADER.pack(L.SEGMENT_MAGIC, L.LAYOUT_VERSION, writer, first_seq, segment_bytes, time.time_ns())
-    fd = os.open(wdir / L.segment_name(first_seq), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, -(-end // PAGE_BYTES) * PAGE_BYTES)  # as a seal cuts it
-        os.pwrite(fd, head + struct.pack("<I", crc32c.crc32c(head)), 0)
-        for r in range(n):
-            os.pwrite(fd, headers[r], int(offsets[r]))
-    finally:
-        os.close(fd)
-    entries = np.empty((n, L.IDX_ENTRY_BYTES), np.uint8)
-    entries[:, :8] = offsets.astype("<u8").view(np.uint8).reshape(n, 8)
-    entries[:, 8:] = headers
-    body = entries.tobytes()
-    idx_head = struct.pack("<QQQ", L.IDX_MAGIC, n, end).ljust(L.IDX_HEADER_BYTES - 4, b"\0")
-    (wdir / L.idx_name(first_seq)).write_bytes(idx_head + struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(idx_head))) + body)
-
-
-def _check_header_crc(num_tokens: int) -> None:
-    """This module's record CRC equals spill's own (records.record_crc) on one record."""
-    raw = _record_headers(np.array([7], np.uint64), np.array([(PRODUCER_RECOVERY << 40) | 7], np.uint64), num_tokens)
-    rec = np.zeros(L.record_bytes(num_tokens), np.uint8)
-    rec[: L.RECORD_HEADER_BYTES] = raw[0]
-    crc = int(record_crc(rec, 0, rec.size))
-    assert crc == int(raw[0].view(np.uint32)[L.R_CRC]), "hand-built record CRC differs from spill.records.record_crc"
-
-
-def _build_recovery_backlog(data_dir: Path, total_tokens: int, segment_bytes: int) -> dict:
-    n_tok = RECOVERY_RECORD_TOKENS
-    _check_header_crc(n_tok)
-    records = -(-total_tokens // n_tok)
-    per_seg = (segment_bytes - L.SEGMENT_HEADER_BYTES) // L.record_bytes(n_tok)
-    root = data_dir / BACKLOG_DIR
-    root.mkdir(mode=0o700, parents=True)
-    os.chmod(data_dir, 0o700)
-    shares = [records // RECOVERY_WRITERS + (w < records % RECOVERY_WRITERS) for w in range(RECOVERY_WRITERS)]
-    first_id = np.cumsum([0] + shares)
-    tails = []
-    for w, share in enumerate(shares):
-        wdir = root / L.writer_dir_name(w)
-        wdir.mkdir(mode=0o700)
-        sealed = (share - 1) // per_seg
-        for k in range(sealed):
-            ids = (PRODUCER_RECOVERY << 40) | np.arange(first_id[w] + k * per_seg, first_id[w] + (k + 1) * per_seg, dtype=np.uint64)
-            _write_sealed_segment(wdir, w, k * per_seg, segment_bytes, ids, n_tok)
-        tails.append((sealed * per_seg, share - sealed * per_seg))
-    backlog, report = Backlog.open(data_dir, segment_bytes=segment_bytes)
-    if report.records != sum(done for done, _ in tails) or report.torn_records or report.quarantined:
-        raise AssertionError(f"hand-built sealed segments did not recover as built: {report.as_dict()}")
-    flat = np.zeros(APPEND_BATCH * n_tok, np.uint32)
-    offsets = np.arange(0, flat.size + 1, n_tok, dtype=np.int64)
-    items = np.zeros(APPEND_BATCH, L.ITEM_DTYPE)
-    items["producer"], items["max_new_tokens"], items["shape_band"] = PRODUCER_RECOVERY, 128, int(np.log2(n_tok))
-    for w, (done, tail) in enumerate(tails):
-        writer = backlog.writer(w, fsync="never", sparse=True)
-        assert writer.next_seq == done
-        while tail:
-            c = min(APPEND_BATCH, tail)
-            local = np.arange(done, done + c, dtype=np.uint64)
-            items["item_id"][:c] = (PRODUCER_RECOVERY << 40) | (local + np.uint64(first_id[w]))
-            items["prefix_key"][:c] = (local + np.uint64(first_id[w])) // np.uint64(512) + np.uint64(1)
-            writer.append_many(flat, offsets[: c + 1], items[:c])
-            done, tail = done + c, tail - c
-        writer.close(clean=w < RECOVERY_WRITERS // 2)
-    backlog.close()
-    return {"records": records, "tokens": records * n_tok, "writers": RECOVERY_WRITERS}
-
-
-_RECOVER_SCRIPT = """
-import json, sys, time
-t0 = time.perf_counter()
-from shmbroker.spill.store import Backlog
-t1 = time.perf_counter()
-backlog, report = Backlog.open(sys.argv[1], segment_bytes=int(sys.argv[2]))
-t2 = time.perf_counter()
-out = report.as_dict()
-out["quarantined"] = len(out["quarantined"])
-out.update(open_seconds=t2 - t1, import_seconds=t1 - t0)
-print(json.dumps(out))
-"""
-
-
-def _recover_in_fresh_process(data_dir: Path, segment_bytes: int) -> tuple[dict, float]:
-    """Backlog.open() in a fresh interpreter: (its report plus open_seconds, the process's wall seconds)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", _RECOVER_SCRIPT, str(data_dir), str(segment_bytes)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
-
-
-def _verify_recovered(backlog: Backlog, report, built: dict) -> None:
-    if report.records != built["records"] or report.tokens != built["tokens"] or report.pending_records != built["records"]:
-        raise AssertionError(f"recovered {report.records} records / {report.tokens} tokens, built {built}")
-    if report.torn_records or report.quarantined:
-        raise AssertionError(f"recovery cut {report.torn_records} tails, quarantined {len(report.quarantined)}")
-    pending = backlog.pending()
-    ids = np.sort(pending["item_id"] & np.uint64(ID_MASK))
-    if not np.array_equal(ids, np.arange(built["records"], dtype=np.uint64)):
-        raise AssertionError("recovered item ids are not each built record exactly once")
-    sample = pending[np.random.default_rng(SEED).choice(pending.size, min(RECOVERY_SAMPLE, pending.size), replace=False)]
-    for rec in sample:
-        seg = backlog.segment(int(rec["writer"]), int(rec["segment"]))
-        off = int(rec["offset"])
-        words = seg.buf[off : off + L.RECORD_HEADER_BYTES].view(np.uint32)
-        length = int(words[L.R_LENGTH])
-        if crc32c.crc32c(seg.buf[off + 12 : off + length]) != int(words[L.R_CRC]):
-            raise AssertionError(f"record {rec} fails its CRC")
-        if backlog.tokens(rec).any() or backlog.tokens(rec).size != RECOVERY_RECORD_TOKENS:
-            raise AssertionError(f"record {rec} does not hold {RECOVERY_RECORD_TOKENS} zero tokens")
-
-
 # -- the benchmark ---------------------------------------------------------------------------
 
 
@@ -506,14 +354,14 @@ def run(scale: float = 1.0) -> dict:
         del flat, sums
 
         t0 = time.perf_counter()
-        built = _build_recovery_backlog(root / "recovery", plan["recovery_tokens"], seg_bytes)
+        built = build_recovery_backlog(root / "recovery", plan["recovery_tokens"], seg_bytes)
         build_s = time.perf_counter() - t0
         # Two fresh processes: the first may compile kernels when spill/ sources changed since
         # numba's cache was filled (its key); a restart of a deployed broker finds them cached.
-        runs = [_recover_in_fresh_process(root / "recovery", seg_bytes) for _ in range(2)]
+        runs = [recover_in_fresh_process(root / "recovery", seg_bytes) for _ in range(2)]
         recovered, process_s = min(runs, key=lambda run: run[0]["open_seconds"])
         backlog, report = Backlog.open(root / "recovery", segment_bytes=seg_bytes)
-        _verify_recovered(backlog, report, built)
+        verify_recovered(backlog, report, built)
         rec_before, rec_after = _drain(backlog)
         backlog.close()
     finally:
