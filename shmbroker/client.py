@@ -41,6 +41,7 @@ from .ring.items import (
     item_id,
     model_id,
     push_item,
+    push_item_readonly,
 )
 from .ring.ring import CONSUMER, PRODUCER, Ring, RingNames
 from .ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
@@ -111,6 +112,18 @@ class Producer:
     ) -> int:
         """Submit one prompt; returns its item id once it is in shared memory."""
         seq = self._seq
+        if prefix_len is None and model is None and type(max_new_tokens) is int:
+            # the common case in one numba call; numba's own type check refuses anything but
+            # a C-contiguous uint32 array, and those go the general way below
+            try:
+                rc = push_item(self._buf, tokens, seq, max_new_tokens, NO_PREFIX, 0)
+            except (TypeError, OverflowError):
+                pass
+            else:
+                if rc != L.OK:
+                    self._submit_slow(rc, tokens, seq, max_new_tokens, NO_PREFIX, 0, block, timeout_seconds)
+                self._seq = seq + 1
+                return self._id_base | seq
         prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
         mid = self._models.get(model)
         if mid is None:
@@ -124,7 +137,8 @@ class Producer:
                 raise BrokerError("producer is closed") from None
             tokens = as_tokens(tokens)
             prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
-            rc = push_item(self._buf, tokens, seq, _check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
+            push = push_item if tokens.flags.writeable else push_item_readonly
+            rc = push(self._buf, tokens, seq, _check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
         except OverflowError:
             raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}") from None
         if rc != L.OK:

@@ -51,18 +51,25 @@ STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 assert OK == 0 and RECORD_HEADER_WORDS == 8
 
 
-_TOKENS = types.Array(types.uint32, 1, "C")
-_TOKENS_READONLY = types.Array(types.uint32, 1, "C", readonly=True)  # np.frombuffer, mmap'd files
-
-
-@kernel(signature=[types.int64(types.Array(types.uint8, 1, "C"), tokens, *(types.int64,) * 4) for tokens in (_TOKENS, _TOKENS_READONLY)])
-def push_item(buf, tokens, seq, max_new_tokens, prefix_len, model):
+def _push_item(buf, tokens, seq, max_new_tokens, prefix_len, model):
     """Validate and push one item record: layout codes, or ITEM_EMPTY / ITEM_BAD_MAX_NEW."""
     if tokens.size == 0:
         return ITEM_EMPTY
     if max_new_tokens < 0 or max_new_tokens > U32_MAX:
         return ITEM_BAD_MAX_NEW
     return push(buf, tokens, seq, max_new_tokens, prefix_len, model, 0)
+
+
+def _signature(readonly: bool):
+    tokens = types.Array(types.uint32, 1, "C", readonly=readonly)
+    return [types.int64(types.Array(types.uint8, 1, "C"), tokens, *(types.int64,) * 4)]
+
+
+# One signature per dispatcher: numba resolves a single overload ~80 ns faster
+# per call than a choice of two, and this is the producer's per-item cost.
+push_item = kernel(signature=_signature(readonly=False))(_push_item)
+# Read-only token arrays (np.frombuffer of bytes, a read-only mmap): the slow path.
+push_item_readonly = kernel(signature=_signature(readonly=True))(_push_item)
 
 
 def model_id(name: str | None) -> int:
