@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acks import AckFileCorrupt, Acks
+from .acks import AckFileCorrupt, Acks, atomic_write
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     PENDING_DTYPE,
@@ -43,7 +43,7 @@ from .layout import (
     writer_dir_name,
 )
 from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, scan
-from .segment import SegmentFile, read_clean_marker, read_idx
+from .segment import SegmentFile, idx_bytes, read_clean_marker, read_idx
 from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
 
 DIR_MODE = 0o700
@@ -162,7 +162,7 @@ class Backlog:
                 report.scanned_segments += 1
                 trusted_end = clean[1] if (clean is not None and last and clean[0] == first) else None
                 try:
-                    recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report)
+                    recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report, seal=not last)
                 except ValueError as exc:  # the file's own header is bad: set the whole file aside
                     report.quarantined.append({"writer": writer, "segment": first, "offset": 0, "reason": f"segment header: {exc}"})
                     size = path.stat().st_size
@@ -186,7 +186,7 @@ class Backlog:
             parts.append(recs)
         return state, parts
 
-    def _scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport):
+    def _scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport, seal: bool = False):
         """Walk a segment's records (CRC-checked unless trusted); cut a torn tail. Returns (pending, next_seq, end, offsets)."""
         seg = SegmentFile.open(path, writable=True)
         try:
@@ -220,6 +220,10 @@ class Backlog:
             headers = np.empty((good.size, RECORD_HEADER_BYTES), np.uint8)
             copy_headers(seg.buf, good, headers)
             recs = _pending_from_headers(headers, writer, first, good)
+            if seal:
+                # a segment its writer rolled away from but had not sealed (it died first):
+                # write its index now, so the next recovery need not scan it again
+                atomic_write(path.with_suffix(".idx"), idx_bytes(seg, good, off), 0o600)
             return recs, next_seq, off, good
         finally:
             seg.close()

@@ -48,6 +48,7 @@ from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_byt
 
 FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
+SEAL_QUEUE_MAX = 2  # segments waiting for the sync thread to seal them; more seal inline
 STAGING_BYTES = 8 << 20  # one run (pwrite) at most, unless a single record is larger
 
 
@@ -93,6 +94,7 @@ class SegmentWriter:
         self.num_segments_created = 0
         self.num_unindexed_seals = 0  # seals whose index did not fit on a full disk
         self._staging = np.empty(0, np.uint8)
+        self._sealing: list[tuple[SegmentFile, np.ndarray, int]] = []  # rolled away from, not yet sealed
         self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
         (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
         fsync_dir(self.directory)
@@ -183,7 +185,12 @@ class SegmentWriter:
         """Seal the active segment (if any) and start a new one at next_seq (from a spare)."""
         with self._lock:
             if self._active is not None:
-                self._seal(self._active)
+                offsets = np.concatenate(self._offsets) if self._offsets else np.empty(0, np.int64)
+                if self._thread is not None and len(self._sealing) < SEAL_QUEUE_MAX:
+                    # interval: the sync thread seals it within the interval, off the append path
+                    self._sealing.append((self._active, offsets, self._end))
+                else:
+                    self._seal(self._active, offsets, self._end)
                 self._active = None
             spare = self._spares.pop() if self._spares else None
             seg = SegmentFile.create(self.directory, self.writer, self.next_seq, self.segment_bytes, sparse=self.sparse, spare=spare)
@@ -192,34 +199,48 @@ class SegmentWriter:
             self._active, self._end, self._offsets = seg, SEGMENT_HEADER_BYTES, []
             self.num_segments_created += 1
 
-    def _seal(self, seg: SegmentFile) -> None:
+    def _seal(self, seg: SegmentFile, offsets: np.ndarray, end: int) -> None:
         """Sync, cut the file to its used length, write its header index.
 
         The index is an optimisation: when the disk is too full to write it,
         the segment stays sealed without one and recovery scans it.
         """
-        offsets = np.concatenate(self._offsets) if self._offsets else np.empty(0, np.int64)
         if self.fsync != "never":
             seg.sync()
-        index = idx_bytes(seg, offsets, self._end)
-        used = -(-self._end // PAGE_BYTES) * PAGE_BYTES
+        index = idx_bytes(seg, offsets, end)
+        used = -(-end // PAGE_BYTES) * PAGE_BYTES
         fd = os.dup(seg.fd)
         seg.close()
         try:
             os.ftruncate(fd, used)  # give back the preallocated tail (first: it makes room for the index)
         finally:
             os.close(fd)
+        idx = self.directory / idx_name(seg.first_seq)
+        if not seg.path.exists():
+            return  # reclaimed (all done) before its seal came round
         try:
-            atomic_write(self.directory / idx_name(seg.first_seq), index, 0o600)
+            atomic_write(idx, index, 0o600)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             self.num_unindexed_seals += 1
+        if not seg.path.exists():
+            idx.unlink(missing_ok=True)  # reclaimed meanwhile: no index without its segment
 
     # -- durability ----------------------------------------------------------------
 
+    def _drain_seals(self) -> None:
+        """Seal the segments the writer rolled away from (interval mode: on the sync thread)."""
+        while True:
+            with self._lock:
+                if not self._sealing:
+                    return
+                seg, offsets, end = self._sealing.pop(0)
+            self._seal(seg, offsets, end)
+
     def sync(self) -> None:
         """Make everything appended so far durable now."""
+        self._drain_seals()
         with self._lock:  # held only to pick the file: appends never wait for a flush
             if self._active is None or not self._dirty:
                 return
@@ -256,6 +277,7 @@ class SegmentWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._drain_seals()
         for spare in self._spares:
             spare.unlink(missing_ok=True)
         self._spares.clear()
