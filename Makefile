@@ -26,6 +26,7 @@ test: warm
 
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json
+	$(VENV)/bin/shmbroker bench backlog --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
