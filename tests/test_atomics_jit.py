@@ -43,7 +43,6 @@ from shmbroker.ring.atomics import (
     load_relaxed,
     store_release,
 )
-from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import CONSUMER, PRODUCER, create_ring
 from shmbroker.ring.shm import Segment
 
@@ -56,18 +55,6 @@ SUBPROCESS_SECONDS = 50.0
 SPINS = 200_000  # pause-spins per kernel call before it returns to Python to yield
 
 
-@pytest.fixture
-def owner(tmp_path):
-    instance = "t" + secrets.token_hex(3)
-    own = Owner(tmp_path, instance)
-    try:
-        yield own
-    finally:
-        own.close()
-        left = sorted(DEV_SHM.glob(f"shmb.{instance}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{instance}.*"))
-        for path in left:
-            path.unlink(missing_ok=True)
-        assert left == [], f"test left {left}"
 
 
 def _child_main(conn, target, args) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import time
 import traceback
@@ -24,7 +23,6 @@ from shmbroker.ring import layout as L
 from shmbroker.ring import ring as ring_mod
 from shmbroker.ring import spsc
 from shmbroker.ring.digest import OUT_OF_ORDER, digest_records, expected_digest
-from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring, RingNames, create_ring
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,19 +40,6 @@ assert ring_mod.STALE_SECONDS + 2 * ring_mod.SLEEP_SLICE_SECONDS < PEER_DEAD_SEC
 # --- harness ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def owner(tmp_path):
-    """An Owner for a fresh instance; after the test nothing of that instance is left in /dev/shm."""
-    instance = "t" + secrets.token_hex(3)
-    own = Owner(tmp_path, instance)
-    try:
-        yield own
-    finally:
-        own.close()
-        left = sorted(DEV_SHM.glob(f"shmb.{instance}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{instance}.*"))
-        for path in left:
-            path.unlink(missing_ok=True)
-        assert left == [], f"test left {left}"
 
 
 def _child_main(conn, target, args) -> None:
