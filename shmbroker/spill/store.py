@@ -79,7 +79,6 @@ class _WriterState:
 
     writer: int
     segments: list[int]  # first_seq of each segment, ascending
-    seg_end_seq: dict[int, int]  # first_seq -> one past its last sequence number
     next_seq: int = 0
     active_end: int = SEGMENT_HEADER_BYTES
     active_offsets: list = field(default_factory=list)
@@ -139,7 +138,7 @@ class Backlog:
 
     def _recover_writer(self, wdir: Path, writer: int, report: RecoveryReport) -> tuple[_WriterState, list[np.ndarray]]:
         firsts = sorted(int(p.stem) for p in wdir.glob("*.seg") if p.stem.isdigit())
-        state = _WriterState(writer, list(firsts), {})
+        state = _WriterState(writer, list(firsts))
         for path in wdir.glob("*.corrupt"):  # set aside earlier: never reuse its sequence numbers
             if path.stem.isdigit():
                 state.next_seq = max(state.next_seq, int(path.stem) + path.stat().st_size // RECORD_HEADER_BYTES + 1)
@@ -176,7 +175,6 @@ class Backlog:
                     state.active_offsets = [offsets]
             if not last:
                 next_seq = max(next_seq, firsts[k + 1])
-            state.seg_end_seq[first] = next_seq
             state.next_seq = max(state.next_seq, next_seq)
             # sequence numbers inside the segment that are not live records (quarantined, cut) are done
             expected = np.arange(first, next_seq, dtype=np.uint64)
@@ -245,7 +243,7 @@ class Backlog:
         """The writer `writer`, continuing after its last recovered record."""
         wdir = self.root / writer_dir_name(writer)
         wdir.mkdir(mode=DIR_MODE, exist_ok=True)
-        state = self._writers.setdefault(writer, _WriterState(writer, [], {}))
+        state = self._writers.setdefault(writer, _WriterState(writer, []))
         active = None
         if state.segments and not (wdir / idx_name(state.segments[-1])).exists():
             # the newest segment is unsealed: continue in it (a sealed one makes the writer start a new one)
@@ -307,7 +305,7 @@ class Backlog:
     def save_acks(self) -> None:
         self.acks.save(self.root)
 
-    def reclaim(self, active: dict[int, int | None] | None = None) -> int:
+    def reclaim(self) -> int:
         """Delete segments whose records are all done (never a writer's newest); returns how many."""
         removed = 0
         for writer, state in self._writers.items():
