@@ -6,7 +6,9 @@ few sequential reads) and returns each item's (sequence number, segment,
 offset) in input order. Records are staged in memory in runs of up to
 STAGING_BYTES and each run is written with one `pwrite` whose first length
 word is 0, then that word is written: the run is committed (in the page
-cache) when that last 4-byte write lands. What happens next depends on `fsync`:
+cache) when that last 4-byte write lands. Two staging buffers and one write
+thread overlap staging a run with writing the previous one; `append_many`
+returns when all its runs have landed. What happens next depends on `fsync`:
 
 | fsync    | the data is on disk                        | survives                                  |
 |----------|--------------------------------------------|-------------------------------------------|
@@ -28,6 +30,7 @@ import errno
 import fcntl
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +52,7 @@ from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_byt
 FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
 SEAL_QUEUE_MAX = 2  # segments waiting for the sync thread to seal them; more seal inline
-STAGING_BYTES = 8 << 20  # one run (pwrite) at most, unless a single record is larger
+STAGING_BYTES = 2 << 20  # one run (pwrite) at most, unless a single record is larger
 
 
 class SegmentWriter:
@@ -93,7 +96,10 @@ class SegmentWriter:
         self._thread = None
         self.num_segments_created = 0
         self.num_unindexed_seals = 0  # seals whose index did not fit on a full disk
-        self._staging = np.empty(0, np.uint8)
+        self._staging = [np.empty(0, np.uint8), np.empty(0, np.uint8)]  # double buffer: stage one, write the other
+        self._in_flight: list[Future | None] = [None, None]
+        self._next_slot = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pwrite-w{writer}")
         self._sealing: list[tuple[SegmentFile, np.ndarray, int]] = []  # rolled away from, not yet sealed
         self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
         (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
@@ -129,20 +135,22 @@ class SegmentWriter:
         rec_offsets = np.empty(count, np.int64)
         segments = np.empty(count, np.uint64)
         done = 0
-        while done < count:
-            if self._active is None or self._end + record_bytes(int(sizes[order[done]])) > self._active.size:
-                self._roll()
-            with self._lock:
+        try:
+            while done < count:
+                if self._active is None or self._end + record_bytes(int(sizes[order[done]])) > self._active.size:
+                    self._wait_writes()  # the runs in flight go to the segment being sealed
+                    self._roll()
                 seg = self._active
                 n, end = self._write_run(seg, flat, offsets, items, order, done, sizes, seqs, rec_offsets)
-                self._dirty = True
-            assert n > 0
-            written = order[done : done + n]
-            segments[written] = seg.first_seq
-            self._offsets.append(rec_offsets[written].copy())
-            self._end = end
-            self.next_seq += n
-            done += n
+                assert n > 0
+                written = order[done : done + n]
+                segments[written] = seg.first_seq
+                self._offsets.append(rec_offsets[written].copy())
+                self._end = end
+                self.next_seq += n
+                done += n
+        finally:
+            self._wait_writes()  # committed when this returns
         if self.fsync == "always":
             self.sync()
         return seqs, segments, rec_offsets
@@ -156,16 +164,39 @@ class SegmentWriter:
         """
         room = seg.size - self._end
         want = min(room, max(STAGING_BYTES, record_bytes(int(sizes[order[done]]))))
-        if self._staging.size < want:
-            self._staging = np.empty(want, np.uint8)
-        staging = self._staging
+        slot = self._next_slot
+        self._next_slot ^= 1
+        pending = self._in_flight[slot]
+        if pending is not None:
+            pending.result()  # this staging buffer's previous run has landed
+        if self._staging[slot].size < want:
+            self._staging[slot] = np.empty(want, np.uint8)
+        staging = self._staging[slot]
         n, used = write_records(staging, 0, want, flat, offsets, items, order, done, self.next_seq, seqs, rec_offsets)
         commit = staging[:4].copy()
         staging[:4] = 0
-        _pwrite_all(seg.fd, staging[:used], self._end)
-        _pwrite_all(seg.fd, commit, self._end)  # the run's commit word, last
+        # one writer thread, runs in order: this run's data and then its commit word land
+        # while the next run is staged
+        self._in_flight[slot] = self._io.submit(self._land_run, seg.fd, staging[:used], commit, self._end)
         rec_offsets[order[done : done + n]] += self._end
         return n, self._end + used
+
+    def _land_run(self, fd: int, data: np.ndarray, commit: np.ndarray, offset: int) -> None:
+        _pwrite_all(fd, data, offset)
+        _pwrite_all(fd, commit, offset)  # the run's commit word, last
+        self._dirty = True
+
+    def _wait_writes(self) -> None:
+        """Wait for the runs in flight. A failed write (EIO) leaves a hole behind the writer's
+        position: the writer refuses further appends (recovery resynchronises past it)."""
+        for slot, pending in enumerate(self._in_flight):
+            if pending is not None:
+                self._in_flight[slot] = None
+                try:
+                    pending.result()
+                except OSError as exc:
+                    self._error = exc
+                    raise
 
     def _reserve(self, sizes: np.ndarray, order: np.ndarray) -> None:
         """Allocate, before writing, every new segment this batch will need (spare files).
@@ -261,7 +292,7 @@ class SegmentWriter:
 
     def _raise_sync_error(self) -> None:
         if self._error is not None:
-            raise OSError(self._error.errno, f"backlog fsync failed: {self._error.strerror}")
+            raise OSError(self._error.errno, f"backlog write or fsync failed: {self._error.strerror}")
 
     @property
     def active_segment(self) -> int | None:
@@ -277,6 +308,8 @@ class SegmentWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._wait_writes()
+        self._io.shutdown(wait=True)
         self._drain_seals()
         for spare in self._spares:
             spare.unlink(missing_ok=True)
