@@ -108,7 +108,7 @@ def _bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="a ring owner and two producers push a seeded workload; prints throughput")
+    p = sub.add_parser("demo", help="two producers push a seeded workload through the rings into the backlog; prints throughput")
     p.add_argument("--data-dir", default=None, help="data directory (default $SHMBROKER_DATA_DIR or ./shmbroker-data)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("bench", help="run a benchmark against its baseline in the same run")
