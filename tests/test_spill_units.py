@@ -43,7 +43,7 @@ from shmbroker.spill.layout import (
     record_bytes,
 )
 from shmbroker.spill.model import record_bytes as model_record_bytes
-from shmbroker.spill.segment import SegmentFile, read_idx, write_idx
+from shmbroker.spill.segment import SegmentFile, idx_bytes, read_idx, write_idx
 from shmbroker.spill.store import Backlog
 from shmbroker.spill.writer import SegmentWriter
 
@@ -409,7 +409,7 @@ def test_idx_round_trip_and_corruption(tmp_path, lengths):
         flat, offsets, items = make_batch(lengths, seed=5)
         n, end, _seq, out_off = write_all(seg.buf, SEGMENT_HEADER_BYTES, flat, offsets, items, 40)
         assert n == len(lengths)
-        write_idx(tmp_path, seg, out_off, end)
+        write_idx(tmp_path, seg.first_seq, idx_bytes(seg, out_off, end))
         path = tmp_path / idx_name(40)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         got = read_idx(path)

@@ -145,9 +145,11 @@ def allocate_spare(directory: Path, size: int, *, sparse: bool = False) -> Path:
     return path
 
 
-def write_idx(directory: Path, seg: SegmentFile, offsets: np.ndarray, end: int) -> None:
-    """Seal: the header index of a full segment (offsets of its records, in order)."""
-    atomic_write(directory / idx_name(seg.first_seq), idx_bytes(seg, offsets, end), FILE_MODE)
+def write_idx(directory: Path, first_seq: int, index: bytes) -> Path:
+    """Seal: write a segment's header index (from `idx_bytes`) by atomic replace; returns its path."""
+    path = directory / idx_name(first_seq)
+    atomic_write(path, index, FILE_MODE)
+    return path
 
 
 def idx_bytes(seg: SegmentFile, offsets: np.ndarray, end: int) -> bytes:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acks import AckFileCorrupt, Acks, atomic_write
+from .acks import AckFileCorrupt, Acks
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     PENDING_DTYPE,
@@ -43,7 +43,7 @@ from .layout import (
     writer_dir_name,
 )
 from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, scan
-from .segment import SegmentFile, idx_bytes, read_clean_marker, read_idx
+from .segment import SegmentFile, idx_bytes, read_clean_marker, read_idx, write_idx
 from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
 
 DIR_MODE = 0o700
@@ -221,7 +221,7 @@ class Backlog:
             if seal:
                 # a segment its writer rolled away from but had not sealed (it died first):
                 # write its index now, so the next recovery need not scan it again
-                atomic_write(path.with_suffix(".idx"), idx_bytes(seg, good, off), 0o600)
+                write_idx(path.parent, first, idx_bytes(seg, good, off))
             return recs, next_seq, off, good
         finally:
             seg.close()

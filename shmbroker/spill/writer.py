@@ -36,18 +36,16 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_FSYNC_INTERVAL_MS
-from .acks import atomic_write
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
     MIN_SEGMENT_BYTES,
     SEGMENT_HEADER_BYTES,
-    idx_name,
     max_tokens,
     record_bytes,
 )
 from .records import segments_needed, write_records
-from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_bytes, write_clean_marker
+from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_bytes, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
@@ -246,15 +244,15 @@ class SegmentWriter:
             os.ftruncate(fd, used)  # give back the preallocated tail (first: it makes room for the index)
         finally:
             os.close(fd)
-        idx = self.directory / idx_name(seg.first_seq)
         if not seg.path.exists():
             return  # reclaimed (all done) before its seal came round
         try:
-            atomic_write(idx, index, 0o600)
+            idx = write_idx(self.directory, seg.first_seq, index)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             self.num_unindexed_seals += 1
+            return
         if not seg.path.exists():
             idx.unlink(missing_ok=True)  # reclaimed meanwhile: no index without its segment
 
