@@ -22,8 +22,7 @@ import numpy as np
 from . import config
 from .ingest import BacklogAppender, RingSet, pump
 from .registry import Registry
-from .ring.digest import OUT_OF_ORDER, digest_records, digest_tokens, expected_digest
-from .ring.layout import HEADER_BYTES
+from .ring.digest import DeliveryCheck, digest_tokens, expected_digest
 from .ring.owner import Owner
 from .spill.store import Backlog
 
@@ -95,27 +94,18 @@ def run(data_dir: str | None = None, chat_items: int = 200_000, batch_items: int
             conns[name] = parent
             procs[name].start()
         expected = {"chat": chat_items, "batch": batch_items}
-        got: dict[str, dict] = {}
+        got: dict[str, DeliveryCheck] = {}
+        ends: dict[str, float] = {}
 
         def on_records(entry, ring, positions, n):
-            st = got.get(entry.name)
-            if st is None:
-                st = got[entry.name] = {
-                    "words": ring.data_words,
-                    "words64": ring.buf[HEADER_BYTES:].view(np.uint64),
-                    "next_key": 0,
-                    "acc": np.zeros(4, np.uint64),
-                }
-            nxt = digest_records(st["words"], st["words64"], positions, n, st["next_key"], st["acc"])
-            if nxt == OUT_OF_ORDER:
-                raise AssertionError(f"producer {entry.name}: items out of order")
+            check = got.get(entry.name) or got.setdefault(entry.name, DeliveryCheck(ring))
+            check(positions, n)
             appender(entry, ring, positions, n)  # durable before drain_once releases the ring
-            st["next_key"] = nxt
-            if nxt == expected[entry.name]:
-                st["end"] = time.monotonic()
+            if check.next_key == expected[entry.name]:
+                ends[entry.name] = time.monotonic()
 
         deadline = time.monotonic() + 600
-        while not all(got.get(k, {}).get("next_key") == v for k, v in expected.items()):
+        while len(ends) < len(expected):
             if time.monotonic() > deadline:
                 raise TimeoutError("demo did not finish within 600 s")
             if pump(rings, registry, on_records) == 0:
@@ -125,23 +115,23 @@ def run(data_dir: str | None = None, chat_items: int = 200_000, batch_items: int
         report = {}
         for name, conn in conns.items():
             start, _submitted, digest = conn.recv()
-            st = got[name]
-            if not np.array_equal(st["acc"], digest):
+            acc = got[name].acc
+            if not np.array_equal(acc, digest):
                 raise AssertionError(f"producer {name}: checksum mismatch")
-            seconds = st["end"] - start
+            seconds = ends[name] - start
             report[name] = {
-                "items": int(st["acc"][0]),
-                "tokens": int(st["acc"][1]),
+                "items": int(acc[0]),
+                "tokens": int(acc[1]),
                 "seconds": seconds,
-                "items_per_s": int(st["acc"][0]) / seconds,
-                "tokens_per_s": int(st["acc"][1]) / seconds,
+                "items_per_s": int(acc[0]) / seconds,
+                "tokens_per_s": int(acc[1]) / seconds,
                 "verified": True,
             }
         for proc in procs.values():
             proc.join(30)
         writer.close()
         backlog.close()
-        report["backlog"] = _reopen_and_drain(data_dir, conns_digests(report, got), leftover)
+        report["backlog"] = _reopen_and_drain(data_dir, sum(check.acc for check in got.values()), leftover)
         return report
     finally:
         writer.close()
@@ -153,14 +143,6 @@ def run(data_dir: str | None = None, chat_items: int = 200_000, batch_items: int
         rings.close()
         registry.close()
         owner.close()
-
-
-def conns_digests(report: dict, got: dict) -> np.ndarray:
-    """The sum of the producers' digests: what the recovered backlog must hold."""
-    total = np.zeros(4, np.uint64)
-    for name in report:
-        total += got[name]["acc"]
-    return total
 
 
 def _reopen_and_drain(data_dir: str, expected: np.ndarray, leftover: set[int]) -> dict:

@@ -30,8 +30,7 @@ import numpy as np
 
 from ..ingest import RingSet
 from ..registry import Registry
-from ..ring.digest import OUT_OF_ORDER, digest_records, digest_tokens, expected_digest
-from ..ring.layout import HEADER_BYTES
+from ..ring.digest import DeliveryCheck, digest_tokens, expected_digest
 from ..ring.owner import Owner
 
 POOL_ITEMS = 1024
@@ -63,24 +62,14 @@ def _broker_side(data_dir: str, conn, mpq, plan: dict) -> None:
         while not rings.sources:
             rings.refresh(registry)
             time.sleep(0.001)
-        src = rings.sources[0]
-        words = src.ring.data_words
-        words64 = src.ring.buf[HEADER_BYTES:].view(np.uint64)
-        state = {"next_key": 0}
-        acc = np.zeros(4, np.uint64)
-
-        def check(entry, ring, positions, n):
-            nxt = digest_records(words, words64, positions, n, state["next_key"], acc)
-            if nxt == OUT_OF_ORDER:
-                raise AssertionError("items arrived out of order")
-            state["next_key"] = nxt
-
+        check = DeliveryCheck(rings.sources[0].ring)
+        acc = check.acc
         for phase, count in (("warmup", WARMUP_ITEMS), ("single", plan["single"]), ("bulk", plan["bulk_calls"] * BULK_BATCH)):
             acc[:] = 0
-            target = state["next_key"] + count
-            while state["next_key"] < target:
+            target = check.next_key + count
+            while check.next_key < target:
                 # never fold the next phase's items into this phase's digest
-                if rings.drain_once(check, target - state["next_key"]) == 0:
+                if rings.drain_once(lambda entry, ring, positions, n: check(positions, n), target - check.next_key) == 0:
                     rings.wait(1.0)
             if phase != "warmup":
                 conn.send((phase, time.monotonic(), acc.copy()))

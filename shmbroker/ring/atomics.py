@@ -3,9 +3,10 @@
 numba has no CPU atomics of its own, so these are `numba.extending.intrinsic`s
 that emit LLVM atomic instructions through llvmlite's IRBuilder. On x86-64 an
 acquire load and a release store compile to plain moves (the hardware is TSO),
-compare-and-swap to `lock cmpxchg`, fetch-add to `lock xadd` and the full fence
-to `mfence`. They act on an element of a numpy array, which may live in shared
-memory: they hold across processes, not only across threads.
+compare-and-swap to `lock cmpxchg` and fetch-add to `lock xadd` (also a full
+barrier: the rings use it where the Dekker pattern needs one). They act on an
+element of a numpy array, which may live in shared memory: they hold across
+processes, not only across threads.
 
 A spin on a plain array load may be hoisted out of its loop by LLVM and never
 see another process's store; spin on `load_acquire` and call `cpu_pause()` in
@@ -19,7 +20,6 @@ the loop (the `llvm.x86.sse2.pause` intrinsic; inline asm aborts the process).
 | compare_and_swap(a, i, old, new) | cmpxchg acq_rel acquire | value seen       |
 | fetch_add(a, i, v)            | atomicrmw add acq_rel      | value before     |
 | exchange(a, i, v)             | atomicrmw xchg acq_rel     | value before     |
-| fence_seq_cst()               | fence seq_cst              | nothing          |
 | cpu_pause()                   | llvm.x86.sse2.pause        | nothing          |
 | memcpy(dst, i, src, j, n)     | llvm.memcpy                | nothing          |
 """
@@ -119,15 +119,6 @@ def _rmw(op: str):
 
 fetch_add = _rmw("add")
 exchange = _rmw("xchg")
-
-
-@intrinsic
-def fence_seq_cst(typingctx):
-    def codegen(context, builder, sig, args):
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
 
 
 @intrinsic

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .layout import RECORD_HEADER_WORDS
+from .layout import HEADER_BYTES, RECORD_HEADER_WORDS
 
 OUT_OF_ORDER = -1  # digest_records: a key broke the expected sequence
 
@@ -70,3 +70,20 @@ def digest_tokens(tokens, acc):
     acc[1] += np.uint64(tokens.size)
     acc[2] += np.uint64(s1)
     acc[3] += np.uint64(s2)
+
+
+class DeliveryCheck:
+    """Checks one ring's records as they are read zero-copy: keys 0, 1, 2, ... folded into `acc`."""
+
+    def __init__(self, ring) -> None:
+        data = ring.buf[HEADER_BYTES:]
+        self._words = data.view(np.uint32)
+        self._words64 = data.view(np.uint64)
+        self.next_key = 0
+        self.acc = np.zeros(4, np.uint64)
+
+    def __call__(self, positions: np.ndarray, count: int) -> None:
+        nxt = digest_records(self._words, self._words64, positions, count, self.next_key, self.acc)
+        if nxt == OUT_OF_ORDER:
+            raise AssertionError(f"records out of order after key {self.next_key}")
+        self.next_key = nxt

@@ -11,9 +11,9 @@ consumer acquire-loads that word, so it needs neither the head nor a lock.
 `head` and `tail` are published (release) at the end of a call and every
 PUBLISH_EVERY records of a batch. A side about to sleep sets its `*_waiting`
 flag with an atomic exchange and looks again; the other side, after
-publishing, fences and checks the flag and claims it with a CAS, so exactly
-one doorbell ring answers one sleep (the Dekker pattern; a missed ring is
-still bounded by the sleeper's deadline).
+publishing, counts its records with a locked add (a full barrier), checks the
+flag and claims it with a CAS, so exactly one doorbell ring answers one sleep
+(the Dekker pattern; a missed ring is still bounded by the sleeper's deadline).
 """
 
 from __future__ import annotations
