@@ -286,17 +286,18 @@ class Backlog:
     def gather(self, recs: np.ndarray, out_flat: np.ndarray, out_offsets: np.ndarray) -> int:
         """Copy the tokens of `recs` (in order) into out_flat; out_offsets[i]:out_offsets[i+1] is record i."""
         out_offsets[0] = 0
-        slot = 0
         n = recs.size
-        i = 0
-        while i < n:
-            w, s = recs["writer"][i], recs["segment"][i]
-            j = i + 1
-            while j < n and recs["writer"][j] == w and recs["segment"][j] == s:
-                j += 1
-            seg = self.segment(int(w), int(s))
-            slot = gather(seg.buf, recs["offset"][i:j].astype(np.int64), out_flat, out_offsets, slot)
-            i = j
+        if n == 0:
+            return 0
+        writers, segments = recs["writer"], recs["segment"]
+        # runs of records in one segment: one kernel call each (no Python step per record)
+        starts = np.flatnonzero(np.r_[True, (writers[1:] != writers[:-1]) | (segments[1:] != segments[:-1])])
+        ends = np.r_[starts[1:], n]
+        offsets = recs["offset"].astype(np.int64)
+        slot = 0
+        for i, j in zip(starts.tolist(), ends.tolist()):
+            seg = self.segment(int(writers[i]), int(segments[i]))
+            slot = gather(seg.buf, offsets[i:j], out_flat, out_offsets, slot)
         return int(out_offsets[n])
 
     def ack(self, writer: int, seqs) -> None:
