@@ -1,0 +1,133 @@
+"""`shmbroker bench pack`: shape-pure packing against FIFO feeding, on the simulated engine.
+
+Two consumers of one model (the issue's `big` and `small`), each with its own
+simulated engine; the workload is the seeded generator's or a Mooncake-format
+trace (`--trace`). For each engine mode (`padded`, `packed`) the broker's
+figures sit at the top level and FIFO feeding's, measured in the same run,
+under "fifo". Offline: the whole workload is the backlog. Streaming: items
+arrive by their timestamps, rescaled so they arrive at twice the rate the
+consumers serve them (measured by the offline run), so a backlog forms.
+
+The decision latency is measured twice: with the whole workload as the
+backlog and with 1 % of it, so the JSON shows a 100x larger backlog beside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..gpu.engines.sim import SimCost
+from ..pack.contract import Contract
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
+from .packsim import FifoFeeder, PackerFeeder, SimConsumer, simulate
+
+CONSUMERS = (
+    SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
+    SimConsumer("small", Contract(64, 16384, 16384), cache_tokens=256 << 10),
+)
+MODES = ("padded", "packed")
+
+
+def workload_for(trace: str | None, scale: float, seed: int):
+    if trace:
+        from .trace import load
+
+        limit = None if scale >= 1 else max(100, int(12_031 * scale))
+        return load(trace, limit=limit)
+    from .workload import generate
+
+    return generate(max(200, int(20_000 * scale)), seed=seed)
+
+
+def distinct_blocks(shapes) -> tuple[int, int, int]:
+    """(all blocks, distinct blocks, tokens of the distinct blocks), the family root counting as a block."""
+    seen: dict[int, int] = {}
+    bt = shapes.block_tokens
+    total = 0
+    for i in range(len(shapes)):
+        n = int(shapes.lengths[i])
+        base = int(shapes.bases[i])
+        seen.setdefault(int(shapes.families[i]), base)
+        pos = base
+        for h in shapes.blocks(i).tolist():
+            stop = min(pos + bt, n)
+            seen.setdefault(h, stop - pos)
+            pos = stop
+        total += 1 + shapes.blocks(i).size
+    return total, len(seen), sum(seen.values())
+
+
+def lower_bound_seconds(distinct_tokens: int, max_new: np.ndarray, cost: SimCost) -> float:
+    """Every distinct block's tokens computed once, no padding, full batches of the biggest contract."""
+    bt = max(c.contract.max_batch_tokens for c in CONSUMERS)
+    batches = math.ceil(distinct_tokens / bt)
+    decode = cost.decode_token_seconds * float(np.sum(max_new - 1)) + cost.decode_step_seconds * float(max_new.max() - 1)
+    return batches * cost.batch_overhead_seconds + cost.prefill_token_seconds * distinct_tokens + decode
+
+
+def _percentiles(ns: list[int]) -> tuple[float, float]:
+    if not ns:
+        return 0.0, 0.0
+    a = np.array(ns[1:] or ns, np.float64) / 1000.0  # the first decision pays numba dispatch set-up
+    return round(float(np.percentile(a, 50)), 2), round(float(np.percentile(a, 99)), 2)
+
+
+def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, seed: int = 0,
+        max_new_tokens: int = 1, max_wait_seconds: float | None = None) -> dict:
+    wl = workload_for(trace, scale, seed)
+    if max_new_tokens > 0:
+        wl.max_new_tokens = np.full(len(wl), max_new_tokens, np.int64)
+    shapes = shape_items(wl.tokens, wl.offsets, wl.prefix_lens, wl.models, block_tokens=DEFAULT_BLOCK_TOKENS)
+    cost = SimCost()
+    total_blocks, distinct, distinct_tokens = distinct_blocks(shapes)
+    lb = lower_bound_seconds(distinct_tokens, wl.max_new_tokens, cost)
+    out: dict = {"workload": wl.name, "mode": mode, "items": len(wl), "input_tokens": int(wl.lengths.sum()),
+                 "block_tokens": DEFAULT_BLOCK_TOKENS, "max_new_tokens": max_new_tokens or "workload",
+                 "consumers": {c.name: {"max_batch_size": c.contract.max_batch_size,
+                                        "max_batch_tokens": c.contract.max_batch_tokens,
+                                        "max_input_len": c.contract.max_input_len,
+                                        "cache_tokens": c.cache_tokens} for c in CONSUMERS},
+                 "sim_cost": cost.__dict__}
+    hit_max = round(1 - distinct / total_blocks, 4)
+    for engine_mode in MODES:
+        offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl)
+        res = simulate(offline_packer, CONSUMERS, engine_mode, shapes, wl, cost=cost)
+        arrivals = None
+        if mode == "streaming":
+            # arrive at twice the rate the consumers served the offline backlog
+            span = max(float(wl.arrivals[-1] - wl.arrivals[0]), 1e-9)
+            target = res["makespan_seconds"] / 2
+            arrivals = (wl.arrivals - wl.arrivals[0]) * (target / span)
+            wait = max_wait_seconds if max_wait_seconds is not None else target / 4
+            feeder = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, max_wait_seconds=wait)
+            res = simulate(feeder, CONSUMERS, engine_mode, shapes, wl, arrivals=arrivals, cost=cost)
+            res["max_wait_configured_seconds"] = round(wait, 3)
+            decisions = feeder.decision_ns
+        else:
+            decisions = offline_packer.decision_ns
+        fifo = simulate(FifoFeeder(CONSUMERS, engine_mode, shapes, wl), CONSUMERS, engine_mode, shapes, wl,
+                        arrivals=arrivals, cost=cost)
+        small = wl.head(max(1, len(wl) // 100))
+        small_shapes = shape_items(small.tokens, small.offsets, small.prefix_lens, small.models,
+                                   block_tokens=DEFAULT_BLOCK_TOKENS)
+        small_feeder = PackerFeeder(CONSUMERS, engine_mode, small_shapes, small)
+        simulate(small_feeder, CONSUMERS, engine_mode, small_shapes, small, cost=cost)
+        p50, p99 = _percentiles(decisions)
+        s50, s99 = _percentiles(small_feeder.decision_ns)
+        for figures in (res, fifo):
+            figures["cache_hit_rate_max"] = hit_max
+            figures["lower_bound_seconds"] = round(lb, 3)
+        res.update({
+            "decision_us_p50": p50, "decision_us_p99": p99, "decision_backlog_items": len(wl),
+            "decision_us_p50_backlog_1pct": s50, "decision_us_p99_backlog_1pct": s99,
+            "decision_backlog_items_1pct": len(small),
+            "index_bytes_per_item": round(offline_packer.packer.index.nbytes() / len(wl), 1),
+            "modeled_vs_fifo": round(res["modeled_seconds"] / fifo["modeled_seconds"], 4),
+            "modeled_vs_lower_bound": round(res["modeled_seconds"] / lb, 4),
+            "hit_rate_vs_max": round(res["cache_hit_rate"] / hit_max, 4) if hit_max else 0.0,
+            "fifo": fifo,
+        })
+        out[engine_mode] = res
+    return out

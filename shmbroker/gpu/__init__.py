@@ -1,0 +1,1 @@
+"""GPU side: the consumer loop (a later issue) and the engines it runs."""

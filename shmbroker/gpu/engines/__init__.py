@@ -1,0 +1,1 @@
+"""Engine adapters. `sim` is the CPU cost model; real engines come with their extras."""

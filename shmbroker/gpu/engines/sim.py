@@ -1,0 +1,154 @@
+"""The simulated engine: a documented cost model of a GPU inference engine.
+
+It runs on the CPU in virtual time, so a large trace drains in seconds. Two
+modes (DESIGN.md "Words"):
+
+- `padded`, a rectangle engine (transformers, static TensorRT engines): the
+  batch's common prefix (the blocks every item shares) is computed once, or
+  not at all for the blocks the previous batch's prefix left cached; then
+  count x longest remaining suffix. Cache hits: every item's common-prefix
+  blocks except the one computation.
+- `packed`, a paged-KV engine (vLLM, TensorRT-LLM, SGLang): no padding; items
+  run in batch order and each computes only its blocks after its longest
+  cached prefix in an LRU block cache of `cache_tokens` capacity (a block
+  computed by an earlier item of the batch is a hit for a later one, as with
+  prefix caching of completed blocks).
+
+Cost of one batch (all parameters in `SimCost`):
+
+    seconds = batch_overhead_seconds
+            + prefill_token_seconds x computed prefill tokens
+            + decode_step_seconds x (longest max_new_tokens - 1)
+            + decode_token_seconds x decoded sequence-steps
+
+The first generated token comes out of prefill; decode steps follow. A padded
+engine decodes every sequence for the longest max_new_tokens; a packed one
+retires each sequence at its own. The defaults approximate transformers on an
+H200 with a ~1B-parameter model (DESIGN.md: about 130k prefill tokens/s); a
+later issue calibrates them against real engines. `zero_cost` makes every
+batch free, so a benchmark measures the broker, not the model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ...pack.contract import MODES
+
+
+@dataclass(frozen=True)
+class SimCost:
+    batch_overhead_seconds: float = 0.003
+    prefill_token_seconds: float = 7.5e-6
+    decode_step_seconds: float = 0.012
+    decode_token_seconds: float = 2e-5
+    zero_cost: bool = False
+
+    def seconds(self, computed_tokens: int, decode_steps: int, decode_seq_steps: int) -> float:
+        if self.zero_cost:
+            return 0.0
+        return (self.batch_overhead_seconds + self.prefill_token_seconds * computed_tokens
+                + self.decode_step_seconds * decode_steps + self.decode_token_seconds * decode_seq_steps)
+
+
+@dataclass
+class BatchCost:
+    items: int
+    input_tokens: int
+    computed_tokens: int
+    padded_tokens: int  # rectangle cells that compute nothing (padded mode)
+    rect_tokens: int  # count x longest suffix (padded mode), the denominator of padding waste
+    prefix_tokens: int  # the batch's common prefix (padded mode)
+    hit_blocks: int
+    queried_blocks: int
+    seconds: float
+
+
+class SimEngine:
+    """Blocks come from `ItemShapes` (pack/shapes.py): the family key is an item's first block."""
+
+    def __init__(self, mode: str, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
+        if mode not in MODES:
+            raise ValueError(f"sim engine mode must be one of {MODES}, got {mode!r}")
+        if cache_tokens < 0 or block_tokens < 1:
+            raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
+        self.mode = mode
+        self.block_tokens = block_tokens
+        self.cache_blocks = cache_tokens // block_tokens
+        self.cost = cost
+        self._lru: OrderedDict = OrderedDict()
+        self._last_prefix: list = []  # padded: the previous batch's common prefix blocks
+
+    def _blocks(self, shapes, row):
+        """[(hash, tokens)] of one item: the family root, then its blocks."""
+        n = int(shapes.lengths[row])
+        base = int(shapes.bases[row])
+        out = [(int(shapes.families[row]), base)]
+        pos = base
+        for h in shapes.blocks(row):
+            stop = min(pos + self.block_tokens, n)
+            out.append((int(h), stop - pos))
+            pos = stop
+        return out
+
+    def run(self, shapes, rows, max_new_tokens) -> BatchCost:
+        rows = [int(r) for r in rows]
+        blocks = [self._blocks(shapes, r) for r in rows]
+        lengths = [int(shapes.lengths[r]) for r in rows]
+        max_new = [max(1, int(m)) for m in max_new_tokens]
+        if self.mode == "padded":
+            cost = self._padded(blocks, lengths)
+            steps = max(max_new) - 1
+            seq_steps = len(rows) * steps
+        else:
+            cost = self._packed(blocks, lengths)
+            steps = max(max_new) - 1
+            seq_steps = sum(m - 1 for m in max_new)
+        cost.seconds = self.cost.seconds(cost.computed_tokens, steps, seq_steps)
+        return cost
+
+    def _padded(self, blocks, lengths) -> BatchCost:
+        count = len(blocks)
+        common = 0
+        first = blocks[0]
+        while common < len(first) and all(len(b) > common and b[common] == first[common] for b in blocks):
+            common += 1
+        if common and any(sum(t for _, t in first[:common]) == n for n in lengths) and count > 1:
+            common -= 1  # keep at least one token of every item outside the shared prefix
+        prefix = first[:common]
+        prefix_tokens = sum(t for _, t in prefix)
+        cached = 0
+        while cached < min(common, len(self._last_prefix)) and self._last_prefix[cached] == prefix[cached]:
+            cached += 1
+        cached_tokens = sum(t for _, t in prefix[:cached])
+        self._last_prefix = prefix
+        suffixes = [n - prefix_tokens for n in lengths]
+        rect = count * max(suffixes)
+        return BatchCost(items=count, input_tokens=sum(lengths),
+                         computed_tokens=prefix_tokens - cached_tokens + rect,
+                         padded_tokens=rect - sum(suffixes), rect_tokens=rect, prefix_tokens=prefix_tokens,
+                         hit_blocks=count * cached + (count - 1) * (common - cached),
+                         queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
+
+    def _packed(self, blocks, lengths) -> BatchCost:
+        lru = self._lru
+        hits = 0
+        computed = 0
+        for item in blocks:
+            hitting = True
+            for h, t in item:
+                if hitting and h in lru:
+                    lru.move_to_end(h)
+                    hits += 1
+                    continue
+                hitting = False
+                computed += t
+                if self.cache_blocks:
+                    lru[h] = None
+                    lru.move_to_end(h)
+                    if len(lru) > self.cache_blocks:
+                        lru.popitem(last=False)
+        return BatchCost(items=len(blocks), input_tokens=sum(lengths), computed_tokens=computed, padded_tokens=0,
+                         rect_tokens=0, prefix_tokens=0, hit_blocks=hits,
+                         queried_blocks=sum(len(b) for b in blocks), seconds=0.0)

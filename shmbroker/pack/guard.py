@@ -1,0 +1,83 @@
+"""The shape guard: refuses any batch that is not shape-pure or breaks its contract.
+
+The packer runs it on every batch it builds before committing it; the GPU
+process runs it again on what it receives. A refusal is counted by reason and
+nothing is dispatched (the packer's items stay in the index).
+
+Checks, in order (the first failure is the reason):
+  empty      no items
+  count      count > max_batch_size
+  too_long   an item longer than max_input_len
+  tokens     count x longest > max_batch_tokens
+  model      an item of another model than the contract's
+  family     an item of another family than the batch's shape
+  band       an item outside the shape's length band, or (padded engines) a
+             band wider than the padding tolerance: longest > (1 + tol) x shortest
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..jit import kernel
+from .contract import Batch, Contract, Shape
+
+OK, EMPTY, COUNT, TOO_LONG, TOKENS, MODEL, FAMILY, BAND = range(8)
+REASONS = ("ok", "empty", "count", "too_long", "tokens", "model", "family", "band")
+
+
+@kernel
+def check_arrays(families, models, lengths, family, model, length_min, length_max, tol,
+                 max_batch_size, max_batch_tokens, max_input_len):
+    n = lengths.size
+    if n == 0:
+        return EMPTY
+    if n > max_batch_size:
+        return COUNT
+    lo = lengths[0]
+    hi = lengths[0]
+    for i in range(n):
+        if lengths[i] > max_input_len:
+            return TOO_LONG
+        lo = min(lo, lengths[i])
+        hi = max(hi, lengths[i])
+    if n * hi > max_batch_tokens:
+        return TOKENS
+    for i in range(n):
+        if models[i] != model:
+            return MODEL
+    for i in range(n):
+        if families[i] != family:
+            return FAMILY
+    if lo < length_min or hi > length_max or hi > lo * (1.0 + tol):
+        return BAND
+    return OK
+
+
+class Guard:
+    """Counts refusals by reason; `check` returns None or the reason."""
+
+    def __init__(self, tolerance: float | None):
+        self.tolerance = float("inf") if tolerance is None else float(tolerance)
+        self.refusals: Counter = Counter()
+
+    @property
+    def num_refusals(self) -> int:
+        return sum(self.refusals.values())
+
+    def check(self, families: np.ndarray, models: np.ndarray, lengths: np.ndarray, shape: Shape,
+              contract: Contract) -> str | None:
+        code = check_arrays(np.ascontiguousarray(families, np.uint64), np.ascontiguousarray(models, np.int64),
+                            np.ascontiguousarray(lengths, np.int64), np.uint64(shape.family), shape.model,
+                            shape.length_min, shape.length_max, self.tolerance, contract.max_batch_size,
+                            contract.max_batch_tokens, contract.max_input_len)
+        if code == OK:
+            return None
+        reason = REASONS[code]
+        self.refusals[reason] += 1
+        return reason
+
+    def check_batch(self, batch: Batch, families: np.ndarray, models: np.ndarray, contract: Contract) -> str | None:
+        return self.check(families, models, batch.lengths, batch.shape, contract)

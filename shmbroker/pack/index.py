@@ -1,0 +1,660 @@
+"""The packing index: families, a prefix trie of block hashes, length bands.
+
+Bounded, array-backed, written by one owner (sched). Every operation costs
+O(the item's blocks) to insert or remove and O(batch + trie depth) to pack;
+nothing walks the backlog.
+
+Records (numpy structured arrays; a slot is a row index, -1 is "none"):
+
+ITEM (64 bytes)                          NODE (88 bytes): one trie node
+  key      u64  caller's handle            key     u64  block hash (family key at the root)
+  arrival  f64  seconds                    parent  i32  depth i32  fam i32  branch i32
+  length   i32  max_new i32                chead/ctail i32  live children list
+  fam      i32  node    i32                sprev/snext i32  links in the parent's list
+  bucket   i32  bprev/bnext i32            ihead/itail i32  items ending here, nitems i32
+  nprev/nnext i32   node item list         live    i32  has items or live children
+  aprev/anext i32   age list               maxlen i32  claimed i32 (consumer+1) cls i32
+  acls     i32      age class              cprev/cnext i32  the branch list it is in (cls)
+                                           affine  i32  consumer that served the branch last
+
+FAMILY (48 bytes)                        BUCKET (24 bytes): one (family, band)
+  key u64  model i32  root i32             key u64  head/tail i32  count i32  band i32
+  pending i32  tokens i64
+  claimed i32  gcls i32  gprev/gnext i32
+
+- A **branch** is a depth-1 node (the first block after the family root). A
+  packed consumer claims a branch and drains it depth-first (parents before
+  children), so a conversation is served on one card, turn after turn.
+- Bands of a family are a two-level bitmap (`bits`, `summ`), so the next
+  non-empty band either side of a cursor is found in O(1) words.
+- **Classes**: consumers' distinct `max_input_len` values, ascending, plus an
+  overflow class for items no consumer can take. Branches (by their longest
+  item) and families (by their shortest) sit in per-class lists; items sit in
+  per-class age lists in arrival order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .shapes import NUM_BANDS, band_floor, band_of
+from .tables import ht_delete, ht_find, ht_put, new_free_list, new_table
+
+ITEM_REC = np.dtype([
+    ("key", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
+    ("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4"), ("nprev", "i4"), ("nnext", "i4"),
+    ("aprev", "i4"), ("anext", "i4"), ("acls", "i4")])
+NODE_REC = np.dtype([
+    ("key", "u8"), ("parent", "i4"), ("depth", "i4"), ("fam", "i4"), ("branch", "i4"),
+    ("chead", "i4"), ("ctail", "i4"), ("sprev", "i4"), ("snext", "i4"),
+    ("ihead", "i4"), ("itail", "i4"), ("nitems", "i4"), ("live", "i4"),
+    ("maxlen", "i4"), ("claimed", "i4"), ("cls", "i4"), ("cprev", "i4"), ("cnext", "i4"), ("affine", "i4"),
+    ("pad", "i4")])
+FAM_REC = np.dtype([
+    ("key", "u8"), ("model", "i4"), ("root", "i4"), ("pending", "i4"), ("pad", "i4"), ("tokens", "i8"),
+    ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4")])
+BUCKET_REC = np.dtype([("key", "u8"), ("head", "i4"), ("tail", "i4"), ("count", "i4"), ("band", "i4")])
+
+BAND_WORDS = (NUM_BANDS + 63) // 64
+SUMMARY_WORDS = (BAND_WORDS + 63) // 64
+
+# insert() results
+FULL_ITEMS = -1
+FULL_NODES = -2
+FULL_FAMILIES = -3
+FULL_BUCKETS = -4
+
+# meta words
+M_ITEMS_FREE, M_NODES_FREE, M_FAMS_FREE, M_BUCKETS_FREE, M_ITEMS, M_TOKENS = range(6)
+# consumer state columns
+C_FAM, C_BRANCH, C_BAND, C_MAXIN = range(4)
+
+# S: the state tuple every kernel takes, in this order
+(S_IT, S_ND, S_FM, S_BK, S_NKEYS, S_NVALS, S_FKEYS, S_FVALS, S_BKEYS, S_BVALS, S_BITS, S_SUMM,
+ S_FBH, S_FBT, S_GH, S_GT, S_AH, S_AT, S_IFREE, S_NFREE, S_FFREE, S_BFREE, S_META, S_CLS, S_CONS,
+ S_HKEYS, S_HCONS) = range(27)
+
+
+# ---- bitmaps -------------------------------------------------------------------------------
+
+@kernel
+def _lowbit(w):
+    n = 0
+    while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
+        n += 1
+    return n
+
+
+@kernel
+def _highbit(w):
+    n = 63
+    while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
+        n -= 1
+    return n
+
+
+@kernel
+def bit_set(bits, summ, f, b):
+    w = b >> 6
+    bits[f, w] |= np.uint64(1) << np.uint64(b & 63)
+    summ[f, w >> 6] |= np.uint64(1) << np.uint64(w & 63)
+
+
+@kernel
+def bit_clear(bits, summ, f, b):
+    w = b >> 6
+    bits[f, w] &= ~(np.uint64(1) << np.uint64(b & 63))
+    if bits[f, w] == np.uint64(0):
+        summ[f, w >> 6] &= ~(np.uint64(1) << np.uint64(w & 63))
+
+
+@kernel
+def band_next(bits, summ, f, b):
+    """Lowest non-empty band >= b, or -1."""
+    if b < 0:
+        b = 0
+    if b >= NUM_BANDS:
+        return -1
+    w = b >> 6
+    m = bits[f, w] & (~np.uint64(0) << np.uint64(b & 63))
+    if m != np.uint64(0):
+        return (w << 6) + _lowbit(m)
+    w += 1
+    if w >= BAND_WORDS:
+        return -1
+    s = w >> 6
+    sm = summ[f, s] & (~np.uint64(0) << np.uint64(w & 63))
+    while sm == np.uint64(0):
+        s += 1
+        if s >= SUMMARY_WORDS:
+            return -1
+        sm = summ[f, s]
+    w = (s << 6) + _lowbit(sm)
+    return (w << 6) + _lowbit(bits[f, w])
+
+
+@kernel
+def band_prev(bits, summ, f, b):
+    """Highest non-empty band <= b, or -1."""
+    if b >= NUM_BANDS:
+        b = NUM_BANDS - 1
+    if b < 0:
+        return -1
+    w = b >> 6
+    sh = 63 - (b & 63)
+    m = bits[f, w] & (~np.uint64(0) >> np.uint64(sh))
+    if m != np.uint64(0):
+        return (w << 6) + _highbit(m)
+    w -= 1
+    if w < 0:
+        return -1
+    s = w >> 6
+    sm = summ[f, s] & (~np.uint64(0) >> np.uint64(63 - (w & 63)))
+    while sm == np.uint64(0):
+        s -= 1
+        if s < 0:
+            return -1
+        sm = summ[f, s]
+    w = (s << 6) + _highbit(sm)
+    return (w << 6) + _highbit(bits[f, w])
+
+
+# ---- classes -------------------------------------------------------------------------------
+
+@kernel
+def class_of(cls, model, length):
+    """First class (rows of cls: model, max_input_len; sorted) of `model` that fits `length`.
+
+    Each model's last class is its overflow class (items no consumer of it can take);
+    cls.shape[0] is the class of models that no consumer serves.
+    """
+    for k in range(cls.shape[0]):
+        if cls[k, 0] == model and length <= cls[k, 1]:
+            return k
+    return cls.shape[0]
+
+
+# ---- lists ---------------------------------------------------------------------------------
+
+@kernel
+def _bucket_append(it, bk, b, s):
+    it[s].bucket = b
+    it[s].bnext = -1
+    it[s].bprev = bk[b].tail
+    if bk[b].tail != -1:
+        it[bk[b].tail].bnext = s
+    else:
+        bk[b].head = s
+    bk[b].tail = s
+    bk[b].count += 1
+
+
+@kernel
+def _bucket_unlink(it, bk, s):
+    b = it[s].bucket
+    p = it[s].bprev
+    n = it[s].bnext
+    if p != -1:
+        it[p].bnext = n
+    else:
+        bk[b].head = n
+    if n != -1:
+        it[n].bprev = p
+    else:
+        bk[b].tail = p
+    bk[b].count -= 1
+    return b
+
+
+@kernel
+def _nitem_append(it, nd, x, s):
+    it[s].node = x
+    it[s].nnext = -1
+    it[s].nprev = nd[x].itail
+    if nd[x].itail != -1:
+        it[nd[x].itail].nnext = s
+    else:
+        nd[x].ihead = s
+    nd[x].itail = s
+    nd[x].nitems += 1
+
+
+@kernel
+def _nitem_unlink(it, nd, s):
+    x = it[s].node
+    p = it[s].nprev
+    n = it[s].nnext
+    if p != -1:
+        it[p].nnext = n
+    else:
+        nd[x].ihead = n
+    if n != -1:
+        it[n].nprev = p
+    else:
+        nd[x].itail = p
+    nd[x].nitems -= 1
+    return x
+
+
+@kernel
+def _child_append(nd, p, x):
+    nd[x].snext = -1
+    nd[x].sprev = nd[p].ctail
+    if nd[p].ctail != -1:
+        nd[nd[p].ctail].snext = x
+    else:
+        nd[p].chead = x
+    nd[p].ctail = x
+
+
+@kernel
+def _child_unlink(nd, p, x):
+    a = nd[x].sprev
+    b = nd[x].snext
+    if a != -1:
+        nd[a].snext = b
+    else:
+        nd[p].chead = b
+    if b != -1:
+        nd[b].sprev = a
+    else:
+        nd[p].ctail = a
+    nd[x].sprev = -1
+    nd[x].snext = -1
+
+
+@kernel
+def _age_append(it, ah, at, c, s):
+    it[s].acls = c
+    it[s].anext = -1
+    it[s].aprev = at[c]
+    if at[c] != -1:
+        it[at[c]].anext = s
+    else:
+        ah[c] = s
+    at[c] = s
+
+
+@kernel
+def _age_unlink(it, ah, at, s):
+    c = it[s].acls
+    p = it[s].aprev
+    n = it[s].anext
+    if p != -1:
+        it[p].anext = n
+    else:
+        ah[c] = n
+    if n != -1:
+        it[n].aprev = p
+    else:
+        at[c] = p
+
+
+@kernel
+def _branch_list_set(nd, fbh, fbt, x, c):
+    """Move branch x to its family's class list c (-1: out of every list)."""
+    old = nd[x].cls
+    if old == c:
+        return
+    f = nd[x].fam
+    if old != -1:
+        a = nd[x].cprev
+        b = nd[x].cnext
+        if a != -1:
+            nd[a].cnext = b
+        else:
+            fbh[f, old] = b
+        if b != -1:
+            nd[b].cprev = a
+        else:
+            fbt[f, old] = a
+    nd[x].cls = c
+    nd[x].cprev = -1
+    nd[x].cnext = -1
+    if c != -1:
+        nd[x].cprev = fbt[f, c]
+        if fbt[f, c] != -1:
+            nd[fbt[f, c]].cnext = x
+        else:
+            fbh[f, c] = x
+        fbt[f, c] = x
+
+
+@kernel
+def _family_list_set(fm, gh, gt, f, c):
+    """Move family f to the global class list c (-1: out of every list)."""
+    old = fm[f].gcls
+    if old == c:
+        return
+    if old != -1:
+        a = fm[f].gprev
+        b = fm[f].gnext
+        if a != -1:
+            fm[a].gnext = b
+        else:
+            gh[old] = b
+        if b != -1:
+            fm[b].gprev = a
+        else:
+            gt[old] = a
+    fm[f].gcls = c
+    fm[f].gprev = -1
+    fm[f].gnext = -1
+    if c != -1:
+        fm[f].gprev = gt[c]
+        if gt[c] != -1:
+            fm[gt[c]].gnext = f
+        else:
+            gh[c] = f
+        gt[c] = f
+
+
+# ---- insert and remove ---------------------------------------------------------------------
+
+@kernel
+def family_reclass(S, f):
+    """Put an unclaimed family in the class list of its shortest pending item."""
+    fm = S[S_FM]
+    if fm[f].claimed != 0 or fm[f].pending == 0:
+        _family_list_set(fm, S[S_GH], S[S_GT], f, -1)
+        return
+    b = band_next(S[S_BITS], S[S_SUMM], f, 0)
+    _family_list_set(fm, S[S_GH], S[S_GT], f, class_of(S[S_CLS], fm[f].model, band_floor(b)))
+
+
+@kernel
+def branch_reclass(S, x):
+    """List an unclaimed live branch: in its affine consumer's list when that consumer fits it,
+    else in the class list of its longest item. Lists 0..K are classes, K+1+c consumer c's."""
+    nd = S[S_ND]
+    if nd[x].claimed != 0 or nd[x].live == 0:
+        _branch_list_set(nd, S[S_FBH], S[S_FBT], x, -1)
+        return
+    a = nd[x].affine
+    if a != -1 and nd[x].maxlen <= S[S_CONS][a, C_MAXIN]:
+        _branch_list_set(nd, S[S_FBH], S[S_FBT], x, S[S_CLS].shape[0] + 1 + a)
+    else:
+        _branch_list_set(nd, S[S_FBH], S[S_FBT], x, class_of(S[S_CLS], S[S_FM][nd[x].fam].model, nd[x].maxlen))
+
+
+@kernel
+def _new_node(S, key, parent, depth, f):
+    nd = S[S_ND]
+    meta = S[S_META]
+    meta[M_NODES_FREE] -= 1
+    x = S[S_NFREE][meta[M_NODES_FREE]]
+    nd[x].key = key
+    nd[x].parent = parent
+    nd[x].depth = depth
+    nd[x].fam = f
+    nd[x].branch = -1 if depth == 0 else (x if depth == 1 else nd[parent].branch)
+    nd[x].chead = -1
+    nd[x].ctail = -1
+    nd[x].sprev = -1
+    nd[x].snext = -1
+    nd[x].ihead = -1
+    nd[x].itail = -1
+    nd[x].nitems = 0
+    nd[x].live = 0
+    nd[x].maxlen = 0
+    nd[x].claimed = 0
+    nd[x].cls = -1
+    nd[x].cprev = -1
+    nd[x].cnext = -1
+    nd[x].affine = -1
+    if depth == 1:
+        h = np.int64(key & np.uint64(S[S_HKEYS].size - 1))
+        if S[S_HKEYS][h] == key:
+            nd[x].affine = S[S_HCONS][h]
+    ht_put(S[S_NKEYS], S[S_NVALS], key, x)
+    return x
+
+
+@kernel
+def insert(S, key, arrival, length, max_new, model, famkey, hashes):
+    """Index one item; its slot, or a FULL_* code (nothing changed)."""
+    it = S[S_IT]
+    nd = S[S_ND]
+    fm = S[S_FM]
+    bk = S[S_BK]
+    meta = S[S_META]
+    if meta[M_ITEMS_FREE] < 1:
+        return FULL_ITEMS
+    if meta[M_NODES_FREE] < hashes.size + 1:
+        return FULL_NODES
+    if meta[M_BUCKETS_FREE] < 1:
+        return FULL_BUCKETS
+    f = ht_find(S[S_FKEYS], S[S_FVALS], famkey)
+    if f == -1:
+        if meta[M_FAMS_FREE] < 1:
+            return FULL_FAMILIES
+        meta[M_FAMS_FREE] -= 1
+        f = S[S_FFREE][meta[M_FAMS_FREE]]
+        fm[f].key = famkey
+        fm[f].model = model
+        fm[f].root = -1
+        fm[f].pending = 0
+        fm[f].tokens = 0
+        fm[f].claimed = 0
+        fm[f].gcls = -1
+        fm[f].gprev = -1
+        fm[f].gnext = -1
+        ht_put(S[S_FKEYS], S[S_FVALS], famkey, f)
+    # the trie path
+    x = fm[f].root
+    if x == -1:
+        x = _new_node(S, famkey, -1, 0, f)
+        fm[f].root = x
+    for d in range(hashes.size):
+        y = ht_find(S[S_NKEYS], S[S_NVALS], hashes[d])
+        if y == -1:
+            y = _new_node(S, hashes[d], x, d + 1, f)
+        x = y
+    # the item
+    meta[M_ITEMS_FREE] -= 1
+    s = S[S_IFREE][meta[M_ITEMS_FREE]]
+    it[s].key = key
+    it[s].arrival = arrival
+    it[s].length = length
+    it[s].max_new = max_new
+    it[s].fam = f
+    _nitem_append(it, nd, x, s)
+    y = x
+    while y != -1 and nd[y].live == 0:
+        nd[y].live = 1
+        p = nd[y].parent
+        if p != -1:
+            _child_append(nd, p, y)
+        y = p
+    br = nd[x].branch
+    if br != -1:
+        if length > nd[br].maxlen:
+            nd[br].maxlen = length
+        branch_reclass(S, br)
+    # the band
+    band = band_of(length)
+    bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
+    b = ht_find(S[S_BKEYS], S[S_BVALS], bkey)
+    if b == -1:
+        meta[M_BUCKETS_FREE] -= 1
+        b = S[S_BFREE][meta[M_BUCKETS_FREE]]
+        bk[b].key = bkey
+        bk[b].head = -1
+        bk[b].tail = -1
+        bk[b].count = 0
+        bk[b].band = band
+        ht_put(S[S_BKEYS], S[S_BVALS], bkey, b)
+        bit_set(S[S_BITS], S[S_SUMM], f, band)
+    _bucket_append(it, bk, b, s)
+    fm[f].pending += 1
+    fm[f].tokens += length
+    family_reclass(S, f)
+    _age_append(it, S[S_AH], S[S_AT], class_of(S[S_CLS], model, length), s)
+    meta[M_ITEMS] += 1
+    meta[M_TOKENS] += length
+    return s
+
+
+@kernel
+def remove(S, s):
+    """Take item s out of the index (its slot is free afterwards)."""
+    it = S[S_IT]
+    nd = S[S_ND]
+    fm = S[S_FM]
+    bk = S[S_BK]
+    meta = S[S_META]
+    cons = S[S_CONS]
+    f = it[s].fam
+    b = _bucket_unlink(it, bk, s)
+    if bk[b].count == 0:
+        bit_clear(S[S_BITS], S[S_SUMM], f, bk[b].band)
+        ht_delete(S[S_BKEYS], S[S_BVALS], bk[b].key)
+        S[S_BFREE][meta[M_BUCKETS_FREE]] = b
+        meta[M_BUCKETS_FREE] += 1
+    x = _nitem_unlink(it, nd, s)
+    while x != -1 and nd[x].nitems == 0 and nd[x].chead == -1:
+        p = nd[x].parent
+        nd[x].live = 0
+        if p != -1:
+            _child_unlink(nd, p, x)
+        if nd[x].depth == 1:
+            _branch_list_set(nd, S[S_FBH], S[S_FBT], x, -1)
+            served = nd[x].claimed - 1 if nd[x].claimed != 0 else nd[x].affine
+            if served != -1:  # remember who holds this conversation's prefix, for its next turn
+                h = np.int64(nd[x].key & np.uint64(S[S_HKEYS].size - 1))
+                S[S_HKEYS][h] = nd[x].key
+                S[S_HCONS][h] = served
+            if nd[x].claimed != 0 and cons[nd[x].claimed - 1, C_BRANCH] == x:
+                cons[nd[x].claimed - 1, C_BRANCH] = -1
+        else:
+            if nd[x].depth == 0:
+                fm[f].root = -1
+        ht_delete(S[S_NKEYS], S[S_NVALS], nd[x].key)
+        S[S_NFREE][meta[M_NODES_FREE]] = x
+        meta[M_NODES_FREE] += 1
+        x = p
+    _age_unlink(it, S[S_AH], S[S_AT], s)
+    fm[f].pending -= 1
+    fm[f].tokens -= it[s].length
+    meta[M_ITEMS] -= 1
+    meta[M_TOKENS] -= it[s].length
+    if fm[f].pending == 0:
+        _family_list_set(fm, S[S_GH], S[S_GT], f, -1)
+        for c in range(cons.shape[0]):
+            if cons[c, C_FAM] == f:
+                cons[c, C_FAM] = -1
+        ht_delete(S[S_FKEYS], S[S_FVALS], fm[f].key)
+        S[S_FFREE][meta[M_FAMS_FREE]] = f
+        meta[M_FAMS_FREE] += 1
+    else:
+        family_reclass(S, f)
+    S[S_IFREE][meta[M_ITEMS_FREE]] = s
+    meta[M_ITEMS_FREE] += 1
+
+
+@kernel
+def remove_many(S, slots, n):
+    for i in range(n):
+        remove(S, slots[i])
+
+
+OVERFLOW_LEN = (1 << 31) - 1
+
+
+class PackIndex:
+    """The index's arrays, sized once; `S` is the tuple every kernel takes.
+
+    classes: the consumers' (model, max_input_len) pairs; each model gets an
+    overflow class above its largest. Capacities bound everything: items,
+    trie nodes (distinct blocks pending), families, (family, band) buckets.
+    """
+
+    def __init__(self, classes, *, items: int, nodes: int | None = None, families: int | None = None,
+                 num_consumers: int = 1):
+        if items < 1:
+            raise ValueError(f"items capacity must be positive, got {items}")
+        nodes = nodes if nodes is not None else 8 * items
+        families = families if families is not None else max(16, items // 4)
+        buckets = items
+        rows = sorted(set((int(m), int(x)) for m, x in classes))
+        for m in sorted(set(m for m, _ in rows)):
+            rows.append((m, OVERFLOW_LEN))
+        rows.sort()
+        self.classes = np.array(rows, np.int64).reshape(-1, 2)
+        k1 = len(rows) + 1
+        it = np.zeros(items, ITEM_REC)
+        nd = np.zeros(nodes, NODE_REC)
+        fm = np.zeros(families, FAM_REC)
+        bk = np.zeros(buckets, BUCKET_REC)
+        nkeys, nvals = new_table(nodes)
+        fkeys, fvals = new_table(families)
+        bkeys, bvals = new_table(buckets)
+        bits = np.zeros((families, BAND_WORDS), np.uint64)
+        summ = np.zeros((families, SUMMARY_WORDS), np.uint64)
+        fbh = np.full((families, k1 + num_consumers), -1, np.int32)
+        fbt = np.full((families, k1 + num_consumers), -1, np.int32)
+        gh = np.full(k1, -1, np.int32)
+        gt = np.full(k1, -1, np.int32)
+        ah = np.full(k1, -1, np.int32)
+        at = np.full(k1, -1, np.int32)
+        meta = np.zeros(8, np.int64)
+        meta[M_ITEMS_FREE] = items
+        meta[M_NODES_FREE] = nodes
+        meta[M_FAMS_FREE] = families
+        meta[M_BUCKETS_FREE] = buckets
+        cons = np.full((num_consumers, 4), -1, np.int64)
+        hint_size = 1 << max(16, (2 * items - 1).bit_length())
+        hkeys = np.zeros(hint_size, np.uint64)
+        hcons = np.full(hint_size, -1, np.int32)
+        self.S = (it, nd, fm, bk, nkeys, nvals, fkeys, fvals, bkeys, bvals, bits, summ, fbh, fbt, gh, gt,
+                  ah, at, new_free_list(items), new_free_list(nodes), new_free_list(families),
+                  new_free_list(buckets), meta, self.classes, cons, hkeys, hcons)
+        self.items = it
+        self.nodes = nd
+        self.families = fm
+        self.meta = meta
+        self.cons = cons
+        self.capacity = items
+
+    def class_of(self, model: int, length: int) -> int:
+        return int(class_of(self.classes, model, length))
+
+    def insert(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
+               hashes: np.ndarray) -> int:
+        """Index one item (hashes: its block hashes); its slot. Raises IndexFull."""
+        s = insert(self.S, np.uint64(key), float(arrival), int(length), int(max_new), int(model),
+                   np.uint64(family), hashes)
+        if s < 0:
+            raise IndexFull({FULL_ITEMS: "items", FULL_NODES: "trie nodes", FULL_FAMILIES: "families",
+                             FULL_BUCKETS: "band buckets"}[s])
+        return int(s)
+
+    def remove(self, slot: int) -> None:
+        remove(self.S, slot)
+
+    def __len__(self) -> int:
+        return int(self.meta[M_ITEMS])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta[M_TOKENS])
+
+    @property
+    def num_families(self) -> int:
+        return self.families.size - int(self.meta[M_FAMS_FREE])
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes.size - int(self.meta[M_NODES_FREE])
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.S))
+
+
+class IndexFull(Exception):
+    """The index has no room for one more item (the backlog keeps it; sched indexes it later)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"packing index full: no free {what}")
+        self.what = what

@@ -1,0 +1,94 @@
+"""The packer: one shape-pure batch for one consumer, to its contract.
+
+    packer = Packer([ConsumerSpec("big", Contract(256, 131072, 131072), "padded"), ...])
+    packer.add(key, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
+    batch = packer.next_batch(consumer, now)                           # O(batch + trie depth)
+
+A decision: the consumer's policy picks a family (and band or branch) and
+selects items without removing them; the guard checks the batch; only then
+are the items removed from the index. Items no consumer of their model can
+take come back in `batch.failed` with reason "too_long" (a batch may hold
+only failures). Nothing here knows about rings, disks or engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .contract import MODES, Batch, Contract, Shape
+from .guard import REASONS, Guard
+from .index import PackIndex
+from .policy import DEFAULT_PADDING_TOLERANCE, POLICIES
+
+FAILED_MAX = 64  # failures collected per decision
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    name: str
+    contract: Contract
+    mode: str = "padded"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"consumer {self.name!r}: mode must be one of {MODES}, got {self.mode!r}")
+
+
+class Packer:
+    def __init__(self, consumers: list[ConsumerSpec], *, capacity: int, nodes: int | None = None,
+                 families: int | None = None, max_wait_seconds: float | None = None,
+                 tolerance: float = DEFAULT_PADDING_TOLERANCE):
+        if not consumers:
+            raise ValueError("a packer needs at least one consumer")
+        names = [c.name for c in consumers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"consumer names must be unique: {names}")
+        if max_wait_seconds is not None and max_wait_seconds <= 0:
+            raise ValueError(f"max_wait_seconds must be positive, got {max_wait_seconds}")
+        self.consumers = list(consumers)
+        self.index = PackIndex([(c.contract.model, c.contract.max_input_len) for c in consumers],
+                               items=capacity, nodes=nodes, families=families, num_consumers=len(consumers))
+        self.model_max = {}
+        for c in consumers:
+            m = c.contract.model
+            self.model_max[m] = max(self.model_max.get(m, 0), c.contract.max_input_len)
+        self.policies = []
+        self.guards = []
+        for i, c in enumerate(consumers):
+            kw = {"tol": tolerance} if c.mode == "padded" else {}
+            policy = POLICIES[c.mode](self.index, i, c.contract, self.model_max[c.contract.model],
+                                      max_wait_seconds, **kw)
+            self.policies.append(policy)
+            self.guards.append(Guard(policy.tol))
+        size = max(c.contract.max_batch_size for c in consumers)
+        self._out = np.empty(size, np.int32)
+        self._failed = np.empty(FAILED_MAX, np.int32)
+        self._bufs = (np.empty(size, np.uint64), np.empty(size, np.int64), np.empty(size, np.int64),
+                      np.empty(size, np.float64), np.empty(size, np.uint64), np.empty(size, np.int64),
+                      np.empty(FAILED_MAX, np.uint64))
+        self.max_wait_seconds = max_wait_seconds
+
+    def add(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
+            hashes: np.ndarray) -> int:
+        return self.index.insert(key, arrival, length, max_new, model, family, hashes)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def next_batch(self, c: int, now: float = 0.0) -> Batch | None:
+        """The next batch for consumer c, or None when there is nothing it can take."""
+        policy = self.policies[c]
+        bufs = self._bufs
+        n, nf, f, code, lo, hi = policy.decide(float(now), self._out, self._failed, bufs)
+        if f == -1:
+            return None
+        keys, lengths, max_new, arrivals, _, _, fail_keys = bufs
+        fam = self.index.families[f]
+        shape = Shape(int(fam["model"]), int(fam["key"]), int(lo), int(hi))
+        if code != 0:
+            self.guards[c].refusals[REASONS[code]] += 1
+            n = 0
+        return Batch(c, shape, keys[:n].copy(), lengths[:n].copy(), max_new[:n].copy(), arrivals[:n].copy(),
+                     failed=[(int(k), "too_long") for k in fail_keys[:nf]])

@@ -1,0 +1,212 @@
+"""The policy: which family, band and branch each consumer is served next.
+
+Mechanism (select.py: the walks, the guard, the commit) and policy are
+apart: the packer asks the consumer's policy object for a decision; nothing in
+the packer branches on a mode. A decision is one compiled call (numba's call
+overhead with the index's arrays is a few microseconds, paid once).
+
+Shared by both modes (`choose_family`):
+1. Aging: the oldest item this consumer can take that has waited longer than
+   `max_wait_seconds` decides the family (and its band or branch) first.
+2. Stickiness: a consumer keeps its family until it has nothing left there
+   for it (no excess shape switches; its cache holds that prefix).
+3. A new family comes from the class lists: first the classes only this
+   consumer (or a bigger one) can take, so the big card takes the long work
+   and the small card keeps what it can do; a claimed family is off the other
+   consumers' lists (a prefix is cached on one card).
+4. With no unclaimed family left, a consumer shares another's family (packed:
+   branches stay apart; padded: the sweeps run in opposite directions).
+
+`PaddedPolicy` (rectangle engines) sweeps a family's length bands: the largest
+consumer of a model from the top down, the others from the bottom up, so
+batches are as long as the contract allows and padding stays within the
+tolerance (longest <= (1 + tol) x shortest).
+
+`PackedPolicy` (paged-KV engines) drains branches depth-first, so each turn
+of a conversation follows its parent while the parent's blocks are cached.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .index import C_BAND, C_FAM, C_MAXIN, NUM_BANDS, S_CONS, S_FM, S_IT
+from .select import claim_item_branch, finish, oldest, release_family, select_packed, select_padded, take_family
+from .shapes import band_of
+
+DEFAULT_PADDING_TOLERANCE = 1 / 16
+FAMILY_ATTEMPTS = 8
+NO_AGING = -1.0
+
+
+@kernel
+def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model):
+    """(family or -1, aged item slot or -1).
+
+    Aging looks first at the classes no smaller consumer can take (age_own), then at all of c's."""
+    cons = S[S_CONS]
+    fm = S[S_FM]
+    if attempt == 0 and max_wait >= 0.0:
+        s = oldest(S, age_own, now - max_wait)
+        if s == -1:
+            s = oldest(S, cls_order, now - max_wait)
+        if s != -1:
+            f = S[S_IT][s].fam
+            if cons[c, C_FAM] != f:
+                release_family(S, c)
+                cons[c, C_FAM] = f
+            return f, s
+    if attempt > 0:
+        skip[attempt - 1] = cons[c, C_FAM]
+        release_family(S, c)
+    f = cons[c, C_FAM]
+    if f != -1:
+        return f, -1
+    f = take_family(S, c, cls_order, skip, attempt)
+    if f == -1:
+        for d in range(cons.shape[0]):
+            g = cons[d, C_FAM]
+            if d == c or g == -1 or fm[g].model != model:
+                continue
+            seen = False
+            for i in range(attempt):
+                if skip[i] == g:
+                    seen = True
+            if not seen:
+                f = g
+                break
+    if f != -1:
+        cons[c, C_FAM] = f
+        cons[c, C_BAND] = -1  # entering: the sweep starts at its far end
+    return f, -1
+
+
+@kernel
+def overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new, arrivals,
+                  families, models, fail_keys):
+    """Rather than idle, serve the oldest overdue item c can take on its own (its shape is then
+    held by another consumer or mixed with longer work)."""
+    if max_wait < 0.0:
+        return 0, 0, -1, 0, 0, 0
+    s = oldest(S, cls_order, now - max_wait)
+    if s == -1:
+        return 0, 0, -1, 0, 0, 0
+    out[0] = s
+    f = S[S_IT][s].fam
+    n = S[S_IT][s].length
+    code = finish(S, out, 1, failed, 0, S[S_FM][f].key, model, n, n, 0.0, bs, bt, max_in,
+                  keys, lengths, max_new, arrivals, families, models, fail_keys)
+    return 1, 0, f, code, n, n
+
+
+@kernel
+def decide_padded(S, c, now, max_wait, model, bs, bt, max_in, model_max, tol, descending, cls_order, age_own, skip,
+                  out, failed, keys, lengths, max_new, arrivals, families, models, fail_keys):
+    """(items, failed, family slot, guard code, shortest, longest)."""
+    cons = S[S_CONS]
+    far = NUM_BANDS - 1 if descending else 0
+    for attempt in range(FAMILY_ATTEMPTS):
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
+        if f == -1:
+            break
+        if aged != -1:
+            cons[c, C_BAND] = band_of(S[S_IT][aged].length)
+        start = cons[c, C_BAND]
+        if start == -1:
+            start = far
+        n, nf, band = select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed)
+        cons[c, C_BAND] = far if band == -1 else band
+        if n or nf:
+            lo = 0
+            hi = 0
+            if n:
+                lo = S[S_IT][out[0]].length
+                hi = lo
+                for i in range(n):
+                    lo = min(lo, S[S_IT][out[i]].length)
+                    hi = max(hi, S[S_IT][out[i]].length)
+            key = S[S_FM][f].key
+            code = finish(S, out, n, failed, nf, key, model, lo, hi, tol, bs, bt, max_in,
+                          keys, lengths, max_new, arrivals, families, models, fail_keys)
+            return n, nf, f, code, lo, hi
+    return overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new,
+                         arrivals, families, models, fail_keys)
+
+
+@kernel
+def decide_packed(S, c, now, max_wait, model, bs, bt, max_in, model_max, cls_order, age_own, skip,
+                  out, failed, keys, lengths, max_new, arrivals, families, models, fail_keys):
+    """(items, failed, family slot, guard code, 1, max_in)."""
+    for attempt in range(FAMILY_ATTEMPTS):
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
+        if f == -1:
+            break
+        if aged != -1:
+            claim_item_branch(S, c, aged, max_in)
+        n, nf = select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed)
+        if n or nf:
+            key = S[S_FM][f].key
+            code = finish(S, out, n, failed, nf, key, model, 1, max_in, np.inf, bs, bt, max_in,
+                          keys, lengths, max_new, arrivals, families, models, fail_keys)
+            return n, nf, f, code, 1, max_in
+    return overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new,
+                         arrivals, families, models, fail_keys)
+
+
+class Policy:
+    mode = ""
+    tol = None
+
+    def __init__(self, index, c: int, contract, model_max: int, max_wait_seconds: float | None):
+        self.index = index
+        self.c = c
+        self.contract = contract
+        self.model_max = model_max
+        self.max_wait = NO_AGING if max_wait_seconds is None else float(max_wait_seconds)
+        classes = index.classes
+        mine = [k for k in range(len(classes)) if classes[k, 0] == contract.model]
+        own = [k for k in mine if classes[k, 1] <= contract.max_input_len]
+        overflow = [k for k in mine if classes[k, 1] > model_max]
+        largest = contract.max_input_len == model_max
+        order = (overflow if largest else []) + sorted(own, key=lambda k: -classes[k, 1])
+        self.cls_order = np.array(order, np.int64)
+        # classes no smaller consumer of the model takes: above the next smaller max_input_len
+        below = [classes[k, 1] for k in mine if classes[k, 1] < contract.max_input_len]
+        floor = max(below) if below else 0
+        self.age_own = np.array([k for k in order if classes[k, 1] > floor], np.int64)
+        self.descending = largest
+        self.skip = np.full(FAMILY_ATTEMPTS, -1, np.int64)
+        index.cons[c, C_MAXIN] = contract.max_input_len
+
+    def decide(self, now: float, out, failed, bufs) -> tuple:
+        raise NotImplementedError
+
+
+class PaddedPolicy(Policy):
+    mode = "padded"
+
+    def __init__(self, *args, tol: float = DEFAULT_PADDING_TOLERANCE, **kw):
+        super().__init__(*args, **kw)
+        if not 0 <= tol:
+            raise ValueError(f"padding tolerance must be >= 0, got {tol}")
+        self.tol = float(tol)
+
+    def decide(self, now, out, failed, bufs):
+        k = self.contract
+        return decide_padded(self.index.S, self.c, now, self.max_wait, k.model, k.max_batch_size,
+                             k.max_batch_tokens, k.max_input_len, self.model_max, self.tol, self.descending,
+                             self.cls_order, self.age_own, self.skip, out, failed, *bufs)
+
+
+class PackedPolicy(Policy):
+    mode = "packed"
+
+    def decide(self, now, out, failed, bufs):
+        k = self.contract
+        return decide_packed(self.index.S, self.c, now, self.max_wait, k.model, k.max_batch_size,
+                             k.max_batch_tokens, k.max_input_len, self.model_max, self.cls_order, self.age_own, self.skip,
+                             out, failed, *bufs)
+
+
+POLICIES = {"padded": PaddedPolicy, "packed": PackedPolicy}

@@ -1,0 +1,339 @@
+"""The packer's mechanism: pick a batch's items from one family, without removing them.
+
+Two walks, one per engine mode; both stop at the first item that would break
+the contract (count <= max_batch_size, count x longest <= max_batch_tokens,
+each <= max_input_len), so a decision costs O(batch + trie depth), never
+O(backlog). Items longer than every consumer of their model (`model_max`)
+are collected in `failed` when the walk meets them.
+
+- `select_padded` sweeps a family's length bands from a cursor (up for
+  ascending consumers, down for the largest), within a padding tolerance: the
+  batch's longest item is at most (1 + tol) x its shortest.
+- `select_packed` takes the family root's own items, then walks the
+  consumer's claimed branch depth-first (parents before children), claiming
+  the next unclaimed branch of a class it fits when one is drained.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .guard import check_arrays
+from .index import (
+    C_BRANCH,
+    C_FAM,
+    C_MAXIN,
+    NUM_BANDS,
+    S_AH,
+    S_BITS,
+    S_BK,
+    S_BKEYS,
+    S_BVALS,
+    S_CLS,
+    S_CONS,
+    S_FBH,
+    S_FBT,
+    S_FM,
+    S_GH,
+    S_GT,
+    S_IT,
+    S_ND,
+    S_SUMM,
+    _branch_list_set,
+    _family_list_set,
+    band_next,
+    band_prev,
+    branch_reclass,
+    family_reclass,
+    remove,
+)
+from .tables import ht_find
+
+
+@kernel
+def _fits(n, longest, length, bs, bt):
+    m = max(longest, length)
+    return n + 1 <= bs and (n + 1) * m <= bt
+
+
+@kernel
+def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed):
+    """Returns (items, failed, band to resume from or -1 for the far end)."""
+    it = S[S_IT]
+    bk = S[S_BK]
+    bits = S[S_BITS]
+    summ = S[S_SUMM]
+    n = 0
+    nf = 0
+    lo = 0
+    hi = 0
+    wrapped = False
+    band = band_prev(bits, summ, f, start) if descending else band_next(bits, summ, f, start)
+    while True:
+        if band == -1:
+            if n > 0 or wrapped:
+                return n, nf, -1
+            wrapped = True
+            band = band_prev(bits, summ, f, NUM_BANDS - 1) if descending else band_next(bits, summ, f, 0)
+            if band == -1:
+                return n, nf, -1
+        bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
+        s = bk[ht_find(S[S_BKEYS], S[S_BVALS], bkey)].head
+        restart = False
+        while s != -1:
+            length = it[s].length
+            if length > model_max:
+                if nf == failed.size:
+                    return n, nf, band
+                failed[nf] = s
+                nf += 1
+            elif length > max_in:
+                # only an ascending consumer meets these: everything further up is longer
+                if n == 0 and not wrapped:
+                    restart = True
+                    break
+                return n, nf, band
+            else:
+                if n == 0:
+                    lo = length
+                    hi = length
+                new_lo = min(lo, length)
+                new_hi = max(hi, length)
+                if not _fits(n, hi, length, bs, bt) or new_hi > new_lo * (1.0 + tol):
+                    return n, nf, band
+                out[n] = s
+                n += 1
+                lo = new_lo
+                hi = new_hi
+            s = it[s].bnext
+        if restart:
+            band = -1
+        else:
+            band = band_prev(bits, summ, f, band - 1) if descending else band_next(bits, summ, f, band + 1)
+
+
+@kernel
+def _claim(S, c, x):
+    nd = S[S_ND]
+    _branch_list_set(nd, S[S_FBH], S[S_FBT], x, -1)
+    nd[x].claimed = c + 1
+    nd[x].affine = c
+    S[S_CONS][c, C_BRANCH] = x
+    return x
+
+
+@kernel
+def _claim_branch(S, f, c, cls_order):
+    """c's next branch in family f: one it served before (its cache may hold it), else the class
+    lists in c's order, else (rather than idle) one another consumer served before, if c fits it."""
+    nd = S[S_ND]
+    fbh = S[S_FBH]
+    cons = S[S_CONS]
+    k1 = S[S_CLS].shape[0] + 1
+    max_in = cons[c, C_MAXIN]
+    x = fbh[f, k1 + c]
+    if x != -1:
+        return _claim(S, c, x)
+    for k in range(cls_order.size):
+        x = fbh[f, cls_order[k]]
+        if x != -1:
+            return _claim(S, c, x)
+    for d in range(cons.shape[0]):
+        x = fbh[f, k1 + d]
+        if d != c and x != -1 and nd[x].maxlen <= max_in:
+            return _claim(S, c, x)
+    return -1
+
+
+@kernel
+def release_branch(S, c):
+    x = S[S_CONS][c, C_BRANCH]
+    if x == -1:
+        return
+    S[S_ND][x].claimed = 0
+    S[S_CONS][c, C_BRANCH] = -1
+    branch_reclass(S, x)
+
+
+@kernel
+def select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed):
+    """Returns (items, failed)."""
+    it = S[S_IT]
+    nd = S[S_ND]
+    n = 0
+    nf = 0
+    longest = 0
+    root = S[S_FM][f].root
+    if root == -1:
+        return 0, 0
+    s = nd[root].ihead
+    while s != -1:
+        length = it[s].length
+        if length > model_max:
+            if nf == failed.size:
+                return n, nf
+            failed[nf] = s
+            nf += 1
+        elif length <= max_in:
+            if not _fits(n, longest, length, bs, bt):
+                return n, nf
+            out[n] = s
+            n += 1
+            longest = max(longest, length)
+        s = it[s].nnext
+    for _ in range(bs + failed.size + 1):  # each round takes an item, fails one, or ends a branch
+        x = S[S_CONS][c, C_BRANCH]
+        if x != -1 and nd[x].fam != f:
+            release_branch(S, c)
+            x = -1
+        if x == -1:
+            x = _claim_branch(S, f, c, cls_order)
+            if x == -1:
+                return n, nf
+        top = x
+        y = x
+        while True:
+            s = nd[y].ihead
+            while s != -1:
+                length = it[s].length
+                if length > model_max:
+                    if nf == failed.size:
+                        return n, nf
+                    failed[nf] = s
+                    nf += 1
+                elif length > max_in:
+                    release_branch(S, c)  # a longer item than this consumer takes: a bigger card's branch
+                    return n, nf
+                else:
+                    if not _fits(n, longest, length, bs, bt):
+                        return n, nf
+                    out[n] = s
+                    n += 1
+                    longest = max(longest, length)
+                s = it[s].nnext
+            if nd[y].chead != -1:
+                y = nd[y].chead
+                continue
+            while y != top and nd[y].snext == -1:
+                y = nd[y].parent
+            if y == top:
+                break
+            y = nd[y].snext
+        # the whole branch is in this batch: it dies when the batch is committed; it stays
+        # claimed (in no list) until then, and `unclaim` puts it back if the batch is refused
+        S[S_CONS][c, C_BRANCH] = -1
+    return n, nf
+
+
+@kernel
+def oldest(S, classes, cutoff):
+    """The oldest item of the given age classes that arrived at or before cutoff, or -1."""
+    it = S[S_IT]
+    ah = S[S_AH]
+    best = -1
+    for k in range(classes.size):
+        s = ah[classes[k]]
+        if s != -1 and it[s].arrival <= cutoff and (best == -1 or it[s].arrival < it[best].arrival):
+            best = s
+    return best
+
+
+@kernel
+def unclaim(S, slots, n):
+    """Put back the branches of a refused batch's items (claimed, but no longer any consumer's)."""
+    it = S[S_IT]
+    nd = S[S_ND]
+    cons = S[S_CONS]
+    for i in range(n):
+        x = nd[it[slots[i]].node].branch
+        if x != -1 and nd[x].claimed != 0 and cons[nd[x].claimed - 1, C_BRANCH] != x:
+            nd[x].claimed = 0
+            branch_reclass(S, x)
+
+
+@kernel
+def take_family(S, c, cls_order, skip, nskip):
+    """Claim the first unclaimed family in the class lists (in cls_order) not in skip[:nskip]; or -1."""
+    fm = S[S_FM]
+    gh = S[S_GH]
+    for k in range(cls_order.size):
+        f = gh[cls_order[k]]
+        while f != -1:
+            seen = False
+            for i in range(nskip):
+                if skip[i] == f:
+                    seen = True
+            if not seen:
+                _family_list_set(fm, gh, S[S_GT], f, -1)
+                fm[f].claimed = c + 1
+                return f
+            f = fm[f].gnext
+    return -1
+
+
+@kernel
+def release_family(S, c):
+    """c leaves its current family: unclaim it if c held it."""
+    f = S[S_CONS][c, C_FAM]
+    if f == -1:
+        return
+    S[S_CONS][c, C_FAM] = -1
+    if S[S_FM][f].claimed == c + 1:
+        S[S_FM][f].claimed = 0
+        family_reclass(S, f)
+
+
+@kernel
+def claim_item_branch(S, c, s, max_in):
+    """Aging, packed: make item s's branch c's current branch when nobody holds it and c fits it."""
+    nd = S[S_ND]
+    x = nd[S[S_IT][s].node].branch
+    if x == -1 or nd[x].claimed != 0 or nd[x].maxlen > max_in:
+        return
+    release_branch(S, c)
+    _claim(S, c, x)
+
+
+@kernel
+def gather(S, slots, n, keys, lengths, max_new, arrivals, families, models):
+    it = S[S_IT]
+    fm = S[S_FM]
+    for i in range(n):
+        s = slots[i]
+        keys[i] = it[s].key
+        lengths[i] = it[s].length
+        max_new[i] = it[s].max_new
+        arrivals[i] = it[s].arrival
+        families[i] = fm[it[s].fam].key
+        models[i] = fm[it[s].fam].model
+
+
+@kernel
+def remove_many_items(S, slots, n):
+    for i in range(n):
+        remove(S, slots[i])
+
+
+@kernel
+def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol, bs, bt, max_in,
+           keys, lengths, max_new, arrivals, families, models, fail_keys):
+    """Gather the batch, run the guard, then remove its items (and the failed ones) from the index.
+
+    Returns the guard's code; on a refusal the batch's items stay indexed (their branches unclaimed)."""
+    gather(S, out, n, keys, lengths, max_new, arrivals, families, models)
+    it = S[S_IT]
+    for i in range(nf):
+        fail_keys[i] = it[failed[i]].key
+    code = 0
+    if n:
+        code = check_arrays(families[:n], models[:n], lengths[:n], family_key, model, length_min, length_max, tol,
+                            bs, bt, max_in)
+        if code != 0:
+            unclaim(S, out, n)
+            n = 0
+    for i in range(n):
+        remove(S, out[i])
+    for i in range(nf):
+        remove(S, failed[i])
+    return code

@@ -1,0 +1,173 @@
+"""Shapes of items: block hashes, family keys, length bands.
+
+An item's tokens are cut into blocks of `block_tokens` (the last block may be
+partial). Each block gets a 64-bit hash chained on the previous one, so two
+items share their first k block hashes exactly when they share their first
+k blocks of tokens (up to 2^-64 collisions). The chain is seeded with the
+item's **family key**:
+
+- declared prefix (`prefix_len` > 0): family key = hash(seed, model,
+  tokens[:prefix_len]); blocks are cut from `prefix_len` on, so every item that
+  declares the same prefix is in one family whatever the prefix's length;
+- otherwise: family key = hash(seed, model, first block); blocks are cut from
+  `block_tokens` on.
+
+The family key names the trie's root; block hash i names the trie node at
+depth i+1 below it. A **band** is a length class: exact below 256 tokens, then
+256 bands per octave (a band's longest item is at most 1/256 longer than its
+shortest), up to `LENGTH_MAX` tokens.
+
+The hash is FNV-1a over 32-bit tokens with a murmur3 finaliser per block; it is
+not cryptographic (a producer can only collide its own items into one family,
+which costs it cache hits, not correctness: the engine recomputes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+
+FNV64_OFFSET = np.uint64(0xCBF29CE484222325)
+FNV64_PRIME = np.uint64(0x100000001B3)
+DEFAULT_SEED = 0x5EED_B10C
+DEFAULT_BLOCK_TOKENS = 512
+
+BAND_SUB_BITS = 8  # 256 bands per octave
+BAND_SUB = 1 << BAND_SUB_BITS
+LENGTH_BITS = 24
+LENGTH_MAX = (1 << LENGTH_BITS) - 1  # 16,777,215 tokens
+NUM_BANDS = BAND_SUB + (LENGTH_BITS - BAND_SUB_BITS) * BAND_SUB  # 4352
+
+
+@kernel
+def fmix64(h):
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    if h == np.uint64(0):  # 0 means "empty" in the index's hash tables
+        h = np.uint64(1)
+    return h
+
+
+@kernel
+def hash_span(tokens, start, stop, h):
+    """FNV-1a over tokens[start:stop] from state h, finalised."""
+    h = h ^ FNV64_OFFSET
+    for i in range(start, stop):
+        h = (h ^ np.uint64(tokens[i])) * FNV64_PRIME
+    return fmix64(h ^ np.uint64(stop - start))
+
+
+@kernel
+def band_of(n):
+    """Length band of an n-token item (n >= 1): exact below 256, then 256 per octave."""
+    if n < BAND_SUB:
+        return np.int64(n)
+    e = np.int64(0)
+    m = np.uint64(n)
+    while m > np.uint64(1):
+        m >>= np.uint64(1)
+        e += 1
+    sub = (np.int64(n) >> (e - BAND_SUB_BITS)) & (BAND_SUB - 1)
+    return (e - BAND_SUB_BITS + 1) * BAND_SUB + sub
+
+
+@kernel
+def band_floor(band):
+    """The shortest length in `band`."""
+    if band < BAND_SUB:
+        return np.int64(band)
+    e = band // BAND_SUB + BAND_SUB_BITS - 1
+    sub = band % BAND_SUB
+    return (np.int64(BAND_SUB) + sub) << (e - BAND_SUB_BITS)
+
+
+@kernel
+def num_blocks(n, prefix, block_tokens):
+    """Trie depth of an item: blocks after its family root."""
+    base = prefix if prefix > 0 else min(n, block_tokens)
+    rest = n - base
+    return (rest + block_tokens - 1) // block_tokens
+
+
+@kernel
+def item_hashes(tokens, start, n, prefix, model, block_tokens, seed, out, out_start):
+    """Family key of tokens[start:start+n]; block hashes into out[out_start:]. Returns the key."""
+    base = prefix if prefix > 0 else min(n, block_tokens)
+    h = hash_span(tokens, start, start + base, np.uint64(seed) ^ (np.uint64(model) * FNV64_PRIME))
+    family = h
+    k = out_start
+    pos = base
+    while pos < n:
+        stop = min(pos + block_tokens, n)
+        h = hash_span(tokens, start + pos, start + stop, h)
+        out[k] = h
+        k += 1
+        pos = stop
+    return family
+
+
+@kernel
+def hash_items(tokens, offsets, prefixes, models, block_tokens, seed, families, hash_offsets, hashes):
+    """Hash many items (flat tokens, offsets[i]:offsets[i+1]); hash_offsets from `count_blocks`."""
+    for i in range(offsets.size - 1):
+        n = offsets[i + 1] - offsets[i]
+        families[i] = item_hashes(tokens, offsets[i], n, prefixes[i], models[i], block_tokens, seed,
+                                  hashes, hash_offsets[i])
+
+
+@kernel
+def count_blocks(offsets, prefixes, block_tokens, hash_offsets):
+    hash_offsets[0] = 0
+    for i in range(offsets.size - 1):
+        n = offsets[i + 1] - offsets[i]
+        hash_offsets[i + 1] = hash_offsets[i] + num_blocks(n, prefixes[i], block_tokens)
+    return hash_offsets[offsets.size - 1]
+
+
+class ItemShapes:
+    """Family keys and block hashes of a set of items (flat arrays, one row per item)."""
+
+    __slots__ = ("bases", "block_tokens", "families", "hash_offsets", "hashes", "lengths", "models")
+
+    def __init__(self, families, hash_offsets, hashes, lengths, models, bases, block_tokens):
+        self.block_tokens = block_tokens
+        self.bases = bases  # tokens under the family key: the declared prefix, else the first block
+        self.families = families
+        self.hash_offsets = hash_offsets
+        self.hashes = hashes
+        self.lengths = lengths
+        self.models = models
+
+    def __len__(self) -> int:
+        return int(self.families.size)
+
+    def blocks(self, i: int) -> np.ndarray:
+        return self.hashes[self.hash_offsets[i] : self.hash_offsets[i + 1]]
+
+
+def shape_items(tokens: np.ndarray, offsets: np.ndarray, prefixes=None, models=None, *,
+                block_tokens: int = DEFAULT_BLOCK_TOKENS, seed: int = DEFAULT_SEED) -> ItemShapes:
+    """Hash items given as flat uint32 tokens and int64 offsets (len = items + 1)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    count = offsets.size - 1
+    lengths = np.diff(offsets)
+    if count and (lengths.min() < 1 or lengths.max() > LENGTH_MAX):
+        raise ValueError(f"item lengths must be in 1..{LENGTH_MAX}")
+    prefixes = np.zeros(count, np.int64) if prefixes is None else np.ascontiguousarray(prefixes, np.int64)
+    if count and (prefixes.min() < 0 or (prefixes > lengths).any()):
+        raise ValueError("prefix_len must be in 0..len(tokens)")
+    models = np.zeros(count, np.int64) if models is None else np.ascontiguousarray(models, np.int64)
+    hash_offsets = np.empty(count + 1, np.int64)
+    total = count_blocks(offsets, prefixes, block_tokens, hash_offsets)
+    hashes = np.empty(total, np.uint64)
+    families = np.empty(count, np.uint64)
+    hash_items(tokens, offsets, prefixes, models, block_tokens, seed, families, hash_offsets, hashes)
+    bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, block_tokens))
+    return ItemShapes(families, hash_offsets, hashes, lengths, models, bases, block_tokens)
