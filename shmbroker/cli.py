@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog")
+BENCHMARKS = ("ring", "backlog", "pack")
 
 
 def _warm(args) -> int:
@@ -44,9 +44,37 @@ def _warm(args) -> int:
     spsc.set_waiting(buf, layout.H_CONSUMER_WAITING)
     spsc.clear_waiting(buf, layout.H_CONSUMER_WAITING)
     _warm_spill()
+    _warm_pack()
     removed = jit.prune_stale()
     print(f"numba kernels ready in {jit.CACHE_DIR} ({time.monotonic() - t0:.1f} s; {len(removed)} stale cache dirs removed)")
     return 0
+
+
+def _warm_pack() -> None:
+    """Both policies on a tiny workload (aging on and off), the guard, the trace synthesis."""
+    import numpy as np
+
+    from .bench import trace
+    from .pack.contract import Contract, Shape
+    from .pack.guard import Guard
+    from .pack.packer import ConsumerSpec, Packer
+    from .pack.shapes import shape_items
+
+    tokens = np.arange(2000, dtype=np.uint32)
+    shapes = shape_items(tokens, np.array([0, 600, 1300, 2000], np.int64), np.array([0, 100, 0], np.int64))
+    for mode in ("padded", "packed"):
+        for wait in (None, 1.0):
+            packer = Packer([ConsumerSpec("a", Contract(4, 4096, 1024), mode),
+                             ConsumerSpec("b", Contract(2, 1024, 512), mode)], capacity=8, max_wait_seconds=wait)
+            for i in range(len(shapes)):
+                packer.add(i, 0.0, int(shapes.lengths[i]), 1, 0, int(shapes.families[i]), shapes.blocks(i))
+            while packer.next_batch(0, 5.0) is not None or packer.next_batch(1, 5.0) is not None:
+                pass
+    Guard(0.1).check(shapes.families, shapes.models, shapes.lengths, Shape(0, int(shapes.families[0]), 1, 700),
+                     Contract(4, 4096, 1024))
+    out = np.empty(600, np.uint32)
+    trace.synthesise(np.array([1, 2], np.int64), np.array([0, 2], np.int64), np.array([600], np.int64), 512, 100,
+                     out, np.array([0, 600], np.int64))
 
 
 def _warm_spill() -> None:
@@ -95,14 +123,28 @@ def _bench(args) -> int:
         from .bench import backlog
 
         result = backlog.run(scale=args.scale)
+    elif args.name == "pack":
+        from .bench import pack
+
+        result = pack.run(trace=args.trace, mode=args.mode, scale=args.scale, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, max_wait_seconds=args.max_wait,
+                          tolerance=args.padding_tolerance)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
         print(json.dumps(result))
     else:
-        for key, value in result.items():
-            print(f"{key:>28}: {value:,.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
+        _print_figures(result, "")
     return 0
+
+
+def _print_figures(result: dict, indent: str) -> None:
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(f"{indent}{key}:")
+            _print_figures(value, indent + "  ")
+        else:
+            print(f"{indent}{key:>30}: {value:.6g}" if isinstance(value, float) else f"{indent}{key:>30}: {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--scale", type=float, default=1.0, help="workload size factor (default 1.0)")
+    g = p.add_argument_group("pack")
+    g.add_argument("--trace", default=None, help="Mooncake-format trace (JSONL) instead of the seeded generator")
+    g.add_argument("--mode", choices=("offline", "streaming"), default="offline",
+                   help="offline: the whole workload is the backlog; streaming: items arrive by timestamp")
+    g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    g.add_argument("--max-new-tokens", type=int, default=1,
+                   help="max_new_tokens of every item (default 1: prefill only); 0 keeps the workload's")
+    g.add_argument("--max-wait", type=float, default=None,
+                   help="streaming: maximum wait in modeled seconds before aging (default: a quarter of the arrival span)")
+    g.add_argument("--padding-tolerance", type=float, default=None,
+                   help="padded engines: longest item <= (1 + tol) x shortest in a batch (default 1/16)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache")
     p.set_defaults(func=_warm)

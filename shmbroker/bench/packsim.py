@@ -94,11 +94,11 @@ class PackerFeeder:
 
     name = "shmbroker"
 
-    def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None):
+    def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=1 / 16):
         specs = [ConsumerSpec(c.name, c.contract, mode) for c in consumers]
         cap = capacity or len(shapes)
-        self.packer = Packer(specs, capacity=cap, nodes=int(shapes.hashes.size + len(shapes) + 16),
-                             families=cap, max_wait_seconds=max_wait_seconds)
+        self.packer = Packer(specs, capacity=cap, families=cap, max_wait_seconds=max_wait_seconds,
+                             tolerance=tolerance)
         self.shapes = shapes
         self.wl = wl
         self.decision_ns: list[int] = []
@@ -132,14 +132,14 @@ class FifoFeeder:
 
     name = "fifo"
 
-    def __init__(self, consumers, mode, shapes, wl, **_):
+    def __init__(self, consumers, mode, shapes, wl, *, tolerance=1 / 16, **_):
         self.consumers = consumers
         self.shapes = shapes
         self.wl = wl
         self.limits = sorted({c.contract.max_input_len for c in consumers})
         self.queues = [deque() for _ in self.limits]
         self.failed: list[int] = []
-        self.guard = Guard(1 / 16 if mode == "padded" else None)
+        self.guard = Guard(tolerance if mode == "padded" else None)
         self.mode = mode
 
     def add(self, row: int, arrival: float) -> None:
@@ -176,8 +176,8 @@ class FifoFeeder:
         if rows:
             self.guard.check(self.shapes.families[rows_a], self.shapes.models[rows_a], lengths,
                              Shape(k.model, fam, 1, k.max_input_len), k)
-        return Batch(c, shape, rows_a.astype(np.uint64), lengths, self.wl.max_new_tokens[rows_a],
-                     np.zeros(len(rows)), failed=failed)
+        return Batch.of(c, shape, rows_a.astype(np.uint64), lengths, self.wl.max_new_tokens[rows_a],
+                        failed=failed)
 
     def overdue(self, c: int, now: float) -> bool:
         return False
@@ -187,8 +187,9 @@ class FifoFeeder:
         return self.guard.num_refusals
 
 
-def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost=SimCost()) -> dict:
+def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCost | None = None) -> dict:
     """Drain every item; arrivals=None is offline (all at 0)."""
+    cost = cost or SimCost()
     count = len(shapes)
     engines = [SimEngine(mode, cache_tokens=c.cache_tokens, block_tokens=_block_tokens(shapes), cost=cost)
                for c in consumers]

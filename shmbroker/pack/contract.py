@@ -63,24 +63,54 @@ class Shape:
     length_max: int
 
 
+BATCH_ROW = np.dtype([("key", "u8"), ("length", "i8"), ("max_new", "i8"), ("arrival", "f8"), ("family", "u8"),
+                      ("model", "i8")])
+
+
 @dataclass
 class Batch:
     """One shape-pure batch for one consumer.
 
-    keys: the caller's handle per item (backlog sequence number, workload row).
-    lengths: input tokens per item. failed: keys failed back instead, with reasons.
+    rows: one BATCH_ROW per item: key (the caller's handle: backlog sequence
+    number, workload row), input length, max_new_tokens, arrival seconds,
+    family key, model. failed: keys failed back instead, with reasons.
     """
 
     consumer: int
     shape: Shape
-    keys: np.ndarray
-    lengths: np.ndarray
-    max_new_tokens: np.ndarray
-    arrivals: np.ndarray
+    rows: np.ndarray
     failed: list = field(default_factory=list)  # [(key, reason)]
 
+    @classmethod
+    def of(cls, consumer: int, shape: Shape, keys, lengths, max_new_tokens, arrivals=None, families=None,
+           models=None, failed=None) -> "Batch":
+        rows = np.zeros(len(keys), BATCH_ROW)
+        rows["key"] = keys
+        rows["length"] = lengths
+        rows["max_new"] = max_new_tokens
+        rows["arrival"] = 0.0 if arrivals is None else arrivals
+        rows["family"] = shape.family if families is None else families
+        rows["model"] = shape.model if models is None else models
+        return cls(consumer, shape, rows, list(failed or []))
+
     def __len__(self) -> int:
-        return int(self.keys.size)
+        return int(self.rows.size)
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.rows["key"]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.rows["length"]
+
+    @property
+    def max_new_tokens(self) -> np.ndarray:
+        return self.rows["max_new"]
+
+    @property
+    def arrivals(self) -> np.ndarray:
+        return self.rows["arrival"]
 
     @property
     def tokens(self) -> int:
@@ -88,4 +118,4 @@ class Batch:
 
     @property
     def longest(self) -> int:
-        return int(self.lengths.max()) if self.keys.size else 0
+        return int(self.lengths.max()) if self.rows.size else 0

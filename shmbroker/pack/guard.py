@@ -29,27 +29,27 @@ REASONS = ("ok", "empty", "count", "too_long", "tokens", "model", "family", "ban
 
 
 @kernel
-def check_arrays(families, models, lengths, family, model, length_min, length_max, tol,
-                 max_batch_size, max_batch_tokens, max_input_len):
-    n = lengths.size
+def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_size, max_batch_tokens,
+               max_input_len):
+    """The guard over rows[:n] (BATCH_ROW records); OK or the first failing check's code."""
     if n == 0:
         return EMPTY
     if n > max_batch_size:
         return COUNT
-    lo = lengths[0]
-    hi = lengths[0]
+    lo = rows[0].length
+    hi = rows[0].length
     for i in range(n):
-        if lengths[i] > max_input_len:
+        if rows[i].length > max_input_len:
             return TOO_LONG
-        lo = min(lo, lengths[i])
-        hi = max(hi, lengths[i])
+        lo = min(lo, rows[i].length)
+        hi = max(hi, rows[i].length)
     if n * hi > max_batch_tokens:
         return TOKENS
     for i in range(n):
-        if models[i] != model:
+        if rows[i].model != model:
             return MODEL
     for i in range(n):
-        if families[i] != family:
+        if rows[i].family != family:
             return FAMILY
     if lo < length_min or hi > length_max or hi > lo * (1.0 + tol):
         return BAND
@@ -67,17 +67,21 @@ class Guard:
     def num_refusals(self) -> int:
         return sum(self.refusals.values())
 
-    def check(self, families: np.ndarray, models: np.ndarray, lengths: np.ndarray, shape: Shape,
-              contract: Contract) -> str | None:
-        code = check_arrays(np.ascontiguousarray(families, np.uint64), np.ascontiguousarray(models, np.int64),
-                            np.ascontiguousarray(lengths, np.int64), np.uint64(shape.family), shape.model,
-                            shape.length_min, shape.length_max, self.tolerance, contract.max_batch_size,
-                            contract.max_batch_tokens, contract.max_input_len)
+    def count(self, code: int) -> str | None:
         if code == OK:
             return None
         reason = REASONS[code]
         self.refusals[reason] += 1
         return reason
 
-    def check_batch(self, batch: Batch, families: np.ndarray, models: np.ndarray, contract: Contract) -> str | None:
-        return self.check(families, models, batch.lengths, batch.shape, contract)
+    def check_batch(self, batch: Batch, contract: Contract) -> str | None:
+        """Check a batch as received (each row carries its family and model)."""
+        s = batch.shape
+        return self.count(check_rows(batch.rows, len(batch), np.uint64(s.family), s.model, s.length_min,
+                                     s.length_max, self.tolerance, contract.max_batch_size,
+                                     contract.max_batch_tokens, contract.max_input_len))
+
+    def check(self, families, models, lengths, shape: Shape, contract: Contract) -> str | None:
+        """Check a proposed batch given as columns."""
+        return self.check_batch(Batch.of(-1, shape, np.zeros(len(lengths), np.uint64), lengths,
+                                         np.ones(len(lengths), np.int64), None, families, models), contract)

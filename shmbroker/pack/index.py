@@ -421,7 +421,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     meta = S[S_META]
     if meta[M_ITEMS_FREE] < 1:
         return FULL_ITEMS
-    if meta[M_NODES_FREE] < hashes.size + 1:
+    if meta[M_NODES_FREE] < 3:
         return FULL_NODES
     if meta[M_BUCKETS_FREE] < 1:
         return FULL_BUCKETS
@@ -441,15 +441,29 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
         fm[f].gprev = -1
         fm[f].gnext = -1
         ht_put(S[S_FKEYS], S[S_FVALS], famkey, f)
-    # the trie path
+    # the trie: the family root, the branch (first block), then the item's own end node hung
+    # under its deepest indexed ancestor (path-compressed: only roots, branches and item ends
+    # are nodes, so the trie holds O(items) nodes, not O(blocks))
     x = fm[f].root
     if x == -1:
         x = _new_node(S, famkey, -1, 0, f)
         fm[f].root = x
-    for d in range(hashes.size):
-        y = ht_find(S[S_NKEYS], S[S_NVALS], hashes[d])
+    if hashes.size >= 1:
+        br = ht_find(S[S_NKEYS], S[S_NVALS], hashes[0])
+        if br == -1:
+            br = _new_node(S, hashes[0], x, 1, f)
+        x = br
+    if hashes.size >= 2:
+        last = hashes.size - 1
+        y = ht_find(S[S_NKEYS], S[S_NVALS], hashes[last])
         if y == -1:
-            y = _new_node(S, hashes[d], x, d + 1, f)
+            p = br
+            for d in range(last - 1, 0, -1):
+                a = ht_find(S[S_NKEYS], S[S_NVALS], hashes[d])
+                if a != -1:
+                    p = a
+                    break
+            y = _new_node(S, hashes[last], p, last + 1, f)
         x = y
     # the item
     meta[M_ITEMS_FREE] -= 1
@@ -574,7 +588,7 @@ class PackIndex:
                  num_consumers: int = 1):
         if items < 1:
             raise ValueError(f"items capacity must be positive, got {items}")
-        nodes = nodes if nodes is not None else 8 * items
+        nodes = nodes if nodes is not None else 2 * items + 16
         families = families if families is not None else max(16, items // 4)
         buckets = items
         rows = sorted(set((int(m), int(x)) for m, x in classes))

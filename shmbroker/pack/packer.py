@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import MODES, Batch, Contract, Shape
-from .guard import REASONS, Guard
+from .contract import BATCH_ROW, MODES, Batch, Contract, Shape
+from .guard import Guard
 from .index import PackIndex
 from .policy import DEFAULT_PADDING_TOLERANCE, POLICIES
 
@@ -65,9 +65,9 @@ class Packer:
         size = max(c.contract.max_batch_size for c in consumers)
         self._out = np.empty(size, np.int32)
         self._failed = np.empty(FAILED_MAX, np.int32)
-        self._bufs = (np.empty(size, np.uint64), np.empty(size, np.int64), np.empty(size, np.int64),
-                      np.empty(size, np.float64), np.empty(size, np.uint64), np.empty(size, np.int64),
-                      np.empty(FAILED_MAX, np.uint64))
+        self._rows = np.zeros(size, BATCH_ROW)
+        self._fail_keys = np.zeros(FAILED_MAX, np.uint64)
+        self._models = [c.contract.model for c in consumers]
         self.max_wait_seconds = max_wait_seconds
 
     def add(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
@@ -79,16 +79,12 @@ class Packer:
 
     def next_batch(self, c: int, now: float = 0.0) -> Batch | None:
         """The next batch for consumer c, or None when there is nothing it can take."""
-        policy = self.policies[c]
-        bufs = self._bufs
-        n, nf, f, code, lo, hi = policy.decide(float(now), self._out, self._failed, bufs)
+        n, nf, f, code, lo, hi, key = self.policies[c].decide(float(now), self._out, self._failed, self._rows,
+                                                              self._fail_keys)
         if f == -1:
             return None
-        keys, lengths, max_new, arrivals, _, _, fail_keys = bufs
-        fam = self.index.families[f]
-        shape = Shape(int(fam["model"]), int(fam["key"]), int(lo), int(hi))
         if code != 0:
-            self.guards[c].refusals[REASONS[code]] += 1
+            self.guards[c].count(code)
             n = 0
-        return Batch(c, shape, keys[:n].copy(), lengths[:n].copy(), max_new[:n].copy(), arrivals[:n].copy(),
-                     failed=[(int(k), "too_long") for k in fail_keys[:nf]])
+        failed = [(k, "too_long") for k in self._fail_keys[:nf].tolist()] if nf else []
+        return Batch(c, Shape(self._models[c], int(key), int(lo), int(hi)), self._rows[:n].copy(), failed)

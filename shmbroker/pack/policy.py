@@ -82,32 +82,38 @@ def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
     return f, -1
 
 
+# decide kernels' parameter words (ints) and floats
+P_C, P_MODEL, P_BS, P_BT, P_MAXIN, P_MODELMAX, P_DESC = range(7)
+F_MAXWAIT, F_TOL = range(2)
+
+
 @kernel
-def overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new, arrivals,
-                  families, models, fail_keys):
+def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys):
     """Rather than idle, serve the oldest overdue item c can take on its own (its shape is then
     held by another consumer or mixed with longer work)."""
-    if max_wait < 0.0:
-        return 0, 0, -1, 0, 0, 0
-    s = oldest(S, cls_order, now - max_wait)
+    if fp[F_MAXWAIT] < 0.0:
+        return 0, 0, -1, 0, 0, 0, np.uint64(0)
+    s = oldest(S, cls_order, now - fp[F_MAXWAIT])
     if s == -1:
-        return 0, 0, -1, 0, 0, 0
+        return 0, 0, -1, 0, 0, 0, np.uint64(0)
     out[0] = s
     f = S[S_IT][s].fam
-    n = S[S_IT][s].length
-    code = finish(S, out, 1, failed, 0, S[S_FM][f].key, model, n, n, 0.0, bs, bt, max_in,
-                  keys, lengths, max_new, arrivals, families, models, fail_keys)
-    return 1, 0, f, code, n, n
+    n = np.int64(S[S_IT][s].length)
+    key = S[S_FM][f].key
+    code = finish(S, out, 1, failed, 0, key, ip[P_MODEL], n, n, 0.0, ip[P_BS], ip[P_BT], ip[P_MAXIN], rows,
+                  fail_keys)
+    return 1, 0, f, code, n, n, key
 
 
 @kernel
-def decide_padded(S, c, now, max_wait, model, bs, bt, max_in, model_max, tol, descending, cls_order, age_own, skip,
-                  out, failed, keys, lengths, max_new, arrivals, families, models, fail_keys):
-    """(items, failed, family slot, guard code, shortest, longest)."""
+def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
+    """(items, failed, family slot, guard code, shortest, longest, family key)."""
     cons = S[S_CONS]
+    c = ip[P_C]
+    descending = ip[P_DESC] != 0
     far = NUM_BANDS - 1 if descending else 0
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL])
         if f == -1:
             break
         if aged != -1:
@@ -115,43 +121,42 @@ def decide_padded(S, c, now, max_wait, model, bs, bt, max_in, model_max, tol, de
         start = cons[c, C_BAND]
         if start == -1:
             start = far
-        n, nf, band = select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed)
+        n, nf, band = select_padded(S, f, start, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN], ip[P_MODELMAX],
+                                    fp[F_TOL], out, failed)
         cons[c, C_BAND] = far if band == -1 else band
         if n or nf:
-            lo = 0
-            hi = 0
+            lo = np.int64(0)
+            hi = np.int64(0)
             if n:
-                lo = S[S_IT][out[0]].length
+                lo = np.int64(S[S_IT][out[0]].length)
                 hi = lo
                 for i in range(n):
-                    lo = min(lo, S[S_IT][out[i]].length)
-                    hi = max(hi, S[S_IT][out[i]].length)
+                    lo = min(lo, np.int64(S[S_IT][out[i]].length))
+                    hi = max(hi, np.int64(S[S_IT][out[i]].length))
             key = S[S_FM][f].key
-            code = finish(S, out, n, failed, nf, key, model, lo, hi, tol, bs, bt, max_in,
-                          keys, lengths, max_new, arrivals, families, models, fail_keys)
-            return n, nf, f, code, lo, hi
-    return overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new,
-                         arrivals, families, models, fail_keys)
+            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, fp[F_TOL], ip[P_BS], ip[P_BT],
+                          ip[P_MAXIN], rows, fail_keys)
+            return n, nf, f, code, lo, hi, key
+    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
 
 
 @kernel
-def decide_packed(S, c, now, max_wait, model, bs, bt, max_in, model_max, cls_order, age_own, skip,
-                  out, failed, keys, lengths, max_new, arrivals, families, models, fail_keys):
-    """(items, failed, family slot, guard code, 1, max_in)."""
+def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
+    """(items, failed, family slot, guard code, 1, max_input_len, family key)."""
+    c = ip[P_C]
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL])
         if f == -1:
             break
         if aged != -1:
-            claim_item_branch(S, c, aged, max_in)
-        n, nf = select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed)
+            claim_item_branch(S, c, aged, ip[P_MAXIN])
+        n, nf = select_packed(S, f, c, ip[P_BS], ip[P_BT], ip[P_MAXIN], ip[P_MODELMAX], cls_order, out, failed)
         if n or nf:
             key = S[S_FM][f].key
-            code = finish(S, out, n, failed, nf, key, model, 1, max_in, np.inf, bs, bt, max_in,
-                          keys, lengths, max_new, arrivals, families, models, fail_keys)
-            return n, nf, f, code, 1, max_in
-    return overdue_alone(S, now, max_wait, model, bs, bt, max_in, cls_order, out, failed, keys, lengths, max_new,
-                         arrivals, families, models, fail_keys)
+            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], 1, ip[P_MAXIN], np.inf, ip[P_BS], ip[P_BT],
+                          ip[P_MAXIN], rows, fail_keys)
+            return n, nf, f, code, np.int64(1), ip[P_MAXIN], key
+    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
 
 
 class Policy:
@@ -178,35 +183,33 @@ class Policy:
         self.descending = largest
         self.skip = np.full(FAMILY_ATTEMPTS, -1, np.int64)
         index.cons[c, C_MAXIN] = contract.max_input_len
+        self.ip = np.array([c, contract.model, contract.max_batch_size, contract.max_batch_tokens,
+                            contract.max_input_len, model_max, int(largest)], np.int64)
+        self.fp = np.array([self.max_wait, 0.0], np.float64)
 
-    def decide(self, now: float, out, failed, bufs) -> tuple:
-        raise NotImplementedError
+    def decide(self, now: float, out, failed, rows, fail_keys) -> tuple:
+        """(items, failed, family slot, guard code, shortest, longest, family key)."""
+        return self.kernel(self.index.S, now, self.ip, self.fp, self.cls_order, self.age_own, self.skip, out,
+                           failed, rows, fail_keys)
 
 
 class PaddedPolicy(Policy):
     mode = "padded"
+    kernel = staticmethod(decide_padded)
 
     def __init__(self, *args, tol: float = DEFAULT_PADDING_TOLERANCE, **kw):
         super().__init__(*args, **kw)
         if not 0 <= tol:
             raise ValueError(f"padding tolerance must be >= 0, got {tol}")
         self.tol = float(tol)
+        self.fp[F_TOL] = self.tol
 
-    def decide(self, now, out, failed, bufs):
-        k = self.contract
-        return decide_padded(self.index.S, self.c, now, self.max_wait, k.model, k.max_batch_size,
-                             k.max_batch_tokens, k.max_input_len, self.model_max, self.tol, self.descending,
-                             self.cls_order, self.age_own, self.skip, out, failed, *bufs)
 
 
 class PackedPolicy(Policy):
     mode = "packed"
+    kernel = staticmethod(decide_packed)
 
-    def decide(self, now, out, failed, bufs):
-        k = self.contract
-        return decide_packed(self.index.S, self.c, now, self.max_wait, k.model, k.max_batch_size,
-                             k.max_batch_tokens, k.max_input_len, self.model_max, self.cls_order, self.age_own, self.skip,
-                             out, failed, *bufs)
 
 
 POLICIES = {"padded": PaddedPolicy, "packed": PackedPolicy}

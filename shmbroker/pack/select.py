@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .guard import check_arrays
+from .guard import check_rows
 from .index import (
     C_BRANCH,
     C_FAM,
@@ -296,17 +296,17 @@ def claim_item_branch(S, c, s, max_in):
 
 
 @kernel
-def gather(S, slots, n, keys, lengths, max_new, arrivals, families, models):
+def gather(S, slots, n, rows):
     it = S[S_IT]
     fm = S[S_FM]
     for i in range(n):
         s = slots[i]
-        keys[i] = it[s].key
-        lengths[i] = it[s].length
-        max_new[i] = it[s].max_new
-        arrivals[i] = it[s].arrival
-        families[i] = fm[it[s].fam].key
-        models[i] = fm[it[s].fam].model
+        rows[i].key = it[s].key
+        rows[i].length = it[s].length
+        rows[i].max_new = it[s].max_new
+        rows[i].arrival = it[s].arrival
+        rows[i].family = fm[it[s].fam].key
+        rows[i].model = fm[it[s].fam].model
 
 
 @kernel
@@ -316,19 +316,17 @@ def remove_many_items(S, slots, n):
 
 
 @kernel
-def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol, bs, bt, max_in,
-           keys, lengths, max_new, arrivals, families, models, fail_keys):
+def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol, bs, bt, max_in, rows, fail_keys):
     """Gather the batch, run the guard, then remove its items (and the failed ones) from the index.
 
     Returns the guard's code; on a refusal the batch's items stay indexed (their branches unclaimed)."""
-    gather(S, out, n, keys, lengths, max_new, arrivals, families, models)
+    gather(S, out, n, rows)
     it = S[S_IT]
     for i in range(nf):
         fail_keys[i] = it[failed[i]].key
     code = 0
     if n:
-        code = check_arrays(families[:n], models[:n], lengths[:n], family_key, model, length_min, length_max, tol,
-                            bs, bt, max_in)
+        code = check_rows(rows, n, family_key, model, length_min, length_max, tol, bs, bt, max_in)
         if code != 0:
             unclaim(S, out, n)
             n = 0
