@@ -27,6 +27,7 @@ test: warm
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json
 	$(VENV)/bin/shmbroker bench backlog --json
+	$(VENV)/bin/shmbroker bench pack --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -111,9 +111,9 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
             feeder = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, max_wait_seconds=wait, tolerance=tol)
             res = simulate(feeder, CONSUMERS, engine_mode, shapes, wl, arrivals=arrivals, cost=cost)
             res["max_wait_configured_seconds"] = round(wait, 3)
-            decisions = feeder.decision_ns
+            decisions = feeder.decision_timings()
         else:
-            decisions = offline_packer.decision_ns
+            decisions = offline_packer.decision_timings()
         fifo = simulate(FifoFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol), CONSUMERS, engine_mode, shapes, wl,
                         arrivals=arrivals, cost=cost)
         small = wl.head(max(1, len(wl) // 100))
@@ -122,7 +122,7 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
         small_feeder = PackerFeeder(CONSUMERS, engine_mode, small_shapes, small, tolerance=tol)
         simulate(small_feeder, CONSUMERS, engine_mode, small_shapes, small, cost=cost)
         p50, p99 = _percentiles(decisions)
-        s50, s99 = _percentiles(small_feeder.decision_ns)
+        s50, s99 = _percentiles(small_feeder.decision_timings(min_samples=len(decisions)))
         for figures in (res, fifo):
             figures["cache_hit_rate_max"] = hit_max
             figures["lower_bound_seconds"] = round(lb, 3)

@@ -97,22 +97,45 @@ class PackerFeeder:
     def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=1 / 16):
         specs = [ConsumerSpec(c.name, c.contract, mode) for c in consumers]
         cap = capacity or len(shapes)
-        self.packer = Packer(specs, capacity=cap, families=cap, max_wait_seconds=max_wait_seconds,
+        # sized as a scheduler would size it for this backlog: items, twice the distinct families
+        families = max(16, 2 * int(np.unique(shapes.families).size))
+        self.packer = Packer(specs, capacity=cap, families=families, max_wait_seconds=max_wait_seconds,
                              tolerance=tolerance)
         self.shapes = shapes
         self.wl = wl
-        self.decision_ns: list[int] = []
+        self.args = (consumers, mode, shapes, wl)
+        self.kwargs = {"max_wait_seconds": max_wait_seconds, "capacity": capacity, "tolerance": tolerance}
+        self.events: list[tuple] = []  # ("add", row, arrival) and ("decide", consumer, now), in call order
 
     def add(self, row: int, arrival: float) -> None:
         s = self.shapes
+        self.events.append(("add", row, arrival))
         self.packer.add(row, arrival, int(s.lengths[row]), int(self.wl.max_new_tokens[row]), int(s.models[row]),
                         int(s.families[row]), s.blocks(row))
 
     def next_batch(self, c: int, now: float) -> Batch | None:
-        t0 = time.perf_counter_ns()
-        batch = self.packer.next_batch(c, now)
-        self.decision_ns.append(time.perf_counter_ns() - t0)
-        return batch
+        self.events.append(("decide", c, now))
+        return self.packer.next_batch(c, now)
+
+    def decision_timings(self, min_samples: int = 0) -> list[int]:
+        """Replay this run's calls on fresh packers and time each decision (ns).
+
+        In the broker the scheduler is its own process; replaying without the simulated engines'
+        work in between measures the packer, not the simulation (same calls, same batches)."""
+        out: list[int] = []
+        while True:
+            fresh = PackerFeeder(*self.args, **self.kwargs)
+            packer = fresh.packer
+            clock = time.perf_counter_ns
+            for kind, a, b in self.events:
+                if kind == "add":
+                    fresh.add(a, b)
+                else:
+                    t0 = clock()
+                    packer.next_batch(a, b)
+                    out.append(clock() - t0)
+            if len(out) >= min_samples:
+                return out
 
     def overdue(self, c: int, now: float) -> bool:
         from ..pack.select import oldest

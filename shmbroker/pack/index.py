@@ -513,6 +513,15 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
 @kernel
 def remove(S, s):
     """Take item s out of the index (its slot is free afterwards)."""
+    f = remove_quiet(S, s)
+    if f != -1:
+        family_reclass(S, f)
+
+
+@kernel
+def remove_quiet(S, s):
+    """`remove` without re-listing the family; returns the family slot if it still has items, else -1.
+    A caller removing several items of one family re-lists it once (`family_reclass`)."""
     it = S[S_IT]
     nd = S[S_ND]
     fm = S[S_FM]
@@ -561,10 +570,10 @@ def remove(S, s):
         ht_delete(S[S_FKEYS], S[S_FVALS], fm[f].key)
         S[S_FFREE][meta[M_FAMS_FREE]] = f
         meta[M_FAMS_FREE] += 1
-    else:
-        family_reclass(S, f)
+        f = -1
     S[S_IFREE][meta[M_ITEMS_FREE]] = s
     meta[M_ITEMS_FREE] += 1
+    return f
 
 
 @kernel

@@ -47,6 +47,7 @@ from .index import (
     branch_reclass,
     family_reclass,
     remove,
+    remove_quiet,
 )
 from .tables import ht_find
 
@@ -330,8 +331,11 @@ def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol
         if code != 0:
             unclaim(S, out, n)
             n = 0
+    alive = -1
     for i in range(n):
-        remove(S, out[i])
+        alive = remove_quiet(S, out[i])
     for i in range(nf):
-        remove(S, failed[i])
+        alive = remove_quiet(S, failed[i])
+    if alive != -1:  # every item came from one family
+        family_reclass(S, alive)
     return code
