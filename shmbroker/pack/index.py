@@ -25,8 +25,9 @@ FAMILY (48 bytes)                        BUCKET (24 bytes): one (family, band)
 - A **branch** is a depth-1 node (the first block after the family root). A
   packed consumer claims a branch and drains it depth-first (parents before
   children), so a conversation is served on one card, turn after turn.
-- Bands of a family are a two-level bitmap (`bits`, `summ`), so the next
-  non-empty band either side of a cursor is found in O(1) words.
+- Bands of a family are a two-level bitmap (`bands.py`), so the next
+  non-empty band either side of a cursor is found in O(1) words; the lists
+  linking records are in `links.py`.
 - **Classes**: consumers' distinct `max_input_len` values, ascending, plus an
   overflow class for items no consumer can take. Branches (by their longest
   item) and families (by their shortest) sit in per-class lists; items sit in
@@ -38,7 +39,20 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .shapes import NUM_BANDS, band_floor, band_of
+from .bands import BAND_WORDS, SUMMARY_WORDS, band_next, bit_clear, bit_set
+from .links import (
+    _age_append,
+    _age_unlink,
+    _branch_list_set,
+    _bucket_append,
+    _bucket_unlink,
+    _child_append,
+    _child_unlink,
+    _family_list_set,
+    _nitem_append,
+    _nitem_unlink,
+)
+from .shapes import band_floor, band_of
 from .tables import ht_delete, ht_find, ht_put, new_free_list, new_table
 
 ITEM_REC = np.dtype([
@@ -56,8 +70,6 @@ FAM_REC = np.dtype([
     ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4")])
 BUCKET_REC = np.dtype([("key", "u8"), ("head", "i4"), ("tail", "i4"), ("count", "i4"), ("band", "i4")])
 
-BAND_WORDS = (NUM_BANDS + 63) // 64
-SUMMARY_WORDS = (BAND_WORDS + 63) // 64
 
 # insert() results
 FULL_ITEMS = -1
@@ -76,90 +88,6 @@ C_FAM, C_BRANCH, C_BAND, C_MAXIN = range(4)
  S_HKEYS, S_HCONS) = range(27)
 
 
-# ---- bitmaps -------------------------------------------------------------------------------
-
-@kernel
-def _lowbit(w):
-    n = 0
-    while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
-        n += 1
-    return n
-
-
-@kernel
-def _highbit(w):
-    n = 63
-    while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
-        n -= 1
-    return n
-
-
-@kernel
-def bit_set(bits, summ, f, b):
-    w = b >> 6
-    bits[f, w] |= np.uint64(1) << np.uint64(b & 63)
-    summ[f, w >> 6] |= np.uint64(1) << np.uint64(w & 63)
-
-
-@kernel
-def bit_clear(bits, summ, f, b):
-    w = b >> 6
-    bits[f, w] &= ~(np.uint64(1) << np.uint64(b & 63))
-    if bits[f, w] == np.uint64(0):
-        summ[f, w >> 6] &= ~(np.uint64(1) << np.uint64(w & 63))
-
-
-@kernel
-def band_next(bits, summ, f, b):
-    """Lowest non-empty band >= b, or -1."""
-    if b < 0:
-        b = 0
-    if b >= NUM_BANDS:
-        return -1
-    w = b >> 6
-    m = bits[f, w] & (~np.uint64(0) << np.uint64(b & 63))
-    if m != np.uint64(0):
-        return (w << 6) + _lowbit(m)
-    w += 1
-    if w >= BAND_WORDS:
-        return -1
-    s = w >> 6
-    sm = summ[f, s] & (~np.uint64(0) << np.uint64(w & 63))
-    while sm == np.uint64(0):
-        s += 1
-        if s >= SUMMARY_WORDS:
-            return -1
-        sm = summ[f, s]
-    w = (s << 6) + _lowbit(sm)
-    return (w << 6) + _lowbit(bits[f, w])
-
-
-@kernel
-def band_prev(bits, summ, f, b):
-    """Highest non-empty band <= b, or -1."""
-    if b >= NUM_BANDS:
-        b = NUM_BANDS - 1
-    if b < 0:
-        return -1
-    w = b >> 6
-    sh = 63 - (b & 63)
-    m = bits[f, w] & (~np.uint64(0) >> np.uint64(sh))
-    if m != np.uint64(0):
-        return (w << 6) + _highbit(m)
-    w -= 1
-    if w < 0:
-        return -1
-    s = w >> 6
-    sm = summ[f, s] & (~np.uint64(0) >> np.uint64(63 - (w & 63)))
-    while sm == np.uint64(0):
-        s -= 1
-        if s < 0:
-            return -1
-        sm = summ[f, s]
-    w = (s << 6) + _highbit(sm)
-    return (w << 6) + _highbit(bits[f, w])
-
-
 # ---- classes -------------------------------------------------------------------------------
 
 @kernel
@@ -173,181 +101,6 @@ def class_of(cls, model, length):
         if cls[k, 0] == model and length <= cls[k, 1]:
             return k
     return cls.shape[0]
-
-
-# ---- lists ---------------------------------------------------------------------------------
-
-@kernel
-def _bucket_append(it, bk, b, s):
-    it[s].bucket = b
-    it[s].bnext = -1
-    it[s].bprev = bk[b].tail
-    if bk[b].tail != -1:
-        it[bk[b].tail].bnext = s
-    else:
-        bk[b].head = s
-    bk[b].tail = s
-    bk[b].count += 1
-
-
-@kernel
-def _bucket_unlink(it, bk, s):
-    b = it[s].bucket
-    p = it[s].bprev
-    n = it[s].bnext
-    if p != -1:
-        it[p].bnext = n
-    else:
-        bk[b].head = n
-    if n != -1:
-        it[n].bprev = p
-    else:
-        bk[b].tail = p
-    bk[b].count -= 1
-    return b
-
-
-@kernel
-def _nitem_append(it, nd, x, s):
-    it[s].node = x
-    it[s].nnext = -1
-    it[s].nprev = nd[x].itail
-    if nd[x].itail != -1:
-        it[nd[x].itail].nnext = s
-    else:
-        nd[x].ihead = s
-    nd[x].itail = s
-    nd[x].nitems += 1
-
-
-@kernel
-def _nitem_unlink(it, nd, s):
-    x = it[s].node
-    p = it[s].nprev
-    n = it[s].nnext
-    if p != -1:
-        it[p].nnext = n
-    else:
-        nd[x].ihead = n
-    if n != -1:
-        it[n].nprev = p
-    else:
-        nd[x].itail = p
-    nd[x].nitems -= 1
-    return x
-
-
-@kernel
-def _child_append(nd, p, x):
-    nd[x].snext = -1
-    nd[x].sprev = nd[p].ctail
-    if nd[p].ctail != -1:
-        nd[nd[p].ctail].snext = x
-    else:
-        nd[p].chead = x
-    nd[p].ctail = x
-
-
-@kernel
-def _child_unlink(nd, p, x):
-    a = nd[x].sprev
-    b = nd[x].snext
-    if a != -1:
-        nd[a].snext = b
-    else:
-        nd[p].chead = b
-    if b != -1:
-        nd[b].sprev = a
-    else:
-        nd[p].ctail = a
-    nd[x].sprev = -1
-    nd[x].snext = -1
-
-
-@kernel
-def _age_append(it, ah, at, c, s):
-    it[s].acls = c
-    it[s].anext = -1
-    it[s].aprev = at[c]
-    if at[c] != -1:
-        it[at[c]].anext = s
-    else:
-        ah[c] = s
-    at[c] = s
-
-
-@kernel
-def _age_unlink(it, ah, at, s):
-    c = it[s].acls
-    p = it[s].aprev
-    n = it[s].anext
-    if p != -1:
-        it[p].anext = n
-    else:
-        ah[c] = n
-    if n != -1:
-        it[n].aprev = p
-    else:
-        at[c] = p
-
-
-@kernel
-def _branch_list_set(nd, fbh, fbt, x, c):
-    """Move branch x to its family's class list c (-1: out of every list)."""
-    old = nd[x].cls
-    if old == c:
-        return
-    f = nd[x].fam
-    if old != -1:
-        a = nd[x].cprev
-        b = nd[x].cnext
-        if a != -1:
-            nd[a].cnext = b
-        else:
-            fbh[f, old] = b
-        if b != -1:
-            nd[b].cprev = a
-        else:
-            fbt[f, old] = a
-    nd[x].cls = c
-    nd[x].cprev = -1
-    nd[x].cnext = -1
-    if c != -1:
-        nd[x].cprev = fbt[f, c]
-        if fbt[f, c] != -1:
-            nd[fbt[f, c]].cnext = x
-        else:
-            fbh[f, c] = x
-        fbt[f, c] = x
-
-
-@kernel
-def _family_list_set(fm, gh, gt, f, c):
-    """Move family f to the global class list c (-1: out of every list)."""
-    old = fm[f].gcls
-    if old == c:
-        return
-    if old != -1:
-        a = fm[f].gprev
-        b = fm[f].gnext
-        if a != -1:
-            fm[a].gnext = b
-        else:
-            gh[old] = b
-        if b != -1:
-            fm[b].gprev = a
-        else:
-            gt[old] = a
-    fm[f].gcls = c
-    fm[f].gprev = -1
-    fm[f].gnext = -1
-    if c != -1:
-        fm[f].gprev = gt[c]
-        if gt[c] != -1:
-            fm[gt[c]].gnext = f
-        else:
-            gh[c] = f
-        gt[c] = f
 
 
 # ---- insert and remove ---------------------------------------------------------------------

@@ -31,9 +31,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .index import C_BAND, C_FAM, C_MAXIN, NUM_BANDS, S_CONS, S_FM, S_IT
+from .index import C_BAND, C_FAM, C_MAXIN, S_CONS, S_FM, S_IT
 from .select import claim_item_branch, finish, oldest, release_family, select_packed, select_padded, take_family
-from .shapes import band_of
+from .shapes import NUM_BANDS, band_of
 
 DEFAULT_PADDING_TOLERANCE = 1 / 16
 FAMILY_ATTEMPTS = 8

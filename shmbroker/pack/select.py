@@ -19,12 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
+from .bands import band_next, band_prev
 from .guard import check_rows
 from .index import (
     C_BRANCH,
     C_FAM,
     C_MAXIN,
-    NUM_BANDS,
     S_AH,
     S_BITS,
     S_BK,
@@ -40,15 +40,13 @@ from .index import (
     S_IT,
     S_ND,
     S_SUMM,
-    _branch_list_set,
-    _family_list_set,
-    band_next,
-    band_prev,
     branch_reclass,
     family_reclass,
     remove,
     remove_quiet,
 )
+from .links import _branch_list_set, _family_list_set
+from .shapes import NUM_BANDS
 from .tables import ht_find
 
 

@@ -1,0 +1,577 @@
+"""The packing core (shmbroker.pack): the guard, contracts, shapes, and the packer's promises.
+
+DESIGN.md "Words" and "The packing index": every batch is shape-pure (one model,
+one prefix family, padded engines within the padding tolerance) and packed to
+its consumer's contract; items no consumer of their model can take come back
+failed "too_long"; a consumer keeps its family until drained (no excess shape
+switches); aging dispatches an item that has waited longer than
+`max_wait_seconds`; the index is bounded and says so (`IndexFull`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmbroker.pack.contract import Contract, Shape
+from shmbroker.pack.guard import Guard
+from shmbroker.pack.index import IndexFull
+from shmbroker.pack.packer import ConsumerSpec, Packer
+from shmbroker.pack.policy import DEFAULT_PADDING_TOLERANCE
+from shmbroker.pack.shapes import BAND_SUB, LENGTH_MAX, NUM_BANDS, band_floor, band_of, shape_items
+
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = DEFAULT_PADDING_TOLERANCE
+VOCAB = 40  # a small vocabulary: distinct sequences still differ, equal ones are common
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    """Items as token lists, with the shapes `shape_items` gives them."""
+
+    tokens: list  # list[np.ndarray uint32]
+    prefixes: np.ndarray
+    models: np.ndarray
+    arrivals: np.ndarray
+    block_tokens: int
+
+    def __post_init__(self):
+        lengths = np.array([t.size for t in self.tokens], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = np.concatenate(self.tokens).astype(np.uint32) if self.tokens else np.zeros(0, np.uint32)
+        self.shapes = shape_items(flat, offsets, self.prefixes, self.models, block_tokens=self.block_tokens)
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, packer: Packer, i: int) -> None:
+        packer.add(i, float(self.arrivals[i]), int(self.lengths[i]), 8, int(self.models[i]),
+                   int(self.shapes.families[i]), self.shapes.blocks(i))
+
+
+def make_workload(items, block_tokens: int, arrivals=None) -> Workload:
+    """items: (tokens, prefix_len, model) triples."""
+    tokens = [np.asarray(t, np.uint32) for t, _, _ in items]
+    prefixes = np.array([p for _, p, _ in items], np.int64)
+    models = np.array([m for _, _, m in items], np.int64)
+    arrivals = np.zeros(len(items)) if arrivals is None else np.asarray(arrivals, np.float64)
+    return Workload(tokens, prefixes, models, arrivals, block_tokens)
+
+
+def roomy_packer(specs, n: int, **kw) -> Packer:
+    """A packer with room for n items whatever their families and trie depths (3 nodes an item at most)."""
+    return Packer(specs, capacity=max(n, 1), nodes=3 * max(n, 1) + 16, families=max(n, 16), **kw)
+
+
+def drain(packer: Packer, clock=None, limit: int = 10_000) -> list:
+    """next_batch for each consumer in turn until all return None; [(consumer, batch)].
+
+    clock(round) gives `now` for a round (default 0). Every round that returns a batch must
+    take something out of the packer (a refusal would not, and would loop)."""
+    out = []
+    for r in range(limit):
+        now = 0.0 if clock is None else clock(r)
+        got = False
+        for c in range(len(packer.consumers)):
+            before = len(packer)
+            batch = packer.next_batch(c, now)
+            if batch is None:
+                continue
+            got = True
+            assert len(packer) == before - len(batch) - len(batch.failed), "a batch's items left the index"
+            assert len(batch) or batch.failed, "an empty batch (a refusal?) was returned"
+            out.append((c, batch))
+        if not got:
+            return out
+    raise AssertionError("the packer never ran dry")
+
+
+def family_runs(batches, c: int) -> list:
+    """Families of consumer c's non-empty batches, in order."""
+    return [b.shape.family for d, b in batches if d == c and len(b)]
+
+
+def excess_switches(families: list) -> int:
+    switches = sum(1 for a, b in zip(families, families[1:]) if a != b)
+    return switches - max(len(set(families)) - 1, 0)
+
+
+# ---- 1. the guard ----------------------------------------------------------------------------
+
+F, G = 0x1234_5678_9ABC_DEF0, 0x0FED_CBA9_8765_4321
+GUARD_CONTRACT = Contract(max_batch_size=4, max_batch_tokens=1000, max_input_len=300, model=7)
+GUARD_SHAPE = Shape(model=7, family=F, length_min=100, length_max=120)
+
+
+def _cols(lengths, families=None, models=None):
+    n = len(lengths)
+    fams = np.array([F] * n if families is None else families, np.uint64)
+    mods = np.array([7] * n if models is None else models, np.int64)
+    return fams, mods, np.array(lengths, np.int64)
+
+
+GUARD_CASES = [
+    ("empty", _cols([]), GUARD_SHAPE),
+    ("family", _cols([100, 101], families=[F, G]), GUARD_SHAPE),
+    ("model", _cols([100, 101], models=[7, 8]), GUARD_SHAPE),
+    ("band", _cols([100, 107]), GUARD_SHAPE),  # 107 > (1 + 1/16) x 100
+    ("band", _cols([100, 104]), Shape(7, F, 101, 120)),  # an item below the shape's band
+    ("count", _cols([100] * 5), GUARD_SHAPE),
+    ("tokens", _cols([260, 250, 255, 251]), Shape(7, F, 250, 300)),  # 4 x 260 > 1000
+    ("too_long", _cols([100, 301]), Shape(7, F, 100, 400)),
+]
+
+
+@pytest.mark.parametrize("reason, cols, shape", GUARD_CASES, ids=[f"{c[0]}{i}" for i, c in enumerate(GUARD_CASES)])
+def test_guard_refuses_with_reason_and_counts(reason, cols, shape):
+    guard = Guard(TOL)
+    assert guard.check(*cols, shape, GUARD_CONTRACT) == reason
+    assert guard.refusals == {reason: 1}
+    assert guard.num_refusals == 1
+
+
+def test_guard_counts_every_refusal_and_passes_pure_batches():
+    guard = Guard(TOL)
+    for reason, cols, shape in GUARD_CASES:
+        assert guard.check(*cols, shape, GUARD_CONTRACT) == reason
+    # pure batches: one family, one model, within contract and tolerance
+    assert guard.check(*_cols([100, 106, 103, 104]), GUARD_SHAPE, GUARD_CONTRACT) is None
+    assert guard.check(*_cols([120]), GUARD_SHAPE, GUARD_CONTRACT) is None
+    assert guard.check(*_cols([250, 250, 250, 250]), Shape(7, F, 250, 250), GUARD_CONTRACT) is None
+    expected = {}
+    for reason, _, _ in GUARD_CASES:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert dict(guard.refusals) == expected
+    assert guard.num_refusals == len(GUARD_CASES)
+
+
+def test_guard_without_tolerance_takes_any_spread_and_checks_in_order():
+    packed = Guard(None)  # a packed engine: no padding bound
+    assert packed.check(*_cols([1, 300]), Shape(7, F, 1, 300), GUARD_CONTRACT) is None
+    assert packed.num_refusals == 0
+    # the first failing check is the reason: count before family, too_long before tokens
+    assert packed.check(*_cols([100] * 5, families=[F, G, F, G, F]), GUARD_SHAPE, GUARD_CONTRACT) == "count"
+    assert packed.check(*_cols([301] * 4), Shape(7, F, 1, 400), GUARD_CONTRACT) == "too_long"
+    assert dict(packed.refusals) == {"count": 1, "too_long": 1}
+
+
+# ---- 2. contracts ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    ({"max_batch_size": 0}, ValueError, "max_batch_size"),
+    ({"max_batch_size": -3}, ValueError, "max_batch_size"),
+    ({"max_batch_tokens": 0}, ValueError, "max_batch_tokens"),
+    ({"max_batch_tokens": -1}, ValueError, "max_batch_tokens"),
+    ({"max_input_len": 0}, ValueError, "max_input_len"),
+    ({"max_input_len": -512}, ValueError, "max_input_len"),
+    ({"model": -1}, ValueError, "model"),
+    ({"model": 1 << 32}, ValueError, "model"),
+    ({"max_batch_size": 4.0}, TypeError, "max_batch_size"),
+    ({"max_batch_size": True}, TypeError, "max_batch_size"),
+    ({"max_batch_tokens": "4096"}, TypeError, "max_batch_tokens"),
+    ({"max_input_len": 512.5}, TypeError, "max_input_len"),
+    ({"max_input_len": None}, TypeError, "max_input_len"),
+    ({"model": 1.0}, TypeError, "model"),
+    ({"max_input_len": 4097}, ValueError, "max_input_len"),  # > max_batch_tokens
+    ({"max_batch_tokens": 1 << 25, "max_input_len": LENGTH_MAX + 1}, ValueError, "max_input_len"),
+])
+def test_contract_rejects_bad_values_naming_the_field(kwargs, error, field):
+    args = {"max_batch_size": 8, "max_batch_tokens": 4096, "max_input_len": 512, "model": 0} | kwargs
+    with pytest.raises(error, match=rf"\b{field}\b"):
+        Contract(**args)
+
+
+def test_contract_input_len_over_batch_tokens_names_both_fields():
+    with pytest.raises(ValueError) as info:
+        Contract(max_batch_size=8, max_batch_tokens=1000, max_input_len=1001)
+    assert "max_input_len" in str(info.value) and "max_batch_tokens" in str(info.value)
+
+
+def test_contract_accepts_numpy_integers_and_fits():
+    c = Contract(np.int64(4), np.int32(1000), np.int64(1000), np.uint32(3))
+    assert c.fits(1, 1000) and c.fits(4, 250)
+    assert not c.fits(0, 10) and not c.fits(5, 1) and not c.fits(4, 251) and not c.fits(1, 1001)
+
+
+# ---- 8. shapes (before the packer: the packer's tests rely on them) --------------------------
+
+def _full_chain(ws: Workload, i: int) -> list:
+    """Family key, then block hashes: one hash per block of tokens (the first block under the key)."""
+    return [int(ws.shapes.families[i])] + [int(h) for h in ws.shapes.blocks(i)]
+
+
+@FAST
+@given(data=st.data(), block_tokens=st.sampled_from([1, 4, 16]))
+def test_equal_prefixes_equal_leading_hashes_and_a_change_propagates(data, block_tokens):
+    common = data.draw(st.lists(st.integers(0, VOCAB), min_size=0, max_size=70), label="common")
+    tail_a = data.draw(st.lists(st.integers(0, VOCAB), max_size=40), label="tail_a")
+    tail_b = data.draw(st.lists(st.integers(0, VOCAB), max_size=40), label="tail_b")
+    if tail_a and tail_b and tail_a[0] == tail_b[0]:
+        tail_b[0] = (tail_b[0] + 1) % (VOCAB + 1)
+    a, b = common + tail_a, common + tail_b
+    if not a or not b:
+        return
+    ws = make_workload([(a, 0, 0), (b, 0, 0)], block_tokens)
+    # first differing position (or the shorter's end when one is a prefix of the other)
+    d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    chain_a, chain_b = _full_chain(ws, 0), _full_chain(ws, 1)
+    assert len(chain_a) == -(-len(a) // block_tokens) and len(chain_b) == -(-len(b) // block_tokens)
+    same = d // block_tokens  # blocks wholly inside the common prefix
+    if len(a) == len(b) and d == len(a):
+        same = len(chain_a)  # identical items
+    for j in range(min(len(chain_a), len(chain_b))):
+        assert (chain_a[j] == chain_b[j]) == (j < same), (j, same)
+
+
+def test_a_token_changed_in_block_k_changes_hashes_from_k_on():
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 1000, 16 * 6, dtype=np.uint32)
+    items = [(base, 0, 0)]
+    for k in range(6):
+        t = base.copy()
+        t[16 * k + 5] += 1
+        items.append((t, 0, 0))
+    ws = make_workload(items, 16)
+    ref = _full_chain(ws, 0)
+    assert len(ref) == 6 and len(set(ref)) == 6
+    for k in range(6):
+        got = _full_chain(ws, k + 1)
+        assert got[:k] == ref[:k]
+        assert all(g != r for g, r in zip(got[k:], ref[k:]))
+    # the model seeds the chain: same tokens for another model are another family
+    other = make_workload([(base, 0, 1)], 16)
+    assert int(other.shapes.families[0]) != ref[0] and set(_full_chain(other, 0)).isdisjoint(ref)
+
+
+def test_declared_prefix_groups_items_into_one_family_beyond_a_block():
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, 1000, 100, dtype=np.uint32)  # a 100-token system prompt, blocks of 16
+    tails = [rng.integers(0, 1000, n, dtype=np.uint32) for n in (0, 1, 15, 16, 17, 90)]
+    tails[4][:16] = tails[3]  # tails[3] is a prefix of tails[4]
+    items = [(np.concatenate([system, t]), 100, 0) for t in tails]
+    altered = system.copy()
+    altered[60] += 1  # the same first block, another system prompt
+    items.append((np.concatenate([altered, tails[2]]), 100, 0))
+    items.append((np.concatenate([system, tails[2]]), 0, 0))  # undeclared
+    items.append((np.concatenate([system, tails[3]]), 0, 0))  # undeclared
+    ws = make_workload(items, 16)
+    fams = [int(f) for f in ws.shapes.families]
+    assert len(set(fams[:6])) == 1, "one declared prefix, one family"
+    assert fams[6] != fams[0], "a token changed inside the declared prefix is another family"
+    assert fams[7] != fams[0] and fams[7] == fams[8], "undeclared: the family is the first block's"
+    for i, t in enumerate(tails):
+        assert ws.shapes.bases[i] == 100
+        assert ws.shapes.blocks(i).size == -(-t.size // 16), "blocks are cut after the declared prefix"
+    # after the declared prefix, items with equal tails' leading blocks share those hashes
+    assert int(ws.shapes.blocks(3)[0]) == int(ws.shapes.blocks(4)[0])
+    assert int(ws.shapes.blocks(2)[0]) != int(ws.shapes.blocks(6)[0])  # another family's chain
+
+
+def test_shape_items_rejects_bad_input():
+    with pytest.raises(ValueError, match="block_tokens"):
+        shape_items(np.zeros(4, np.uint32), np.array([0, 4]), block_tokens=0)
+    with pytest.raises(ValueError, match="lengths"):
+        shape_items(np.zeros(4, np.uint32), np.array([0, 0, 4]))
+    with pytest.raises(ValueError, match="prefix_len"):
+        shape_items(np.zeros(4, np.uint32), np.array([0, 4]), prefixes=np.array([5]))
+
+
+def test_band_floor_and_band_of_round_trip():
+    floors = [int(band_floor(b)) for b in range(NUM_BANDS)]
+    assert floors[:BAND_SUB] == list(range(BAND_SUB)), "exact below 256"
+    assert all(x < y for x, y in zip(floors, floors[1:])), "bands are ordered"
+    for b, lo in enumerate(floors):
+        assert band_of(lo) == b
+        if b + 1 < NUM_BANDS:
+            assert band_of(floors[b + 1] - 1) == b, "a band ends where the next starts"
+    assert band_of(LENGTH_MAX) == NUM_BANDS - 1
+    assert floors[-1] <= LENGTH_MAX
+
+
+@FAST
+@given(n=st.one_of(st.integers(1, 4096), st.integers(1, LENGTH_MAX)))
+def test_band_of_n_contains_n_and_is_narrow(n):
+    b = int(band_of(n))
+    lo = int(band_floor(b))
+    hi = int(band_floor(b + 1)) - 1 if b + 1 < NUM_BANDS else LENGTH_MAX
+    assert lo <= n <= hi
+    if n < BAND_SUB:
+        assert lo == hi == n
+    else:
+        assert hi - lo + 1 <= n / BAND_SUB, "width at most n/256"
+        assert hi <= lo * (1 + 1 / BAND_SUB)
+
+
+# ---- 3. the packer over random workloads -----------------------------------------------------
+
+@st.composite
+def contracts(draw):
+    n = draw(st.integers(1, 3))
+    specs = []
+    for i in range(n):
+        max_in = draw(st.integers(8, 160))
+        bs = draw(st.integers(1, 8))
+        bt = draw(st.integers(max_in, max_in * 8))
+        model = draw(st.sampled_from([0, 0, 1]))
+        mode = draw(st.sampled_from(["padded", "packed"]))
+        specs.append(ConsumerSpec(f"c{i}", Contract(bs, bt, max_in, model), mode))
+    return specs
+
+
+@st.composite
+def workloads(draw, models):
+    """Items built from a few shared "system prompts" plus tails; some declare the prompt as prefix_len."""
+    block_tokens = draw(st.sampled_from([4, 16, 32]))
+    systems = draw(st.lists(st.lists(st.integers(0, VOCAB), min_size=1, max_size=48), min_size=1, max_size=4))
+    n = draw(st.integers(1, 60))
+    items = []
+    for _ in range(n):
+        system = draw(st.sampled_from(systems))
+        tail_len = draw(st.one_of(st.integers(0, 24), st.integers(0, 240)))
+        tail = draw(st.lists(st.integers(0, 3), min_size=tail_len, max_size=tail_len))  # tails share blocks too
+        declare = draw(st.booleans())
+        items.append((system + tail, len(system) if declare else 0, draw(st.sampled_from(models))))
+    arrivals = sorted(draw(st.lists(st.floats(0, 3), min_size=n, max_size=n)))
+    return make_workload(items, block_tokens, arrivals)
+
+
+def model_max(specs) -> dict:
+    out = {}
+    for s in specs:
+        out[s.contract.model] = max(out.get(s.contract.model, 0), s.contract.max_input_len)
+    return out
+
+
+def check_drain(specs, ws: Workload, batches, packer: Packer, tol: float) -> None:
+    """Every promise of a drained packer: contracts, purity, exactly once, failures, no refusals."""
+    biggest = model_max(specs)
+    seen: dict = {}
+    for c, batch in batches:
+        con = specs[c].contract
+        keys = [int(k) for k in batch.keys]
+        for k, reason in batch.failed:
+            assert reason == "too_long"
+            assert int(k) not in seen, f"item {k} came out twice"
+            seen[int(k)] = "failed"
+        if not keys:
+            continue
+        lengths = ws.lengths[keys]
+        assert np.array_equal(batch.lengths, lengths)
+        assert np.array_equal(batch.arrivals, ws.arrivals[keys])
+        assert len(keys) <= con.max_batch_size
+        assert len(keys) * lengths.max() <= con.max_batch_tokens
+        assert lengths.max() <= con.max_input_len
+        # shape-pure: one model (the consumer's), one family (by shape_items), one band
+        assert set(ws.models[keys].tolist()) == {con.model}
+        assert {int(ws.shapes.families[k]) for k in keys} == {batch.shape.family}
+        assert batch.shape.model == con.model
+        assert batch.shape.length_min <= lengths.min() and lengths.max() <= batch.shape.length_max
+        if specs[c].mode == "padded":
+            assert lengths.max() <= (1 + tol) * lengths.min()
+        for k in keys:
+            assert k not in seen, f"item {k} came out twice"
+            seen[k] = c
+    assert sorted(seen) == list(range(len(ws))), "every item comes out exactly once"
+    for k, where in seen.items():
+        too_long = ws.lengths[k] > biggest[int(ws.models[k])]
+        assert (where == "failed") == too_long, (k, where, ws.lengths[k])
+    assert len(packer) == 0 and packer.index.tokens == 0
+    assert packer.index.num_families == 0 and packer.index.num_nodes == 0
+    for guard in packer.guards:
+        assert guard.num_refusals == 0, guard.refusals
+
+
+@FAST
+@given(data=st.data(), specs=contracts(), max_wait=st.sampled_from([None, None, 0.5, 2.0]),
+       chunks=st.integers(1, 3), tol=st.sampled_from([TOL, 0.0, 0.5]))
+def test_packer_drains_random_workloads_to_contract_and_shape(data, specs, max_wait, chunks, tol):
+    models = sorted({s.contract.model for s in specs})
+    ws = data.draw(workloads(models), label="workload")
+    packer = roomy_packer(specs, len(ws), max_wait_seconds=max_wait, tolerance=tol)
+    batches = []
+    bounds = np.linspace(0, len(ws), chunks + 1).astype(int)
+    for lo, hi in zip(bounds, bounds[1:]):  # add in chunks, a round of decisions between them
+        for i in range(lo, hi):
+            ws.add(packer, i)
+        for c in range(len(specs)):
+            batch = packer.next_batch(c, float(ws.arrivals[hi - 1]) if hi > lo else 0.0)
+            if batch is not None:
+                batches.append((c, batch))
+    batches += drain(packer, clock=lambda r: 3.0 + 0.25 * r)
+    check_drain(specs, ws, batches, packer, tol)
+
+
+# ---- 4. oversized items ------------------------------------------------------------------
+
+@pytest.mark.parametrize("modes", [("padded", "padded"), ("packed", "packed"), ("padded", "packed")])
+def test_oversized_items_fail_back_and_reach_no_consumer(modes):
+    rng = np.random.default_rng(3)
+    system = list(rng.integers(0, 1000, 20))
+    lengths = [30, 250, 90, 300, 60, 151, 150, 40, 400, 120, 99, 101] * 3
+    items = [(system + list(rng.integers(0, 1000, n - 20)), 0, 0) for n in lengths]
+    items += [(list(rng.integers(0, 1000, 200)), 0, 1)]  # another model, served by nobody's max here
+    ws = make_workload(items, 16)
+    specs = [ConsumerSpec("small", Contract(4, 400, 100, 0), modes[0]),
+             ConsumerSpec("big", Contract(4, 600, 150, 0), modes[1]),
+             ConsumerSpec("other", Contract(2, 300, 150, 1), "padded")]
+    packer = roomy_packer(specs, len(ws))
+    for i in range(len(ws)):
+        ws.add(packer, i)
+    batches = drain(packer)
+    check_drain(specs, ws, batches, packer, TOL)
+    failed = {int(k) for _, b in batches for k, _ in b.failed}
+    assert failed == {i for i in range(len(ws)) if ws.lengths[i] > 150}
+    for c, b in batches:
+        assert all(ws.lengths[int(k)] <= specs[c].contract.max_input_len for k in b.keys)
+    # items that only "big" fits went to "big"
+    mid = {i for i in range(len(ws)) if 100 < ws.lengths[i] <= 150 and ws.models[i] == 0}
+    assert mid and mid <= {int(k) for c, b in batches if c == 1 for k in b.keys}
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_a_family_of_only_oversized_items_comes_back_failed(mode):
+    ws = make_workload([([5] * 64 + [i] * 10, 0, 0) for i in range(3)], 16)
+    packer = roomy_packer([ConsumerSpec("only", Contract(2, 100, 50, 0), mode)], 3)
+    for i in range(3):
+        ws.add(packer, i)
+    batch = packer.next_batch(0, 0.0)
+    assert batch is not None and len(batch) == 0
+    assert sorted(int(k) for k, _ in batch.failed) == [0, 1, 2]
+    assert {r for _, r in batch.failed} == {"too_long"}
+    assert len(packer) == 0 and packer.next_batch(0, 0.0) is None
+    assert packer.guards[0].num_refusals == 0
+
+
+# ---- 5. aging: no starvation ---------------------------------------------------------------
+
+def _aging_run(mode: str, max_wait: float | None, steps: int):
+    """One consumer sticks to family A while A is fed 4 new items before every decision; item X of
+    family B (arrival 0.5) waits. Returns (step X was dispatched at or None, [family of each batch])."""
+    rng = np.random.default_rng(5)
+    system_a = list(rng.integers(0, 1000, 32))
+    system_b = list(rng.integers(0, 1000, 32))
+
+    def item_a():
+        return (system_a + list(rng.integers(0, 1000, 68)), 0, 0)
+
+    items = [item_a() for _ in range(4 + 4 * steps)] + [(system_b + list(rng.integers(0, 1000, 68)), 0, 0)]
+    x = len(items) - 1
+    arrivals = [0.0] * 4 + [float(1 + i // 4) for i in range(4 * steps)] + [0.5]
+    ws = make_workload(items, 16, arrivals)
+    fam_a, fam_b = int(ws.shapes.families[0]), int(ws.shapes.families[x])
+    assert fam_a != fam_b and all(len(t) == 100 for t in ws.tokens)
+    spec = ConsumerSpec("one", Contract(4, 400, 100, 0), mode)
+    packer = roomy_packer([spec], len(ws), max_wait_seconds=max_wait)
+    for i in range(4):
+        ws.add(packer, i)
+    first = packer.next_batch(0, 0.0)
+    assert first.shape.family == fam_a and len(first) == 4
+    ws.add(packer, x)  # X arrives after the consumer has settled on A
+    served = [fam_a]
+    for t in range(1, steps + 1):
+        for i in range(4 + 4 * (t - 1), 4 + 4 * t):
+            ws.add(packer, i)  # A is never drained
+        batch = packer.next_batch(0, float(t))
+        assert batch is not None and len(batch) and not batch.failed
+        served.append(batch.shape.family)
+        if x in batch.keys.tolist():
+            assert batch.shape.family == fam_b
+            assert packer.guards[0].num_refusals == 0
+            return t, served
+    assert packer.guards[0].num_refusals == 0
+    return None, served
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_aging_dispatches_an_overdue_item_that_stickiness_would_starve(mode):
+    max_wait = 5.0  # X (arrival 0.5) is overdue at now = 6: 5.5 > 5; at now = 5 it has waited 4.5
+    at, served = _aging_run(mode, max_wait, steps=12)
+    assert at == 6, f"X dispatched at {at}, expected at the first decision past max_wait"
+    assert len(set(served[:-1])) == 1, "until then the consumer stuck to family A"
+    # without aging, at the same point and long after, X still waits and A is all that is served
+    at, served = _aging_run(mode, None, steps=12)
+    assert at is None and len(set(served)) == 1
+
+
+# ---- 6. stickiness -------------------------------------------------------------------------
+
+@FAST
+@given(data=st.data(), specs=contracts())
+def test_no_excess_shape_switches_in_an_offline_drain(data, specs):
+    models = sorted({s.contract.model for s in specs})
+    ws = data.draw(workloads(models), label="workload")
+    packer = roomy_packer(specs, len(ws))
+    for i in range(len(ws)):
+        ws.add(packer, i)
+    batches = drain(packer)
+    check_drain(specs, ws, batches, packer, TOL)
+    for c in range(len(specs)):
+        runs = family_runs(batches, c)
+        assert excess_switches(runs) == 0, (c, runs)
+
+
+def test_one_consumer_serves_each_family_in_one_run():
+    rng = np.random.default_rng(9)
+    systems = [list(rng.integers(0, 1000, 20)) for _ in range(5)]
+    items = [(systems[i % 5] + list(rng.integers(0, 1000, int(rng.integers(1, 120)))), 0, 0) for i in range(80)]
+    ws = make_workload(items, 16)
+    for mode in ("padded", "packed"):
+        packer = roomy_packer([ConsumerSpec("one", Contract(4, 512, 128, 0), mode)], len(ws))
+        for i in range(len(ws)):
+            ws.add(packer, i)
+        batches = drain(packer)
+        check_drain([packer.consumers[0]], ws, batches, packer, TOL)
+        runs = family_runs(batches, 0)
+        assert len(set(runs)) == 5 and excess_switches(runs) == 0, runs
+
+
+# ---- 7. capacity ---------------------------------------------------------------------------
+
+def test_index_full_on_items_leaves_the_packer_consistent():
+    rng = np.random.default_rng(13)
+    system = list(rng.integers(0, 1000, 16))
+    items = [(system + list(rng.integers(0, 1000, int(rng.integers(1, 60)))), 0, 0) for _ in range(12)]
+    ws = make_workload(items, 16)
+    specs = [ConsumerSpec("a", Contract(3, 300, 80, 0), "padded"), ConsumerSpec("b", Contract(3, 300, 80, 0),
+                                                                                 "packed")]
+    packer = Packer(specs, capacity=10)
+    for i in range(10):
+        ws.add(packer, i)
+    tokens = packer.index.tokens
+    for i in (10, 11):
+        with pytest.raises(IndexFull) as info:
+            ws.add(packer, i)
+        assert info.value.what == "items"
+    assert len(packer) == 10 and packer.index.tokens == tokens
+    batches = drain(packer)
+    got = sorted(int(k) for _, b in batches for k in b.keys)
+    assert got == list(range(10))
+    assert len(packer) == 0 and all(g.num_refusals == 0 for g in packer.guards)
+    # the slots are free again: the two refused items fit now
+    for i in (10, 11):
+        ws.add(packer, i)
+    assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [10, 11]
+
+
+def test_index_full_on_families_leaves_the_packer_consistent():
+    ws = make_workload([([f] * 20 + [i], 0, 0) for f in range(3) for i in range(2)], 16)
+    packer = Packer([ConsumerSpec("a", Contract(4, 400, 100, 0))], capacity=16, families=2)
+    for i in range(4):  # families 0 and 1
+        ws.add(packer, i)
+    with pytest.raises(IndexFull) as info:
+        ws.add(packer, 4)
+    assert info.value.what == "families"
+    assert len(packer) == 4 and packer.index.num_families == 2
+    batches = drain(packer)
+    assert sorted(int(k) for _, b in batches for k in b.keys) == [0, 1, 2, 3]
+    assert excess_switches(family_runs(batches, 0)) == 0
+    ws.add(packer, 4)
+    ws.add(packer, 5)
+    assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [4, 5]
