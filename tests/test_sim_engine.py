@@ -284,3 +284,24 @@ def test_invalid_mode_raises(mode):
 def test_invalid_sizes_raise(cache_tokens, block_tokens):
     with pytest.raises(ValueError):
         SimEngine("packed", cache_tokens=cache_tokens, block_tokens=block_tokens)
+
+
+def test_packed_cache_capacity_counts_tokens_not_blocks():
+    """A family root of a declared 100-token prefix is one block of 100 tokens: an 8-token cache holds none."""
+    toks = np.concatenate([np.arange(100), np.arange(1000, 1100)]).astype(np.uint32)
+    shapes = shape_items(toks, np.array([0, 100, 200]), np.array([100, 100]), block_tokens=4)
+    engine = SimEngine("packed", cache_tokens=8, block_tokens=4)
+    assert [engine.run(shapes, [r], [1]).computed_tokens for r in (0, 1, 0, 1)] == [100, 100, 100, 100]
+    big = SimEngine("packed", cache_tokens=200, block_tokens=4)
+    assert [big.run(shapes, [r], [1]).computed_tokens for r in (0, 1, 0, 1)] == [100, 100, 0, 0]
+
+
+def test_padded_prefix_reuse_is_bounded_by_the_cache():
+    """Two items sharing a 12-token prefix (3 blocks of 4), run twice: with no cache nothing is kept."""
+    shared = np.arange(12, dtype=np.uint32)
+    toks = np.concatenate([shared, [100, 101], shared, [200, 201]]).astype(np.uint32)
+    shapes = shape_items(toks, np.array([0, 14, 28]), block_tokens=4)
+    none = SimEngine("padded", cache_tokens=0, block_tokens=4)
+    assert [none.run(shapes, [0, 1], [1, 1]).computed_tokens for _ in range(2)] == [12 + 2 * 2, 12 + 2 * 2]
+    two_blocks = SimEngine("padded", cache_tokens=8, block_tokens=4)
+    assert [two_blocks.run(shapes, [0, 1], [1, 1]).computed_tokens for _ in range(2)] == [16, 4 + 2 * 2]

@@ -127,7 +127,7 @@ def test_trace_malformed_line_names_file_and_line(tmp_path, bad):
     # line 3 is blank: line numbers count the file's lines
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps(RECORDS[1]) + "\n\n" + json.dumps(bad) + "\n")
-    with pytest.raises(ValueError, match=rf"bad\.jsonl:4\b"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:4\b"):
         load(path)
 
 
@@ -184,7 +184,7 @@ def test_mooncake_trace_blocks_and_hashes_follow_its_hash_ids():
 
 # ---------------------------------------------------------------- the generator
 
-GEN = dict(num_families=20)
+GEN = {"num_families": 20}
 
 
 def workload_fields(wl):
@@ -288,8 +288,8 @@ def test_generator_head_is_a_prefix_of_the_workload():
     assert len(wl.head(10_000)) == 300
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_items=0), dict(num_items=-1), dict(num_items=10, num_families=0),
-                                    dict(num_items=10, num_models=0)])
+@pytest.mark.parametrize("kwargs", [{"num_items": 0}, {"num_items": -1}, {"num_items": 10, "num_families": 0},
+                                    {"num_items": 10, "num_models": 0}])
 def test_generator_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         generate(**kwargs)

@@ -98,6 +98,14 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
     hit_max = round(1 - distinct / total_blocks, 4)
     gc.collect()
     gc.freeze()  # the workload's objects are permanent: keep the collector's pauses out of the timings
+    try:
+        _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds)
+    finally:
+        gc.unfreeze()
+    return out
+
+
+def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> None:
     for engine_mode in MODES:
         offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol)
         res = simulate(offline_packer, CONSUMERS, engine_mode, shapes, wl, cost=cost)
@@ -137,4 +145,3 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
             "fifo": fifo,
         })
         out[engine_mode] = res
-    return out

@@ -75,17 +75,17 @@ def generate(num_items: int = 20_000, *, seed: int = 0, num_families: int = 200,
             prompt = np.concatenate([convs[k], reply, turn])
             if prompt.size > max_len:
                 convs.pop(k)
-                prompt = np.concatenate([systems[f], turn])
+                prompt = np.concatenate([systems[f], turn])[:max_len]
                 convs.append(prompt)
             else:
                 convs[k] = prompt
         else:
-            prompt = np.concatenate([systems[f], turn])
+            prompt = np.concatenate([systems[f], turn])[:max_len]
             convs.append(prompt)
             if len(convs) > 64:
                 convs.pop(0)
         items.append(prompt)
-        prefixes[i] = sys_len[f] if declares[f] else 0
+        prefixes[i] = min(int(sys_len[f]), prompt.size) if declares[f] else 0
         models[i] = fam_model[f]
     offsets = np.zeros(num_items + 1, np.int64)
     np.cumsum([p.size for p in items], out=offsets[1:])

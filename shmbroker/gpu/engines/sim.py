@@ -5,12 +5,13 @@ modes (DESIGN.md "Words"):
 
 - `padded`, a rectangle engine (transformers, static TensorRT engines): the
   batch's common prefix (the blocks every item shares) is computed once, or
-  not at all for the blocks the previous batch's prefix left cached; then
-  count x longest remaining suffix. Cache hits: every item's common-prefix
-  blocks except the one computation.
+  not at all for the blocks the previous batch's prefix left cached (the
+  engine keeps the last prefix's KV, as many leading blocks as fit
+  `cache_tokens`); then count x longest remaining suffix. Cache hits: every
+  item's common-prefix blocks except the one computation.
 - `packed`, a paged-KV engine (vLLM, TensorRT-LLM, SGLang): no padding; items
   run in batch order and each computes only its blocks after its longest
-  cached prefix in an LRU block cache of `cache_tokens` capacity (a block
+  cached prefix in an LRU block cache holding at most `cache_tokens` tokens (a block
   computed by an earlier item of the batch is a hit for a later one, as with
   prefix caching of completed blocks).
 
@@ -75,9 +76,10 @@ class SimEngine:
             raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
         self.mode = mode
         self.block_tokens = block_tokens
-        self.cache_blocks = cache_tokens // block_tokens
+        self.cache_tokens = cache_tokens
         self.cost = cost
-        self._lru: OrderedDict = OrderedDict()
+        self._lru: OrderedDict = OrderedDict()  # block hash -> its tokens, least recently used first
+        self._lru_tokens = 0
         self._last_prefix: list = []  # padded: the previous batch's common prefix blocks
 
     def _blocks(self, shapes, row):
@@ -122,7 +124,13 @@ class SimEngine:
         while cached < min(common, len(self._last_prefix)) and self._last_prefix[cached] == prefix[cached]:
             cached += 1
         cached_tokens = sum(t for _, t in prefix[:cached])
-        self._last_prefix = prefix
+        # the engine keeps this batch's prefix KV for the next batch, as much of it as fits its cache
+        kept = 0
+        budget = self.cache_tokens
+        while kept < len(prefix) and prefix[kept][1] <= budget:
+            budget -= prefix[kept][1]
+            kept += 1
+        self._last_prefix = prefix[:kept]
         suffixes = [n - prefix_tokens for n in lengths]
         rect = count * max(suffixes)
         return BatchCost(items=count, input_tokens=sum(lengths),
@@ -144,11 +152,13 @@ class SimEngine:
                     continue
                 hitting = False
                 computed += t
-                if self.cache_blocks:
-                    lru[h] = None
+                if t <= self.cache_tokens:
+                    if h not in lru:
+                        self._lru_tokens += t
+                    lru[h] = t
                     lru.move_to_end(h)
-                    if len(lru) > self.cache_blocks:
-                        lru.popitem(last=False)
+                    while self._lru_tokens > self.cache_tokens:
+                        self._lru_tokens -= lru.popitem(last=False)[1]
         return BatchCost(items=len(blocks), input_tokens=sum(lengths), computed_tokens=computed, padded_tokens=0,
                          rect_tokens=0, prefix_tokens=0, hit_blocks=hits,
                          queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
