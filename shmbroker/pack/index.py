@@ -350,7 +350,7 @@ class PackIndex:
                  num_consumers: int = 1):
         if items < 1:
             raise ValueError(f"items capacity must be positive, got {items}")
-        nodes = nodes if nodes is not None else 2 * items + 16
+        nodes = nodes if nodes is not None else 3 * items + 16  # an item needs at most root, branch, end
         families = families if families is not None else max(16, items // 4)
         buckets = items
         rows = sorted(set((int(m), int(x)) for m, x in classes))

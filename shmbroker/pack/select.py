@@ -58,7 +58,11 @@ def _fits(n, longest, length, bs, bt):
 
 @kernel
 def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed):
-    """Returns (items, failed, band to resume from or -1 for the far end)."""
+    """Returns (items, failed, band to resume from or -1 for the far end).
+
+    Two passes at most, each band visited once: from `start` to the far end, then, if nothing was
+    taken, from the near end up to `start` (an ascending consumer also turns back when it meets
+    items longer than its max_input_len)."""
     it = S[S_IT]
     bk = S[S_BK]
     bits = S[S_BITS]
@@ -67,49 +71,48 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
     nf = 0
     lo = 0
     hi = 0
-    wrapped = False
-    band = band_prev(bits, summ, f, start) if descending else band_next(bits, summ, f, start)
-    while True:
-        if band == -1:
-            if n > 0 or wrapped:
-                return n, nf, -1
-            wrapped = True
-            band = band_prev(bits, summ, f, NUM_BANDS - 1) if descending else band_next(bits, summ, f, 0)
-            if band == -1:
-                return n, nf, -1
-        bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
-        s = bk[ht_find(S[S_BKEYS], S[S_BVALS], bkey)].head
-        restart = False
-        while s != -1:
-            length = it[s].length
-            if length > model_max:
-                if nf == failed.size:
-                    return n, nf, band
-                failed[nf] = s
-                nf += 1
-            elif length > max_in:
-                # only an ascending consumer meets these: everything further up is longer
-                if n == 0 and not wrapped:
-                    restart = True
-                    break
-                return n, nf, band
-            else:
-                if n == 0:
-                    lo = length
-                    hi = length
-                new_lo = min(lo, length)
-                new_hi = max(hi, length)
-                if not _fits(n, hi, length, bs, bt) or new_hi > new_lo * (1.0 + tol):
-                    return n, nf, band
-                out[n] = s
-                n += 1
-                lo = new_lo
-                hi = new_hi
-            s = it[s].bnext
-        if restart:
-            band = -1
+    top = NUM_BANDS - 1
+    for second in range(2):
+        if second == 0:
+            band = band_prev(bits, summ, f, start) if descending else band_next(bits, summ, f, start)
         else:
+            if n > 0 or (start == top if descending else start == 0):
+                break
+            band = band_prev(bits, summ, f, top) if descending else band_next(bits, summ, f, 0)
+        while band != -1 and (second == 0 or (band > start if descending else band < start)):
+            bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
+            s = bk[ht_find(S[S_BKEYS], S[S_BVALS], bkey)].head
+            turn = False
+            while s != -1:
+                length = it[s].length
+                if length > model_max:
+                    if nf == failed.size:
+                        return n, nf, band
+                    failed[nf] = s
+                    nf += 1
+                elif length > max_in:
+                    # only an ascending consumer meets these: everything further up is longer
+                    if n == 0:
+                        turn = True
+                        break
+                    return n, nf, band
+                else:
+                    if n == 0:
+                        lo = length
+                        hi = length
+                    new_lo = min(lo, length)
+                    new_hi = max(hi, length)
+                    if not _fits(n, hi, length, bs, bt) or new_hi > new_lo * (1.0 + tol):
+                        return n, nf, band
+                    out[n] = s
+                    n += 1
+                    lo = new_lo
+                    hi = new_hi
+                s = it[s].bnext
+            if turn:
+                break
             band = band_prev(bits, summ, f, band - 1) if descending else band_next(bits, summ, f, band + 1)
+    return n, nf, -1
 
 
 @kernel
@@ -227,13 +230,13 @@ def select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed):
 
 @kernel
 def oldest(S, classes, cutoff):
-    """The oldest item of the given age classes that arrived at or before cutoff, or -1."""
+    """The oldest item of the given age classes that arrived before cutoff (waited longer), or -1."""
     it = S[S_IT]
     ah = S[S_AH]
     best = -1
     for k in range(classes.size):
         s = ah[classes[k]]
-        if s != -1 and it[s].arrival <= cutoff and (best == -1 or it[s].arrival < it[best].arrival):
+        if s != -1 and it[s].arrival < cutoff and (best == -1 or it[s].arrival < it[best].arrival):
             best = s
     return best
 
