@@ -13,8 +13,8 @@ ITEM (64 bytes)                          NODE (88 bytes): one trie node
   fam      i32  node    i32                sprev/snext i32  links in the parent's list
   bucket   i32  bprev/bnext i32            ihead/itail i32  items ending here, nitems i32
   nprev/nnext i32   node item list         live    i32  has items or live children
-  aprev/anext i32   age list               maxlen i32  claimed i32 (consumer+1) cls i32
-  acls     i32      age class              cprev/cnext i32  the branch list it is in (cls)
+  gen      i32  bumped when the slot frees  maxlen i32  claimed i32 (consumer+1) cls i32
+  pad      i32 x2                          cprev/cnext i32  the branch list it is in (cls)
                                            affine  i32  consumer that served the branch last
 
 FAMILY (48 bytes)                        BUCKET (24 bytes): one (family, band)
@@ -41,8 +41,6 @@ import numpy as np
 from ..jit import kernel
 from .bands import BAND_WORDS, SUMMARY_WORDS, band_next, bit_clear, bit_set
 from .links import (
-    _age_append,
-    _age_unlink,
     _branch_list_set,
     _bucket_append,
     _bucket_unlink,
@@ -58,7 +56,7 @@ from .tables import ht_delete, ht_find, ht_put, new_free_list, new_table
 ITEM_REC = np.dtype([
     ("key", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
     ("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4"), ("nprev", "i4"), ("nnext", "i4"),
-    ("aprev", "i4"), ("anext", "i4"), ("acls", "i4")])
+    ("gen", "i4"), ("pad1", "i4"), ("pad2", "i4")])
 NODE_REC = np.dtype([
     ("key", "u8"), ("parent", "i4"), ("depth", "i4"), ("fam", "i4"), ("branch", "i4"),
     ("chead", "i4"), ("ctail", "i4"), ("sprev", "i4"), ("snext", "i4"),
@@ -103,9 +101,46 @@ def class_of(cls, model, length):
     return cls.shape[0]
 
 
-# ---- insert and remove ---------------------------------------------------------------------
+# ---- age queues ---------------------------------------------------------------------------
+# One FIFO ring per class of (slot << 32 | gen) entries in arrival order, positions as running
+# counters (S_AT[c] = head, tail). Removing an item only bumps its slot's gen: its entry goes stale
+# and is dropped when it reaches the head, so a removal touches no other item's record.
 
 @kernel
+def _age_entry_live(it, e):
+    return it[np.int64(e >> 32)].gen == np.int32(e & 0xFFFFFFFF)
+
+
+@kernel
+def age_push(S, c, s):
+    it = S[S_IT]
+    ring = S[S_AH]
+    pos = S[S_AT]
+    size = ring.shape[1]
+    while pos[c, 1] - pos[c, 0] >= size:  # full: the head is stale (live items <= capacity < size)
+        pos[c, 0] += 1
+    ring[c, pos[c, 1] % size] = (np.int64(s) << 32) | np.int64(np.uint32(it[s].gen))
+    pos[c, 1] += 1
+
+
+@kernel
+def age_head(S, c):
+    """The oldest live item of class c (dropping stale entries), or -1."""
+    it = S[S_IT]
+    ring = S[S_AH]
+    pos = S[S_AT]
+    size = ring.shape[1]
+    while pos[c, 0] < pos[c, 1]:
+        e = ring[c, pos[c, 0] % size]
+        if _age_entry_live(it, e):
+            return np.int64(e >> 32)
+        pos[c, 0] += 1
+    return -1
+
+
+# ---- insert and remove ---------------------------------------------------------------------
+
+@kernel(inline="always")
 def family_reclass(S, f):
     """Put an unclaimed family in the class list of its shortest pending item."""
     fm = S[S_FM]
@@ -116,7 +151,7 @@ def family_reclass(S, f):
     _family_list_set(fm, S[S_GH], S[S_GT], f, class_of(S[S_CLS], fm[f].model, band_floor(b)))
 
 
-@kernel
+@kernel(inline="always")
 def branch_reclass(S, x):
     """List an unclaimed live branch: in its affine consumer's list when that consumer fits it,
     else in the class list of its longest item. Lists 0..K are classes, K+1+c consumer c's."""
@@ -131,7 +166,7 @@ def branch_reclass(S, x):
         _branch_list_set(nd, S[S_FBH], S[S_FBT], x, class_of(S[S_CLS], S[S_FM][nd[x].fam].model, nd[x].maxlen))
 
 
-@kernel
+@kernel(inline="always")
 def _new_node(S, key, parent, depth, f):
     nd = S[S_ND]
     meta = S[S_META]
@@ -257,7 +292,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     fm[f].pending += 1
     fm[f].tokens += length
     family_reclass(S, f)
-    _age_append(it, S[S_AH], S[S_AT], class_of(S[S_CLS], model, length), s)
+    age_push(S, class_of(S[S_CLS], model, length), s)
     meta[M_ITEMS] += 1
     meta[M_TOKENS] += length
     return s
@@ -271,7 +306,7 @@ def remove(S, s):
         family_reclass(S, f)
 
 
-@kernel
+@kernel(inline="always")
 def remove_quiet(S, s):
     """`remove` without re-listing the family; returns the family slot if it still has items, else -1.
     A caller removing several items of one family re-lists it once (`family_reclass`)."""
@@ -310,7 +345,7 @@ def remove_quiet(S, s):
         S[S_NFREE][meta[M_NODES_FREE]] = x
         meta[M_NODES_FREE] += 1
         x = p
-    _age_unlink(it, S[S_AH], S[S_AT], s)
+    it[s].gen += 1  # its age-queue entry is stale from now on
     fm[f].pending -= 1
     fm[f].tokens -= it[s].length
     meta[M_ITEMS] -= 1
@@ -372,8 +407,8 @@ class PackIndex:
         fbt = np.full((families, k1 + num_consumers), -1, np.int32)
         gh = np.full(k1, -1, np.int32)
         gt = np.full(k1, -1, np.int32)
-        ah = np.full(k1, -1, np.int32)
-        at = np.full(k1, -1, np.int32)
+        ah = np.zeros((k1, items + 1), np.int64)  # age rings
+        at = np.zeros((k1, 2), np.int64)  # their head and tail counters
         meta = np.zeros(8, np.int64)
         meta[M_ITEMS_FREE] = items
         meta[M_NODES_FREE] = nodes

@@ -8,7 +8,6 @@ Each list keeps head/tail slots in its owner and prev/next slots in its members;
 | a band's items        | BUCKET head, tail        | ITEM bprev, bnext     |
 | a node's items        | NODE ihead, itail        | ITEM nprev, nnext     |
 | a node's live children| NODE chead, ctail        | NODE sprev, snext     |
-| an age class          | ah[c], at[c]             | ITEM aprev, anext     |
 | a family's branch list| fbh[f, k], fbt[f, k]     | NODE cprev, cnext     |
 | a family class list   | gh[c], gt[c]             | FAMILY gprev, gnext   |
 """
@@ -103,33 +102,6 @@ def _child_unlink(nd, p, x):
         nd[p].ctail = a
     nd[x].sprev = -1
     nd[x].snext = -1
-
-
-@kernel
-def _age_append(it, ah, at, c, s):
-    it[s].acls = c
-    it[s].anext = -1
-    it[s].aprev = at[c]
-    if at[c] != -1:
-        it[at[c]].anext = s
-    else:
-        ah[c] = s
-    at[c] = s
-
-
-@kernel
-def _age_unlink(it, ah, at, s):
-    c = it[s].acls
-    p = it[s].aprev
-    n = it[s].anext
-    if p != -1:
-        it[p].anext = n
-    else:
-        ah[c] = n
-    if n != -1:
-        it[n].aprev = p
-    else:
-        at[c] = p
 
 
 @kernel

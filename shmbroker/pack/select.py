@@ -25,7 +25,6 @@ from .index import (
     C_BRANCH,
     C_FAM,
     C_MAXIN,
-    S_AH,
     S_BITS,
     S_BK,
     S_BKEYS,
@@ -40,6 +39,7 @@ from .index import (
     S_IT,
     S_ND,
     S_SUMM,
+    age_head,
     branch_reclass,
     family_reclass,
     remove,
@@ -232,10 +232,9 @@ def select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed):
 def oldest(S, classes, cutoff):
     """The oldest item of the given age classes that arrived before cutoff (waited longer), or -1."""
     it = S[S_IT]
-    ah = S[S_AH]
     best = -1
     for k in range(classes.size):
-        s = ah[classes[k]]
+        s = age_head(S, classes[k])
         if s != -1 and it[s].arrival < cutoff and (best == -1 or it[s].arrival < it[best].arrival):
             best = s
     return best
