@@ -28,12 +28,15 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 # Every file that holds a kernel or anything a kernel imports (intrinsics,
 # layout constants). Globbed, so a new kernel module is covered by default.
 KERNEL_SOURCES = ("jit.py", "ring/*.py", "pack/*.py", "spill/*.py", "bench/trace.py")
+# Pure-Python reference models: no kernel imports them, so editing one needs no recompile.
+NOT_KERNEL_SOURCES = ("ring/reference.py", "spill/model.py", "pack/reference.py")
 
 
 def _source_files() -> list[Path]:
     files: set[Path] = set()
     for pattern in KERNEL_SOURCES:
         files.update(_PACKAGE_DIR.glob(pattern))
+    files.difference_update(_PACKAGE_DIR / name for name in NOT_KERNEL_SOURCES)
     return sorted(files)
 
 

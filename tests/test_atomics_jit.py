@@ -532,3 +532,14 @@ def test_forked_child_reuses_compiled_kernels(owner):
         assert ring.counters()["num_pushed"] == ring.counters()["num_popped"] == 8
     with owned.attach(PRODUCER) as ring:
         assert ring.next_key == 4
+
+
+@pytest.mark.parametrize("relative", jit.NOT_KERNEL_SOURCES)
+def test_reference_models_are_not_kernel_sources(tmp_path, relative):
+    """The pure-Python reference models hold no kernels; editing one must not force a recompile."""
+    assert "@kernel" not in (PACKAGE_DIR / relative).read_text()
+    package, _ = stable_copy(tmp_path)
+    base = load_jit_copy(package).sources_digest()
+    path = package / relative
+    path.write_text(path.read_text() + "\n# edited\n")
+    assert load_jit_copy(package).sources_digest() == base

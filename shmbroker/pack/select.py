@@ -10,7 +10,8 @@ are collected in `failed` when the walk meets them.
   ascending consumers, down for the largest), within a padding tolerance: the
   batch's longest item is at most (1 + tol) x its shortest.
 - `select_packed` takes the family root's own items, then walks the
-  consumer's claimed branch depth-first (parents before children), claiming
+  consumer's claimed branch depth-first (a node before its children; children in the order
+  they became live, so a turn that arrived before its parent runs before it), claiming
   the next unclaimed branch of a class it fits when one is drained.
 """
 
