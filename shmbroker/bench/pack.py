@@ -76,6 +76,12 @@ def _percentiles(ns: list[int]) -> tuple[float, float]:
     return round(float(np.percentile(a, 50)), 2), round(float(np.percentile(a, 99)), 2)
 
 
+def _per_item(ns: list[int], sizes: list[int]) -> float:
+    """Mean decision time per item returned, over decisions that returned items."""
+    taken = [(t, n) for t, n in zip(ns, sizes) if n]
+    return round(sum(t for t, _ in taken) / max(1, sum(n for _, n in taken)) / 1000.0, 3)
+
+
 def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, seed: int = 0,
         max_new_tokens: int = 1, max_wait_seconds: float | None = None, tolerance: float | None = None) -> dict:
     if mode not in ("offline", "streaming"):
@@ -119,9 +125,9 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
             feeder = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, max_wait_seconds=wait, tolerance=tol)
             res = simulate(feeder, CONSUMERS, engine_mode, shapes, wl, arrivals=arrivals, cost=cost)
             res["max_wait_configured_seconds"] = round(wait, 3)
-            decisions = feeder.decision_timings()
+            decisions, sizes = feeder.decision_timings()
         else:
-            decisions = offline_packer.decision_timings()
+            decisions, sizes = offline_packer.decision_timings()
         fifo = simulate(FifoFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol), CONSUMERS, engine_mode, shapes, wl,
                         arrivals=arrivals, cost=cost)
         small = wl.head(max(1, len(wl) // 100))
@@ -130,7 +136,8 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
         small_feeder = PackerFeeder(CONSUMERS, engine_mode, small_shapes, small, tolerance=tol)
         simulate(small_feeder, CONSUMERS, engine_mode, small_shapes, small, cost=cost)
         p50, p99 = _percentiles(decisions)
-        s50, s99 = _percentiles(small_feeder.decision_timings(min_samples=len(decisions)))
+        small_decisions, small_sizes = small_feeder.decision_timings(min_samples=len(decisions))
+        s50, s99 = _percentiles(small_decisions)
         for figures in (res, fifo):
             figures["cache_hit_rate_max"] = hit_max
             figures["lower_bound_seconds"] = round(lb, 3)
@@ -138,6 +145,11 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
             "decision_us_p50": p50, "decision_us_p99": p99, "decision_backlog_items": len(wl),
             "decision_us_p50_backlog_1pct": s50, "decision_us_p99_backlog_1pct": s99,
             "decision_backlog_items_1pct": len(small),
+            # a decision costs O(batch): its items per decision and time per item, at both sizes
+            "decision_items_mean": round(float(np.mean(sizes)), 2),
+            "decision_items_mean_backlog_1pct": round(float(np.mean(small_sizes)), 2),
+            "decision_us_per_item": _per_item(decisions, sizes),
+            "decision_us_per_item_backlog_1pct": _per_item(small_decisions, small_sizes),
             "index_bytes_per_item": round(offline_packer.packer.index.nbytes() / len(wl), 1),
             "modeled_vs_fifo": round(res["modeled_seconds"] / fifo["modeled_seconds"], 4),
             "modeled_vs_lower_bound": round(res["modeled_seconds"] / lb, 4),

@@ -117,12 +117,13 @@ class PackerFeeder:
         self.events.append(("decide", c, now))
         return self.packer.next_batch(c, now)
 
-    def decision_timings(self, min_samples: int = 0) -> list[int]:
-        """Replay this run's calls on fresh packers and time each decision (ns).
+    def decision_timings(self, min_samples: int = 0) -> tuple[list[int], list[int]]:
+        """Replay this run's calls on fresh packers; (ns of each decision, items it returned).
 
         In the broker the scheduler is its own process; replaying without the simulated engines'
         work in between measures the packer, not the simulation (same calls, same batches)."""
         out: list[int] = []
+        sizes: list[int] = []
         while True:
             fresh = PackerFeeder(*self.args, **self.kwargs)
             packer = fresh.packer
@@ -132,10 +133,11 @@ class PackerFeeder:
                     fresh.add(a, b)
                 else:
                     t0 = clock()
-                    packer.next_batch(a, b)
+                    batch = packer.next_batch(a, b)
                     out.append(clock() - t0)
+                    sizes.append(len(batch) + len(batch.failed) if batch is not None else 0)
             if len(out) >= min_samples:
-                return out
+                return out, sizes
 
     def overdue(self, c: int, now: float) -> bool:
         from ..pack.select import oldest
