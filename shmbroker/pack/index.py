@@ -101,6 +101,20 @@ def class_of(cls, model, length):
     return cls.shape[0]
 
 
+# ---- free lists: a stack of free slots, its height in meta[k] ---------------------------------
+
+@kernel(inline="always")
+def _pop_free(free, meta, k):
+    meta[k] -= 1
+    return free[meta[k]]
+
+
+@kernel(inline="always")
+def _push_free(free, meta, k, x):
+    free[meta[k]] = x
+    meta[k] += 1
+
+
 # ---- age queues ---------------------------------------------------------------------------
 # One FIFO ring per class of (slot << 32 | gen) entries in arrival order, positions as running
 # counters (S_AT[c] = head, tail). Removing an item only bumps its slot's gen: its entry goes stale
@@ -170,8 +184,7 @@ def branch_reclass(S, x):
 def _new_node(S, key, parent, depth, f):
     nd = S[S_ND]
     meta = S[S_META]
-    meta[M_NODES_FREE] -= 1
-    x = S[S_NFREE][meta[M_NODES_FREE]]
+    x = _pop_free(S[S_NFREE], meta, M_NODES_FREE)
     nd[x].key = key
     nd[x].parent = parent
     nd[x].depth = depth
@@ -217,8 +230,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     if f == -1:
         if meta[M_FAMS_FREE] < 1:
             return FULL_FAMILIES
-        meta[M_FAMS_FREE] -= 1
-        f = S[S_FFREE][meta[M_FAMS_FREE]]
+        f = _pop_free(S[S_FFREE], meta, M_FAMS_FREE)
         fm[f].key = famkey
         fm[f].model = model
         fm[f].root = -1
@@ -254,8 +266,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
             y = _new_node(S, hashes[last], p, last + 1, f)
         x = y
     # the item
-    meta[M_ITEMS_FREE] -= 1
-    s = S[S_IFREE][meta[M_ITEMS_FREE]]
+    s = _pop_free(S[S_IFREE], meta, M_ITEMS_FREE)
     it[s].key = key
     it[s].arrival = arrival
     it[s].length = length
@@ -279,8 +290,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
     b = ht_find(S[S_BKEYS], S[S_BVALS], bkey)
     if b == -1:
-        meta[M_BUCKETS_FREE] -= 1
-        b = S[S_BFREE][meta[M_BUCKETS_FREE]]
+        b = _pop_free(S[S_BFREE], meta, M_BUCKETS_FREE)
         bk[b].key = bkey
         bk[b].head = -1
         bk[b].tail = -1
@@ -321,8 +331,7 @@ def remove_quiet(S, s):
     if bk[b].count == 0:
         bit_clear(S[S_BITS], S[S_SUMM], f, bk[b].band)
         ht_delete(S[S_BKEYS], S[S_BVALS], bk[b].key)
-        S[S_BFREE][meta[M_BUCKETS_FREE]] = b
-        meta[M_BUCKETS_FREE] += 1
+        _push_free(S[S_BFREE], meta, M_BUCKETS_FREE, b)
     x = _nitem_unlink(it, nd, s)
     while x != -1 and nd[x].nitems == 0 and nd[x].chead == -1:
         p = nd[x].parent
@@ -342,8 +351,7 @@ def remove_quiet(S, s):
             if nd[x].depth == 0:
                 fm[f].root = -1
         ht_delete(S[S_NKEYS], S[S_NVALS], nd[x].key)
-        S[S_NFREE][meta[M_NODES_FREE]] = x
-        meta[M_NODES_FREE] += 1
+        _push_free(S[S_NFREE], meta, M_NODES_FREE, x)
         x = p
     it[s].gen += 1  # its age-queue entry is stale from now on
     fm[f].pending -= 1
@@ -356,18 +364,10 @@ def remove_quiet(S, s):
             if cons[c, C_FAM] == f:
                 cons[c, C_FAM] = -1
         ht_delete(S[S_FKEYS], S[S_FVALS], fm[f].key)
-        S[S_FFREE][meta[M_FAMS_FREE]] = f
-        meta[M_FAMS_FREE] += 1
+        _push_free(S[S_FFREE], meta, M_FAMS_FREE, f)
         f = -1
-    S[S_IFREE][meta[M_ITEMS_FREE]] = s
-    meta[M_ITEMS_FREE] += 1
+    _push_free(S[S_IFREE], meta, M_ITEMS_FREE, s)
     return f
-
-
-@kernel
-def remove_many(S, slots, n):
-    for i in range(n):
-        remove(S, slots[i])
 
 
 OVERFLOW_LEN = (1 << 31) - 1

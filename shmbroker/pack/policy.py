@@ -32,7 +32,7 @@ import numpy as np
 
 from ..jit import kernel
 from .index import C_BAND, C_FAM, C_MAXIN, S_CONS, S_FM, S_IT
-from .select import claim_item_branch, finish, oldest, release_family, select_packed, select_padded, take_family
+from .select import claim_item_branch, contains, finish, oldest, release_family, select_packed, select_padded, take_family
 from .shapes import NUM_BANDS, band_of
 
 DEFAULT_PADDING_TOLERANCE = 1 / 16
@@ -67,13 +67,7 @@ def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
     if f == -1:
         for d in range(cons.shape[0]):
             g = cons[d, C_FAM]
-            if d == c or g == -1 or fm[g].model != model:
-                continue
-            seen = False
-            for i in range(attempt):
-                if skip[i] == g:
-                    seen = True
-            if not seen:
+            if d != c and g != -1 and fm[g].model == model and not contains(skip, attempt, g):
                 f = g
                 break
     if f != -1:

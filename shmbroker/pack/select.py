@@ -43,7 +43,6 @@ from .index import (
     age_head,
     branch_reclass,
     family_reclass,
-    remove,
     remove_quiet,
 )
 from .links import _branch_list_set, _family_list_set
@@ -254,6 +253,14 @@ def unclaim(S, slots, n):
             branch_reclass(S, x)
 
 
+@kernel(inline="always")
+def contains(values, n, x):
+    for i in range(n):
+        if values[i] == x:
+            return True
+    return False
+
+
 @kernel
 def take_family(S, c, cls_order, skip, nskip):
     """Claim the first unclaimed family in the class lists (in cls_order) not in skip[:nskip]; or -1."""
@@ -262,11 +269,7 @@ def take_family(S, c, cls_order, skip, nskip):
     for k in range(cls_order.size):
         f = gh[cls_order[k]]
         while f != -1:
-            seen = False
-            for i in range(nskip):
-                if skip[i] == f:
-                    seen = True
-            if not seen:
+            if not contains(skip, nskip, f):
                 _family_list_set(fm, gh, S[S_GT], f, -1)
                 fm[f].claimed = c + 1
                 return f
@@ -309,12 +312,6 @@ def gather(S, slots, n, rows):
         rows[i].arrival = it[s].arrival
         rows[i].family = fm[it[s].fam].key
         rows[i].model = fm[it[s].fam].model
-
-
-@kernel
-def remove_many_items(S, slots, n):
-    for i in range(n):
-        remove(S, slots[i])
 
 
 @kernel
