@@ -631,3 +631,18 @@ def test_index_full_on_trie_nodes_leaves_the_packer_consistent():
     for i in (3, 4):
         ws.add(packer, i)
     assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [3, 4]
+
+
+@pytest.mark.parametrize("length, max_new, model, hashes, error", [
+    (0, 1, 0, np.zeros(0, np.uint64), ValueError),
+    (1 << 24, 1, 0, np.zeros(0, np.uint64), ValueError),
+    (10, -1, 0, np.zeros(0, np.uint64), ValueError),
+    (10, 1, -3, np.zeros(0, np.uint64), ValueError),
+    (10, 1, 0, np.zeros(2, np.int64), TypeError),
+    (10, 1, 0, [1, 2], TypeError),
+])
+def test_add_refuses_bad_items_and_changes_nothing(length, max_new, model, hashes, error):
+    packer = Packer([ConsumerSpec("a", Contract(4, 64, 32), "padded")], capacity=4)
+    with pytest.raises(error):
+        packer.add(1, 0.0, length, max_new, model, 99, hashes)
+    assert len(packer) == 0 and packer.index.tokens == 0 and packer.next_batch(0, 0.0) is None

@@ -50,7 +50,7 @@ from .links import (
     _nitem_append,
     _nitem_unlink,
 )
-from .shapes import band_floor, band_of
+from .shapes import LENGTH_MAX, band_floor, band_of
 from .tables import ht_delete, ht_find, ht_put, new_free_list, new_table
 
 ITEM_REC = np.dtype([
@@ -433,7 +433,14 @@ class PackIndex:
 
     def insert(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
                hashes: np.ndarray) -> int:
-        """Index one item (hashes: its block hashes); its slot. Raises IndexFull."""
+        """Index one item (hashes: its block hashes, uint64); its slot. Raises IndexFull, or
+        ValueError/TypeError for an item the index cannot hold (nothing changes then)."""
+        if not 1 <= length <= LENGTH_MAX:
+            raise ValueError(f"item length must be in 1..{LENGTH_MAX}, got {length}")
+        if not 0 <= max_new < 1 << 31 or not 0 <= model < 1 << 31:
+            raise ValueError(f"max_new ({max_new}) and model ({model}) must be in 0..2^31-1")
+        if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
+            raise TypeError("hashes must be a 1-D uint64 array (shapes.ItemShapes.blocks)")
         s = insert(self.S, np.uint64(key), float(arrival), int(length), int(max_new), int(model),
                    np.uint64(family), hashes)
         if s < 0:
