@@ -147,6 +147,19 @@ def _print_figures(result: dict, indent: str) -> None:
             print(f"{indent}{key:>30}: {value:.6g}" if isinstance(value, float) else f"{indent}{key:>30}: {value}")
 
 
+def _config(args) -> int:
+    """Validate a configuration file (or show the built-in default) and print it resolved."""
+    from . import settings
+
+    try:
+        cfg = settings.load(args.config)
+    except settings.ConfigError as exc:
+        print(f"shmbroker: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(settings.as_dict(cfg), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--padding-tolerance", type=float, default=None,
                    help="padded engines: longest item <= (1 + tol) x shortest in a batch (default 1/16)")
     p.set_defaults(func=_bench)
+    p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
+    p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
+    p.set_defaults(func=_config)
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache")
     p.set_defaults(func=_warm)
     return parser

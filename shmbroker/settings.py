@@ -1,0 +1,257 @@
+"""The broker's configuration file (`shmbroker.toml`) into frozen dataclasses, validated in one place.
+
+`load(path)` reads the file with stdlib `tomllib`; `load(None)` is the built-in
+default (two simulated consumers, `big` and `small`, as in `bench pack`).
+Unknown keys and impossible values raise `ConfigError` naming the key, e.g.
+`shmbroker.toml: consumers[1].max_batch_size: must be a positive integer, got 0`.
+The defaults live in `config.py`; every key is documented in the README.
+
+    data_dir = "shmbroker-data"      # also $SHMBROKER_DATA_DIR
+    instance = "main"
+    ingest_processes = 1
+    ingest_ring_bytes = 8388608
+    result_ring_bytes = 16777216
+    segment_bytes = 67108864
+    fsync = "interval"               # never | interval | always
+    fsync_interval_ms = 5.0
+    block_tokens = 512
+    max_wait_seconds = 30.0
+    padding_tolerance = 0.0625
+
+    [[consumers]]
+    name = "big"
+    max_batch_size = 256
+    max_batch_tokens = 131072
+    max_input_len = 131072
+    model = "llama"                  # optional: the model name producers submit with
+    engine = "sim"
+    [consumers.engine_settings]      # sim: mode, cache_tokens, SimCost fields
+    mode = "packed"
+    cache_tokens = 2097152
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+from . import config
+from .errors import BrokerError
+from .gpu.engines.sim import SimCost
+from .pack.contract import MODES, Contract
+from .pack.policy import DEFAULT_PADDING_TOLERANCE
+from .pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
+from .ring.items import model_id
+
+DEFAULT_CONFIG_FILE = "shmbroker.toml"
+DEFAULT_MAX_WAIT_SECONDS = 30.0
+ENGINES = ("sim",)
+INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+RING_BYTES_MIN = 1 << 16
+SEGMENT_BYTES_MIN = 1 << 20
+
+
+class ConfigError(BrokerError, ValueError):
+    """The configuration names an unknown key or an impossible value; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The simulated engine of one consumer: its mode, its cache, its cost model."""
+
+    mode: str = "packed"
+    cache_tokens: int = 2 << 20
+    cost: SimCost = SimCost()
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    name: str
+    contract: Contract
+    model_name: str | None
+    engine: str
+    engine_settings: SimSettings
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    data_dir: str
+    instance: str = config.DEFAULT_INSTANCE
+    ingest_processes: int = 1
+    ingest_ring_bytes: int = config.DEFAULT_INGEST_RING_BYTES
+    result_ring_bytes: int = config.DEFAULT_RESULT_RING_BYTES
+    segment_bytes: int = config.DEFAULT_SEGMENT_BYTES
+    fsync: str = config.DEFAULT_FSYNC
+    fsync_interval_ms: float = config.DEFAULT_FSYNC_INTERVAL_MS
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
+    padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
+    consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
+    source: str = "built-in default"
+
+
+def default_consumers() -> tuple[ConsumerConfig, ...]:
+    """`big` and `small` of the packing benchmark, both on the simulated engine."""
+    return (
+        ConsumerConfig("big", Contract(256, 131072, 131072), None, "sim", SimSettings("packed", 2 << 20)),
+        ConsumerConfig("small", Contract(64, 16384, 16384), None, "sim", SimSettings("packed", 256 << 10)),
+    )
+
+
+def load(path: str | os.PathLike | None = None, *, data_dir: str | None = None) -> BrokerConfig:
+    """The configuration in `path` (TOML); None: the built-in default. `data_dir` overrides the file's."""
+    if path is None:
+        return BrokerConfig(data_dir=config.data_dir(data_dir), consumers=default_consumers())
+    where = os.fspath(path)
+    try:
+        with open(where, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such configuration file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+    return parse(raw, where, data_dir=data_dir)
+
+
+def as_dict(cfg: BrokerConfig) -> dict:
+    """The configuration as plain data (for `shmbroker config` and `status --json`)."""
+    return dataclasses.asdict(cfg)
+
+
+def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None = None) -> BrokerConfig:
+    """Validate a parsed TOML document into a BrokerConfig."""
+    v = _Validator(where)
+    known = {f.name for f in dataclasses.fields(BrokerConfig)} - {"source"}
+    v.no_unknown(raw, known, "")
+    out: dict = {}
+    out["data_dir"] = config.data_dir(data_dir) if data_dir is not None else (
+        v.string(raw, "data_dir") if "data_dir" in raw else config.data_dir(None))
+    if "instance" in raw:
+        out["instance"] = v.pattern(raw, "instance", INSTANCE_RE, "1-32 letters, digits, '_' or '-'")
+    if "ingest_processes" in raw:
+        out["ingest_processes"] = v.integer(raw, "ingest_processes", 1, 64)
+    for key in ("ingest_ring_bytes", "result_ring_bytes"):
+        if key in raw:
+            out[key] = v.integer(raw, key, RING_BYTES_MIN, 1 << 34, multiple_of=4096)
+    if "segment_bytes" in raw:
+        out["segment_bytes"] = v.integer(raw, "segment_bytes", SEGMENT_BYTES_MIN, 1 << 40, multiple_of=4096)
+    if "fsync" in raw:
+        out["fsync"] = v.choice(raw, "fsync", ("never", "interval", "always"))
+    if "fsync_interval_ms" in raw:
+        out["fsync_interval_ms"] = v.number(raw, "fsync_interval_ms", 0.0, 60_000.0, low_open=True)
+    if "block_tokens" in raw:
+        out["block_tokens"] = v.integer(raw, "block_tokens", 1, 1 << 16)
+    if "max_wait_seconds" in raw:
+        out["max_wait_seconds"] = v.number(raw, "max_wait_seconds", 0.0, 1e9, low_open=True)
+    if "padding_tolerance" in raw:
+        out["padding_tolerance"] = v.number(raw, "padding_tolerance", 0.0, 1e6)
+    if "consumers" in raw:
+        items = raw["consumers"]
+        if not isinstance(items, list) or not items or not all(isinstance(c, dict) for c in items):
+            v.fail("consumers", "must be a non-empty array of tables ([[consumers]])", items)
+        out["consumers"] = tuple(_consumer(v, c, f"consumers[{i}]") for i, c in enumerate(items))
+        names = [c.name for c in out["consumers"]]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            v.fail("consumers", f"names must be unique, repeated: {', '.join(dupes)}", names)
+    else:
+        out["consumers"] = default_consumers()
+    return BrokerConfig(source=where, **out)
+
+
+def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
+    v.no_unknown(raw, {"name", "max_batch_size", "max_batch_tokens", "max_input_len", "model", "engine",
+                       "engine_settings"}, at)
+    for key in ("name", "max_batch_size", "max_batch_tokens", "max_input_len"):
+        if key not in raw:
+            v.fail(f"{at}.{key}", "is required", None)
+    name = v.pattern(raw, "name", NAME_RE, "1-64 letters, digits, '_', '.' or '-'", at)
+    bs = v.integer(raw, "max_batch_size", 1, 1 << 20, at=at)
+    bt = v.integer(raw, "max_batch_tokens", 1, 1 << 31, at=at)
+    mi = v.integer(raw, "max_input_len", 1, LENGTH_MAX, at=at)
+    if mi > bt:
+        v.fail(f"{at}.max_input_len", f"must be <= max_batch_tokens ({bt}): a longer item could never be batched", mi)
+    model = v.string(raw, "model", at) if "model" in raw else None
+    contract = Contract(bs, bt, mi, model_id(model))
+    engine = v.choice(raw, "engine", ENGINES, at) if "engine" in raw else "sim"
+    settings = raw.get("engine_settings", {})
+    if not isinstance(settings, dict):
+        v.fail(f"{at}.engine_settings", "must be a table", settings)
+    return ConsumerConfig(name, contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings"))
+
+
+def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
+    cost_keys = {f.name for f in dataclasses.fields(SimCost)}
+    v.no_unknown(raw, {"mode", "cache_tokens"} | cost_keys, at)
+    mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
+    cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
+    cost = {}
+    for key in sorted(cost_keys & raw.keys()):
+        if key == "zero_cost":
+            if not isinstance(raw[key], bool):
+                v.fail(f"{at}.{key}", "must be true or false", raw[key])
+            cost[key] = raw[key]
+        else:
+            cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
+    return SimSettings(mode, cache, SimCost(**cost))
+
+
+class _Validator:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, key: str, why: str, value) -> None:
+        got = "" if value is None else f", got {value!r}"
+        raise ConfigError(f"{self.where}: {key}: {why}{got}")
+
+    def no_unknown(self, raw: dict, known: set, at: str) -> None:
+        for key in raw:
+            if key not in known:
+                name = f"{at}.{key}" if at else key
+                raise ConfigError(f"{self.where}: unknown key {name!r} (known: {', '.join(sorted(known))})")
+
+    def _key(self, key: str, at: str) -> str:
+        return f"{at}.{key}" if at else key
+
+    def string(self, raw: dict, key: str, at: str = "") -> str:
+        value = raw[key]
+        if not isinstance(value, str) or not value:
+            self.fail(self._key(key, at), "must be a non-empty string", value)
+        return value
+
+    def pattern(self, raw: dict, key: str, regex, what: str, at: str = "") -> str:
+        value = self.string(raw, key, at)
+        if not regex.fullmatch(value):
+            self.fail(self._key(key, at), f"must be {what}", value)
+        return value
+
+    def choice(self, raw: dict, key: str, options, at: str = "") -> str:
+        value = raw[key]
+        if value not in options:
+            self.fail(self._key(key, at), f"must be one of {', '.join(options)}", value)
+        return value
+
+    def integer(self, raw: dict, key: str, lo: int, hi: int, *, multiple_of: int = 1, at: str = "") -> int:
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(self._key(key, at), "must be an integer", value)
+        if not lo <= value <= hi:
+            what = "a positive integer" if lo == 1 else f"an integer in {lo}..{hi}"
+            self.fail(self._key(key, at), f"must be {what}", value)
+        if value % multiple_of:
+            self.fail(self._key(key, at), f"must be a multiple of {multiple_of}", value)
+        return value
+
+    def number(self, raw: dict, key: str, lo: float, hi: float, *, low_open: bool = False, at: str = "") -> float:
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(self._key(key, at), "must be a number", value)
+        if value < lo or value > hi or (low_open and value == lo):
+            bound = f"> {lo}" if low_open else f">= {lo}"
+            self.fail(self._key(key, at), f"must be {bound} and <= {hi}", value)
+        return float(value)
