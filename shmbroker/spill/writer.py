@@ -27,7 +27,6 @@ is back-pressure on the producers), and the next call tries again.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_FSYNC_INTERVAL_MS
+from ..lockfile import flock_exclusive
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
@@ -339,12 +339,9 @@ class SegmentWriter:
 
 def _lock_writer_dir(directory: Path, writer: int) -> int:
     """One live writer per directory: an flock held for the writer's life (a dead process's is released)."""
-    fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"backlog writer {writer} ({directory}) is held by another live process") from None
+    fd = flock_exclusive(directory / "LOCK")
+    if fd is None:
+        raise RuntimeError(f"backlog writer {writer} ({directory}) is held by another live process")
     return fd
 
 
