@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import DiskFull
+from .pack.shapes import DEFAULT_BLOCK_TOKENS
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring import spsc
@@ -117,13 +118,12 @@ class RingSet:
 
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
-PREFIX_BLOCK_TOKENS = 512
 
 
 class BacklogAppender:
     """`drain_once` callback: append a ring's records to this ingest process's backlog writer."""
 
-    def __init__(self, writer: SegmentWriter, block_tokens: int = PREFIX_BLOCK_TOKENS):
+    def __init__(self, writer: SegmentWriter, block_tokens: int = DEFAULT_BLOCK_TOKENS):
         self.writer = writer
         self.block_tokens = block_tokens
         self._flat = np.empty(0, np.uint32)

@@ -10,6 +10,7 @@ import pytest
 from shmbroker.client import Producer
 from shmbroker.errors import DiskFull, Full
 from shmbroker.ingest import BacklogAppender, RingSet, pump
+from shmbroker.pack.shapes import shape_items
 from shmbroker.registry import Registry
 from shmbroker.ring.items import NO_PREFIX, model_id
 from shmbroker.ring.owner import Owner
@@ -69,6 +70,9 @@ def test_items_reach_the_backlog_with_their_metadata(broker, tmp_path):
             assert np.array_equal(reopened.tokens(row), tokens)
             assert (int(row["max_new_tokens"]), int(row["prefix_len"]), int(row["model"])) == (max_new, prefix, model)
             assert int(row["shape_band"]) == tokens.size.bit_length() - 1
+            declared = 0 if prefix == NO_PREFIX else prefix
+            family = shape_items(tokens, np.array([0, tokens.size]), [declared], [model], block_tokens=512).families[0]
+            assert int(row["prefix_key"]) == int(family)  # the packer's family key, on disk
     finally:
         reopened.close()
 

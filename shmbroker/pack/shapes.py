@@ -94,10 +94,17 @@ def num_blocks(n, prefix, block_tokens):
 
 
 @kernel
+def family_key(tokens, start, n, prefix, model, block_tokens, seed):
+    """Family key of tokens[start:start+n]: the model and the declared prefix, else the first block."""
+    base = prefix if prefix > 0 else min(n, block_tokens)
+    return hash_span(tokens, start, start + base, np.uint64(seed) ^ (np.uint64(model) * FNV64_PRIME))
+
+
+@kernel
 def item_hashes(tokens, start, n, prefix, model, block_tokens, seed, out, out_start):
     """Family key of tokens[start:start+n]; block hashes into out[out_start:]. Returns the key."""
     base = prefix if prefix > 0 else min(n, block_tokens)
-    h = hash_span(tokens, start, start + base, np.uint64(seed) ^ (np.uint64(model) * FNV64_PRIME))
+    h = family_key(tokens, start, n, prefix, model, block_tokens, seed)
     family = h
     k = out_start
     pos = base

@@ -5,9 +5,10 @@
 takes: the tokens (flat + offsets) and one ITEM_DTYPE row per item. It also
 derives each item's shape for clustering on disk:
 
-- prefix_key: FNV-1a (64-bit) over the item's first block of tokens (its
-  declared prefix when shorter), so items that share their first block land
-  together; the packing index refines families with its block-hash trie.
+- prefix_key: the item's family key as the packer computes it
+  (`pack/shapes.py`: a seeded hash of the model and of its declared prefix,
+  else of its first block), so records cluster on disk by the families the
+  scheduler packs, and a restart knows each record's family from its header.
 - shape_band: the length band, floor(log2(num_tokens)) (1, 2-3, 4-7, ...).
 """
 
@@ -16,21 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
+from ..pack.shapes import DEFAULT_SEED, family_key
 from ..ring.atomics import memcpy
 from ..ring.items import NO_PREFIX, SEQ_BITS
 from ..ring.layout import RECORD_HEADER_WORDS as RING_HEADER_WORDS
-
-FNV64_OFFSET = np.uint64(0xCBF29CE484222325)
-FNV64_PRIME = np.uint64(0x100000001B3)
-
-
-@kernel
-def prefix_key(tokens, start, count):
-    """FNV-1a 64 over `count` tokens from `start` (each token as one 32-bit lane)."""
-    h = FNV64_OFFSET
-    for i in range(start, start + count):
-        h = (h ^ np.uint64(tokens[i])) * FNV64_PRIME
-    return h
 
 
 @kernel
@@ -43,12 +33,10 @@ def collect(words, words64, positions, count, producer_id, block_tokens, out_fla
         n = words[pos + 1]
         memcpy(out_flat, used, words, pos + RING_HEADER_WORDS, n)
         prefix = words[pos + 5]
-        span = min(n, block_tokens)
-        if prefix != NO_PREFIX and prefix > 0:
-            span = min(span, prefix)
+        declared = prefix if prefix != NO_PREFIX and prefix > 0 else 0
         it = items[r]
         it.item_id = (np.uint64(producer_id) << np.uint64(SEQ_BITS)) | words64[(pos >> 1) + 1]
-        it.prefix_key = prefix_key(out_flat, used, span)
+        it.prefix_key = family_key(out_flat, used, n, declared, words[pos + 6], block_tokens, DEFAULT_SEED)
         it.producer = producer_id
         it.model = words[pos + 6]
         it.prefix_len = prefix
