@@ -70,6 +70,7 @@ def _warm_pack() -> None:
                 packer.add(i, 0.0, int(shapes.lengths[i]), 1, 0, int(shapes.families[i]), shapes.blocks(i))
             while packer.next_batch(0, 5.0) is not None or packer.next_batch(1, 5.0) is not None:
                 pass
+            packer.add_many(np.arange(len(shapes), dtype=np.uint64), 0.0, shapes, 1)
     Guard(0.1).check(shapes.families, shapes.models, shapes.lengths, Shape(0, int(shapes.families[0]), 1, 700),
                      Contract(4, 4096, 1024))
     out = np.empty(600, np.uint32)

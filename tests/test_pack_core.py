@@ -646,3 +646,42 @@ def test_add_refuses_bad_items_and_changes_nothing(length, max_new, model, hashe
     with pytest.raises(error):
         packer.add(1, 0.0, length, max_new, model, 99, hashes)
     assert len(packer) == 0 and packer.index.tokens == 0 and packer.next_batch(0, 0.0) is None
+
+
+# ---- bulk add ------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data(), specs=contracts())
+def test_add_many_indexes_exactly_what_add_does(data, specs):
+    """One compiled call for a whole backlog (a scheduler's rebuild) gives the same batches as add()."""
+    ws = data.draw(workloads(sorted({s.contract.model for s in specs})), label="workload")
+    one, bulk = roomy_packer(specs, len(ws)), roomy_packer(specs, len(ws))
+    for i in range(len(ws)):
+        one.index.insert(i, float(ws.arrivals[i]), int(ws.lengths[i]), 8, int(ws.models[i]),
+                         int(ws.shapes.families[i]), ws.shapes.blocks(i))
+    assert bulk.add_many(np.arange(len(ws), dtype=np.uint64), ws.arrivals, ws.shapes, 8) == len(ws)
+    assert len(bulk) == len(one) and bulk.index.tokens == one.index.tokens
+    picks = [(c, b.keys.tolist(), b.failed, b.shape) for c, b in drain(one)]
+    assert [(c, b.keys.tolist(), b.failed, b.shape) for c, b in drain(bulk)] == picks
+
+
+def test_add_many_stops_at_a_full_index_with_whole_items():
+    ws = make_workload([([i % 7] * (40 + i), 0, 0) for i in range(10)], block_tokens=16)
+    packer = Packer([ConsumerSpec("a", Contract(64, 4096, 4096), "packed")], capacity=6, nodes=64, families=16)
+    assert packer.add_many(np.arange(10, dtype=np.uint64), 0.0, ws.shapes, 1) == 6
+    assert len(packer) == 6 and packer.index.tokens == int(ws.lengths[:6].sum())
+    assert sorted(k for _, b in drain(packer) for k in b.keys.tolist()) == list(range(6))
+
+
+def test_add_many_refuses_a_bad_column_and_indexes_nothing():
+    ws = make_workload([([1, 2, 3] * 10, 0, 0), ([4] * 20, 0, 0)], block_tokens=8)
+    packer = Packer([ConsumerSpec("a", Contract(4, 256, 128), "padded")], capacity=8)
+    keys = np.arange(2, dtype=np.uint64)
+    with pytest.raises(ValueError):
+        packer.add_many(keys[:1], 0.0, ws.shapes, 1)
+    with pytest.raises(ValueError):
+        packer.add_many(keys, 0.0, ws.shapes, -1)
+    ws.shapes.hashes = ws.shapes.hashes.astype(np.int64)
+    with pytest.raises(TypeError):
+        packer.add_many(keys, 0.0, ws.shapes, 1)
+    assert len(packer) == 0 and packer.index.tokens == 0

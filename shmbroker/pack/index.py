@@ -309,6 +309,17 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
 
 
 @kernel
+def insert_many(S, keys, arrivals, lengths, max_new, models, families, hash_offsets, hashes):
+    """`insert` for items 0.. in order; the number indexed (stops, whole items only, when full)."""
+    for i in range(keys.size):
+        s = insert(S, keys[i], arrivals[i], lengths[i], max_new[i], models[i], families[i],
+                   hashes[hash_offsets[i]:hash_offsets[i + 1]])
+        if s < 0:
+            return i
+    return keys.size
+
+
+@kernel
 def remove(S, s):
     """Take item s out of the index (its slot is free afterwards)."""
     f = remove_quiet(S, s)
@@ -447,6 +458,29 @@ class PackIndex:
             raise IndexFull({FULL_ITEMS: "items", FULL_NODES: "trie nodes", FULL_FAMILIES: "families",
                              FULL_BUCKETS: "band buckets"}[s])
         return int(s)
+
+    def insert_many(self, keys, arrivals, lengths, max_new, models, families, hash_offsets, hashes) -> int:
+        """Index items i = 0.. in order (item i's block hashes: hashes[hash_offsets[i]:hash_offsets[i+1]])
+        in one compiled call; the number indexed. Fewer than given means the index is full: the rest
+        are left out, whole (they stay in the backlog). Raises ValueError/TypeError, indexing nothing,
+        when any item is one the index cannot hold."""
+        n = len(keys)
+        cols = (np.ascontiguousarray(keys, np.uint64), np.ascontiguousarray(arrivals, np.float64),
+                np.ascontiguousarray(lengths, np.int64), np.ascontiguousarray(max_new, np.int64),
+                np.ascontiguousarray(models, np.int64), np.ascontiguousarray(families, np.uint64))
+        if any(c.shape != (n,) for c in cols):
+            raise ValueError(f"every column must hold {n} items")
+        if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
+            raise TypeError("hashes must be a 1-D uint64 array (shapes.ItemShapes.hashes)")
+        hash_offsets = np.ascontiguousarray(hash_offsets, np.int64)
+        if hash_offsets.shape != (n + 1,) or (n and (hash_offsets[0] < 0 or hash_offsets[-1] > hashes.size
+                                                      or (np.diff(hash_offsets) < 0).any())):
+            raise ValueError("hash_offsets must be non-decreasing, n + 1 long, within hashes")
+        if n and not (1 <= cols[2].min() and cols[2].max() <= LENGTH_MAX):
+            raise ValueError(f"item lengths must be in 1..{LENGTH_MAX}")
+        if n and (min(cols[3].min(), cols[4].min()) < 0 or max(cols[3].max(), cols[4].max()) >= 1 << 31):
+            raise ValueError("max_new and model must be in 0..2^31-1")
+        return int(insert_many(self.S, *cols, hash_offsets, hashes))
 
     def remove(self, slot: int) -> None:
         remove(self.S, slot)

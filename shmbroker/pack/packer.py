@@ -74,6 +74,15 @@ class Packer:
             hashes: np.ndarray) -> int:
         return self.index.insert(key, arrival, length, max_new, model, family, hashes)
 
+    def add_many(self, keys, arrivals, shapes, max_new) -> int:
+        """Add every item of `shapes` (pack.shapes.ItemShapes) in one compiled call: keys, arrivals and
+        max_new_tokens one per item. The number added; fewer means the index is full (the rest, whole
+        items, stay out). A scheduler rebuilding its index from a recovered backlog uses this."""
+        n = len(shapes)
+        return self.index.insert_many(keys, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
+                                      np.broadcast_to(np.asarray(max_new, np.int64), (n,)), shapes.models,
+                                      shapes.families, shapes.hash_offsets, shapes.hashes)
+
     def __len__(self) -> int:
         return len(self.index)
 
