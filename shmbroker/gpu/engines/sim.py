@@ -28,6 +28,10 @@ retires each sequence at its own. The defaults approximate transformers on an
 H200 with a ~1B-parameter model (DESIGN.md: about 130k prefill tokens/s); a
 later issue calibrates them against real engines. `zero_cost` makes every
 batch free, so a benchmark measures the broker, not the model.
+
+`SimEngine` is the cost model over block hashes (the packing benchmark drives
+it directly); `Sim` puts it behind the engine interface (`base.py`) for a GPU
+process: token ids in, generated token ids and cache figures out.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...pack.contract import MODES
+from ...pack.shapes import shape_items
+from .base import OK, EngineOutcome, ItemResult
 
 
 @dataclass(frozen=True)
@@ -162,3 +170,39 @@ class SimEngine:
         return BatchCost(items=len(blocks), input_tokens=sum(lengths), computed_tokens=computed, padded_tokens=0,
                          rect_tokens=0, prefix_tokens=0, hit_blocks=hits,
                          queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
+
+
+class Sim:
+    """The simulated engine behind the engine interface (`base.Engine`): it hashes each batch's
+    tokens into blocks, runs the cost model, and "generates" max_new_tokens deterministic token
+    ids per item (a function of the item's id), so results can be checked end to end. It does not
+    sleep: its modeled seconds are reported, not spent."""
+
+    VOCAB = 32_000
+
+    def __init__(self, settings, *, block_tokens: int = 512):
+        self.mode = settings.mode
+        self.block_tokens = block_tokens
+        self.model = SimEngine(settings.mode, cache_tokens=settings.cache_tokens, block_tokens=self.block_tokens,
+                               cost=settings.cost)
+
+    def run(self, batch):
+        lengths = np.array([t.size for t in batch.tokens], np.int64)
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(batch.tokens) if batch.tokens else np.zeros(0, np.uint32)
+        shapes = shape_items(flat, offsets, block_tokens=self.block_tokens)
+        cost = self.model.run(shapes, np.arange(lengths.size), batch.max_new_tokens)
+        results = [ItemResult(int(i), OK, self.generated(int(i), int(m)))
+                   for i, m in zip(batch.item_ids, batch.max_new_tokens)]
+        return EngineOutcome(results, cost.hit_blocks, cost.queried_blocks, cost.seconds)
+
+    @classmethod
+    def generated(cls, item_id: int, count: int) -> np.ndarray:
+        """The tokens the simulated engine returns for an item: count ids derived from its id."""
+        steps = np.arange(count, dtype=np.uint64)
+        return ((np.uint64(item_id) * np.uint64(0x9E3779B1) + steps * np.uint64(7919)) % np.uint64(cls.VOCAB)
+                ).astype(np.uint32)
+
+    def close(self) -> None:
+        pass
