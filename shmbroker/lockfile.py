@@ -86,10 +86,13 @@ class InstanceLock:
 
 def _read(path: str) -> str:
     try:
-        with open(path) as fh:
-            return fh.read(256).strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return ""
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _read_fd(fd: int) -> str:

@@ -36,8 +36,11 @@ def workload_for(trace: str | None, scale: float, seed: int):
     if trace:
         from .trace import load
 
-        limit = None if scale >= 1 else max(100, int(12_031 * scale))
-        return load(trace, limit=limit)
+        if scale >= 1:
+            return load(trace)
+        with open(trace) as fh:
+            lines = sum(1 for line in fh if line.strip())
+        return load(trace, limit=max(100, int(lines * scale)))
     from .workload import generate
 
     return generate(max(200, int(20_000 * scale)), seed=seed)
@@ -46,18 +49,11 @@ def workload_for(trace: str | None, scale: float, seed: int):
 def distinct_blocks(shapes) -> tuple[int, int, int]:
     """(all blocks, distinct blocks, tokens of the distinct blocks), the family root counting as a block."""
     seen: dict[int, int] = {}
-    bt = shapes.block_tokens
     total = 0
     for i in range(len(shapes)):
-        n = int(shapes.lengths[i])
-        base = int(shapes.bases[i])
-        seen.setdefault(int(shapes.families[i]), base)
-        pos = base
-        for h in shapes.blocks(i).tolist():
-            stop = min(pos + bt, n)
-            seen.setdefault(h, stop - pos)
-            pos = stop
-        total += 1 + shapes.blocks(i).size
+        blocks = shapes.sized_blocks(i)
+        seen.update(blocks)  # equal hashes cover equal tokens
+        total += len(blocks)
     return total, len(seen), sum(seen.values())
 
 

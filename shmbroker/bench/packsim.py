@@ -10,6 +10,7 @@ seconds per batch; the consumer with the earliest clock decides next.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -76,13 +77,13 @@ class Tally:
         }
 
 
-def merge(tallies: list[Tally]) -> Tally:
+def merge(tallies: list[Tally]) -> dict:
+    """The consumers' figures together (counts summed, ratios of the sums)."""
     total = Tally()
     for t in tallies:
-        for name in ("batches", "items", "input_tokens", "computed_tokens", "padded_tokens", "rect_tokens",
-                     "hit_blocks", "queried_blocks", "batch_tokens_max_sum", "seconds", "switches",
-                     "failed_too_long"):
-            setattr(total, name, getattr(total, name) + getattr(t, name))
+        for f in dataclasses.fields(Tally):
+            if f.type in ("int", "float"):
+                setattr(total, f.name, getattr(total, f.name) + getattr(t, f.name))
     out = total.figures()
     out["excess_shape_switches"] = sum(t.figures()["excess_shape_switches"] for t in tallies)
     out["families_served"] = sum(len(t.families) for t in tallies)
@@ -165,7 +166,6 @@ class FifoFeeder:
         self.queues = [deque() for _ in self.limits]
         self.failed: list[int] = []
         self.guard = Guard(tolerance if mode == "padded" else None)
-        self.mode = mode
 
     def add(self, row: int, arrival: float) -> None:
         n = int(self.shapes.lengths[row])
@@ -216,7 +216,7 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
     """Drain every item; arrivals=None is offline (all at 0)."""
     cost = cost or SimCost()
     count = len(shapes)
-    engines = [SimEngine(mode, cache_tokens=c.cache_tokens, block_tokens=_block_tokens(shapes), cost=cost)
+    engines = [SimEngine(mode, cache_tokens=c.cache_tokens, block_tokens=shapes.block_tokens, cost=cost)
                for c in consumers]
     tallies = [Tally() for _ in consumers]
     clocks = [0.0] * len(consumers)
@@ -260,7 +260,3 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
     figures["idle_with_overdue"] = idle_overdue
     figures["consumers"] = {c.name: t.figures() for c, t in zip(consumers, tallies)}
     return figures
-
-
-def _block_tokens(shapes) -> int:
-    return shapes.block_tokens

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..pack.contract import Batch, Contract
 from ..pack.guard import Guard
-from .engines.base import ENGINE_ERROR, INVALID, TOO_LONG, EngineBatch, EngineOutcome, ItemResult
+from .engines.base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineBatch, EngineOutcome, ItemResult
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ConsumerCore:
             for i, result in zip(runnable, self._run(runnable, ids, tokens, batch.max_new_tokens)):
                 results[i] = result
         for r in results:
-            stats.ok += r.status == "ok"
+            stats.ok += r.status == OK
             stats.too_long += r.status == TOO_LONG
             stats.invalid += r.status == INVALID
             stats.engine_errors += r.status == ENGINE_ERROR

@@ -111,11 +111,3 @@ class Batch:
     @property
     def arrivals(self) -> np.ndarray:
         return self.rows["arrival"]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def longest(self) -> int:
-        return int(self.lengths.max()) if self.rows.size else 0

@@ -439,9 +439,6 @@ class PackIndex:
         self.cons = cons
         self.capacity = items
 
-    def class_of(self, model: int, length: int) -> int:
-        return int(class_of(self.classes, model, length))
-
     def insert(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
                hashes: np.ndarray) -> int:
         """Index one item (hashes: its block hashes, uint64); its slot. Raises IndexFull, or

@@ -50,15 +50,15 @@ class Packer:
         self.consumers = list(consumers)
         self.index = PackIndex([(c.contract.model, c.contract.max_input_len) for c in consumers],
                                items=capacity, nodes=nodes, families=families, num_consumers=len(consumers))
-        self.model_max = {}
+        model_max: dict[int, int] = {}
         for c in consumers:
             m = c.contract.model
-            self.model_max[m] = max(self.model_max.get(m, 0), c.contract.max_input_len)
+            model_max[m] = max(model_max.get(m, 0), c.contract.max_input_len)
         self.policies = []
         self.guards = []
         for i, c in enumerate(consumers):
             kw = {"tol": tolerance} if c.mode == "padded" else {}
-            policy = POLICIES[c.mode](self.index, i, c.contract, self.model_max[c.contract.model],
+            policy = POLICIES[c.mode](self.index, i, c.contract, model_max[c.contract.model],
                                       max_wait_seconds, **kw)
             self.policies.append(policy)
             self.guards.append(Guard(policy.tol))

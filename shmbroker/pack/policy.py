@@ -115,18 +115,10 @@ def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
         start = cons[c, C_BAND]
         if start == -1:
             start = far
-        n, nf, band = select_padded(S, f, start, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN], ip[P_MODELMAX],
-                                    fp[F_TOL], out, failed)
+        n, nf, band, lo, hi = select_padded(S, f, start, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN],
+                                            ip[P_MODELMAX], fp[F_TOL], out, failed)
         cons[c, C_BAND] = far if band == -1 else band
         if n or nf:
-            lo = np.int64(0)
-            hi = np.int64(0)
-            if n:
-                lo = np.int64(S[S_IT][out[0]].length)
-                hi = lo
-                for i in range(n):
-                    lo = min(lo, np.int64(S[S_IT][out[i]].length))
-                    hi = max(hi, np.int64(S[S_IT][out[i]].length))
             key = S[S_FM][f].key
             code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, fp[F_TOL], ip[P_BS], ip[P_BT],
                           ip[P_MAXIN], rows, fail_keys)
@@ -154,7 +146,6 @@ def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
 
 
 class Policy:
-    mode = ""
     tol = None
 
     def __init__(self, index, c: int, contract, model_max: int, max_wait_seconds: float | None):
@@ -188,7 +179,6 @@ class Policy:
 
 
 class PaddedPolicy(Policy):
-    mode = "padded"
     kernel = staticmethod(decide_padded)
 
     def __init__(self, *args, tol: float = DEFAULT_PADDING_TOLERANCE, **kw):
@@ -201,7 +191,6 @@ class PaddedPolicy(Policy):
 
 
 class PackedPolicy(Policy):
-    mode = "packed"
     kernel = staticmethod(decide_packed)
 
 

@@ -58,7 +58,7 @@ def _fits(n, longest, length, bs, bt):
 
 @kernel
 def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed):
-    """Returns (items, failed, band to resume from or -1 for the far end).
+    """Returns (items, failed, band to resume from or -1 for the far end, shortest, longest).
 
     Two passes at most, each band visited once: from `start` to the far end, then, if nothing was
     taken, from the near end up to `start` (an ascending consumer also turns back when it meets
@@ -87,7 +87,7 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
                 length = it[s].length
                 if length > model_max:
                     if nf == failed.size:
-                        return n, nf, band
+                        return n, nf, band, lo, hi
                     failed[nf] = s
                     nf += 1
                 elif length > max_in:
@@ -95,7 +95,7 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
                     if n == 0:
                         turn = True
                         break
-                    return n, nf, band
+                    return n, nf, band, lo, hi
                 else:
                     if n == 0:
                         lo = length
@@ -103,7 +103,7 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
                     new_lo = min(lo, length)
                     new_hi = max(hi, length)
                     if not _fits(n, hi, length, bs, bt) or new_hi > new_lo * (1.0 + tol):
-                        return n, nf, band
+                        return n, nf, band, lo, hi
                     out[n] = s
                     n += 1
                     lo = new_lo
@@ -112,7 +112,7 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
             if turn:
                 break
             band = band_prev(bits, summ, f, band - 1) if descending else band_next(bits, summ, f, band + 1)
-    return n, nf, -1
+    return n, nf, -1, lo, hi
 
 
 @kernel

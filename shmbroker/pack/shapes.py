@@ -155,6 +155,17 @@ class ItemShapes:
     def blocks(self, i: int) -> np.ndarray:
         return self.hashes[self.hash_offsets[i] : self.hash_offsets[i + 1]]
 
+    def sized_blocks(self, i: int) -> list[tuple[int, int]]:
+        """[(hash, tokens)] of item i: its family root (the declared prefix or first block), then its blocks."""
+        n = int(self.lengths[i])
+        pos = int(self.bases[i])
+        out = [(int(self.families[i]), pos)]
+        for h in self.blocks(i).tolist():
+            stop = min(pos + self.block_tokens, n)
+            out.append((h, stop - pos))
+            pos = stop
+        return out
+
 
 def shape_items(tokens: np.ndarray, offsets: np.ndarray, prefixes=None, models=None, *,
                 block_tokens: int = DEFAULT_BLOCK_TOKENS, seed: int = DEFAULT_SEED) -> ItemShapes:

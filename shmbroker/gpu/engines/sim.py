@@ -90,21 +90,10 @@ class SimEngine:
         self._lru_tokens = 0
         self._last_prefix: list = []  # padded: the previous batch's common prefix blocks
 
-    def _blocks(self, shapes, row):
-        """[(hash, tokens)] of one item: the family root, then its blocks."""
-        n = int(shapes.lengths[row])
-        base = int(shapes.bases[row])
-        out = [(int(shapes.families[row]), base)]
-        pos = base
-        for h in shapes.blocks(row):
-            stop = min(pos + self.block_tokens, n)
-            out.append((int(h), stop - pos))
-            pos = stop
-        return out
-
     def run(self, shapes, rows, max_new_tokens) -> BatchCost:
+        assert shapes.block_tokens == self.block_tokens, "items hashed with another block size"
         rows = [int(r) for r in rows]
-        blocks = [self._blocks(shapes, r) for r in rows]
+        blocks = [shapes.sized_blocks(r) for r in rows]
         lengths = [int(shapes.lengths[r]) for r in rows]
         max_new = [max(1, int(m)) for m in max_new_tokens]
         if self.mode == "padded":
