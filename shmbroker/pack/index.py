@@ -443,12 +443,7 @@ class PackIndex:
                hashes: np.ndarray) -> int:
         """Index one item (hashes: its block hashes, uint64); its slot. Raises IndexFull, or
         ValueError/TypeError for an item the index cannot hold (nothing changes then)."""
-        if not 1 <= length <= LENGTH_MAX:
-            raise ValueError(f"item length must be in 1..{LENGTH_MAX}, got {length}")
-        if not 0 <= max_new < 1 << 31 or not 0 <= model < 1 << 31:
-            raise ValueError(f"max_new ({max_new}) and model ({model}) must be in 0..2^31-1")
-        if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
-            raise TypeError("hashes must be a 1-D uint64 array (shapes.ItemShapes.blocks)")
+        _check_items(length, length, min(max_new, model), max(max_new, model), hashes)
         s = insert(self.S, np.uint64(key), float(arrival), int(length), int(max_new), int(model),
                    np.uint64(family), hashes)
         if s < 0:
@@ -467,16 +462,13 @@ class PackIndex:
                 np.ascontiguousarray(models, np.int64), np.ascontiguousarray(families, np.uint64))
         if any(c.shape != (n,) for c in cols):
             raise ValueError(f"every column must hold {n} items")
-        if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
-            raise TypeError("hashes must be a 1-D uint64 array (shapes.ItemShapes.hashes)")
+        if n:
+            _check_items(cols[2].min(), cols[2].max(), min(cols[3].min(), cols[4].min()),
+                         max(cols[3].max(), cols[4].max()), hashes)
         hash_offsets = np.ascontiguousarray(hash_offsets, np.int64)
         if hash_offsets.shape != (n + 1,) or (n and (hash_offsets[0] < 0 or hash_offsets[-1] > hashes.size
                                                       or (np.diff(hash_offsets) < 0).any())):
             raise ValueError("hash_offsets must be non-decreasing, n + 1 long, within hashes")
-        if n and not (1 <= cols[2].min() and cols[2].max() <= LENGTH_MAX):
-            raise ValueError(f"item lengths must be in 1..{LENGTH_MAX}")
-        if n and (min(cols[3].min(), cols[4].min()) < 0 or max(cols[3].max(), cols[4].max()) >= 1 << 31):
-            raise ValueError("max_new and model must be in 0..2^31-1")
         return int(insert_many(self.S, *cols, hash_offsets, hashes))
 
     def remove(self, slot: int) -> None:
@@ -499,6 +491,16 @@ class PackIndex:
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.S))
+
+
+def _check_items(shortest, longest, smallest, largest, hashes) -> None:
+    """Items the index can hold: lengths 1..LENGTH_MAX, max_new and model in 0..2^31-1, uint64 hashes."""
+    if not (1 <= shortest and longest <= LENGTH_MAX):
+        raise ValueError(f"item lengths must be in 1..{LENGTH_MAX}, got {shortest}..{longest}")
+    if smallest < 0 or largest >= 1 << 31:
+        raise ValueError(f"max_new and model must be in 0..2^31-1, got {smallest}..{largest}")
+    if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
+        raise TypeError("hashes must be a 1-D uint64 array (shapes.ItemShapes)")
 
 
 class IndexFull(Exception):
