@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import os
 import secrets
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,13 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import config
-from .errors import BrokerError, Full, NotRunning
+from .errors import BrokerError, Full, NotRunning, PeerDead
 from .registry import PROTOCOL_VERSION, request
 from .ring import layout as L
 from .ring.items import (
     ITEM_BAD_MAX_NEW,
     ITEM_EMPTY,
     NO_PREFIX,
+    SEQ_BITS,
+    SEQ_MASK,
     STATUS_NAMES,
     U32_MAX,
     as_tokens,
@@ -54,6 +57,31 @@ class Result:
     item_id: int
     status: str  # ok | too_long | invalid | engine_error
     tokens: np.ndarray
+    error: str | None = None  # what went wrong, for a status other than ok
+
+
+@dataclass(frozen=True)
+class ResultBatch:
+    """Results in columns (`Producer.take_results`): item ids, status codes, generated token counts."""
+
+    item_ids: np.ndarray
+    status: np.ndarray  # ring.items.STATUS_CODES
+    num_tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.item_ids.size)
+
+    @classmethod
+    def of(cls, results: list) -> ResultBatch:
+        from .ring.items import STATUS_CODES
+
+        return cls(np.array([r.item_id for r in results], np.uint64),
+                   np.array([STATUS_CODES[r.status] for r in results], np.uint32),
+                   np.array([r.tokens.size for r in results], np.uint32))
+
+
+class _Retry(Exception):
+    """Internal: the broker restarted under a submit; submit again on the new rings."""
 
 
 class Producer:
@@ -73,11 +101,21 @@ class Producer:
         self.name = name if name is not None else f"p{os.getpid()}-{secrets.token_hex(3)}"
         self.data_dir = config.data_dir(data_dir)
         self.timeout_seconds = float(timeout_seconds)
+        self.connect_timeout_seconds = float(connect_timeout_seconds)
+        self._buf = None
+        self._result_out = None
+        self._pending: deque[Result] = deque()
+        self._seen: dict[int, np.ndarray] = {}  # producer id -> results seen, by seq (dedupe)
+        self._models: dict[str | None, int] = {None: 0}
+        self.reconnects = 0
+        self._connect(self.connect_timeout_seconds)
+
+    def _connect(self, timeout_seconds: float) -> None:
         try:
             reply = request(
                 self.data_dir,
                 {"op": "connect", "version": PROTOCOL_VERSION, "name": self.name},
-                connect_timeout_seconds,
+                timeout_seconds,
             )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise NotRunning(f"no broker is running on data directory {self.data_dir!r} ({exc.strerror})") from None
@@ -93,10 +131,22 @@ class Producer:
         self._buf = self._ingest.buf
         self._seq = self._ingest.next_key  # resumes after a reconnect
         self._id_base = item_id(self.producer_id, 0)
-        self._models: dict[str | None, int] = {None: 0}
         self.max_tokens = self._ingest.max_tokens
-        self._result_out = None
-        self._pending: deque[Result] = deque()
+
+    def reconnect(self, timeout_seconds: float | None = None) -> None:
+        """Attach again under the same name: to the same rings while the broker runs, to new ones
+        (and a new producer id) after it restarted. Waits up to `timeout_seconds` for a broker."""
+        deadline = time.monotonic() + (self.connect_timeout_seconds if timeout_seconds is None else timeout_seconds)
+        self._detach()
+        while True:
+            try:
+                self._connect(max(0.1, deadline - time.monotonic()))
+                self.reconnects += 1
+                return
+            except (NotRunning, BrokerError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     # -- submit ----------------------------------------------------------------------
 
@@ -110,7 +160,15 @@ class Producer:
         block: bool = True,
         timeout_seconds: float | None = None,
     ) -> int:
-        """Submit one prompt; returns its item id once it is in shared memory."""
+        """Submit one prompt; returns its item id once it is in shared memory. When the broker
+        restarts meanwhile, the producer reconnects under its name and submits it there."""
+        while True:
+            try:
+                return self._submit(tokens, max_new_tokens, prefix_len, model, block, timeout_seconds)
+            except _Retry:
+                continue
+
+    def _submit(self, tokens, max_new_tokens, prefix_len, model, block, timeout_seconds) -> int:
         seq = self._seq
         if prefix_len is None and model is None and type(max_new_tokens) is int:
             # the common case in one numba call; numba's own type check refuses anything but
@@ -160,7 +218,13 @@ class Producer:
         if not block:
             raise Full("ingest ring is full")
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
-        self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0, timeout)
+        try:
+            self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0, timeout)
+        except PeerDead:
+            # the broker went away: its next incarnation salvaged what the ring held; start
+            # over on new rings (a new producer id) and push this item there
+            self.reconnect()
+            raise _Retry() from None
 
     def submit_many(
         self,
@@ -197,16 +261,31 @@ class Producer:
                 raise ValueError("prefix_len exceeds its item's length")
             meta[:, 1] = prefixes
         meta[:, 2] = mid
-        seq0 = self._seq
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
-        ids = np.arange(self._id_base | seq0, (self._id_base | seq0) + count, dtype=np.uint64)
-        try:
-            self._ingest.push_many(flat, offs, seq0, meta, timeout if block else 0.0)
-        except Full as exc:
-            self._seq = seq0 + exc.submitted
-            raise Full(str(exc), submitted=exc.submitted, ids=ids[: exc.submitted]) from None
-        self._seq = seq0 + count
-        return ids
+        out = np.empty(count, np.uint64)
+        done = 0
+        while True:
+            seq0 = self._seq
+            ids = np.arange(self._id_base | seq0, (self._id_base | seq0) + count - done, dtype=np.uint64)
+            part = offs[done:] - offs[done]
+            sub = flat[offs[done] : offs[-1]]
+            m = meta if meta.shape[0] == 1 else meta[done:]
+            try:
+                self._ingest.push_many(sub, part, seq0, m, timeout if block else 0.0)
+            except Full as exc:
+                self._seq = seq0 + exc.submitted
+                out[done : done + exc.submitted] = ids[: exc.submitted]
+                done += exc.submitted
+                raise Full(str(exc), submitted=done, ids=out[:done]) from None
+            except PeerDead as exc:  # the broker restarted: the rest goes to the new one
+                pushed = getattr(exc, "submitted", 0)
+                out[done : done + pushed] = ids[:pushed]
+                done += pushed
+                self.reconnect()
+                continue
+            self._seq = seq0 + count - done
+            out[done:] = ids
+            return out
 
     def _prefix(self, prefix_len, tokens) -> int:
         value = _as_int(prefix_len, "prefix_len")
@@ -223,18 +302,50 @@ class Producer:
     def results(self, timeout_seconds: float = 0.0) -> Iterator[Result]:
         """Yield results as they arrive; stops once none has come for `timeout_seconds`.
 
-        A result leaves the producer only when it is yielded: breaking out of
-        the loop keeps the rest for the next call.
+        Each item's result is yielded once (the broker delivers at least once; duplicates are
+        dropped here by item id). A result leaves the producer only when it is yielded: breaking
+        out of the loop keeps the rest for the next call.
         """
         pending = self._pending
         while True:
             while pending:
                 yield pending.popleft()
-            if self._fetch_results() == 0 and not self._results.wait_readable(timeout_seconds):
+            if self._fetch_results() == 0 and not self._wait_results(timeout_seconds):
                 return
 
-    def _fetch_results(self) -> int:
-        """Move what the result ring holds (up to RESULT_BATCH) into the pending queue."""
+    def take_results(self, timeout_seconds: float = 0.0) -> ResultBatch:
+        """The results that arrived (up to RESULT_BATCH, waiting up to `timeout_seconds` for the
+        first), in columns and without duplicates: for producers that handle many at once."""
+        if self._pending:
+            rs = [self._pending.popleft() for _ in range(min(len(self._pending), RESULT_BATCH))]
+            return ResultBatch.of(rs)
+        n = self._pop_results()
+        if n == 0 and timeout_seconds > 0 and self._wait_results(timeout_seconds):
+            n = self._pop_results()
+        tokens, offsets, keys, meta = self._result_out
+        keep = self._fresh(keys[:n])
+        return ResultBatch(keys[:n][keep].copy(), meta[:n, 0][keep].copy(), meta[:n, 1][keep].copy())
+
+    def _wait_results(self, timeout_seconds: float) -> bool:
+        try:
+            return self._results.wait_readable(timeout_seconds)
+        except PeerDead:
+            # the results process is gone: a restarting one takes the ring over (same broker), or
+            # the broker restarted and our results come on new rings
+            if self._broker_alive():
+                time.sleep(min(timeout_seconds, 0.05))
+                return False
+            self.reconnect()
+            return False
+
+    def _broker_alive(self) -> bool:
+        try:
+            return bool(request(self.data_dir, {"op": "info"}, 1.0).get("control")) and \
+                self._ingest.peer_alive()
+        except (OSError, ValueError):
+            return False
+
+    def _pop_results(self) -> int:
         if self._result_out is None:
             self._result_out = (
                 np.empty(self._results.max_tokens, np.uint32),
@@ -243,14 +354,51 @@ class Producer:
                 np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
             )
         tokens, offsets, keys, meta = self._result_out
-        n = self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
-        for i in range(n):
+        return self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
+
+    def _fresh(self, keys: np.ndarray) -> np.ndarray:
+        """Mark these item ids seen; True for those not seen before."""
+        keep = np.ones(keys.size, bool)
+        if keys.size == 0:
+            return keep
+        producers = keys >> np.uint64(SEQ_BITS)
+        seqs = (keys & np.uint64(SEQ_MASK)).astype(np.int64)
+        for p in np.unique(producers).tolist():
+            mine = producers == p if producers[0] != producers[-1] else slice(None)
+            s = seqs[mine]
+            seen = self._seen.get(p)
+            top = int(s.max()) + 1
+            if seen is None or seen.size < top:
+                grown = np.zeros(max(top, 1024, 0 if seen is None else 2 * seen.size), bool)
+                if seen is not None:
+                    grown[: seen.size] = seen
+                seen = self._seen[p] = grown
+            dup = seen[s].copy()
+            seen[s] = True
+            # two copies within one batch: keep the first
+            if s.size > 1:
+                order = np.argsort(s, kind="stable")
+                again = np.zeros(s.size, bool)
+                again[order[1:]] = s[order[1:]] == s[order[:-1]]
+                dup |= again
+            keep[mine] = ~dup
+        return keep
+
+    def _fetch_results(self) -> int:
+        """Move what the result ring holds (up to RESULT_BATCH) into the pending queue."""
+        n = self._pop_results()
+        if n == 0:
+            return 0
+        tokens, offsets, keys, meta = self._result_out
+        keep = self._fresh(keys[:n])
+        for i in np.flatnonzero(keep).tolist():
+            ntok = int(meta[i, 1])
+            body = tokens[offsets[i] : offsets[i + 1]]
+            error = None
+            if meta[i, 3]:
+                error = body[ntok:].tobytes()[: int(meta[i, 3])].decode("utf-8", "replace")
             self._pending.append(
-                Result(
-                    self._id_base | int(keys[i]),
-                    STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
-                    tokens[offsets[i] : offsets[i + 1]].copy(),
-                )
+                Result(int(keys[i]), STATUS_NAMES.get(int(meta[i, 0]), "invalid"), body[:ntok].copy(), error)
             )
         return n
 
@@ -262,6 +410,9 @@ class Producer:
 
     def close(self) -> None:
         """Detach from the rings (idempotent). Items already submitted stay with the broker."""
+        self._detach()
+
+    def _detach(self) -> None:
         if self._buf is None:
             return
         self._buf = None

@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DiskFull
-from .pack.shapes import DEFAULT_BLOCK_TOKENS
+from .errors import DiskFull, Full, PeerDead
+from .pack.shapes import DEFAULT_BLOCK_TOKENS, DEFAULT_SEED, count_blocks, hash_items
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring import spsc
-from .ring.ring import CONSUMER, SLEEP_SLICE_SECONDS, Ring
+from .ring.items import NO_PREFIX
+from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
 from .ring.shm import Doorbell
+from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
 from .spill.collect import collect
 from .spill.layout import ITEM_DTYPE
 from .spill.writer import SegmentWriter
@@ -164,3 +166,151 @@ def pump(rings: RingSet, registry: Registry, on_records: OnRecords, wait_seconds
         else:
             time.sleep(0.005)
     return n
+
+
+# -- the ingest process ----------------------------------------------------------------------
+
+class Announcer:
+    """`drain_once` callback of an ingest process: append a ring's records to the backlog, then tell
+    the scheduler where they are (one record on the appended ring: item locations and block hashes).
+    The producer's ring is released only after both, so a crash in between redelivers (at-least-once)."""
+
+    def __init__(self, appender: BacklogAppender, appended: Ring, stopping, counters=None):
+        self.appender = appender
+        self.appended = appended
+        self.stopping = stopping
+        self.counters = counters
+        self.writer = appender.writer
+        self._hash_offsets = np.empty(BATCH_RECORDS + 1, np.int64)
+        self._hashes = np.empty(0, np.uint64)
+        self._families = np.empty(BATCH_RECORDS, np.uint64)
+        self._prefixes = np.empty(BATCH_RECORDS, np.int64)
+
+    def __call__(self, entry, ring: Ring, positions: np.ndarray, count: int) -> None:
+        app = self.appender
+        if app._flat.size < ring.capacity_words:
+            app._flat = np.empty(ring.capacity_words, np.uint32)
+        data = ring.buf[L.HEADER_BYTES :]
+        total = collect(data.view(np.uint32), data.view(np.uint64), positions, count, entry.producer_id,
+                        app.block_tokens, app._flat, app._offsets, app._items)
+        flat, offsets, items = app._flat[:total], app._offsets[: count + 1], app._items[:count]
+        seqs, segments, rec_offsets = self.writer.append_many(flat, offsets, items)
+        app.num_items += count
+        app.num_tokens += total
+        prefixes = self._prefixes[:count]
+        declared = items["prefix_len"]
+        prefixes[:] = np.where(declared == NO_PREFIX, 0, declared)
+        hash_offsets = self._hash_offsets[: count + 1]
+        nh = count_blocks(offsets, prefixes, app.block_tokens, hash_offsets)
+        if self._hashes.size < nh:
+            self._hashes = np.empty(max(nh, 2 * self._hashes.size), np.uint64)
+        hashes = self._hashes[:nh]
+        hash_items(flat, offsets, prefixes, items["model"].astype(np.int64), app.block_tokens, DEFAULT_SEED,
+                   self._families[:count], hash_offsets, hashes)
+        payload = np.empty(count * LOC_WORDS + 2 * nh, np.uint32)
+        locs = payload[: count * LOC_WORDS].view(LOC_DTYPE)
+        locs["writer"] = self.writer.writer
+        locs["length"] = np.diff(offsets)
+        locs["segment"] = segments
+        locs["offset"] = rec_offsets
+        locs["seq"] = seqs
+        locs["item_id"] = items["item_id"]
+        locs["family"] = items["prefix_key"]
+        locs["max_new"] = items["max_new_tokens"]
+        locs["model"] = items["model"]
+        locs["prefix_len"] = declared
+        locs["aux"] = np.diff(hash_offsets)
+        payload[count * LOC_WORDS :].view(np.uint64)[:] = hashes
+        push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
+        if self.counters is not None:
+            c = self.counters
+            c[0] += count
+            c[1] += total
+            c[2] += int(total) * 4 + count * 64
+            c[3] += 1
+
+
+def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh: int, stopping) -> None:
+    """Push one record, waiting as long as it takes: the scheduler may be restarting (its ring
+    persists); only a stop that has run out of time gives up (the records are on disk either way)."""
+    while True:
+        try:
+            ring.push_wait(payload, key, count, nh, 0, 0, SLEEP_SLICE_SECONDS * 4)
+            return
+        except (Full, PeerDead):
+            ring.heartbeat()
+            if stopping() == 2:
+                return
+
+
+def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -> None:
+    """Ingest process k: drain the rings of producers assigned to it into backlog writer k."""
+    from .spill.store import Backlog
+
+    backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes, writers={k})
+    writer = backlog.writer(k, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
+    appended = appended_ring.attach(PRODUCER)
+    role = control.roles.index(f"ingest-{k}")
+    slot = control.role(role)
+    announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, control.counters(role))
+    rings = RingSet(bell)
+    seen_version = -1
+    try:
+        while True:
+            slot[2] = time.monotonic_ns()
+            if control.table_version != seen_version:
+                seen_version = control.table_version
+                known = {s.entry.producer_id for s in rings.sources}
+                for p in control.producers():
+                    if p.ingest == k and p.producer_id not in known:
+                        entry = ProducerEntry(p.producer_id, p.name, 0, 0, None, None)
+                        rings.sources.append(_Source(entry, Ring.attach(p.ingest_names, CONSUMER)))
+            if stopping():
+                drained = _final_drain(rings, announcer, stopping)
+                if drained:
+                    break
+                continue
+            try:
+                n = rings.drain_once(announcer)
+            except DiskFull:
+                control.counters(role)[4] += 1
+                time.sleep(DISK_FULL_BACKOFF_SECONDS)
+                continue
+            if n == 0:
+                if rings.sources:
+                    rings.wait(SLEEP_SLICE_SECONDS)
+                else:
+                    bell.sleep(SLEEP_SLICE_SECONDS)
+    finally:
+        writer.close()
+        backlog.close()
+        appended.close()
+        rings.close()
+
+
+STOP_QUIET_SECONDS = 0.1
+
+
+def _final_drain(rings: RingSet, announcer, stopping) -> bool:
+    """Graceful stop: drain until every ring stayed empty for a moment, then close each ring (producers
+    now see it full and their broker gone) and take what landed meanwhile. True when done."""
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < STOP_QUIET_SECONDS:
+        if rings.drain_once(announcer):
+            quiet_since = time.monotonic()
+        elif stopping() == 2:
+            break
+        else:
+            time.sleep(0.005)
+    for src in rings.sources:
+        close_ring(src.ring.buf)
+    time.sleep(0.005)
+    for src in rings.sources:
+        positions = rings._positions
+        while True:
+            n, new_tail = peek_closed(src.ring.buf, positions, positions.size)
+            if n == 0:
+                break
+            announcer(src.entry, src.ring, positions, n)
+            set_closed_tail(src.ring.buf, new_tail)
+    return True

@@ -32,11 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from . import config
+from .control import MAX_PRODUCERS
 from .ring.items import MAX_PRODUCER_ID
 from .ring.layout import H_PRODUCER_PID, H_PRODUCER_START, HEADER_BYTES
 from .ring.liveness import is_alive, start_ticks
 from .ring.owner import Owner
 from .ring.ring import OwnedRing, create_ring
+from .spill.acks import atomic_write
 
 SOCKET_NAME = "broker.sock"
 PROTOCOL_VERSION = 1
@@ -66,8 +68,43 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
+class ProducerBook:
+    """`<data_dir>/producers.json`: every producer id ever given out, by name, so that ids are never
+    reused across broker restarts (item ids stay unique) and results for a name's earlier ids reach
+    whoever connects under that name later. {"next_id": int, "names": {name: [ids]}}"""
+
+    FILE = "producers.json"
+
+    def __init__(self, data_dir: str | os.PathLike):
+        self.path = Path(data_dir) / self.FILE
+        self.next_id = 1
+        self.names: dict[str, list[int]] = {}
+        if self.path.exists():
+            record = json.loads(self.path.read_text())
+            self.next_id = int(record["next_id"])
+            self.names = {str(k): [int(i) for i in v] for k, v in record["names"].items()}
+
+    def assign(self, name: str) -> int:
+        """A fresh id for `name`, recorded on disk before it is handed out."""
+        pid = self.next_id
+        if pid > MAX_PRODUCER_ID:
+            raise ValueError("producer ids are exhausted")
+        self.next_id += 1
+        self.names.setdefault(name, []).append(pid)
+        atomic_write(self.path, json.dumps({"next_id": self.next_id, "names": self.names}).encode())
+        return pid
+
+    def name_of(self) -> dict[int, str]:
+        return {i: name for name, ids in self.names.items() for i in ids}
+
+
 class Registry:
-    """Creates a ring pair per producer name and serves their names over the socket."""
+    """Creates a ring pair per producer name and serves their names over the socket.
+
+    With a `control` segment (a running broker) every producer is also published in its table
+    (`control.py`), ids come from the data directory's `ProducerBook`, and producer k's ingest ring
+    rings ingest process k mod len(ingest_bells)'s doorbell.
+    """
 
     def __init__(
         self,
@@ -76,8 +113,14 @@ class Registry:
         *,
         ingest_ring_bytes: int = config.DEFAULT_INGEST_RING_BYTES,
         result_ring_bytes: int = config.DEFAULT_RESULT_RING_BYTES,
+        control=None,
+        ingest_bells: list | None = None,
+        info: dict | None = None,
     ):
         self.owner = owner
+        self.control = control
+        self.book = ProducerBook(data_dir) if control is not None else None
+        self.info = dict(info or {})
         self.path = socket_path(data_dir)
         self.ingest_ring_bytes = ingest_ring_bytes
         self.result_ring_bytes = result_ring_bytes
@@ -87,8 +130,9 @@ class Registry:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        # Every ingest ring rings this one doorbell, so one consumer sleeps on all of them.
-        self.ingest_bell = owner.doorbell("ingest-d")
+        # Every ingest ring of one ingest process rings one doorbell, so it sleeps on all of them.
+        self.ingest_bells = ingest_bells or [owner.doorbell("ingest-d")]
+        self.ingest_bell = self.ingest_bells[0]
 
     def start(self) -> None:
         if self.path.exists() or self.path.is_symlink():
@@ -169,6 +213,8 @@ class Registry:
         if uid not in (os.geteuid(), 0):
             return {"ok": False, "error": f"uid {uid} may not use this broker"}
         request = _read_line(conn)
+        if request.get("op") == "info":
+            return {"ok": True, **self.info}
         if request.get("op") != "connect":
             return {"ok": False, "error": f"unknown op {request.get('op')!r}"}
         if request.get("version") != PROTOCOL_VERSION:
@@ -198,11 +244,18 @@ class Registry:
                 entry.pid, entry.pid_start = pid, ticks
                 self.version += 1
                 return entry
-            producer_id = len(self._by_name) + 1
+            slot = len(self._by_name)
+            if self.book is not None:
+                if slot >= MAX_PRODUCERS:
+                    raise ValueError(f"producer table is full ({MAX_PRODUCERS} names)")
+                producer_id = self.book.assign(name)
+            else:
+                producer_id = slot + 1
             if producer_id > MAX_PRODUCER_ID:
                 raise ValueError("producer table is full")
             tag = f"p{producer_id}"
-            ingest = create_ring(self.owner, tag + "i", self.ingest_ring_bytes, data_bell=self.ingest_bell)
+            k = slot % len(self.ingest_bells)
+            ingest = create_ring(self.owner, tag + "i", self.ingest_ring_bytes, data_bell=self.ingest_bells[k])
             try:
                 results = create_ring(self.owner, tag + "r", self.result_ring_bytes)
             except BaseException:
@@ -210,6 +263,8 @@ class Registry:
                 self.owner.release(ingest.space_bell)
                 raise
             entry = ProducerEntry(producer_id, name, pid, ticks, ingest, results)
+            if self.control is not None:
+                self.control.write_producer(slot, producer_id, k, name, ingest.names, results.names)
             self._by_name[name] = entry
             self.version += 1
             return entry

@@ -56,6 +56,9 @@ RING_BYTES_MIN = 1 << 16
 SEGMENT_BYTES_MIN = 1 << 20
 
 
+DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait on disk
+
+
 class ConfigError(BrokerError, ValueError):
     """The configuration names an unknown key or an impossible value; the message names the key."""
 
@@ -91,6 +94,7 @@ class BrokerConfig:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
+    index_items: int = DEFAULT_INDEX_ITEMS
     consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
     source: str = "built-in default"
 
@@ -150,6 +154,8 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         out["max_wait_seconds"] = v.number(raw, "max_wait_seconds", 0.0, 1e9, low_open=True)
     if "padding_tolerance" in raw:
         out["padding_tolerance"] = v.number(raw, "padding_tolerance", 0.0, 1e6)
+    if "index_items" in raw:
+        out["index_items"] = v.integer(raw, "index_items", 1024, 1 << 28)
     if "consumers" in raw:
         items = raw["consumers"]
         if not isinstance(items, list) or not items or not all(isinstance(c, dict) for c in items):

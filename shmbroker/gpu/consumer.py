@@ -1,31 +1,51 @@
-"""The GPU process's core: one batch in, exactly one result per item out.
+"""The GPU process: one batch in, exactly one result per item out.
 
-`ConsumerCore.process(batch, tokens)` is what a GPU process does with each
-batch it takes from its batch ring (the process loop around it, reading the
-tokens zero-copy from the backlog's segments and writing results, comes with
-the supervisor):
+`ConsumerCore.process(batch, tokens)` is what a GPU process does with each batch:
 
-1. the shape guard again: a batch that is not shape-pure or breaks the
-   contract is counted (`guard_violations`) and still served, since its results
-   are right either way;
-2. items the contract cannot take are failed back here, never searched for by
-   the scheduler: `too_long` (with the lengths in the error) and `invalid`
-   (no tokens);
-3. the engine runs the rest as one batch; if it raises, each item runs alone so
-   that an engine error fails only the items that cause it (`engine_error` with
-   the message), never the batch or the process; an engine that returns a
-   result for the wrong item, or none, fails that item the same way.
+1. the shape guard again: a batch that is not shape-pure or breaks the contract is counted
+   (`guard_violations`) and still served, since its results are right either way;
+2. items the contract cannot take are failed back here, never searched for by the scheduler:
+   `too_long` (with the lengths in the error) and `invalid` (no tokens);
+3. the engine runs the rest as one batch; if it raises, each item runs alone so that an engine
+   error fails only the items that cause it (`engine_error` with the message), never the batch or
+   the process; an engine that returns a result for the wrong item, or none, fails that item the
+   same way.
+
+Results come back in columns (`BatchResults`), so a batch costs a handful of array operations,
+not a Python object per item. `gpu_main` is the process loop: take the next batch record from
+its batch ring (item locations; the ring keeps it until its results are out, so a crash
+redelivers it), view each item's tokens zero-copy in the backlog's segment files, process, write
+the result records to the results ring, release the batch.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..pack.contract import Batch, Contract
+from ..errors import Full, PeerDead
+from ..pack.contract import BATCH_ROW, Batch, Contract, Shape
 from ..pack.guard import Guard
-from .engines.base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineBatch, EngineOutcome, ItemResult
+from ..ring import layout as L
+from ..ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
+from ..ring.wire import LOC_DTYPE, LOC_WORDS, RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
+from ..spill.layout import RECORD_HEADER_BYTES, writer_dir_name
+from ..spill.segment import SegmentFile
+from .engines.base import (
+    ENGINE_ERROR,
+    INVALID,
+    STATUS_CODES,
+    TOO_LONG,
+    BatchResults,
+    EngineBatch,
+    EngineOutcome,
+    ItemResult,
+)
+
+CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR = (STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID,
+                                                                                      ENGINE_ERROR))
 
 
 @dataclass
@@ -49,75 +69,302 @@ class ConsumerCore:
         self.guard = Guard(tolerance if engine.mode == "padded" else None)
         self.stats = ConsumerStats()
 
-    def process(self, batch: Batch, tokens: list) -> list[ItemResult]:
-        """Results in the batch's order, one per item. tokens[i] holds item i's token ids."""
-        assert len(tokens) == len(batch), "one token array per item"
+    def process(self, batch: Batch, tokens) -> BatchResults:
+        """Results in the batch's order, one per item. tokens[i] holds item i's token ids (read only
+        when the engine asks for them)."""
+        n = len(batch)
+        assert len(tokens) == n, "one token array per item"
         stats = self.stats
         stats.batches += 1
-        stats.items += len(batch)
-        if len(batch) and self.guard.check_batch(batch, self.contract) is not None:
+        stats.items += n
+        if n and self.guard.check_batch(batch, self.contract) is not None:
             stats.guard_violations += 1
-        ids = [int(k) for k in batch.keys]
-        results: list[ItemResult | None] = [None] * len(batch)
-        runnable = []
+        ids = batch.keys.astype(np.uint64)
+        lengths = batch.lengths
         limit = self.contract.max_input_len
-        for i, t in enumerate(tokens):
-            if t.size == 0:
-                results[i] = ItemResult(ids[i], INVALID, error="no tokens")
-            elif t.size > limit:
-                results[i] = ItemResult(ids[i], TOO_LONG, error=f"{t.size} tokens > max_input_len {limit}")
-            else:
-                runnable.append(i)
-        if runnable:
-            for i, result in zip(runnable, self._run(runnable, ids, tokens, batch.max_new_tokens)):
-                results[i] = result
-        for r in results:
-            stats.ok += r.status == OK
-            stats.too_long += r.status == TOO_LONG
-            stats.invalid += r.status == INVALID
-            stats.engine_errors += r.status == ENGINE_ERROR
-        return results
+        status = np.zeros(n, np.uint32)
+        status[lengths == 0] = CODE_INVALID
+        status[lengths > limit] = CODE_TOO_LONG
+        errors = {int(i): f"{int(lengths[i])} tokens > max_input_len {limit}" for i in np.flatnonzero(lengths > limit)}
+        errors.update({int(i): "no tokens" for i in np.flatnonzero(lengths == 0)})
+        runnable = np.flatnonzero(status == 0)
+        if runnable.size == n:
+            out = self._run(ids, tokens, batch.max_new_tokens.astype(np.int64))
+        else:
+            out = _empty(ids, status, errors)
+            if runnable.size:
+                sub = self._run(ids[runnable], _Pick(tokens, runnable), batch.max_new_tokens[runnable].astype(np.int64))
+                out = _merge(out, runnable, sub)
+        counts = np.bincount(out.status, minlength=4)
+        stats.ok += int(counts[CODE_OK])
+        stats.too_long += int(counts[CODE_TOO_LONG])
+        stats.invalid += int(counts[CODE_INVALID])
+        stats.engine_errors += int(counts[CODE_ENGINE_ERROR])
+        return out
 
-    def _run(self, rows: list, ids: list, tokens: list, max_new) -> list[ItemResult]:
-        sub = EngineBatch(np.array([ids[i] for i in rows], np.uint64), [tokens[i] for i in rows],
-                          np.array([int(max_new[i]) for i in rows], np.int64), _common_prefix([tokens[i] for i in rows]))
+    def _run(self, ids: np.ndarray, tokens, max_new: np.ndarray) -> BatchResults:
+        sub = EngineBatch(ids, tokens, max_new)
         try:
             return self._checked(sub, self.engine.run(sub))
         except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
-            if len(rows) == 1:
-                return [_engine_error(sub.item_ids[0], exc)]
+            if len(ids) == 1:
+                return BatchResults.of([_engine_error(ids[0], exc)])
         out = []
-        for k in range(len(rows)):
-            one = EngineBatch(sub.item_ids[k : k + 1], sub.tokens[k : k + 1], sub.max_new_tokens[k : k + 1],
-                              int(sub.tokens[k].size))
+        for k in range(len(ids)):
+            one = EngineBatch(ids[k : k + 1], [tokens[k]], max_new[k : k + 1])
             try:
-                out.extend(self._checked(one, self.engine.run(one)))
+                out.extend(self._checked(one, self.engine.run(one)).items())
             except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
-                out.append(_engine_error(sub.item_ids[k], exc))
-        return out
+                out.append(_engine_error(ids[k], exc))
+        return BatchResults.of(out)
 
-    def _checked(self, sub: EngineBatch, outcome: EngineOutcome) -> list[ItemResult]:
+    def _checked(self, sub: EngineBatch, outcome: EngineOutcome) -> BatchResults:
         self.stats.hit_blocks += outcome.hit_blocks
         self.stats.queried_blocks += outcome.queried_blocks
         self.stats.engine_seconds += outcome.engine_seconds
-        by_id = {r.item_id: r for r in outcome.results}
-        return [by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result for it")
-                for i in sub.item_ids]
+        res = outcome.results
+        if isinstance(res, BatchResults):
+            if np.array_equal(res.item_ids, sub.item_ids):
+                return res
+            res = res.items()
+        by_id = {r.item_id: r for r in res}
+        return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR,
+                                                                 error="the engine returned no result for it")
+                                for i in sub.item_ids])
+
+
+class _Pick:
+    """tokens[rows[i]] as a sequence, without touching the tokens."""
+
+    def __init__(self, tokens, rows):
+        self.tokens, self.rows = tokens, rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.tokens[int(r)] for r in self.rows[i]]
+        return self.tokens[int(self.rows[i])]
+
+
+def _empty(ids, status, errors) -> BatchResults:
+    return BatchResults(ids, status.copy(), np.zeros(0, np.uint32), np.zeros(ids.size + 1, np.int64), dict(errors))
+
+
+def _merge(out: BatchResults, rows: np.ndarray, sub: BatchResults) -> BatchResults:
+    """out with rows `rows` replaced by sub's results."""
+    n = len(out)
+    counts = np.diff(out.offsets)
+    counts[rows] = np.diff(sub.offsets)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat = np.zeros(int(offsets[-1]), np.uint32)
+    for k, r in enumerate(rows.tolist()):
+        flat[offsets[r] : offsets[r + 1]] = sub.flat[sub.offsets[k] : sub.offsets[k + 1]]
+    status = out.status.copy()
+    status[rows] = sub.status
+    errors = dict(out.errors)
+    errors.update({int(rows[k]): text for k, text in sub.errors.items()})
+    return BatchResults(out.item_ids, status, flat, offsets, errors)
 
 
 def _engine_error(item_id, exc: Exception) -> ItemResult:
     return ItemResult(int(item_id), ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
 
 
-def _common_prefix(tokens: list) -> int:
-    """Tokens every array shares at its start."""
-    if not tokens:
+# -- the process -----------------------------------------------------------------------------
+
+class SegmentViews:
+    """Read-only mappings of backlog segment files, kept while batches use them."""
+
+    MAX_OPEN = 64
+
+    def __init__(self, root):
+        self.root = root
+        self.maps: dict[tuple[int, int], SegmentFile] = {}
+
+    def tokens(self, writer: int, segment: int, offset: int, length: int) -> np.ndarray:
+        key = (writer, segment)
+        seg = self.maps.get(key)
+        if seg is None:
+            if len(self.maps) >= self.MAX_OPEN:
+                old = next(iter(self.maps))
+                self.maps.pop(old).close()
+            seg = SegmentFile.open(self.root / writer_dir_name(writer) / f"{segment:020d}.seg")
+            self.maps[key] = seg
+        start = offset + RECORD_HEADER_BYTES
+        return seg.buf[start : start + 4 * length].view(np.uint32)
+
+    def close(self) -> None:
+        for seg in self.maps.values():
+            seg.close()
+        self.maps.clear()
+
+
+class BatchTokens:
+    """Item i's tokens as a zero-copy view into its segment file, made when first asked for."""
+
+    def __init__(self, views: SegmentViews, locs: np.ndarray):
+        self.views, self.locs = views, locs
+
+    def __len__(self):
+        return self.locs.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        r = self.locs[i]
+        return self.views.tokens(int(r["writer"]), int(r["segment"]), int(r["offset"]), int(r["length"]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+class ResultWriter:
+    """Encodes a batch's results as result records and pushes them to the results ring (in chunks
+    that fit its largest record)."""
+
+    def __init__(self, ring, stopping):
+        self.ring = ring
+        self.stopping = stopping
+        self.max_bytes = ring.max_tokens * 4
+        self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
+
+    def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
+        n = len(res)
+        status = res.status
+        errs = res.errors
+        i = 0
+        at = 0
+        while i < n:
+            if i in errs and status[i] != CODE_OK:
+                text = errs[i].encode("utf-8", "replace")[:RES_MAX_ERROR_BYTES]
+                need = RES_HEADER_BYTES + len(text) + 8
+                if at + need > self.buf.size:
+                    at = self._flush(at, need)
+                at = encode_error(self.buf, at, res.item_ids[i], seqs[i], status[i], writers[i],
+                                  np.frombuffer(text, np.uint8))
+                i += 1
+                continue
+            stop = n if not errs else min([k for k in errs if k >= i] + [n])
+            if stop == i:
+                stop = i + 1
+            j, at = encode_results(self.buf, at, res.item_ids, seqs, writers, status, res.flat, res.offsets, i, stop)
+            if j == i:  # the next record does not fit what is left
+                need = RES_HEADER_BYTES + 4 * int(res.offsets[i + 1] - res.offsets[i]) + 8
+                at = self._flush(at, need)
+            i = j
+        self._flush(at, 0)
+
+    def _flush(self, at: int, need: int) -> int:
+        if at:
+            payload = self.buf[:at].view(np.uint32)
+            while True:
+                try:
+                    self.ring.push_wait(payload, 0, at, 0, 0, 0, SLEEP_SLICE_SECONDS * 4)
+                    break
+                except (Full, PeerDead):  # the results process may be restarting: its ring stays
+                    self.ring.heartbeat()
+                    if self.stopping() == 2:
+                        raise
+        if need > self.buf.size:
+            if need > self.max_bytes:
+                raise ValueError(f"a result of {need} bytes exceeds the results ring's largest record")
+            self.buf = np.zeros(need, np.uint8)
         return 0
-    n = min(t.size for t in tokens)
-    first = tokens[0][:n]
-    for t in tokens[1:]:
-        diff = np.flatnonzero(t[:n] != first)
-        if diff.size:
-            n = int(diff[0])
-            first = first[:n]
-    return n
+
+
+def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
+    """GPU process c: run consumer c's batches through its engine and write every item's result."""
+    from pathlib import Path
+
+    from ..spill.store import BACKLOG_DIR
+    from .engines.base import load_engine
+
+    consumer = cfg.consumers[c]
+    role = control.roles.index(f"gpu-{consumer.name}")
+    slot = control.role(role)
+    counters = control.counters(role)
+    engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens)
+    core = ConsumerCore(consumer.contract, engine, tolerance=cfg.padding_tolerance)
+    ring = batch_ring.attach(CONSUMER)
+    out = results_ring.attach(PRODUCER)
+    views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
+    writer = ResultWriter(out, stopping)
+    positions = np.empty(1, np.int64)
+    data = ring.data_words
+    try:
+        while True:
+            slot[2] = time.monotonic_ns()
+            n, new_tail = ring.peek_many(positions, 1)
+            if n == 0:
+                if stopping():
+                    break
+                try:
+                    ring.wait_readable(SLEEP_SLICE_SECONDS)
+                except PeerDead:
+                    pass  # the scheduler is restarting; its ring and our batches stay
+                continue
+            pos = int(positions[0])
+            n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
+            locs = data[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + (n_run + n_failed) * LOC_WORDS] \
+                .view(LOC_DTYPE)
+            run, failed = locs[:n_run], locs[n_run:]
+            t0 = time.perf_counter_ns()
+            res = core.process(_batch(c, run), BatchTokens(views, run)) if n_run else None
+            engine_ns = time.perf_counter_ns() - t0
+            if n_failed:
+                fail = _failed_results(failed)
+                res = fail if res is None else _concat(res, fail)
+            writer.write(res, locs["seq"], locs["writer"])
+            ring.release(new_tail, 1)
+            _count(counters, core.stats, n_run, run, engine_ns)
+    finally:
+        views.close()
+        ring.close()
+        out.close()
+        engine.close()
+
+
+def _batch(c: int, run: np.ndarray) -> Batch:
+    rows = np.zeros(run.size, BATCH_ROW)
+    rows["key"] = run["item_id"]
+    rows["length"] = run["length"]
+    rows["max_new"] = run["max_new"]
+    rows["family"] = run["family"]
+    rows["model"] = run["model"]
+    return Batch(c, Shape(int(run["model"][0]), int(run["family"][0]), int(rows["length"].min()),
+                          int(rows["length"].max())), rows)
+
+
+def _failed_results(failed: np.ndarray) -> BatchResults:
+    status = failed["aux"].astype(np.uint32)
+    errors = {}
+    for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
+        errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == CODE_TOO_LONG
+                     else "no consumer serves its model" if length else "no tokens")
+    return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
+                        np.zeros(failed.size + 1, np.int64), errors)
+
+
+def _concat(a: BatchResults, b: BatchResults) -> BatchResults:
+    offsets = np.concatenate([a.offsets, a.offsets[-1] + b.offsets[1:]])
+    errors = dict(a.errors)
+    errors.update({len(a) + k: v for k, v in b.errors.items()})
+    return BatchResults(np.concatenate([a.item_ids, b.item_ids]), np.concatenate([a.status, b.status]),
+                        np.concatenate([a.flat, b.flat]), offsets, errors)
+
+
+def _count(counters, stats: ConsumerStats, n_run: int, run: np.ndarray, engine_ns: int) -> None:
+    counters[0] = stats.batches
+    counters[1] = stats.items
+    counters[2] += int(run["length"].sum()) if n_run else 0
+    counters[3] = stats.ok
+    counters[4] = stats.too_long
+    counters[5] = stats.invalid
+    counters[6] = stats.engine_errors
+    counters[7] = stats.guard_violations
+    counters[8] = stats.hit_blocks
+    counters[9] = stats.queried_blocks
+    counters[10] += engine_ns

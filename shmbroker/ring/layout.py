@@ -27,6 +27,8 @@ Header (int64 word index: field; writer)
 | 34   | 272  | consumer_start      | consumer   |                                                |
 | 35   | 280  | consumer_beat_ns    | consumer   |                                                |
 | 36   | 288  | num_popped          | consumer   | records consumed                               |
+| 40   | 320  | closed              | closer     | 1: closed (`wire.close_ring`): looks full      |
+| 41   | 328  | closed_tail         | closer     | the real tail once closed                      |
 | 48   | 384  | consumer_waiting    | both       | 1: consumer sleeps on the data doorbell        |
 | 49   | 392  | producer_waiting    | both       | 1: producer sleeps on the space doorbell       |
 
@@ -78,6 +80,8 @@ H_CONSUMER_PID = 33
 H_CONSUMER_START = 34
 H_CONSUMER_BEAT = 35
 H_NUM_POPPED = 36
+H_CLOSED = 40
+H_CLOSED_TAIL = 41
 
 H_CONSUMER_WAITING = 48
 H_PRODUCER_WAITING = 49

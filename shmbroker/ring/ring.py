@@ -80,11 +80,13 @@ class OwnedRing:
         return Ring(self.segment, self.data_bell, self.space_bell, side, owns_handles=False)
 
 
-def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | None = None) -> OwnedRing:
+def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | None = None,
+                space_bell: Doorbell | None = None) -> OwnedRing:
     """Create a ring of at least `data_bytes` of data (rounded up to a power of two).
 
     A consumer that drains many rings passes one shared `data_bell` for all of
-    them, so it can sleep on one doorbell (see `ingest.RingSet`).
+    them, so it can sleep on one doorbell (see `ingest.RingSet`); a producer that feeds many
+    rings (the scheduler) passes one shared `space_bell` the same way.
     """
     cap = L.capacity_for_bytes(data_bytes)
     segment = owner.segment(role, L.segment_bytes(cap))
@@ -94,7 +96,8 @@ def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | 
         if own_bell:
             data_bell = owner.doorbell(role + "-d")
         try:
-            space_bell = owner.doorbell(role + "-s")
+            if space_bell is None:
+                space_bell = owner.doorbell(role + "-s")
         except BaseException:
             if own_bell:
                 owner.release(data_bell)
@@ -279,7 +282,12 @@ class Ring:
                 return done
             if status == L.TOO_LARGE:
                 raise ValueError(f"record {done} exceeds the ring's {self.max_tokens} tokens")
-            if not self._wait_writable(int(offsets[done + 1] - offsets[done]), deadline):
+            try:
+                ready = self._wait_writable(int(offsets[done + 1] - offsets[done]), deadline)
+            except PeerDead as exc:
+                exc.submitted = done
+                raise
+            if not ready:
                 raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s", submitted=done)
 
     @property

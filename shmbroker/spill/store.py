@@ -91,6 +91,7 @@ class Backlog:
         self.root = root
         self.segment_bytes = segment_bytes
         self.acks = Acks()
+        self.readonly = False
         self._pending = np.empty(0, PENDING_DTYPE)
         self._writers: dict[int, _WriterState] = {}
         self._maps: dict[tuple[int, int], SegmentFile] = {}
@@ -98,7 +99,12 @@ class Backlog:
     # -- recovery ------------------------------------------------------------------
 
     @classmethod
-    def open(cls, data_dir: str | os.PathLike, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[Backlog, RecoveryReport]:
+    def open(cls, data_dir: str | os.PathLike, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+             readonly: bool = False, writers: set[int] | None = None) -> tuple[Backlog, RecoveryReport]:
+        """Recover the backlog. `readonly`: look without changing anything on disk (no tail cut, no
+        index written, nothing reclaimed or set aside), as a scheduler does while ingest processes
+        append: a torn or unfinished tail then ends the scan. `writers`: recover only these writers'
+        directories (a restarted ingest process recovers its own)."""
         t0 = time.perf_counter()
         root = Path(data_dir) / BACKLOG_DIR
         root.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -107,8 +113,10 @@ class Backlog:
             if directory.stat().st_uid == os.getuid():
                 os.chmod(directory, DIR_MODE)
         backlog = cls(root, segment_bytes)
+        backlog.readonly = readonly
         report = RecoveryReport()
-        report.temp_files_removed = _remove_temp_files(root)
+        if not readonly and writers is None:
+            report.temp_files_removed = _remove_temp_files(root)
         try:
             backlog.acks = Acks.load(root)
             report.ack_file = "ok" if (root / "acks.bin").exists() else "missing"
@@ -118,6 +126,8 @@ class Backlog:
         pending_parts = []
         for wdir in sorted(root.glob("w[0-9][0-9][0-9]")):
             writer = int(wdir.name[1:])
+            if writers is not None and writer not in writers:
+                continue
             state, parts = backlog._recover_writer(wdir, writer, report)
             backlog._writers[writer] = state
             pending_parts.extend(parts)
@@ -132,7 +142,8 @@ class Backlog:
         backlog._pending = pending[keep]
         report.pending_records = int(backlog._pending.size)
         report.pending_tokens = int(backlog._pending["num_tokens"].sum(dtype=np.uint64)) if backlog._pending.size else 0
-        report.segments_reclaimed = backlog.reclaim()
+        if not readonly and writers is None:
+            report.segments_reclaimed = backlog.reclaim()
         report.seconds = time.perf_counter() - t0
         return backlog, report
 
@@ -162,7 +173,15 @@ class Backlog:
                 trusted_end = clean[1] if (clean is not None and last and clean[0] == first) else None
                 try:
                     recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report, seal=not last)
+                except FileNotFoundError:
+                    if not self.readonly:
+                        raise
+                    state.segments.remove(first)  # reclaimed while we looked: all its records are done
+                    continue
                 except ValueError as exc:  # the file's own header is bad: set the whole file aside
+                    if self.readonly:  # (or a segment being created right now): leave it to its writer
+                        state.segments.remove(first)
+                        continue
                     report.quarantined.append({"writer": writer, "segment": first, "offset": 0, "reason": f"segment header: {exc}"})
                     size = path.stat().st_size
                     path.rename(path.with_suffix(".corrupt"))
@@ -186,7 +205,7 @@ class Backlog:
 
     def _scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport, seal: bool = False):
         """Walk a segment's records (CRC-checked unless trusted); cut a torn tail. Returns (pending, next_seq, end, offsets)."""
-        seg = SegmentFile.open(path, writable=True)
+        seg = SegmentFile.open(path, writable=not self.readonly)
         try:
             end_limit = seg.size if trusted_end is None else trusted_end
             check_crc = trusted_end is None
@@ -200,7 +219,7 @@ class Backlog:
                 status_all.append(out_status[:n].copy())
                 if outcome != SCAN_FULL:
                     break
-            if outcome == SCAN_TORN:
+            if outcome == SCAN_TORN and not self.readonly:
                 # Bytes after the last record that form no record (one being written when
                 # the writer died): zero them, so that no stale byte can ever pass for a
                 # record once the writer continues here.
@@ -218,7 +237,7 @@ class Backlog:
             headers = np.empty((good.size, RECORD_HEADER_BYTES), np.uint8)
             copy_headers(seg.buf, good, headers)
             recs = _pending_from_headers(headers, writer, first, good)
-            if seal:
+            if seal and not self.readonly:
                 # a segment its writer rolled away from but had not sealed (it died first):
                 # write its index now, so the next recovery need not scan it again
                 write_idx(path.parent, first, idx_bytes(seg, good, off))
@@ -309,8 +328,8 @@ class Backlog:
     def reclaim(self) -> int:
         """Delete segments whose records are all done (never a writer's newest); returns how many."""
         removed = 0
-        for writer, state in self._writers.items():
-            wdir = self.root / writer_dir_name(writer)
+        for wdir in sorted(self.root.glob("w[0-9][0-9][0-9]")):
+            writer = int(wdir.name[1:])
             firsts = sorted(int(p.stem) for p in wdir.glob("*.seg") if p.stem.isdigit())
             remaining = list(firsts)
             for k, first in enumerate(firsts[:-1]):
@@ -324,7 +343,9 @@ class Backlog:
                     removed += 1
             if remaining:
                 self.acks.set_floor(writer, remaining[0])
-            state.segments = remaining
+            state = self._writers.get(writer)
+            if state is not None:
+                state.segments = remaining
         return removed
 
     def disk_bytes(self) -> int:

@@ -31,15 +31,41 @@ STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR)
 ENGINES = {"sim": ("shmbroker.gpu.engines.sim", "Sim", None)}
 
 
-@dataclass
 class EngineBatch:
-    item_ids: np.ndarray  # uint64, one per item
-    tokens: list  # one uint32 array per item
-    max_new_tokens: np.ndarray  # int64, one per item
-    prefix_tokens: int = 0  # tokens every item of the batch shares at its start
+    """item_ids (uint64), tokens (a sequence of uint32 arrays, one per item, zero-copy views where
+    the caller can; read lazily), max_new_tokens (int64); `prefix_tokens`, the tokens every item
+    shares at its start, is computed on first use (an engine that ignores it reads no tokens)."""
+
+    __slots__ = ("item_ids", "tokens", "max_new_tokens", "_prefix")
+
+    def __init__(self, item_ids, tokens, max_new_tokens, prefix_tokens: int | None = None):
+        self.item_ids = item_ids
+        self.tokens = tokens
+        self.max_new_tokens = max_new_tokens
+        self._prefix = prefix_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        if self._prefix is None:
+            self._prefix = common_prefix(self.tokens)
+        return self._prefix
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.item_ids)
+
+
+def common_prefix(tokens) -> int:
+    """Tokens every array shares at its start."""
+    if not len(tokens):
+        return 0
+    n = min(t.size for t in tokens)
+    first = tokens[0][:n]
+    for t in tokens[1:]:
+        diff = np.flatnonzero(t[:n] != first)
+        if diff.size:
+            n = int(diff[0])
+            first = first[:n]
+    return n
 
 
 @dataclass
@@ -53,9 +79,42 @@ class ItemResult:
         assert self.status in STATUSES, self.status
 
 
+STATUS_CODES = {OK: 0, TOO_LONG: 1, INVALID: 2, ENGINE_ERROR: 3}  # = ring.items.STATUS_CODES
+STATUS_OF = {code: name for name, code in STATUS_CODES.items()}
+
+
+@dataclass
+class BatchResults:
+    """One result per item, in columns: what a GPU process writes (no Python object per item)."""
+
+    item_ids: np.ndarray  # uint64
+    status: np.ndarray  # uint32 codes (STATUS_CODES)
+    flat: np.ndarray  # uint32 generated tokens of every item, concatenated
+    offsets: np.ndarray  # int64, n + 1: item i's tokens are flat[offsets[i]:offsets[i+1]]
+    errors: dict = field(default_factory=dict)  # row -> error text
+
+    def __len__(self) -> int:
+        return int(self.item_ids.size)
+
+    @classmethod
+    def of(cls, results: list) -> BatchResults:
+        n = len(results)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum([r.tokens.size for r in results], out=offsets[1:])
+        flat = np.concatenate([r.tokens for r in results]).astype(np.uint32) if n else np.zeros(0, np.uint32)
+        return cls(np.array([r.item_id for r in results], np.uint64),
+                   np.array([STATUS_CODES[r.status] for r in results], np.uint32), flat, offsets,
+                   {i: r.error for i, r in enumerate(results) if r.error is not None})
+
+    def items(self) -> list[ItemResult]:
+        return [ItemResult(int(self.item_ids[i]), STATUS_OF[int(self.status[i])],
+                           self.flat[self.offsets[i] : self.offsets[i + 1]], self.errors.get(i))
+                for i in range(len(self))]
+
+
 @dataclass
 class EngineOutcome:
-    results: list  # [ItemResult], in the batch's order
+    results: list  # [ItemResult], in the batch's order, or one BatchResults
     hit_blocks: int = 0  # what the engine knows of its prefix cache for this batch
     queried_blocks: int = 0
     engine_seconds: float = 0.0  # the engine's own (or modeled) time for the batch

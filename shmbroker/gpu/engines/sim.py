@@ -43,7 +43,7 @@ import numpy as np
 
 from ...pack.contract import MODES
 from ...pack.shapes import shape_items
-from .base import OK, EngineOutcome, ItemResult
+from .base import OK, BatchResults, EngineOutcome, ItemResult
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,8 @@ class Sim:
                                cost=settings.cost)
 
     def run(self, batch):
+        if self.model.cost.zero_cost:  # returns at once: a benchmark of the broker reads no tokens
+            return EngineOutcome(self.generated_many(batch.item_ids, batch.max_new_tokens))
         lengths = np.array([t.size for t in batch.tokens], np.int64)
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -189,9 +191,18 @@ class Sim:
     @classmethod
     def generated(cls, item_id: int, count: int) -> np.ndarray:
         """The tokens the simulated engine returns for an item: count ids derived from its id."""
-        steps = np.arange(count, dtype=np.uint64)
-        return ((np.uint64(item_id) * np.uint64(0x9E3779B1) + steps * np.uint64(7919)) % np.uint64(cls.VOCAB)
-                ).astype(np.uint32)
+        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64)).flat
+
+    @classmethod
+    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray) -> BatchResults:
+        """`generated` for many items at once, as columns."""
+        counts = np.asarray(counts, np.int64)
+        offsets = np.zeros(counts.size + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        steps = (np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)).astype(np.uint64)
+        ids = np.repeat(np.asarray(item_ids, np.uint64), counts)
+        flat = ((ids * np.uint64(0x9E3779B1) + steps * np.uint64(7919)) % np.uint64(cls.VOCAB)).astype(np.uint32)
+        return BatchResults(np.asarray(item_ids, np.uint64), np.zeros(counts.size, np.uint32), flat, offsets)
 
     def close(self) -> None:
         pass

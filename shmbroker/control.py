@@ -1,0 +1,193 @@
+"""The control segment: the producer table and one liveness-and-counters slot per broker process.
+
+One shared-memory segment per running broker, created by the supervisor
+(role "control"), read by every process and by `shmbroker status`. Each
+field has one writer: the registry (in the supervisor) writes the producer
+table, each process writes its own role slot. Readers take int64 words
+without locks (aligned 8-byte stores are atomic on x86-64); a producer slot is
+published by writing its producer id last, and the table version after it.
+
+Header (int64 words)
+
+| word | field            | writer     | meaning                                          |
+|------|------------------|------------|--------------------------------------------------|
+| 0    | magic            | supervisor | CONTROL_MAGIC                                    |
+| 1    | version          | supervisor | LAYOUT_VERSION                                   |
+| 2    | num_roles        | supervisor | role slots in use                                |
+| 3    | table_version    | registry   | bumped after every producer-table change         |
+| 4    | supervisor_pid   | supervisor |                                                  |
+| 5    | started_ns       | supervisor | CLOCK_REALTIME at start                          |
+| 6    | stopping         | supervisor | 1: a graceful stop is under way                  |
+
+Role slot r (ROLE_WORDS int64 words from ROLES_AT + r × ROLE_WORDS)
+
+| word | field         | meaning                                                        |
+|------|---------------|----------------------------------------------------------------|
+| 0    | pid           | 0 = not running                                                |
+| 1    | restarts      | times the supervisor restarted this role                       |
+| 2    | beat_ns       | CLOCK_MONOTONIC heartbeat of its loop                          |
+| 3    | started_ns    | CLOCK_MONOTONIC when this incarnation started                  |
+| 8-31 | counters      | per role, named in ROLE_COUNTERS (monotonic while it runs)     |
+
+Producer slot s (SLOT_BYTES from TABLE_AT; names are NUL-padded ASCII)
+
+| byte | size | field           |
+|------|------|-----------------|
+| 0    | 8    | producer_id (0 = free; written last)                    |
+| 8    | 8    | ingest process index                                    |
+| 16   | 64   | producer name                                           |
+| 80   | 6×96 | ingest ring segment, data bell, space bell; result ring ditto |
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .ring.owner import Owner
+from .ring.ring import RingNames
+from .ring.shm import Segment
+
+CONTROL_MAGIC = 0x4C525443424D4853  # "SHMBCTRL"
+LAYOUT_VERSION = 1
+
+C_MAGIC, C_VERSION, C_NUM_ROLES, C_TABLE_VERSION, C_SUPERVISOR_PID, C_STARTED_NS, C_STOPPING = range(7)
+HEADER_WORDS = 64
+ROLE_WORDS = 32
+MAX_ROLES = 128
+R_PID, R_RESTARTS, R_BEAT, R_STARTED = range(4)
+R_COUNTERS = 8
+ROLES_AT = HEADER_WORDS
+TABLE_AT = (ROLES_AT + MAX_ROLES * ROLE_WORDS) * 8
+NAME_BYTES = 96
+SLOT_BYTES = 80 + 6 * NAME_BYTES
+MAX_PRODUCERS = 1024
+CONTROL_BYTES = TABLE_AT + MAX_PRODUCERS * SLOT_BYTES
+
+# What each role's counters mean (index into its counters).
+ROLE_COUNTERS = {
+    "ingest": ("items", "tokens", "bytes", "batches", "disk_full"),
+    "sched": ("indexed_items", "indexed_tokens", "batches", "items", "failed", "pending_items", "pending_tokens",
+              "overflow_items"),
+    "results": ("results", "delivered", "acked", "parked", "log_bytes", "acks_saved"),
+    "gpu": ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
+            "hit_blocks", "queried_blocks", "engine_ns"),
+}
+
+
+def role_kind(name: str) -> str:
+    """"ingest-0" -> "ingest", "gpu-big" -> "gpu", "sched" -> "sched"."""
+    return name.split("-", 1)[0]
+
+
+class Control:
+    """A view of the control segment (the supervisor creates it; others attach by name)."""
+
+    def __init__(self, segment: Segment, roles: list[str] | None = None):
+        self.segment = segment
+        self.words = segment.buf[:TABLE_AT].view(np.int64)
+        self.table = segment.buf[TABLE_AT:CONTROL_BYTES]
+        self.roles = roles or []
+
+    @classmethod
+    def create(cls, owner: Owner, roles: list[str]) -> Control:
+        if len(roles) > MAX_ROLES:
+            raise ValueError(f"at most {MAX_ROLES} broker processes, asked for {len(roles)}")
+        seg = owner.segment("control", CONTROL_BYTES)
+        ctl = cls(seg, roles)
+        w = ctl.words
+        w[C_VERSION] = LAYOUT_VERSION
+        w[C_NUM_ROLES] = len(roles)
+        w[C_STARTED_NS] = time.time_ns()
+        w[C_MAGIC] = CONTROL_MAGIC
+        return ctl
+
+    @classmethod
+    def attach(cls, name: str, roles: list[str] | None = None) -> Control:
+        seg = Segment.attach(name)
+        ctl = cls(seg, roles)
+        if int(ctl.words[C_MAGIC]) != CONTROL_MAGIC or int(ctl.words[C_VERSION]) != LAYOUT_VERSION:
+            seg.close()
+            raise ValueError(f"{name} is not a shmbroker control segment of layout {LAYOUT_VERSION}")
+        return ctl
+
+    # -- role slots ----------------------------------------------------------------
+
+    def role(self, r: int) -> np.ndarray:
+        at = ROLES_AT + r * ROLE_WORDS
+        return self.words[at : at + ROLE_WORDS]
+
+    def counters(self, r: int) -> np.ndarray:
+        return self.role(r)[R_COUNTERS:]
+
+    def counter_dict(self, r: int) -> dict[str, int]:
+        names = ROLE_COUNTERS[role_kind(self.roles[r])]
+        values = self.counters(r)
+        return {n: int(values[i]) for i, n in enumerate(names)}
+
+    # -- producer table ------------------------------------------------------------
+
+    def slot(self, s: int) -> np.ndarray:
+        return self.table[s * SLOT_BYTES : (s + 1) * SLOT_BYTES]
+
+    def write_producer(self, s: int, producer_id: int, ingest: int, name: str, ingest_names: RingNames,
+                       result_names: RingNames) -> None:
+        raw = self.slot(s)
+        head = raw[:16].view(np.int64)
+        head[0] = 0
+        head[1] = ingest
+        _put(raw, 16, 64, name)
+        names = (ingest_names.segment, ingest_names.data_bell, ingest_names.space_bell,
+                 result_names.segment, result_names.data_bell, result_names.space_bell)
+        for k, value in enumerate(names):
+            _put(raw, 80 + k * NAME_BYTES, NAME_BYTES, value)
+        head[0] = producer_id  # published last
+        self.words[C_TABLE_VERSION] += 1
+
+    def producers(self) -> list[ProducerSlot]:
+        out = []
+        for s in range(MAX_PRODUCERS):
+            raw = self.slot(s)
+            head = raw[:16].view(np.int64)
+            pid = int(head[0])
+            if pid == 0:
+                break  # slots fill in order
+            names = [_get(raw, 80 + k * NAME_BYTES, NAME_BYTES) for k in range(6)]
+            out.append(ProducerSlot(s, pid, int(head[1]), _get(raw, 16, 64), RingNames(*names[:3]),
+                                    RingNames(*names[3:])))
+        return out
+
+    @property
+    def table_version(self) -> int:
+        return int(self.words[C_TABLE_VERSION])
+
+    def close(self) -> None:
+        self.words = None
+        self.table = None
+        if not self.segment.creator:
+            self.segment.close()
+
+
+class ProducerSlot:
+    __slots__ = ("slot", "producer_id", "ingest", "name", "ingest_names", "result_names")
+
+    def __init__(self, slot, producer_id, ingest, name, ingest_names, result_names):
+        self.slot = slot
+        self.producer_id = producer_id
+        self.ingest = ingest
+        self.name = name
+        self.ingest_names = ingest_names
+        self.result_names = result_names
+
+
+def _put(raw: np.ndarray, at: int, size: int, text: str) -> None:
+    data = text.encode("ascii")
+    if len(data) > size:
+        raise ValueError(f"name {text!r} longer than {size} bytes")
+    raw[at : at + size] = 0
+    raw[at : at + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def _get(raw: np.ndarray, at: int, size: int) -> str:
+    return bytes(raw[at : at + size]).rstrip(b"\0").decode("ascii")

@@ -1,0 +1,395 @@
+"""The results process: the durable results log, delivery to producers, and the backlog's acks.
+
+Every GPU process pushes its batches' result records (`ring/wire.py`) on its results ring. This
+process, the single writer of all of the following, takes each ring record and
+
+1. appends its bytes to the results log (`<data_dir>/results/<start:020d>.log`, files of up to
+   LOG_FILE_BYTES, named by the log offset of their first byte; fsync per the broker's policy);
+2. pushes each result on its producer's result ring, found by the producer id in the item id: the
+   producer table in the control segment for ids of this broker's lifetime, `producers.json` for
+   ids of earlier ones (a producer that reconnects under its name gets them). A result whose
+   producer is not connected, or whose ring is full, is parked (its log offset) and pushed when
+   it can be;
+3. acks the items' backlog records (in memory; `acks.bin` is saved every ACK_SAVE_SECONDS, after
+   the log is synced, so an acked item's result is always on disk first), and reclaims segments
+   whose records are all done.
+
+Delivery: the log offset below which every result was consumed by its producer (popped from its
+ring) or never needs to be is saved in `results/cursor.json`; after a restart the log is replayed
+from there, so a result reaches its producer at least once. The client drops duplicates by item id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from .control import Control
+from .registry import ProducerBook
+from .ring import layout as L
+from .ring.items import SEQ_BITS
+from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
+from .ring.wire import RES_BAD, RES_HEADER_BYTES, push_results, result_fields, scan_results
+from .spill.acks import atomic_write
+from .spill.store import BACKLOG_DIR, Backlog
+
+RESULTS_DIR = "results"
+CURSOR_FILE = "cursor.json"
+LOG_FILE_BYTES = 64 << 20
+ACK_SAVE_SECONDS = 0.2
+RECLAIM_SECONDS = 2.0
+SCAN_MAX = 1 << 16
+
+
+class ResultsLog:
+    """Append-only result records across files named by their first byte's log offset."""
+
+    def __init__(self, directory: Path, fsync: str = "interval"):
+        self.dir = directory
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.fsync = fsync
+        self.files = sorted(int(p.stem) for p in self.dir.glob("*.log") if p.stem.isdigit())
+        if not self.files:
+            self.files = [0]
+            self._create(0)
+        self.start = self.files[-1]
+        self.fd = os.open(self._path(self.start), os.O_RDWR | os.O_APPEND)
+        self.end = self.start + os.fstat(self.fd).st_size
+        self.dirty = False
+
+    def _path(self, start: int) -> Path:
+        return self.dir / f"{start:020d}.log"
+
+    def _create(self, start: int) -> None:
+        fd = os.open(self._path(start), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def append(self, data) -> int:
+        """Write `data` (a uint8 array of whole records); returns the log offset of its first byte."""
+        if self.end - self.start >= LOG_FILE_BYTES:
+            self.sync()
+            os.close(self.fd)
+            self._create(self.end)
+            self.files.append(self.end)
+            self.start = self.end
+            self.fd = os.open(self._path(self.start), os.O_RDWR | os.O_APPEND)
+        at = self.end
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self.end += len(data)
+        self.dirty = True
+        if self.fsync == "always":
+            self.sync()
+        return at
+
+    def sync(self) -> None:
+        if self.dirty and self.fsync != "never":
+            os.fdatasync(self.fd)
+        self.dirty = False
+
+    def read(self, at: int, size: int) -> np.ndarray:
+        """Bytes [at, at + size) of the log (within one file)."""
+        k = max(i for i, s in enumerate(self.files) if s <= at)
+        start = self.files[k]
+        fd = os.open(self._path(start), os.O_RDONLY)
+        try:
+            return np.frombuffer(os.pread(fd, size, at - start), np.uint8)
+        finally:
+            os.close(fd)
+
+    def file_end(self, start: int) -> int:
+        if start == self.start:
+            return self.end
+        return start + os.stat(self._path(start)).st_size
+
+    def cut(self, at: int) -> int:
+        """Cut a torn tail at log offset `at` (in the newest file); returns the bytes dropped."""
+        dropped = self.end - at
+        os.ftruncate(self.fd, at - self.start)
+        self.end = at
+        return dropped
+
+    def trim(self, floor: int) -> int:
+        """Delete files wholly below `floor`; returns how many."""
+        removed = 0
+        while len(self.files) > 1 and self.files[1] <= floor:
+            self._path(self.files.pop(0)).unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.sync()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Outlet:
+    """One producer's result ring and what was pushed on it but not yet consumed."""
+
+    def __init__(self, slot, ring: Ring):
+        self.slot = slot
+        self.ring = ring
+        self.unconsumed: deque = deque()  # (num_pushed after a chunk, log offset of its first record)
+        self.waiting: deque = deque()  # log offsets of results parked because the ring was full
+
+
+class Router:
+    def __init__(self, data_dir: str, cfg, control: Control, counters=None):
+        self.data_dir = data_dir
+        self.root = Path(data_dir) / RESULTS_DIR
+        self.log = ResultsLog(self.root, cfg.fsync)
+        self.control = control
+        self.counters = counters if counters is not None else np.zeros(8, np.int64)
+        self.backlog = Backlog(Path(data_dir) / BACKLOG_DIR, cfg.segment_bytes)
+        self.backlog.acks = _load_acks(self.backlog.root)
+        self.outlets: dict[int, _Outlet] = {}  # producer id -> outlet (ids of this lifetime)
+        self.by_name: dict[str, _Outlet] = {}
+        self.names: dict[int, str] = {}  # producer id -> name, every id ever given
+        self.parked: dict[str, list] = {}  # name -> [log offsets] for names not connected
+        self.seen_version = -1
+        self.floor = _load_cursor(self.root)
+        self._pos = np.empty(SCAN_MAX, np.int64)
+        self._cols = (np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
+                      np.empty(SCAN_MAX, np.uint32))
+        self.last_save = time.monotonic()
+        self.last_reclaim = time.monotonic()
+
+    # -- producers -------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        if self.control.table_version == self.seen_version:
+            return
+        self.seen_version = self.control.table_version
+        for p in self.control.producers():
+            if p.producer_id in self.outlets:
+                continue
+            outlet = _Outlet(p.slot, Ring.attach(p.result_names, PRODUCER))
+            self.outlets[p.producer_id] = outlet
+            self.by_name[p.name] = outlet
+            self.names[p.producer_id] = p.name
+            for at in self.parked.pop(p.name, []):
+                outlet.waiting.append(at)
+
+    def _name_of(self, producer_id: int) -> str | None:
+        name = self.names.get(producer_id)
+        if name is None:
+            self.names.update(ProducerBook(self.data_dir).name_of())
+            name = self.names.get(producer_id)
+        return name
+
+    # -- the flow ----------------------------------------------------------------------
+
+    def replay(self) -> dict:
+        """After a restart: route every result from the saved cursor to the log's end again."""
+        t0 = time.perf_counter()
+        count = 0
+        at = max(self.floor, self.log.files[0])
+        for start in list(self.log.files):
+            end = self.log.file_end(start)
+            if end <= at:
+                continue
+            pos_in_file = max(at, start)
+            data = self.log.read(pos_in_file, end - pos_in_file)
+            n, stop, outcome = _scan_all(data, self._pos)
+            if outcome == RES_BAD and start == self.log.start:
+                self.log.cut(pos_in_file + stop)
+            count += self._route(data, n, pos_in_file, ack=True)
+            at = end
+        return {"seconds": time.perf_counter() - t0, "results": count}
+
+    def take(self, ring: Ring) -> int:
+        """Log, route and ack what one GPU's results ring holds; the records it released."""
+        positions = self._pos[:1]
+        taken = 0
+        words = ring.data_words
+        while True:
+            n, new_tail = ring.peek_many(positions, 1)
+            if n == 0:
+                return taken
+            pos = int(positions[0])
+            nbytes = int(words[pos + 4])
+            start = (pos + L.RECORD_HEADER_WORDS) * 4
+            data = ring.buf[L.HEADER_BYTES + start : L.HEADER_BYTES + start + nbytes]
+            at = self.log.append(data)
+            self.counters[4] += nbytes
+            count, _stop, _outcome = _scan_all(data, self._pos)
+            self._route(data, count, at, ack=True)
+            ring.release(new_tail, 1)
+            taken += 1
+
+    def _route(self, data: np.ndarray, n: int, at: int, ack: bool) -> int:
+        item_ids, seqs, status, writers = (c[:n] for c in self._cols)
+        pos = self._pos[:n]
+        result_fields(data, pos, n, item_ids, seqs, writers, status)
+        if ack:
+            for w in np.unique(writers).tolist():
+                mine = writers == w
+                self.backlog.ack(int(w), seqs[mine])
+            self.counters[2] += n
+        self.counters[0] += n
+        producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
+        unique = np.unique(producers).tolist()
+        for p in unique:
+            rows = pos if len(unique) == 1 else pos[producers == p]
+            outlet = self.outlets.get(p)
+            if outlet is None:
+                name = self._name_of(p)
+                outlet = self.by_name.get(name) if name is not None else None
+            if outlet is None:
+                self.parked.setdefault(name or f"#{p}", []).extend((rows + at).tolist())
+                self.counters[3] += rows.size
+                continue
+            if outlet.waiting:
+                outlet.waiting.extend((rows + at).tolist())
+                continue
+            rows = np.ascontiguousarray(rows)
+            pushed, wake = push_results(outlet.ring.buf, data, rows, 0, rows.size)
+            if wake:
+                outlet.ring.data_bell.ring()
+            if pushed:
+                outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at + int(rows[0])))
+                self.counters[1] += pushed
+            if pushed < rows.size:
+                outlet.waiting.extend((rows[pushed:] + at).tolist())
+        return n
+
+    def retry_waiting(self) -> int:
+        """Push parked results of connected producers whose rings have room again."""
+        moved = 0
+        for outlet in self.by_name.values():
+            while outlet.waiting:
+                at = outlet.waiting[0]
+                head = self.log.read(at, RES_HEADER_BYTES)
+                size = int(head.view(np.uint32)[0])
+                data = self.log.read(at, size)
+                pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
+                if wake:
+                    outlet.ring.data_bell.ring()
+                if not pushed:
+                    break
+                outlet.waiting.popleft()
+                outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at))
+                self.counters[1] += 1
+                moved += 1
+        return moved
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def consumed_floor(self) -> int:
+        """The log offset below which nothing waits for a producer."""
+        floor = self.log.end
+        for outlet in self.by_name.values():
+            popped = int(outlet.ring.header[L.H_NUM_POPPED])
+            q = outlet.unconsumed
+            while q and q[0][0] <= popped:
+                q.popleft()
+            if q:
+                floor = min(floor, q[0][1])
+            if outlet.waiting:
+                floor = min(floor, min(outlet.waiting))
+        for offsets in self.parked.values():
+            if offsets:
+                floor = min(floor, min(offsets))
+        return floor
+
+    def checkpoint(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_save < ACK_SAVE_SECONDS:
+            return
+        self.last_save = now
+        self.log.sync()  # results on disk before the acks that say their items are done
+        self.backlog.save_acks()
+        self.counters[5] += 1
+        floor = self.consumed_floor()
+        if floor != self.floor:
+            self.floor = floor
+            atomic_write(self.root / CURSOR_FILE, json.dumps({"floor": floor}).encode())
+            self.log.trim(floor)
+        if force or now - self.last_reclaim > RECLAIM_SECONDS:
+            self.last_reclaim = now
+            self.backlog.reclaim()
+
+    def close(self) -> None:
+        self.checkpoint(force=True)
+        self.log.close()
+        self.backlog.close()
+        for outlet in self.by_name.values():
+            outlet.ring.close()
+
+
+def _scan_all(data: np.ndarray, out_pos: np.ndarray):
+    n, stop, outcome = scan_results(data, 0, data.size, out_pos, True)
+    if n == out_pos.size:
+        raise ValueError("more result records in one read than the scan holds")
+    return n, stop, outcome
+
+
+def _load_acks(root: Path):
+    from .spill.acks import AckFileCorrupt, Acks
+
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        return Acks.load(root)
+    except AckFileCorrupt:
+        return Acks()
+
+
+def _load_cursor(root: Path) -> int:
+    try:
+        return int(json.loads((root / CURSOR_FILE).read_text())["floor"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0
+
+
+def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
+    role = control.roles.index("results")
+    slot = control.role(role)
+    router = Router(cfg.data_dir, cfg, control, control.counters(role))
+    rings = [r.attach(CONSUMER) for r in results_rings]
+    try:
+        router.refresh()
+        router.replay()
+        while True:
+            slot[2] = time.monotonic_ns()
+            router.refresh()
+            got = sum(router.take(r) for r in rings)
+            router.retry_waiting()
+            router.checkpoint()
+            if got == 0:
+                if stopping() and all(_gpu_gone(r) for r in rings):
+                    break
+                _sleep(rings, bell)
+    finally:
+        router.close()
+        for r in rings:
+            r.close()
+
+
+def _gpu_gone(ring: Ring) -> bool:
+    from .ring import spsc
+
+    return not spsc.readable(ring.buf) and not ring.peer_alive()
+
+
+def _sleep(rings, bell) -> None:
+    from .ring import spsc
+
+    for r in rings:
+        spsc.set_waiting(r.buf, L.H_CONSUMER_WAITING)
+    if not any(spsc.readable(r.buf) for r in rings):
+        bell.sleep(SLEEP_SLICE_SECONDS)
+    for r in rings:
+        spsc.clear_waiting(r.buf, L.H_CONSUMER_WAITING)

@@ -1,0 +1,230 @@
+"""What the broker's processes send each other over their rings, and the kernels that move it.
+
+Item locations (`LOC_DTYPE`, 64 bytes) travel ingest -> scheduler (one ring
+record per appended batch: `meta[0]` locations, then `meta[1]` uint64 block
+hashes) and scheduler -> GPU (one ring record per batch: `meta[0]` rows to
+run, then `meta[1]` rows failed back, their status code in `aux`):
+
+| byte | size | field      | meaning                                                     |
+|------|------|------------|-------------------------------------------------------------|
+| 0    | 4    | writer     | backlog writer (ingest process) that holds the record       |
+| 4    | 4    | length     | input tokens                                                |
+| 8    | 8    | segment    | first_seq of its segment file                               |
+| 16   | 8    | offset     | byte offset of the record in that file                      |
+| 24   | 8    | seq        | the record's writer sequence number                         |
+| 32   | 8    | item_id    | producer_id << 40 | producer seq                            |
+| 40   | 8    | family     | family key (pack/shapes.py)                                 |
+| 48   | 4    | max_new    | max_new_tokens                                              |
+| 52   | 4    | model      | model id                                                    |
+| 56   | 4    | prefix_len | declared prefix length, or NO_PREFIX                        |
+| 60   | 4    | aux        | ingest: block hashes that follow; batch: 0 run, else status |
+
+Result records (GPU -> results process, one ring record per chunk of a batch;
+the results log on disk holds the same bytes):
+
+| byte | size | field       | meaning                                                   |
+|------|------|-------------|-----------------------------------------------------------|
+| 0    | 4    | length      | record bytes, multiple of 8                               |
+| 4    | 4    | crc         | crc32c of bytes 8..length                                 |
+| 8    | 8    | item_id     |                                                           |
+| 16   | 8    | seq         | the item's backlog sequence number (to ack it)            |
+| 24   | 4    | status      | ring.items.STATUS_CODES                                   |
+| 28   | 4    | writer      | the item's backlog writer                                 |
+| 32   | 4    | num_tokens  | generated tokens                                          |
+| 36   | 4    | error_bytes | UTF-8 error text after the tokens                         |
+| 40   | ...  | tokens, error text, zero padding to 8 bytes                             |
+
+A producer's result ring record: key = item id, meta[0] = status, meta[1] =
+generated tokens, meta[3] = error bytes; payload = tokens then the error text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from ..spill.crc import crc32c_final, crc32c_init, crc32c_update
+from .atomics import memcpy, store_release
+from .layout import (
+    H_CAPACITY,
+    H_CLOSED,
+    H_CLOSED_TAIL,
+    H_CONSUMER_WAITING,
+    H_HEAD,
+    H_MAX_RECORD,
+    H_NUM_PUSHED,
+    H_TAIL,
+    H_TAIL_CACHE,
+    HEADER_BYTES,
+    OK,
+    RECORD_HEADER_WORDS,
+)
+from .spsc import NO_SPACE, _claim_waiter, _next_record, _reserve, _write_record
+
+LOC_DTYPE = np.dtype([("writer", "<u4"), ("length", "<u4"), ("segment", "<u8"), ("offset", "<u8"), ("seq", "<u8"),
+                      ("item_id", "<u8"), ("family", "<u8"), ("max_new", "<u4"), ("model", "<u4"),
+                      ("prefix_len", "<u4"), ("aux", "<u4")])
+LOC_WORDS = LOC_DTYPE.itemsize // 4
+assert LOC_DTYPE.itemsize == 64
+
+RES_HEADER_BYTES = 40
+RES_MAX_ERROR_BYTES = 4096
+RES_OK, RES_END, RES_BAD = 0, 1, 2  # scan_results outcomes
+
+
+def res_bytes(num_tokens: int, error_bytes: int = 0) -> int:
+    return (RES_HEADER_BYTES + 4 * num_tokens + error_bytes + 7) & ~7
+
+
+@kernel
+def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne):
+    """Write one result record at out[at:]; returns its length."""
+    size = (RES_HEADER_BYTES + 4 * n + ne + 7) & ~7
+    out[at : at + size] = 0
+    w32 = out[at : at + RES_HEADER_BYTES].view(np.uint32)
+    w64 = out[at : at + RES_HEADER_BYTES].view(np.uint64)
+    w32[0] = size
+    w64[1] = item_id
+    w64[2] = seq
+    w32[6] = status
+    w32[7] = writer
+    w32[8] = n
+    w32[9] = ne
+    if n > 0:
+        memcpy(out[at + RES_HEADER_BYTES : at + RES_HEADER_BYTES + 4 * n].view(np.uint32), 0, tokens, t0, n)
+    for i in range(ne):
+        out[at + RES_HEADER_BYTES + 4 * n + i] = err[e0 + i]
+    crc = crc32c_update(crc32c_init(), out, at + 8, at + size)
+    w32[1] = crc32c_final(crc)
+    return size
+
+
+@kernel
+def encode_results(out, at, item_ids, seqs, writers, status, flat, offsets, first, last):
+    """Result records for items first..last-1 (tokens flat[offsets[i]:offsets[i+1]]) from out[at:];
+    stops before a record that would not fit. Returns (next item, next byte)."""
+    empty = np.zeros(0, np.uint8)
+    i = first
+    while i < last:
+        n = offsets[i + 1] - offsets[i]
+        size = (RES_HEADER_BYTES + 4 * n + 7) & ~7
+        if at + size > out.size:
+            break
+        at += _put_res(out, at, item_ids[i], seqs[i], status[i], writers[i], flat, offsets[i], n, empty, 0, 0)
+        i += 1
+    return i, at
+
+
+@kernel
+def encode_error(out, at, item_id, seq, status, writer, err):
+    """One result record with no tokens and an error text (uint8); returns the next byte."""
+    tokens = np.zeros(0, np.uint32)
+    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, 0, err, 0, err.size)
+
+
+@kernel
+def scan_results(buf, start, end, out_pos, check_crc):
+    """Positions of the result records in buf[start:end]; returns (count, next byte, outcome):
+    RES_END at a clean end, RES_BAD at a torn or corrupt record (a log's tail: cut there)."""
+    at = start
+    n = 0
+    outcome = RES_END
+    while at + RES_HEADER_BYTES <= end and n < out_pos.size:
+        h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+        size = h[0]
+        if size == 0:
+            break
+        if size % 8 or size < RES_HEADER_BYTES or at + size > end \
+                or RES_HEADER_BYTES + 4 * np.int64(h[8]) + h[9] > size:
+            outcome = RES_BAD
+            break
+        if check_crc and crc32c_final(crc32c_update(crc32c_init(), buf, at + 8, at + size)) != h[1]:
+            outcome = RES_BAD
+            break
+        out_pos[n] = at
+        n += 1
+        at += size
+    if n == out_pos.size:
+        outcome = RES_OK
+    return n, at, outcome
+
+
+@kernel
+def result_fields(buf, pos, count, item_ids, seqs, writers, status):
+    """Columns of the result records at buf[pos[i]]."""
+    for i in range(count):
+        at = pos[i]
+        h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+        h64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
+        item_ids[i] = h64[1]
+        seqs[i] = h64[2]
+        status[i] = h[6]
+        writers[i] = h[7]
+
+
+@kernel
+def push_results(ring, buf, pos, first, count):
+    """Push result records buf[pos[i]] (i = first..count-1) into a producer's result ring, without
+    waiting; returns (records pushed, wake): stops at the first that does not fit yet."""
+    h = ring[:HEADER_BYTES].view(np.int64)
+    w = ring[HEADER_BYTES:].view(np.uint32)
+    w64 = ring[HEADER_BYTES:].view(np.uint64)
+    words = buf.view(np.uint32)
+    head = h[H_HEAD]
+    i = first
+    while i < count:
+        at = pos[i]
+        r = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+        r64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
+        ntok = r[8]
+        nerr = r[9]
+        payload = ntok + (nerr + 3) // 4
+        size = (RECORD_HEADER_WORDS + payload + 1) & ~1
+        if size > h[H_MAX_RECORD]:
+            break
+        skip = _reserve(h, head, size)
+        if skip == NO_SPACE:
+            break
+        head = _write_record(w, w64, h, head, skip, size, words, (at + RES_HEADER_BYTES) // 4, payload, r64[1],
+                             r[6], ntok, 0, nerr)
+        i += 1
+    store_release(h, H_HEAD, head)
+    return i - first, _claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, i - first)
+
+
+# -- closing a ring: a stopping (or salvaging) consumer takes what is left, producers see it full -----
+
+@kernel
+def close_ring(buf):
+    """Make the ring look full to its producer forever (tail and its cached copy one capacity behind
+    the head), keeping the real tail for `peek_closed`. Idempotent. A producer mid-push may still
+    commit the record it reserved: read after a moment."""
+    h = buf[:HEADER_BYTES].view(np.int64)
+    if h[H_CLOSED] == 0:
+        h[H_CLOSED_TAIL] = h[H_TAIL]
+        h[H_CLOSED] = 1
+    low = h[H_HEAD] - h[H_CAPACITY]
+    store_release(h, H_TAIL, low)
+    h[H_TAIL_CACHE] = low
+
+
+@kernel
+def peek_closed(buf, out_positions, max_records):
+    """`peek_many` of a closed ring, from its real tail: (count, new real tail)."""
+    h = buf[:HEADER_BYTES].view(np.int64)
+    w = buf[HEADER_BYTES:].view(np.uint32)
+    tail = h[H_CLOSED_TAIL]
+    n = 0
+    while n < min(max_records, out_positions.size):
+        off, new_tail, st = _next_record(h, w, tail)
+        if st != OK:
+            break
+        out_positions[n] = off
+        n += 1
+        tail = new_tail
+    return n, tail
+
+
+@kernel
+def set_closed_tail(buf, tail):
+    buf[:HEADER_BYTES].view(np.int64)[H_CLOSED_TAIL] = tail

@@ -1,0 +1,276 @@
+"""The scheduler process: the single owner of the packing index; keeps every consumer's batch ring full.
+
+At start it rebuilds the index from the backlog on disk (`Backlog.open(readonly=True)`: sealed
+segments from their header index, the active ones walked header by header, minus what the ack
+file marks done) while the ingest processes keep appending: records announced on the appended
+rings that the scan already saw (sequence numbers below its end, per writer) are skipped. Block
+hashes of a recovered item are read from the record's tokens past its family root only (the
+family key is in the header), so an item within one block reads no payload at all.
+
+Then one loop: take announcements (item locations and block hashes) from the appended rings into
+the index; for each consumer whose batch ring holds fewer than AHEAD undone batches, ask the
+packer for its next batch and push its item locations. Items no consumer can ever take (no
+consumer serves their model, no tokens, longer than every contract of their model) ride the next
+batch record as failed rows, so a GPU process writes their result. When nothing is to be done it
+sleeps on one doorbell that both the appended rings (data) and the batch rings (space) ring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from .errors import PeerDead
+from .pack.packer import ConsumerSpec, Packer
+from .pack.shapes import ItemShapes
+from .ring import layout as L
+from .ring import spsc
+from .ring.items import STATUS_CODES
+from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
+from .ring.wire import LOC_DTYPE, LOC_WORDS
+from .spill.locate import recovered_locations
+from .spill.store import Backlog
+
+AHEAD = 3  # batches queued or running per consumer
+POP_RECORDS = 64
+TOO_LONG = STATUS_CODES["too_long"]
+INVALID = STATUS_CODES["invalid"]
+
+
+class Scheduler:
+    def __init__(self, cfg, modes: list[str], appended, batch_rings, bell, counters=None):
+        self.cfg = cfg
+        specs = [ConsumerSpec(c.name, c.contract, m) for c, m in zip(cfg.consumers, modes)]
+        self.capacity = cfg.index_items
+        self.packer = Packer(specs, capacity=self.capacity, max_wait_seconds=cfg.max_wait_seconds,
+                             tolerance=cfg.padding_tolerance)
+        self.model_max: dict[int, int] = {}
+        for c in cfg.consumers:
+            m = c.contract.model
+            self.model_max[m] = max(self.model_max.get(m, 0), c.contract.max_input_len)
+        self.appended = appended
+        self.batches = batch_rings
+        self.bell = bell
+        self.counters = counters if counters is not None else np.zeros(8, np.int64)
+        self.slots = np.zeros(self.capacity, LOC_DTYPE)
+        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
+        self.num_free = self.capacity
+        self.overflow: deque = deque()  # (locs, hash_offsets, hashes) not yet in the index (it was full)
+        self.failed: list[np.ndarray] = []  # LOC rows with aux = status, waiting for a batch record
+        self.high: dict[int, int] = {}  # per writer: sequence numbers below were seen by the start scan
+        self.t0 = time.monotonic()
+        self._pop = (np.empty(max(r.max_tokens for r in appended) if appended else 1, np.uint32),
+                     np.empty(POP_RECORDS + 1, np.int64), np.empty(POP_RECORDS, np.uint64),
+                     np.empty((POP_RECORDS, L.META_WORDS), np.uint32))
+        self.held: list = [None] * len(batch_rings)  # a packed batch its full ring could not take yet
+        self.num_batches = 0
+
+    # -- taking items in --------------------------------------------------------------------
+
+    def recover(self, data_dir: str) -> dict:
+        """Index what the backlog on disk holds and is not done."""
+        t0 = time.perf_counter()
+        backlog, report = Backlog.open(data_dir, segment_bytes=self.cfg.segment_bytes, readonly=True)
+        try:
+            self.high = {w: s.next_seq for w, s in backlog._writers.items()}
+            locs, hash_offsets, hashes = recovered_locations(backlog, backlog.pending(), self.cfg.block_tokens)
+        finally:
+            backlog.close()
+        self.add(locs, hash_offsets, hashes)
+        return {"seconds": time.perf_counter() - t0, "items": int(locs.size),
+                "tokens": int(locs["length"].sum()) if locs.size else 0, "scan": report.as_dict()}
+
+    def take_announcements(self) -> int:
+        tokens, offsets, keys, meta = self._pop
+        total = 0
+        for ring in self.appended:
+            n = ring.pop_many(tokens, offsets, keys, meta, POP_RECORDS)
+            for r in range(n):
+                count, nh = int(meta[r, 0]), int(meta[r, 1])
+                words = tokens[offsets[r] : offsets[r + 1]]
+                locs = words[: count * LOC_WORDS].view(LOC_DTYPE).copy()
+                hashes = words[count * LOC_WORDS : count * LOC_WORDS + 2 * nh].view(np.uint64).copy()
+                hash_offsets = np.zeros(count + 1, np.int64)
+                np.cumsum(locs["aux"], out=hash_offsets[1:])
+                if self.high:
+                    hw = self.high.get(int(locs["writer"][0]))
+                    if hw is not None and int(locs["seq"].min()) < hw:
+                        keep = locs["seq"] >= hw  # the start scan saw these already
+                        locs, hash_offsets, hashes = _subset(locs, hash_offsets, hashes, keep)
+                self.add(locs, hash_offsets, hashes)
+                total += count
+        return total
+
+    def add(self, locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> None:
+        if locs.size == 0:
+            return
+        bad = self._unservable(locs)
+        if bad is not None:
+            status, keep = bad
+            failed = locs[~keep].copy()
+            failed["aux"] = status[~keep]
+            self.failed.append(failed)
+            self.counters[4] += failed.size
+            locs, hash_offsets, hashes = _subset(locs, hash_offsets, hashes, keep)
+        if self.overflow:
+            self.overflow.append((locs, hash_offsets, hashes))
+            return
+        self._index(locs, hash_offsets, hashes)
+
+    def _index(self, locs, hash_offsets, hashes) -> int:
+        n = min(locs.size, self.num_free)
+        if n:
+            slots = self.free[self.num_free - n : self.num_free][::-1].copy()
+            self.slots[slots] = locs[:n]
+            lengths = locs["length"][:n].astype(np.int64)
+            models = locs["model"][:n].astype(np.int64)
+            prefixes = np.where(locs["prefix_len"][:n] == 0xFFFFFFFF, 0, locs["prefix_len"][:n]).astype(np.int64)
+            bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, self.cfg.block_tokens))
+            shapes = ItemShapes(locs["family"][:n].copy(), hash_offsets[: n + 1] - hash_offsets[0],
+                                hashes[hash_offsets[0] :], lengths, models, bases, self.cfg.block_tokens)
+            added = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
+                                         locs["max_new"][:n].astype(np.int64))
+            self.num_free -= added
+            self.counters[0] += added
+            self.counters[1] += int(lengths[:added].sum())
+            n = added
+        if n < locs.size:
+            self.overflow.appendleft(_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n))
+        self.counters[7] = sum(o[0].size for o in self.overflow)
+        return n
+
+    def _refill(self) -> None:
+        """Move overflow into the index as batches free its room."""
+        while self.overflow and self.num_free:
+            if self._index(*self.overflow.popleft()) == 0:
+                break
+
+    def _unservable(self, locs):
+        status = np.zeros(locs.size, np.uint32)
+        lengths = locs["length"]
+        status[lengths == 0] = INVALID
+        models = locs["model"]
+        for m in np.unique(models).tolist():
+            mine = models == m
+            top = self.model_max.get(int(m))
+            if top is None:
+                status[mine] = INVALID
+            else:
+                status[mine & (lengths > top) & (status == 0)] = TOO_LONG
+        keep = status == 0
+        if keep.all():
+            return None
+        return status, keep
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch(self) -> int:
+        """Top up every consumer's batch ring; the number of batches pushed."""
+        pushed = 0
+        now = time.monotonic() - self.t0
+        for c, ring in enumerate(self.batches):
+            h = ring.header
+            while int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED]) < AHEAD:
+                record = self.held[c]
+                if record is None:
+                    record = self._next_record(c, now)
+                    if record is None:
+                        break
+                payload, n_run, n_failed = record
+                if ring.push(payload, self.num_batches, n_run, n_failed) != L.OK:
+                    self.held[c] = record
+                    break
+                self.held[c] = None
+                self.num_batches += 1
+                pushed += 1
+                self.counters[2] += 1
+                self.counters[3] += n_run
+        if self.overflow:
+            self._refill()
+        return pushed
+
+    def _next_record(self, c: int, now: float):
+        batch = self.packer.next_batch(c, now)
+        rows = []
+        n_run = 0
+        if batch is not None:
+            slots = batch.keys.astype(np.int64)
+            run = self.slots[slots].copy()
+            run["aux"] = 0
+            rows.append(run)
+            n_run = run.size
+            self._free(slots)
+            if batch.failed:
+                keys = np.array([k for k, _ in batch.failed], np.int64)
+                bad = self.slots[keys].copy()
+                bad["aux"] = TOO_LONG
+                rows.append(bad)
+                self._free(keys)
+                self.counters[4] += keys.size
+        if self.failed:
+            rows.extend(self.failed)
+            self.failed = []
+        if not rows:
+            return None
+        locs = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        return locs.view(np.uint32).reshape(-1), n_run, locs.size - n_run
+
+    def _free(self, slots: np.ndarray) -> None:
+        k = slots.size
+        self.free[self.num_free : self.num_free + k] = slots
+        self.num_free += k
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def wait(self, timeout_seconds: float) -> None:
+        """Sleep on the shared doorbell until an announcement or a batch ring's space, or the timeout."""
+        flags = [(r.buf, L.H_CONSUMER_WAITING) for r in self.appended]
+        flags += [(r.buf, L.H_PRODUCER_WAITING) for r in self.batches]
+        for buf, f in flags:
+            spsc.set_waiting(buf, f)
+        if not any(spsc.readable(r.buf) for r in self.appended):
+            self.bell.sleep(timeout_seconds)
+        for buf, f in flags:
+            spsc.clear_waiting(buf, f)
+
+    @property
+    def pending_items(self) -> int:
+        return len(self.packer) + sum(o[0].size for o in self.overflow)
+
+
+def _subset(locs, hash_offsets, hashes, keep):
+    idx = np.flatnonzero(keep)
+    sub = locs[idx]
+    counts = np.diff(hash_offsets)[idx]
+    new_offsets = np.zeros(idx.size + 1, np.int64)
+    np.cumsum(counts, out=new_offsets[1:])
+    total = int(new_offsets[-1])
+    pick = np.repeat(hash_offsets[idx], counts) + np.arange(total) - np.repeat(new_offsets[:-1], counts)
+    sub_hashes = hashes[pick]
+    return sub, new_offsets, sub_hashes
+
+
+def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping) -> None:
+    role = control.roles.index("sched")
+    slot = control.role(role)
+    counters = control.counters(role)
+    appended = [r.attach(CONSUMER) for r in appended_rings]
+    batches = [r.attach(PRODUCER) for r in batch_rings]
+    sched = Scheduler(cfg, modes, appended, batches, bell, counters)
+    try:
+        sched.recover(cfg.data_dir)
+        while not stopping():
+            slot[2] = time.monotonic_ns()
+            got = sched.take_announcements()
+            sent = sched.dispatch()
+            counters[5] = len(sched.packer)
+            if got == 0 and sent == 0:
+                try:
+                    sched.wait(SLEEP_SLICE_SECONDS)
+                except PeerDead:
+                    pass
+    finally:
+        for r in appended + batches:
+            r.close()

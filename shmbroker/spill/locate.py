@@ -1,0 +1,78 @@
+"""Item locations and block hashes of recovered backlog records, for a scheduler rebuilding its index.
+
+The family key is in every record's header (`prefix_key`); the block hashes below it are chained
+from it over the tokens past the family root (the declared prefix, else the first block), so an
+item within one block reads no payload, and a longer one reads only its tokens past the root.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from ..pack.shapes import hash_span, num_blocks
+from ..ring.items import NO_PREFIX
+from ..ring.wire import LOC_DTYPE
+from .layout import RECORD_HEADER_BYTES
+
+
+@kernel
+def block_hashes(seg, offsets, lengths, prefixes, families, block_tokens, hash_offsets, out):
+    """Block hashes of the records at seg[offsets[i]] into out[hash_offsets[i]:hash_offsets[i+1]]."""
+    for i in range(offsets.size):
+        n = lengths[i]
+        base = prefixes[i] if prefixes[i] > 0 else min(n, block_tokens)
+        if base >= n:
+            continue
+        start = offsets[i] + RECORD_HEADER_BYTES
+        tokens = seg[start : start + 4 * n].view(np.uint32)
+        h = families[i]
+        k = hash_offsets[i]
+        pos = base
+        while pos < n:
+            stop = min(pos + block_tokens, n)
+            h = hash_span(tokens, pos, stop, h)
+            out[k] = h
+            k += 1
+            pos = stop
+
+
+@kernel
+def _count(lengths, prefixes, block_tokens, hash_offsets):
+    hash_offsets[0] = 0
+    for i in range(lengths.size):
+        hash_offsets[i + 1] = hash_offsets[i] + num_blocks(lengths[i], prefixes[i], block_tokens)
+    return hash_offsets[lengths.size]
+
+
+def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
+    """(LOC_DTYPE rows, hash_offsets, hashes) of pending records (spill.layout.PENDING_DTYPE)."""
+    n = pending.size
+    locs = np.zeros(n, LOC_DTYPE)
+    hash_offsets = np.zeros(n + 1, np.int64)
+    if n == 0:
+        return locs, hash_offsets, np.zeros(0, np.uint64)
+    for name in ("writer", "segment", "offset", "seq", "item_id", "model", "prefix_len"):
+        locs[name] = pending[name]
+    locs["length"] = pending["num_tokens"]
+    locs["family"] = pending["prefix_key"]
+    locs["max_new"] = pending["max_new_tokens"]
+    lengths = pending["num_tokens"].astype(np.int64)
+    declared = pending["prefix_len"]
+    prefixes = np.where(declared == NO_PREFIX, 0, declared).astype(np.int64)
+    total = _count(lengths, prefixes, block_tokens, hash_offsets)
+    locs["aux"] = np.diff(hash_offsets)
+    hashes = np.zeros(total, np.uint64)
+    if total:
+        need = np.diff(hash_offsets) > 0
+        writers, segments = pending["writer"], pending["segment"]
+        idx = np.flatnonzero(need)
+        keys = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        ends = np.r_[starts[1:], idx.size]
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            sel = idx[a:b]
+            seg = backlog.segment(int(writers[sel[0]]), int(segments[sel[0]]))
+            block_hashes(seg.buf, pending["offset"][sel].astype(np.int64), lengths[sel], prefixes[sel],
+                         pending["prefix_key"][sel], block_tokens, hash_offsets[sel], hashes)
+    return locs, hash_offsets, hashes

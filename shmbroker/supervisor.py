@@ -1,0 +1,395 @@
+"""`shmbroker supervise`: create the broker's shared memory, fork its processes, watch and restart them.
+
+Start:
+
+1. take the data directory's lock (`supervisor.lock`; a second supervisor is refused, a dead
+   one's lock is taken over);
+2. salvage: the ingest rings a dead broker left in shared memory (listed in the shm manifest)
+   may still hold items their producers were told were accepted; each ring is closed (its
+   producer now sees it full, and its consumer dead, so it reconnects) and what it holds is
+   appended to the backlog;
+3. recover the backlog (torn tails cut, segments of done records reclaimed);
+4. sweep the dead broker's shared memory, load every numba kernel (children never compile), create
+   the control segment, the rings between processes and the registry socket;
+5. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
+   consumer). A child that dies is restarted after a back-off (doubling from 0.1 s to 5 s, reset
+   after it ran 10 s); why it died is logged. Children die with the supervisor (PR_SET_PDEATHSIG).
+
+Stop (SIGTERM or SIGINT): close the registry socket; stop the ingest processes (each drains its
+producers' rings until they stay empty, closes them and takes what landed meanwhile); stop the
+scheduler (no new batches); the GPU processes finish the batches already in their rings; the
+results process logs and delivers what is left and checkpoints (acks, the delivery cursor); then
+the shared memory is unlinked and the lock released. Each step has a deadline (`STOP_SECONDS`),
+after which the step is hurried (a second SIGTERM) and then killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .control import Control
+from .lockfile import AlreadyRunning, InstanceLock
+from .ring.owner import Manifest, Owner
+from .ring.ring import create_ring
+from .ring.shm import Segment
+
+log = logging.getLogger("shmbroker.supervisor")
+
+BACKOFF_MIN_SECONDS = 0.1
+BACKOFF_MAX_SECONDS = 5.0
+HEALTHY_SECONDS = 10.0
+STOP_SECONDS = 10.0
+LOCK_WAIT_SECONDS = 5.0
+WATCH_SECONDS = 0.05
+BATCH_RING_BYTES = 4 << 20
+APPENDED_RING_BYTES = 16 << 20
+RESULTS_RING_BYTES = 16 << 20
+SALVAGE_GRACE_SECONDS = 0.02
+INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
+
+_stopping = 0  # in a child: 0 run, 1 stop gracefully, 2 stop now
+
+
+def stopping() -> int:
+    return _stopping
+
+
+class Supervisor:
+    def __init__(self, cfg, modes: list[str]):
+        self.cfg = cfg
+        self.modes = modes
+        self.data_dir = Path(cfg.data_dir)
+        self.roles = ([f"ingest-{k}" for k in range(cfg.ingest_processes)] + ["sched", "results"]
+                      + [f"gpu-{c.name}" for c in cfg.consumers])
+        self.pids: dict[int, str] = {}
+        self.role_pid: dict[str, int] = {}
+        self.restart_at: dict[str, float] = {}
+        self.backoff: dict[str, float] = {}
+        self.started: dict[str, float] = {}
+        self.stop_requested = False
+        self.lock = None
+        self.owner = None
+        self.registry = None
+        self.report: dict = {}
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
+        self.lock = _acquire_lock(self.data_dir)
+        try:
+            self._start(t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, t0: float) -> None:
+        from . import warmup
+        from .registry import Registry
+        from .spill.store import Backlog
+
+        cfg = self.cfg
+        backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
+        try:
+            salvaged = self._salvage(backlog)
+        finally:
+            backlog.close()
+        self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged}
+        if report.torn_bytes or report.quarantined:
+            log.warning("backlog recovery: cut %d torn bytes, quarantined %d records", report.torn_bytes,
+                        len(report.quarantined))
+        log.info("backlog: %d records pending (%d tokens), recovered in %.3f s; %d items salvaged from rings",
+                 report.pending_records, report.pending_tokens, report.seconds, salvaged)
+        self.owner = Owner(cfg.data_dir, cfg.instance)
+        warmup.warm_all()
+        owner = self.owner
+        self.control = Control.create(owner, self.roles)
+        self.control.words[4] = os.getpid()
+        self.sched_bell = owner.doorbell("sched-d")
+        self.results_bell = owner.doorbell("results-d")
+        self.ingest_bells = [owner.doorbell(f"ingest{k}-d") for k in range(cfg.ingest_processes)]
+        self.appended = [create_ring(owner, f"ann{k}", APPENDED_RING_BYTES, data_bell=self.sched_bell)
+                         for k in range(cfg.ingest_processes)]
+        self.batch_rings = [create_ring(owner, f"batch{c}", BATCH_RING_BYTES, space_bell=self.sched_bell)
+                            for c in range(len(cfg.consumers))]
+        self.results_rings = [create_ring(owner, f"res{c}", RESULTS_RING_BYTES, data_bell=self.results_bell)
+                              for c in range(len(cfg.consumers))]
+        self.registry = Registry(owner, cfg.data_dir, ingest_ring_bytes=cfg.ingest_ring_bytes,
+                                 result_ring_bytes=cfg.result_ring_bytes, control=self.control,
+                                 ingest_bells=self.ingest_bells,
+                                 info={"control": self.control.segment.name, "pid": os.getpid(),
+                                       "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
+        for role in self.roles:
+            self._spawn(role)
+        self.registry.start()
+        log.info("broker %r up in %.2f s: %s", cfg.instance, time.monotonic() - t0, ", ".join(self.roles))
+
+    def _salvage(self, backlog) -> int:
+        """Append what a dead broker's ingest rings still hold to the backlog (writer 0)."""
+        import numpy as np
+
+        from .ring import layout as L
+        from .ring.wire import close_ring, peek_closed, set_closed_tail
+        from .spill.collect import collect
+        from .spill.layout import ITEM_DTYPE
+
+        try:
+            names = Manifest(self.cfg.data_dir).names()["segments"]
+        except ValueError:
+            return 0
+        rings = []
+        for name in names:
+            m = INGEST_RING_RE.search(name)
+            if m is None:
+                continue
+            try:
+                seg = Segment.attach(name)
+            except (FileNotFoundError, ValueError):
+                continue
+            rings.append((int(m.group(1)), seg))
+        if not rings:
+            return 0
+        for _, seg in rings:
+            close_ring(seg.buf)
+        time.sleep(SALVAGE_GRACE_SECONDS)  # a push that reserved its room before the close lands
+        total = 0
+        writer = backlog.writer(0, fsync=self.cfg.fsync, fsync_interval_ms=self.cfg.fsync_interval_ms)
+        try:
+            for producer_id, seg in rings:
+                buf = seg.buf
+                positions = np.empty(4096, np.int64)
+                capacity = int(buf[: L.HEADER_BYTES].view(np.int64)[L.H_CAPACITY])
+                flat = np.empty(capacity, np.uint32)
+                offsets = np.empty(positions.size + 1, np.int64)
+                items = np.zeros(positions.size, ITEM_DTYPE)
+                data = buf[L.HEADER_BYTES :]
+                while True:
+                    n, tail = peek_closed(buf, positions, positions.size)
+                    if n == 0:
+                        break
+                    used = collect(data.view(np.uint32), data.view(np.uint64), positions, n, producer_id,
+                                   self.cfg.block_tokens, flat, offsets, items)
+                    writer.append_many(flat[:used], offsets[: n + 1], items[:n])
+                    set_closed_tail(buf, tail)
+                    total += n
+        finally:
+            writer.close()
+            for _, seg in rings:
+                seg.close()
+        return total
+
+    # -- children ------------------------------------------------------------------------
+
+    def _spawn(self, role: str) -> None:
+        r = self.roles.index(role)
+        slot = self.control.role(r)
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            try:
+                _child_setup()
+                self._run_role(role)
+            except BaseException:  # noqa: BLE001 - a child reports and exits, never returns
+                code = 1
+                sys.stderr.write(f"shmbroker {role} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        self.pids[pid] = role
+        self.role_pid[role] = pid
+        self.started[role] = time.monotonic()
+        slot[0] = pid
+        slot[3] = time.monotonic_ns()
+
+    def _run_role(self, role: str) -> None:
+        cfg = self.cfg
+        if self.registry is not None and self.registry._sock is not None:
+            self.registry._sock.close()
+        if role.startswith("ingest-"):
+            from .ingest import ingest_main
+
+            k = int(role.split("-", 1)[1])
+            ingest_main(k, cfg, self.control, self.appended[k], self.ingest_bells[k], stopping)
+        elif role == "sched":
+            from .sched import sched_main
+
+            sched_main(cfg, self.modes, self.control, self.appended, self.batch_rings, self.sched_bell, stopping)
+        elif role == "results":
+            from .results import results_main
+
+            results_main(cfg, self.control, self.results_rings, self.results_bell, stopping)
+        else:
+            from .gpu.consumer import gpu_main
+
+            c = [f"gpu-{x.name}" for x in cfg.consumers].index(role)
+            gpu_main(c, cfg, self.control, self.batch_rings[c], self.results_rings[c], stopping)
+
+    def reap(self) -> None:
+        """Collect dead children; schedule their restart (unless stopping)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            role = self.pids.pop(pid, None)
+            if role is None:
+                continue
+            self.role_pid.pop(role, None)
+            self.control.role(self.roles.index(role))[0] = 0
+            why = _describe(status)
+            if self.stop_requested:
+                log.info("%s (pid %d) stopped: %s", role, pid, why)
+                continue
+            ran = time.monotonic() - self.started.get(role, 0.0)
+            delay = BACKOFF_MIN_SECONDS if ran > HEALTHY_SECONDS else min(
+                BACKOFF_MAX_SECONDS, 2 * self.backoff.get(role, BACKOFF_MIN_SECONDS / 2))
+            self.backoff[role] = delay
+            self.restart_at[role] = time.monotonic() + delay
+            log.warning("%s (pid %d) died: %s; restarting in %.1f s", role, pid, why, delay)
+
+    def restart_due(self) -> None:
+        now = time.monotonic()
+        for role, at in list(self.restart_at.items()):
+            if at <= now:
+                del self.restart_at[role]
+                self.control.role(self.roles.index(role))[1] += 1
+                self._spawn(role)
+
+    def run(self) -> int:
+        """Watch until SIGTERM/SIGINT, then stop gracefully; the exit status."""
+        def on_signal(signum, _frame):
+            self.stop_requested = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not self.stop_requested:
+            self.reap()
+            self.restart_due()
+            time.sleep(WATCH_SECONDS)
+        self.stop()
+        return 0
+
+    # -- stop ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.stop_requested = True
+        self.control.words[6] = 1
+        if self.registry is not None:
+            self.registry.close()
+        ingest = [r for r in self.roles if r.startswith("ingest-")]
+        gpus = [r for r in self.roles if r.startswith("gpu-")]
+        for group in (ingest, ["sched"], gpus, ["results"]):
+            self._stop_group(group)
+        self.close()
+
+    def _stop_group(self, roles: list[str]) -> None:
+        live = [r for r in roles if r in self.role_pid]
+        for r in live:
+            _signal(self.role_pid[r], signal.SIGTERM)
+        deadline = time.monotonic() + STOP_SECONDS
+        hurried = False
+        while any(r in self.role_pid for r in live):
+            self.reap()
+            if time.monotonic() > deadline:
+                if hurried:
+                    for r in live:
+                        if r in self.role_pid:
+                            log.warning("%s did not stop in time: killed", r)
+                            _signal(self.role_pid[r], signal.SIGKILL)
+                    deadline = time.monotonic() + STOP_SECONDS
+                else:
+                    for r in live:
+                        if r in self.role_pid:
+                            _signal(self.role_pid[r], signal.SIGTERM)  # the second: stop now
+                    hurried = True
+                    deadline = time.monotonic() + STOP_SECONDS / 2
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for pid in list(self.pids):
+            _signal(pid, signal.SIGKILL)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.pids.clear()
+        if self.registry is not None:
+            self.registry.close()
+        if self.owner is not None:
+            self.owner.close()
+            self.owner = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _acquire_lock(data_dir: Path) -> InstanceLock:
+    """The lock; while a dead supervisor's children are still going away (they hold it a moment
+    longer), wait for them."""
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            return InstanceLock.acquire(data_dir)
+        except AlreadyRunning as exc:
+            holder = re.match(r"pid ([0-9]+) start ([0-9]+)", exc.holder)
+            from .ring.liveness import is_alive
+
+            if holder is None or is_alive(int(holder.group(1)), int(holder.group(2))) \
+                    or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _child_setup() -> None:
+    global _stopping
+    _stopping = 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:
+        os._exit(1)  # the supervisor died while we forked
+
+    def on_term(signum, _frame):
+        global _stopping
+        _stopping = min(2, _stopping + 1)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"killed by {signal.Signals(sig).name}"
+    code = os.waitstatus_to_exitcode(status)
+    return f"exited with status {code}" + ("" if code == 0 else " (its traceback is on stderr)")
+
+
+def engine_modes(cfg) -> list[str]:
+    """Each consumer's engine mode, from its engine settings (the sim declares its mode there)."""
+    return [getattr(c.engine_settings, "mode", "packed") for c in cfg.consumers]
+
+
+def supervise(cfg) -> int:
+    sup = Supervisor(cfg, engine_modes(cfg))
+    sup.start()
+    return sup.run()
