@@ -101,6 +101,15 @@ def _supervise(args) -> int:
         return 3
 
 
+def _commands(name: str):
+    def run(args) -> int:
+        from . import commands
+
+        return getattr(commands, name)(args)
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.set_defaults(func=_supervise)
+    p = sub.add_parser("submit", help="submit prompts from a JSONL file (or a Mooncake-format trace) to a running broker")
+    p.add_argument("file", help="prompts, one JSON object a line: {\"tokens\": [...], \"max_new_tokens\": N, ...}")
+    p.add_argument("--trace", action="store_true", help="FILE is a Mooncake-format trace (tokens synthesised from its hash ids)")
+    p.add_argument("--name", default=None, help="producer name (default: submit-<pid>); `results` reads under the same name")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default max_new_tokens of lines that give none")
+    p.add_argument("--wait", action="store_true", help="also wait for every result and write them (see --out)")
+    p.add_argument("--out", default=None, help="with --wait: results JSONL file (default: standard output)")
+    p.set_defaults(func=_commands("submit"))
+    p = sub.add_parser("results", help="write the results a producer name has not read yet as JSONL")
+    p.add_argument("--name", required=True, help="the producer name the prompts were submitted under")
+    p.add_argument("--out", default=None, help="JSONL file (default: standard output)")
+    p.add_argument("--timeout", type=float, default=2.0, help="stop once no result came for this many seconds")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.set_defaults(func=_commands("results"))
+    p = sub.add_parser("status", help="one screen about a running broker: backlog, consumers, rates")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the screen")
+    p.set_defaults(func=_commands("status"))
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache")
     p.set_defaults(func=_warm)
     return parser
