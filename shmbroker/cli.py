@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e")
 
 
 def _warm(args) -> int:
@@ -43,6 +43,10 @@ def _bench(args) -> int:
         result = pack.run(trace=args.trace, mode=args.mode, scale=args.scale, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, max_wait_seconds=args.max_wait,
                           tolerance=args.padding_tolerance)
+    elif args.name == "e2e":
+        from .bench import e2e
+
+        result = e2e.run(scale=args.scale)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:

@@ -310,7 +310,9 @@ class Producer:
         while True:
             while pending:
                 yield pending.popleft()
-            if self._fetch_results() == 0 and not self._wait_results(timeout_seconds):
+            # one record at a time: a result leaves the ring only when it is about to be yielded, so
+            # a caller that stops (and closes) loses none (the broker counts popped ones as read)
+            if self._fetch_results(1) == 0 and not self._wait_results(timeout_seconds):
                 return
 
     def take_results(self, timeout_seconds: float = 0.0) -> ResultBatch:
@@ -345,7 +347,7 @@ class Producer:
         except (OSError, ValueError):
             return False
 
-    def _pop_results(self) -> int:
+    def _pop_results(self, max_records: int = RESULT_BATCH) -> int:
         if self._result_out is None:
             self._result_out = (
                 np.empty(self._results.max_tokens, np.uint32),
@@ -354,7 +356,7 @@ class Producer:
                 np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
             )
         tokens, offsets, keys, meta = self._result_out
-        return self._results.pop_many(tokens, offsets, keys, meta, RESULT_BATCH)
+        return self._results.pop_many(tokens, offsets, keys, meta, max_records)
 
     def _fresh(self, keys: np.ndarray) -> np.ndarray:
         """Mark these item ids seen; True for those not seen before."""
@@ -384,9 +386,9 @@ class Producer:
             keep[mine] = ~dup
         return keep
 
-    def _fetch_results(self) -> int:
-        """Move what the result ring holds (up to RESULT_BATCH) into the pending queue."""
-        n = self._pop_results()
+    def _fetch_results(self, max_records: int = RESULT_BATCH) -> int:
+        """Move what the result ring holds (up to max_records) into the pending queue."""
+        n = self._pop_results(max_records)
         if n == 0:
             return 0
         tokens, offsets, keys, meta = self._result_out

@@ -693,7 +693,8 @@ def test_results_yields_what_the_broker_pushes_and_returns_on_timeout(broker):
                 np.array([9], np.uint32),
             ]
             for seq in (0, 2, 1, 3, 4, 5):  # results come back in any order
-                assert out.push(payloads[seq], seq, STATUS_CODES[statuses[seq]], 0, 0, 0) == L.OK
+                # a result record: key = item id, meta = (status, generated tokens, 0, error bytes)
+                assert out.push(payloads[seq], ids[seq], STATUS_CODES[statuses[seq]], payloads[seq].size, 0, 0) == L.OK
             t0 = time.monotonic()
             got = list(p.results(timeout_seconds=0.3))
             elapsed = time.monotonic() - t0
@@ -716,6 +717,7 @@ def test_results_yields_what_the_broker_pushes_and_returns_on_timeout(broker):
 def test_results_wait_wakes_on_arrival_and_handles_many(broker):
     count = 700  # more than one internal batch
     with Producer("many-res", data_dir=broker.data_dir) as p:
+        base = p.next_item_id & ~items.SEQ_MASK
         out = broker.entry("many-res").results.attach(PRODUCER)
         try:
 
@@ -723,7 +725,7 @@ def test_results_wait_wakes_on_arrival_and_handles_many(broker):
                 time.sleep(0.1)
                 for seq in range(count):
                     deadline = time.monotonic() + 5
-                    while out.push(np.array([seq, seq], np.uint32), seq, 0) != L.OK:
+                    while out.push(np.array([seq, seq], np.uint32), base | seq, 0, 2) != L.OK:
                         assert time.monotonic() < deadline
                         time.sleep(0.001)
 
@@ -745,12 +747,13 @@ def test_results_wait_wakes_on_arrival_and_handles_many(broker):
 
 
 def test_results_not_lost_when_iteration_stops_early(broker):
-    """BUG: results() pops a whole batch, then yields one at a time: the rest are lost on a break."""
+    """results() takes a result off the ring only when it yields it: a break loses none."""
     with Producer("early", data_dir=broker.data_dir) as p:
+        base = p.next_item_id & ~items.SEQ_MASK
         out = broker.entry("early").results.attach(PRODUCER)
         try:
             for seq in range(3):
-                assert out.push(np.array([seq], np.uint32), seq, 0) == L.OK
+                assert out.push(np.array([seq], np.uint32), base | seq, 0, 1) == L.OK
             it = p.results(timeout_seconds=0.2)
             first = next(it)
             it.close()

@@ -44,7 +44,7 @@ def sim(mode="packed"):
 def test_sim_results_one_per_item_with_its_generated_tokens():
     tokens = prompts(5)
     core = ConsumerCore(CONTRACT, sim())
-    results = core.process(batch_of(tokens, max_new=4), tokens)
+    results = core.process(batch_of(tokens, max_new=4), tokens).items()
     assert [r.item_id for r in results] == list(range(100, 105))
     assert all(r.status == "ok" and r.error is None for r in results)
     assert all(np.array_equal(r.tokens, Sim.generated(r.item_id, 4)) for r in results)
@@ -57,7 +57,7 @@ def test_too_long_and_empty_items_fail_back_alone():
     tokens.insert(1, np.zeros(1500, np.uint32))  # longer than max_input_len 1000
     tokens.append(np.zeros(0, np.uint32))
     core = ConsumerCore(CONTRACT, sim())
-    results = core.process(batch_of(tokens, family=7), tokens)
+    results = core.process(batch_of(tokens, family=7), tokens).items()
     assert [r.status for r in results] == ["ok", "too_long", "ok", "ok", "invalid"]
     assert "1500 tokens > max_input_len 1000" in results[1].error
     assert (core.stats.ok, core.stats.too_long, core.stats.invalid) == (3, 1, 1)
@@ -86,7 +86,7 @@ class PoisonEngine:
 def test_an_engine_error_fails_its_item_not_the_batch():
     tokens = prompts(4)
     core = ConsumerCore(CONTRACT, PoisonEngine(poison={102}))
-    results = core.process(batch_of(tokens, family=7), tokens)
+    results = core.process(batch_of(tokens, family=7), tokens).items()
     assert [r.status for r in results] == ["ok", "ok", "engine_error", "ok"]
     assert results[2].error == "RuntimeError: device-side assert"
     assert core.stats.engine_errors == 1 and core.stats.ok == 3
@@ -96,9 +96,9 @@ def test_an_engine_failing_everything_fails_every_item_and_the_core_goes_on():
     tokens = prompts(3)
     engine = PoisonEngine(everything=True)
     core = ConsumerCore(CONTRACT, engine)
-    assert [r.status for r in core.process(batch_of(tokens, family=7), tokens)] == ["engine_error"] * 3
+    assert [r.status for r in core.process(batch_of(tokens, family=7), tokens).items()] == ["engine_error"] * 3
     one = tokens[:1]
-    assert [r.status for r in core.process(batch_of(one, family=7), one)] == ["engine_error"]
+    assert [r.status for r in core.process(batch_of(one, family=7), one).items()] == ["engine_error"]
     assert engine.calls == 1 + 3 + 1  # the batch, each item alone, then the single-item batch once
 
 
@@ -112,7 +112,7 @@ class ForgetfulEngine(PoisonEngine):
 
 def test_a_missing_result_is_an_engine_error_for_that_item():
     tokens = prompts(3)
-    results = ConsumerCore(CONTRACT, ForgetfulEngine()).process(batch_of(tokens, family=7), tokens)
+    results = ConsumerCore(CONTRACT, ForgetfulEngine()).process(batch_of(tokens, family=7), tokens).items()
     assert [(r.item_id, r.status) for r in results] == [(100, "engine_error"), (101, "ok"), (102, "ok")]
 
 
@@ -125,7 +125,7 @@ def test_the_guard_runs_again_and_counts_a_violation_but_serves_the_batch():
     batch = Batch.of(0, Shape(0, int(families[0]), 1, 1000), np.arange(4, dtype=np.uint64), lengths,
                      np.ones(4, np.int64), families=families)
     core = ConsumerCore(CONTRACT, sim())
-    assert all(r.status == "ok" for r in core.process(batch, tokens))
+    assert all(r.status == "ok" for r in core.process(batch, tokens).items())
     assert core.stats.guard_violations == 1 and core.guard.refusals["family"] == 1
 
 

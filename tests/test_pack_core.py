@@ -235,8 +235,19 @@ def test_equal_prefixes_equal_leading_hashes_and_a_change_propagates(data, block
     same = d // block_tokens  # blocks wholly inside the common prefix
     if len(a) == len(b) and d == len(a):
         same = len(chain_a)  # identical items
+    # an item shorter than one block (no declared prefix) is in its model's pool: its root is the pool's
+    pooled_a, pooled_b = len(a) < block_tokens, len(b) < block_tokens
     for j in range(min(len(chain_a), len(chain_b))):
-        assert (chain_a[j] == chain_b[j]) == (j < same), (j, same)
+        expected = (pooled_a and pooled_b) if j == 0 and (pooled_a or pooled_b) else j < same
+        assert (chain_a[j] == chain_b[j]) == expected, (j, same)
+
+
+def test_short_items_without_a_declared_prefix_share_their_models_pool():
+    short = make_workload([([1, 2, 3], 0, 0), ([9, 8], 0, 0), ([1, 2, 3], 0, 5), (list(range(20)), 0, 0)], 16)
+    chains = [_full_chain(short, i) for i in range(4)]
+    assert chains[0][0] == chains[1][0]  # two short items of model 0: one pool
+    assert chains[2][0] != chains[0][0]  # another model, another pool
+    assert chains[3][0] != chains[0][0]  # a full first block is a family of its own
 
 
 def test_a_token_changed_in_block_k_changes_hashes_from_k_on():

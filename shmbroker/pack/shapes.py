@@ -10,7 +10,11 @@ item's **family key**:
   tokens[:prefix_len]); blocks are cut from `prefix_len` on, so every item that
   declares the same prefix is in one family whatever the prefix's length;
 - otherwise: family key = hash(seed, model, first block); blocks are cut from
-  `block_tokens` on.
+  `block_tokens` on;
+- an item shorter than one block without a declared prefix has no cacheable
+  prefix: it joins its model's **pool**, family key = hash(seed, model), so
+  short unrelated prompts batch together (by length band) instead of each
+  being a family of one.
 
 The family key names the trie's root; block hash i names the trie node at
 depth i+1 below it. A **band** is a length class: exact below 256 tokens, then
@@ -95,8 +99,10 @@ def num_blocks(n, prefix, block_tokens):
 
 @kernel
 def family_key(tokens, start, n, prefix, model, block_tokens, seed):
-    """Family key of tokens[start:start+n]: the model and the declared prefix, else the first block."""
-    base = prefix if prefix > 0 else min(n, block_tokens)
+    """Family key of tokens[start:start+n]: the model and the declared prefix, else the first block;
+    an item shorter than one block that declares no prefix has no prefix an engine could cache (a
+    partial block is never reused): it joins its model's pool, keyed by the model alone."""
+    base = prefix if prefix > 0 else (block_tokens if n >= block_tokens else 0)
     return hash_span(tokens, start, start + base, np.uint64(seed) ^ (np.uint64(model) * FNV64_PRIME))
 
 
@@ -138,10 +144,11 @@ def count_blocks(offsets, prefixes, block_tokens, hash_offsets):
 class ItemShapes:
     """Family keys and block hashes of a set of items (flat arrays, one row per item)."""
 
-    __slots__ = ("bases", "block_tokens", "families", "hash_offsets", "hashes", "lengths", "models")
+    __slots__ = ("bases", "block_tokens", "families", "hash_offsets", "hashes", "lengths", "models", "pooled")
 
-    def __init__(self, families, hash_offsets, hashes, lengths, models, bases, block_tokens):
+    def __init__(self, families, hash_offsets, hashes, lengths, models, bases, block_tokens, pooled=None):
         self.block_tokens = block_tokens
+        self.pooled = pooled  # per item: in its model's pool (no cacheable prefix); None: unknown
         self.bases = bases  # tokens under the family key: the declared prefix, else the first block
         self.families = families
         self.hash_offsets = hash_offsets
@@ -156,8 +163,12 @@ class ItemShapes:
         return self.hashes[self.hash_offsets[i] : self.hash_offsets[i + 1]]
 
     def sized_blocks(self, i: int) -> list[tuple[int, int]]:
-        """[(hash, tokens)] of item i: its family root (the declared prefix or first block), then its blocks."""
+        """[(hash, tokens)] of item i: its family root (the declared prefix or first block), then its blocks.
+        A pooled item's whole input is one block no other item shares: a negative key, unique per item
+        of this set, that a cache model never stores."""
         n = int(self.lengths[i])
+        if self.pooled is not None and self.pooled[i]:
+            return [(-(i + 1), n)]
         pos = int(self.bases[i])
         out = [(int(self.families[i]), pos)]
         for h in self.blocks(i).tolist():
@@ -188,4 +199,5 @@ def shape_items(tokens: np.ndarray, offsets: np.ndarray, prefixes=None, models=N
     families = np.empty(count, np.uint64)
     hash_items(tokens, offsets, prefixes, models, block_tokens, seed, families, hash_offsets, hashes)
     bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, block_tokens))
-    return ItemShapes(families, hash_offsets, hashes, lengths, models, bases, block_tokens)
+    pooled = (prefixes == 0) & (lengths < block_tokens)
+    return ItemShapes(families, hash_offsets, hashes, lengths, models, bases, block_tokens, pooled)

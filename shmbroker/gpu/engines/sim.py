@@ -143,6 +143,10 @@ class SimEngine:
         for item in blocks:
             hitting = True
             for h, t in item:
+                if h < 0:  # a pooled item's input: never cached
+                    computed += t
+                    hitting = False
+                    continue
                 if hitting and h in lru:
                     lru.move_to_end(h)
                     hits += 1

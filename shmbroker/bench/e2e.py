@@ -1,0 +1,207 @@
+"""`shmbroker bench e2e`: the whole broker, in processes, against a `multiprocessing.Queue` pipeline.
+
+The broker runs as `shmbroker supervise` does (a subprocess: supervisor, ingest, scheduler,
+results, one GPU process per consumer of the default configuration) on a fresh data directory,
+with the default fsync policy and the simulated engine in zero-cost mode (it returns at once, so
+the broker is what is measured). Two producer processes each submit `items` 256-token items
+(`submit_many` in chunks of CHUNK) while they read their results (`take_results`); every item
+must come back exactly once with an ok status. Figures:
+
+- items_per_s, tokens_per_s: items over the time from the first submit to the last result;
+- submit_to_result_us_p50/p99: from the submit call that sent an item to its result's arrival;
+- disk_write_bytes_per_s: the disk's sequential write bandwidth, measured in the same run
+  (DISK_PROBE_BYTES written in 4 MiB pieces, fdatasync every 16 MiB, as the backlog does);
+  disk_bound_items_per_s: that over the bytes one item costs on disk (its backlog record and its
+  result record), so a reader sees which limit holds;
+- mpqueue_items_per_s: the same pipeline shape (producers -> one dispatcher -> two workers ->
+  results) on `multiprocessing.Queue` (`mpqueue.py`), in the same run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..ring.wire import res_bytes
+from ..spill.layout import record_bytes
+from . import mpqueue
+
+TOKENS = 256
+CHUNK = 1024
+MAX_NEW_TOKENS = 1
+DISK_PROBE_BYTES = 256 << 20
+READY_SECONDS = 120.0
+
+CONFIG = """
+[[consumers]]
+name = "big"
+max_batch_size = 256
+max_batch_tokens = 131072
+max_input_len = 131072
+engine_settings = {{ mode = "packed", cache_tokens = 2097152, zero_cost = true }}
+
+[[consumers]]
+name = "small"
+max_batch_size = 64
+max_batch_tokens = 16384
+max_input_len = 16384
+engine_settings = {{ mode = "packed", cache_tokens = 262144, zero_cost = true }}
+"""
+
+
+def _producer(index: int, data_dir: str, items: int, conn) -> None:
+    from ..client import Producer
+    from ..ring.items import SEQ_MASK
+
+    rng = np.random.default_rng(index)
+    prefixes = rng.integers(0, 32_000, size=(64, 64), dtype=np.uint32)
+    flat = np.empty(CHUNK * TOKENS, np.uint32)
+    rows = flat.reshape(CHUNK, TOKENS)
+    rows[:, 64:] = rng.integers(0, 32_000, size=(CHUNK, TOKENS - 64), dtype=np.uint32)
+    offsets = np.arange(CHUNK + 1, dtype=np.int64) * TOKENS
+    sent_ns = np.zeros(items, np.int64)
+    latency_ns = np.zeros(items, np.int64)
+    got = 0
+    with Producer(f"bench{index}", data_dir=data_dir) as p:
+        conn.send("ready")
+        conn.recv()
+        base = p.next_item_id & ~SEQ_MASK
+        t0 = time.perf_counter_ns()
+        done = 0
+        while done < items or got < items:
+            if done < items:
+                n = min(CHUNK, items - done)
+                rows[:n, :64] = prefixes[(done // CHUNK + np.arange(n)) % 64]
+                now = time.perf_counter_ns()
+                p.submit_many(flat[: n * TOKENS], offsets[: n + 1], max_new_tokens=MAX_NEW_TOKENS)
+                sent_ns[done : done + n] = now
+                done += n
+            while True:
+                batch = p.take_results(0.0 if done < items else 0.05)
+                if len(batch) == 0:
+                    break
+                k = (batch.item_ids - np.uint64(base)).astype(np.int64)
+                if (k < 0).any() or (k >= items).any() or (batch.status != 0).any():
+                    raise AssertionError("a foreign or failed result")
+                latency_ns[k] = time.perf_counter_ns() - sent_ns[k]
+                got += len(batch)
+            if done >= items and time.perf_counter_ns() - t0 > 600e9:
+                raise TimeoutError(f"producer {index}: {got} of {items} results after 600 s")
+        t1 = time.perf_counter_ns()
+    conn.send((t0, t1, latency_ns))
+
+
+def disk_write_bandwidth(directory: str, total: int = DISK_PROBE_BYTES) -> float:
+    """Bytes per second of sequential writes with an fdatasync every 16 MiB."""
+    path = Path(directory) / "disk-probe"
+    chunk = np.random.default_rng(0).integers(0, 255, size=4 << 20, dtype=np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < total:
+            written += os.write(fd, chunk)
+            if written % (16 << 20) == 0:
+                os.fdatasync(fd)
+        os.fdatasync(fd)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return written / seconds
+
+
+def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale: float = 1.0,
+        data_dir: str | None = None) -> dict:
+    items = max(CHUNK, int(items_per_producer * scale))
+    tmp = tempfile.mkdtemp(prefix="shmb-e2e-", dir=data_dir)
+    try:
+        disk_bw = disk_write_bandwidth(tmp, int(DISK_PROBE_BYTES * min(1.0, max(scale, 0.125))))
+        out = _run_broker(tmp, items)
+        out["disk_write_bytes_per_s"] = round(disk_bw, 1)
+        per_item = record_bytes(TOKENS) + res_bytes(MAX_NEW_TOKENS)
+        out["disk_bytes_per_item"] = per_item
+        out["disk_bound_items_per_s"] = round(disk_bw / per_item, 1)
+        base = mpqueue.run(max(1000, int(mpqueue_items * scale)) // 2)
+        out.update(base)
+        out["vs_mpqueue"] = round(out["items_per_s"] / base["mpqueue_items_per_s"], 2)
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_broker(tmp: str, items: int) -> dict:
+    from ..registry import request
+
+    data = os.path.join(tmp, "data")
+    cfg = os.path.join(tmp, "shmbroker.toml")
+    Path(cfg).write_text(f'instance = "e2e{os.getpid()}"\n' + CONFIG.format())
+    log = open(os.path.join(tmp, "supervisor.log"), "wb")
+    sup = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", cfg, "--data-dir", data],
+                           stdout=log, stderr=subprocess.STDOUT)
+    ctx = mp.get_context("fork")
+    procs, conns = [], []
+    try:
+        deadline = time.monotonic() + READY_SECONDS
+        while True:
+            try:
+                if request(data, {"op": "info"}, 1.0).get("ok"):
+                    break
+            except OSError:
+                pass
+            if sup.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the broker did not start: " + Path(log.name).read_text(errors="replace")[-2000:])
+            time.sleep(0.05)
+        for i in range(2):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_producer, args=(i, data, items, child), daemon=True)
+            proc.start()
+            procs.append(proc)
+            conns.append(parent)
+        for c in conns:
+            if not c.poll(60):
+                raise RuntimeError("a producer did not connect")
+            c.recv()
+        for c in conns:
+            c.send("go")
+        reports = []
+        for c, proc in zip(conns, procs):
+            while not c.poll(1.0):
+                if proc.exitcode not in (None, 0):
+                    raise RuntimeError(f"producer exited with {proc.exitcode}")
+            reports.append(c.recv())
+        t0 = min(r[0] for r in reports)
+        t1 = max(r[1] for r in reports)
+        seconds = (t1 - t0) / 1e9
+        lat = np.concatenate([r[2] for r in reports]) / 1000.0
+        total = 2 * items
+        return {
+            "items_per_s": round(total / seconds, 1),
+            "tokens_per_s": round(total * TOKENS / seconds, 1),
+            "submit_to_result_us_p50": round(float(np.percentile(lat, 50)), 1),
+            "submit_to_result_us_p99": round(float(np.percentile(lat, 99)), 1),
+            "items": total,
+            "seconds": round(seconds, 3),
+            "tokens_per_item": TOKENS,
+        }
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        sup.send_signal(signal.SIGTERM)
+        try:
+            sup.wait(60)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait()
+        log.close()
