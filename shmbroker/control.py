@@ -72,7 +72,8 @@ ROLE_COUNTERS = {
               "overflow_items"),
     "results": ("results", "delivered", "acked", "parked", "log_bytes", "acks_saved"),
     "gpu": ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
-            "hit_blocks", "queried_blocks", "engine_ns"),
+            "hit_blocks", "queried_blocks", "engine_ns", "modeled_engine_ns", "padded_tokens", "rect_tokens",
+            "shape_switches", "excess_shape_switches", "families"),
 }
 
 

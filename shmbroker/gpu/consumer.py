@@ -60,6 +60,16 @@ class ConsumerStats:
     hit_blocks: int = 0
     queried_blocks: int = 0
     engine_seconds: float = 0.0
+    input_tokens: int = 0
+    padded_tokens: int = 0
+    rect_tokens: int = 0
+    shape_switches: int = 0  # consecutive batches of different families
+    families: int = 0  # distinct families served
+
+    @property
+    def excess_shape_switches(self) -> int:
+        """Switches beyond one per family served: a family left and come back to (DESIGN.md "Words")."""
+        return max(0, self.shape_switches - max(0, self.families - 1))
 
 
 class ConsumerCore:
@@ -68,6 +78,8 @@ class ConsumerCore:
         self.engine = engine
         self.guard = Guard(tolerance if engine.mode == "padded" else None)
         self.stats = ConsumerStats()
+        self._last_family: int | None = None
+        self._families: set[int] = set()
 
     def process(self, batch: Batch, tokens) -> BatchResults:
         """Results in the batch's order, one per item. tokens[i] holds item i's token ids (read only
@@ -79,6 +91,15 @@ class ConsumerCore:
         stats.items += n
         if n and self.guard.check_batch(batch, self.contract) is not None:
             stats.guard_violations += 1
+        if n:
+            family = int(batch.shape.family)
+            if self._last_family is not None and family != self._last_family:
+                stats.shape_switches += 1
+            self._last_family = family
+            if family not in self._families:
+                self._families.add(family)
+                stats.families += 1
+            stats.input_tokens += int(batch.lengths.sum())
         ids = batch.keys.astype(np.uint64)
         lengths = batch.lengths
         limit = self.contract.max_input_len
@@ -122,6 +143,8 @@ class ConsumerCore:
         self.stats.hit_blocks += outcome.hit_blocks
         self.stats.queried_blocks += outcome.queried_blocks
         self.stats.engine_seconds += outcome.engine_seconds
+        self.stats.padded_tokens += outcome.padded_tokens
+        self.stats.rect_tokens += outcome.rect_tokens
         res = outcome.results
         if isinstance(res, BatchResults):
             if np.array_equal(res.item_ids, sub.item_ids):
@@ -368,3 +391,9 @@ def _count(counters, stats: ConsumerStats, n_run: int, run: np.ndarray, engine_n
     counters[8] = stats.hit_blocks
     counters[9] = stats.queried_blocks
     counters[10] += engine_ns
+    counters[11] = int(stats.engine_seconds * 1e9)
+    counters[12] = stats.padded_tokens
+    counters[13] = stats.rect_tokens
+    counters[14] = stats.shape_switches
+    counters[15] = stats.excess_shape_switches
+    counters[16] = stats.families

@@ -118,6 +118,8 @@ class EngineOutcome:
     hit_blocks: int = 0  # what the engine knows of its prefix cache for this batch
     queried_blocks: int = 0
     engine_seconds: float = 0.0  # the engine's own (or modeled) time for the batch
+    padded_tokens: int = 0  # a padded engine's rectangle cells that computed nothing
+    rect_tokens: int = 0  # a padded engine's rectangle (count x longest suffix)
 
 
 class Engine(Protocol):

@@ -190,7 +190,8 @@ class Sim:
         cost = self.model.run(shapes, np.arange(lengths.size), batch.max_new_tokens)
         results = [ItemResult(int(i), OK, self.generated(int(i), int(m)))
                    for i, m in zip(batch.item_ids, batch.max_new_tokens)]
-        return EngineOutcome(results, cost.hit_blocks, cost.queried_blocks, cost.seconds)
+        return EngineOutcome(results, cost.hit_blocks, cost.queried_blocks, cost.seconds, cost.padded_tokens,
+                             cost.rect_tokens)
 
     @classmethod
     def generated(cls, item_id: int, count: int) -> np.ndarray:
