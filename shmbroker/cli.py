@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart")
 
 
 def _warm(args) -> int:
@@ -47,6 +47,10 @@ def _bench(args) -> int:
         from .bench import e2e
 
         result = e2e.run(scale=args.scale)
+    elif args.name == "restart":
+        from .bench import restart
+
+        result = restart.run(scale=args.scale)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:

@@ -1,189 +1,471 @@
-"""`shmbroker demo`: a broker-side ring owner and two producer processes, a seeded workload, throughput.
+"""`shmbroker demo`: the running broker on its default configuration, fed a seeded workload by two producers.
 
-The broker side (this process) owns the shared memory and the registry socket
-in the data directory, drains every producer's ring zero-copy and appends
-each batch to the durable backlog on disk (fsync=interval) before releasing
-it from the ring. Two forked producers connect like any client would: `chat`
-submits short prompts one call at a time, `batch` submits long prompts with
-shared prefixes in bulk. Every item is checked on arrival (order, count,
-checksum against the producer's own digest). Then the backlog is reopened as
-after a restart (recovery from segment headers), every recovered item's
-tokens are checked against the producers' digests, and the backlog is
-drained (acked, reclaimed). Later work adds the scheduler and GPU consumers.
+1. `shmbroker supervise` starts as a user would start it (a subprocess, the built-in consumers
+   `big` and `small` on the simulated engine, packed mode, modeled cost), on a fresh data
+   directory under the given one and a unique instance name; the demo waits until every broker
+   process runs.
+2. The generator's workload (`bench/workload.py`: Zipf prefix families, multi-turn chains,
+   log-normal lengths; the default model only) is split between two forked producers: `chat`
+   submits its half one item at a time, `batch` in chunks with `submit_many`. Each reads its
+   results while it submits and checks that every item id came back exactly once, ok, with the
+   tokens the simulated engine generates for it (`Sim.generated`).
+3. The summary comes from the broker's own accounting (the control segment's counters, read
+   before the stop): per consumer batches, items, tokens, batch fill, cache hit rate, shape
+   switches, families, modeled engine seconds and modeled throughput; wall-clock items/s are
+   the producers' (first submit to last result).
+4. FIFO feeding of the same workload to the same two consumers, in virtual time with the packing
+   benchmark's simulation (`bench/packsim.py`), beside it.
+5. The broker is stopped (SIGTERM), must exit 0 and leave none of its shared memory behind.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from . import config
-from .ingest import BacklogAppender, RingSet, pump
-from .registry import Registry
-from .ring.digest import DeliveryCheck, digest_tokens, expected_digest
-from .ring.owner import Owner
-from .spill.store import Backlog
 
 SEED = 7
+ITEMS = 20_000
+CHUNK = 256  # items per submit_many call of the `batch` producer
+DRAIN_EVERY = 64  # `chat` reads its results every this many submits
+READY_SECONDS = 120.0
+RESULTS_SECONDS = 600.0
+STOP_SECONDS = 120.0
+COUNTERS_SECONDS = 10.0
+SHM_DIR = "/dev/shm"
 
 
-def chat_workload(num_items: int, seed: int = SEED) -> list[np.ndarray]:
-    """Short prompts, 16-256 tokens, one per call."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(16, 257, size=num_items)
-    return [rng.integers(0, 128_000, size=int(n), dtype=np.uint32) for n in lengths]
+# -- the workload ------------------------------------------------------------------------
 
 
-def batch_workload(num_items: int, seed: int = SEED + 1) -> tuple[np.ndarray, np.ndarray]:
-    """Long prompts (log-normal, 64-8192 tokens) behind one of 16 shared 512-token prefixes."""
-    rng = np.random.default_rng(seed)
-    prefixes = rng.integers(0, 128_000, size=(16, 512), dtype=np.uint32)
-    suffix = np.clip(rng.lognormal(6.5, 1.0, size=num_items).astype(np.int64), 64, 7680)
-    offsets = np.zeros(num_items + 1, np.int64)
-    offsets[1:] = np.cumsum(suffix + 512)
-    flat = np.empty(int(offsets[-1]), np.uint32)
-    for i in range(num_items):
-        lo = offsets[i]
-        flat[lo : lo + 512] = prefixes[i % 16]
-        flat[lo + 512 : offsets[i + 1]] = rng.integers(0, 128_000, size=int(suffix[i]), dtype=np.uint32)
-    return flat, offsets
+def workload(items: int, seed: int):
+    """The generator's workload, default model only: a consumer without a model name serves model id 0."""
+    from .bench.workload import Workload, generate
+
+    wl = generate(items, seed=seed)
+    keep = np.flatnonzero(wl.models == 0)
+    if keep.size == len(wl):
+        return wl
+    lengths = wl.lengths[keep]
+    offsets = np.zeros(keep.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate([wl.item(int(i)) for i in keep])
+    return Workload(tokens, offsets, wl.arrivals[keep], wl.max_new_tokens[keep], wl.prefix_lens[keep],
+                    wl.models[keep], f"{wl.name}, default model")
 
 
-def _chat(data_dir: str, num_items: int, conn) -> None:
+# -- the producers (forked) ---------------------------------------------------------------
+
+
+def _producer(name: str, data_dir: str, wl, rows: np.ndarray, bulk: bool, conn) -> None:
     from .client import Producer
 
-    items = chat_workload(num_items)
-    with Producer("chat", data_dir=data_dir) as p:
-        start = time.monotonic()
-        for item in items:
-            p.submit(item, max_new_tokens=128)
-        conn.send((start, time.monotonic(), expected_digest(items)))
+    max_new = wl.max_new_tokens[rows]
+    prefixes = wl.prefix_lens[rows]
+    got_ids: list[int] = []
+    got_tokens: list[np.ndarray] = []
+    not_ok = 0
+
+    def drain(timeout_seconds: float) -> None:
+        nonlocal not_ok
+        for r in p.results(timeout_seconds):
+            got_ids.append(r.item_id)
+            got_tokens.append(r.tokens)
+            not_ok += r.status != "ok"
+
+    n = rows.size
+    ids = np.empty(n, np.uint64)
+    with Producer(name, data_dir=data_dir) as p:
+        conn.send("ready")
+        conn.recv()
+        t0 = time.monotonic()
+        if bulk:
+            for lo in range(0, n, CHUNK):
+                hi = min(lo + CHUNK, n)
+                part = [wl.item(int(i)) for i in rows[lo:hi]]
+                offsets = np.zeros(hi - lo + 1, np.int64)
+                np.cumsum([t.size for t in part], out=offsets[1:])
+                ids[lo:hi] = p.submit_many(np.concatenate(part), offsets, max_new_tokens=max_new[lo:hi],
+                                           prefix_len=prefixes[lo:hi])
+                drain(0.0)
+        else:
+            for k, i in enumerate(rows.tolist()):
+                ids[k] = p.submit(wl.item(i), max_new_tokens=int(max_new[k]), prefix_len=int(prefixes[k]) or None)
+                if k % DRAIN_EVERY == DRAIN_EVERY - 1:
+                    drain(0.0)
+        submitted = time.monotonic()
+        deadline = submitted + RESULTS_SECONDS
+        while len(got_ids) < n and time.monotonic() < deadline:
+            drain(0.2)
+        t1 = time.monotonic()
+    conn.send({"start": t0, "submitted": submitted, "end": t1,
+               **_check(ids, max_new, np.array(got_ids, np.uint64), got_tokens, not_ok),
+               "tokens": int(wl.lengths[rows].sum())})
 
 
-def _batch(data_dir: str, num_items: int, conn) -> None:
-    from .client import Producer
+def _check(ids: np.ndarray, max_new: np.ndarray, got: np.ndarray, tokens: list[np.ndarray], not_ok: int) -> dict:
+    """Every submitted id exactly once, ok, with the simulated engine's tokens for it."""
+    from .gpu.engines.sim import Sim
 
-    flat, offsets = batch_workload(num_items)
-    rows = [flat[offsets[i] : offsets[i + 1]] for i in range(num_items)]
-    with Producer("batch", data_dir=data_dir) as p:
-        start = time.monotonic()
-        for lo in range(0, num_items, 256):
-            hi = min(lo + 256, num_items)
-            p.submit_many(flat[offsets[lo] : offsets[hi]], offsets[lo : hi + 1] - offsets[lo], max_new_tokens=256, prefix_len=512)
-        conn.send((start, time.monotonic(), expected_digest(rows)))
+    order = np.argsort(ids)
+    sorted_ids = ids[order]
+    pos = np.minimum(np.searchsorted(sorted_ids, got), max(0, ids.size - 1))
+    mine = sorted_ids[pos] == got if ids.size else np.zeros(got.size, bool)
+    unique, counts = np.unique(got[mine], return_counts=True)
+    expected = Sim.generated_many(got[mine], max_new[order][pos[mine]])
+    mismatched = 0
+    k = 0
+    for j in np.flatnonzero(mine).tolist():
+        want = expected.flat[expected.offsets[k] : expected.offsets[k + 1]]
+        mismatched += not np.array_equal(tokens[j], want)
+        k += 1
+    out = {
+        "items": int(ids.size), "results": int(got.size), "missing": int(ids.size - unique.size),
+        "duplicates": int((counts - 1).sum()), "foreign": int((~mine).sum()), "not_ok": int(not_ok),
+        "token_mismatches": int(mismatched),
+    }
+    out["verified"] = out["missing"] == out["duplicates"] == out["foreign"] == out["not_ok"] == mismatched == 0
+    return out
 
 
-def run(data_dir: str | None = None, chat_items: int = 200_000, batch_items: int = 20_000) -> dict:
-    data_dir = config.data_dir(data_dir)
-    owner = Owner(data_dir, "demo")
-    registry = Registry(owner, data_dir)
-    registry.start()
-    rings = RingSet(registry.ingest_bell)
-    backlog, _ = Backlog.open(data_dir)
-    leftover = {int(i) for i in backlog.pending()["item_id"]}  # an earlier run's undrained items
-    writer = backlog.writer(0, fsync="interval")
-    appender = BacklogAppender(writer)
-    ctx = mp.get_context("fork")
-    procs, conns = {}, {}
+# -- the broker ---------------------------------------------------------------------------
+
+
+def _wait_ready(sup: subprocess.Popen, data: str, log_path: Path) -> dict:
+    """The registry's info once it answers for this supervisor and every broker process runs."""
+    from .control import Control
+    from .registry import request
+
+    deadline = time.monotonic() + READY_SECONDS
+    while True:
+        if sup.poll() is not None:
+            raise RuntimeError(f"the broker exited with {sup.returncode}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the broker was not ready in {READY_SECONDS:.0f} s:\n{_tail(log_path)}")
+        try:
+            info = request(data, {"op": "info"}, 1.0)
+        except (OSError, ValueError):
+            info = {}
+        if info.get("ok") and info.get("pid") == sup.pid:
+            ctl = Control.attach(info["control"], info["roles"])
+            try:
+                if all(int(ctl.role(r)[0]) for r in range(len(info["roles"]))):
+                    return info
+            finally:
+                ctl.close()
+        time.sleep(0.05)
+
+
+def _counters(info: dict, items: int) -> dict[str, dict[str, int]]:
+    """Every role's counters, once the GPU processes have counted all `items` (they count a batch
+    just after writing its results, so the last results can reach a producer first)."""
+    from .control import Control
+
+    ctl = Control.attach(info["control"], info["roles"])
     try:
-        for name, target, n in (("chat", _chat, chat_items), ("batch", _batch, batch_items)):
-            parent, child = ctx.Pipe()
-            procs[name] = ctx.Process(target=target, args=(data_dir, n, child), name=f"demo-{name}")
-            conns[name] = parent
-            procs[name].start()
-        expected = {"chat": chat_items, "batch": batch_items}
-        got: dict[str, DeliveryCheck] = {}
-        ends: dict[str, float] = {}
-
-        def on_records(entry, ring, positions, n):
-            check = got.get(entry.name) or got.setdefault(entry.name, DeliveryCheck(ring))
-            check(positions, n)
-            appender(entry, ring, positions, n)  # durable before drain_once releases the ring
-            if check.next_key == expected[entry.name]:
-                ends[entry.name] = time.monotonic()
-
-        deadline = time.monotonic() + 600
-        while len(ends) < len(expected):
-            if time.monotonic() > deadline:
-                raise TimeoutError("demo did not finish within 600 s")
-            if pump(rings, registry, on_records) == 0:
-                for name, proc in procs.items():
-                    if proc.exitcode not in (None, 0):
-                        raise RuntimeError(f"producer {name} exited with {proc.exitcode}")
-        report = {}
-        for name, conn in conns.items():
-            start, _submitted, digest = conn.recv()
-            acc = got[name].acc
-            if not np.array_equal(acc, digest):
-                raise AssertionError(f"producer {name}: checksum mismatch")
-            seconds = ends[name] - start
-            report[name] = {
-                "items": int(acc[0]),
-                "tokens": int(acc[1]),
-                "seconds": seconds,
-                "items_per_s": int(acc[0]) / seconds,
-                "tokens_per_s": int(acc[1]) / seconds,
-                "verified": True,
-            }
-        for proc in procs.values():
-            proc.join(30)
-        writer.close()
-        backlog.close()
-        report["backlog"] = _reopen_and_drain(data_dir, sum(check.acc for check in got.values()), leftover)
-        return report
+        deadline = time.monotonic() + COUNTERS_SECONDS
+        while True:
+            out = {role: ctl.counter_dict(r) for r, role in enumerate(info["roles"])}
+            done = sum(c["items"] for role, c in out.items() if role.startswith("gpu-"))
+            if done >= items or time.monotonic() > deadline:
+                return out
+            time.sleep(0.02)
     finally:
-        writer.close()
-        backlog.close()
+        ctl.close()
+
+
+def _stop(sup: subprocess.Popen) -> int:
+    if sup.poll() is None:
+        sup.send_signal(signal.SIGTERM)
+        try:
+            return sup.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait()
+            return -signal.SIGKILL
+    return sup.returncode
+
+
+def shm_left(instance: str, data: str) -> list[str]:
+    """Shared memory of this instance still there: names in /dev/shm, or still in the data directory's manifest."""
+    from .ring.owner import Manifest
+
+    tag = f"shmb.{instance}."
+    found = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(tag) or n.startswith("sem." + tag)) \
+        if os.path.isdir(SHM_DIR) else []
+    listed = Manifest(data).names()
+    return found + [n for kind in ("segments", "doorbells") for n in listed[kind]]
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+# -- the figures --------------------------------------------------------------------------
+
+
+def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
+    """One consumer's figures (DESIGN.md "Words") from its GPU process's counters."""
+    modeled = c["modeled_engine_ns"] / 1e9
+    return {
+        "mode": mode, "batches": c["batches"], "items": c["items"], "ok": c["ok"], "tokens": c["tokens"],
+        "failed": c["too_long"] + c["invalid"] + c["engine_errors"], "guard_violations": c["guard_violations"],
+        "padded_tokens": c["padded_tokens"], "rect_tokens": c["rect_tokens"],
+        "padding_waste": c["padded_tokens"] / c["rect_tokens"] if c["rect_tokens"] else 0.0,
+        "batch_tokens_max_sum": c["batches"] * contract.max_batch_tokens,
+        "batch_fill": c["tokens"] / (c["batches"] * contract.max_batch_tokens) if c["batches"] else 0.0,
+        "hit_blocks": c["hit_blocks"], "queried_blocks": c["queried_blocks"],
+        "cache_hit_rate": c["hit_blocks"] / c["queried_blocks"] if c["queried_blocks"] else 0.0,
+        "shape_switches": c["shape_switches"], "excess_shape_switches": c["excess_shape_switches"],
+        "families": c["families"], "modeled_seconds": modeled,
+        "modeled_tokens_per_s": c["tokens"] / modeled if modeled else 0.0,
+        "engine_wall_seconds": c["engine_ns"] / 1e9,
+    }
+
+
+def total_figures(per: dict[str, dict]) -> dict:
+    out = {k: sum(f[k] for f in per.values())
+           for k in ("batches", "items", "ok", "tokens", "failed", "guard_violations", "padded_tokens", "rect_tokens",
+                     "hit_blocks", "queried_blocks", "shape_switches", "excess_shape_switches", "families",
+                     "batch_tokens_max_sum", "modeled_seconds", "engine_wall_seconds")}
+    out["batch_fill"] = out["tokens"] / out["batch_tokens_max_sum"] if out["batch_tokens_max_sum"] else 0.0
+    out["padding_waste"] = out["padded_tokens"] / out["rect_tokens"] if out["rect_tokens"] else 0.0
+    out["cache_hit_rate"] = out["hit_blocks"] / out["queried_blocks"] if out["queried_blocks"] else 0.0
+    out["makespan_seconds"] = max(f["modeled_seconds"] for f in per.values())  # the consumers run side by side
+    out["modeled_tokens_per_s"] = out["tokens"] / out["makespan_seconds"] if out["makespan_seconds"] else 0.0
+    out["packed"] = all(f["mode"] == "packed" for f in per.values())
+    return out
+
+
+def fifo_figures(wl, cfg) -> dict:
+    """The same workload fed first-in-first-out to the same consumers, offline, in virtual time.
+
+    The engines see the blocks the broker's simulated engines see (they hash each batch's tokens
+    without the declared prefixes), so the cache hit rates compare like for like."""
+    from .bench.packsim import FifoFeeder, SimConsumer, simulate
+    from .pack.shapes import shape_items
+
+    consumers = [SimConsumer(c.name, c.contract, c.engine_settings.cache_tokens) for c in cfg.consumers]
+    modes = {c.engine_settings.mode for c in cfg.consumers}
+    costs = {c.engine_settings.cost for c in cfg.consumers}
+    assert len(modes) == 1, "the simulation runs one engine mode for all consumers"
+    assert len(costs) == 1, "the simulation runs one cost model for all consumers"
+    mode, cost = modes.pop(), costs.pop()
+    shapes = shape_items(wl.tokens, wl.offsets, block_tokens=cfg.block_tokens)
+    feeder = FifoFeeder(consumers, mode, shapes, wl, tolerance=cfg.padding_tolerance)
+    return simulate(feeder, consumers, mode, shapes, wl, cost=cost)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED) -> dict:
+    from . import settings
+
+    t_start = time.monotonic()
+    root = Path(config.data_dir(data_dir))
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=root))
+    data = str(tmp / "data")
+    instance = f"demo{os.getpid()}"
+    cfg_path = tmp / "shmbroker.toml"
+    cfg_path.write_text(f'instance = "{instance}"\n')
+    cfg = settings.load(cfg_path, data_dir=data)  # what the broker reads: this instance, default consumers
+    log_path = tmp / "supervisor.log"
+    wl = workload(items, seed)
+    n = len(wl)
+    with open(log_path, "wb") as log:
+        sup = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", str(cfg_path),
+                                "--data-dir", data], stdout=log, stderr=subprocess.STDOUT)
+    ctx = mp.get_context("fork")
+    procs: dict[str, mp.Process] = {}
+    ok = False
+    try:
+        info = _wait_ready(sup, data, log_path)
+        t_ready = time.monotonic()
+        conns = {}
+        # the two producers take alternate items, so both feed every family and conversation
+        for name, rows, bulk in (("chat", np.arange(0, n, 2), False), ("batch", np.arange(1, n, 2), True)):
+            parent, child = ctx.Pipe()
+            procs[name] = ctx.Process(target=_producer, args=(name, data, wl, rows, bulk, child), name=f"demo-{name}",
+                                      daemon=True)
+            procs[name].start()
+            conns[name] = parent
+        for name, conn in conns.items():
+            _recv(conn, procs[name], 60.0)
+        for conn in conns.values():
+            conn.send("go")
+        producers = {name: _recv(conn, procs[name], RESULTS_SECONDS + 60.0) for name, conn in conns.items()}
+        for proc in procs.values():
+            proc.join(10)
+        counters = _counters(info, n)
+        t_stop = time.monotonic()
+        code = _stop(sup)
+        stop_seconds = time.monotonic() - t_stop
+        left = shm_left(instance, data)
+        t0 = min(p["start"] for p in producers.values())
+        t1 = max(p["end"] for p in producers.values())
+        for p in producers.values():
+            p["seconds"] = p["end"] - p["start"]
+            p["items_per_s"] = p["items"] / p["seconds"]
+        per = {c.name: consumer_figures(counters[f"gpu-{c.name}"], c.contract, c.engine_settings.mode)
+               for c in cfg.consumers}
+        total = total_figures(per)
+        t_fifo = time.monotonic()
+        fifo = fifo_figures(wl, cfg)
+        fifo_seconds = time.monotonic() - t_fifo
+        seconds = t1 - t0
+        report = {
+            "workload": wl.name, "items": n, "input_tokens": int(wl.lengths.sum()), "instance": instance,
+            "producers": producers,
+            "wall": {"seconds": seconds, "items_per_s": n / seconds, "tokens_per_s": int(wl.lengths.sum()) / seconds,
+                     "broker_start_seconds": t_ready - t_start, "stop_seconds": stop_seconds,
+                     "fifo_simulation_seconds": fifo_seconds},
+            "broker": {"ingest_items": sum(c["items"] for r, c in counters.items() if r.startswith("ingest-")),
+                       "sched_items": counters["sched"]["items"], "sched_failed": counters["sched"]["failed"],
+                       "results": counters["results"]["results"]},
+            "consumers": per,
+            "total": total,
+            "fifo": fifo,
+            "vs_fifo": {
+                "makespan_speedup": fifo["makespan_seconds"] / total["makespan_seconds"]
+                if total["makespan_seconds"] else 0.0,
+                "modeled_seconds_ratio": total["modeled_seconds"] / fifo["modeled_seconds"]
+                if fifo["modeled_seconds"] else 0.0,
+            },
+            "verified": all(p["verified"] for p in producers.values()) and sum(p["items"] for p in producers.values()) == n,
+            "exit_code": code,
+            "shm_left": left,
+            "stopped_cleanly": code == 0 and not left,
+        }
+        ok = report["verified"] and report["stopped_cleanly"]
+        report["data_dir"] = None if ok else str(tmp)
+        return report
+    except BaseException as exc:
+        exc.add_note(f"shmbroker demo: the broker's data directory and log are kept in {tmp}")
+        raise
+    finally:
         for proc in procs.values():
             if proc.is_alive():
                 proc.kill()
-                proc.join()
-        rings.close()
-        registry.close()
-        owner.close()
+            proc.join(5)
+        if sup.poll() is None:
+            _stop(sup)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _reopen_and_drain(data_dir: str, expected: np.ndarray, leftover: set[int]) -> dict:
-    """Recover the backlog as after a restart, check every item's tokens, then ack and reclaim it all."""
-    backlog, rep = Backlog.open(data_dir)
-    try:
-        pending = backlog.pending()
-        mine = pending[~np.isin(pending["item_id"], np.fromiter(leftover, np.uint64, len(leftover)))]
-        acc = np.zeros(4, np.uint64)
-        for row in mine:
-            digest_tokens(backlog.tokens(row), acc)
-        if not np.array_equal(acc, expected):
-            raise AssertionError(f"recovered backlog digest {acc.tolist()} != producers' {expected.tolist()}")
-        disk_before = backlog.disk_bytes()
-        for writer in np.unique(pending["writer"]):
-            backlog.ack(int(writer), pending["seq"][pending["writer"] == writer])
-        backlog.save_acks()
-        backlog.reclaim()
-        return {
-            "recovered_items": int(mine.size),
-            "recovered_tokens": int(acc[1]),
-            "recovery_seconds": rep.seconds,
-            "disk_bytes_before_drain": disk_before,
-            "disk_bytes_after_drain": backlog.disk_bytes(),
-            "verified": True,
-        }
-    finally:
-        backlog.close()
+def _recv(conn, proc, timeout_seconds: float):
+    deadline = time.monotonic() + timeout_seconds
+    while not conn.poll(0.2):
+        if proc.exitcode is not None:
+            raise RuntimeError(f"producer {proc.name} exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"producer {proc.name}: nothing for {timeout_seconds:.0f} s")
+    return conn.recv()
+
+
+# -- the summary --------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _waste(f: dict) -> str:
+    return "n/a (packed)" if f.get("packed", f.get("mode") == "packed") else _pct(f["padding_waste"])
+
+
+def print_summary(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"[bold]shmbroker demo[/]: `shmbroker supervise` (default configuration, instance "
+                  f"{report['instance']}), {report['workload']}: {report['items']:,} items, "
+                  f"{report['input_tokens']:,} input tokens")
+    t = Table(title="producers (wall clock, first submit to last result)", title_justify="left")
+    for col in ("producer", "submits", "items", "input tokens", "seconds", "items/s", "verified"):
+        t.add_column(col, justify="left" if col in ("producer", "submits") else "right")
+    for name, p in report["producers"].items():
+        how = "one at a time" if name == "chat" else f"submit_many x {CHUNK}"
+        check = "every item, once, ok, tokens" if p["verified"] else (
+            f"NO: missing {p['missing']}, duplicates {p['duplicates']}, foreign {p['foreign']}, "
+            f"not ok {p['not_ok']}, token mismatches {p['token_mismatches']}")
+        t.add_row(name, how, f"{p['items']:,}", f"{p['tokens']:,}", f"{p['seconds']:.2f}", f"{p['items_per_s']:,.0f}",
+                  check)
+    w = report["wall"]
+    t.add_row("both", "", f"{report['items']:,}", f"{report['input_tokens']:,}", f"{w['seconds']:.2f}",
+              f"{w['items_per_s']:,.0f}", "yes" if report["verified"] else "NO")
+    console.print(t)
+
+    t = Table(title="consumers (the broker's own counters; engine time is the simulated engine's MODELED GPU time)",
+              title_justify="left")
+    names = list(report["consumers"])
+    t.add_column("")
+    for name in names:
+        t.add_column(f"gpu-{name}", justify="right")
+    t.add_column("total", justify="right")
+    rows = [
+        ("batches", lambda f: f"{f['batches']:,}"),
+        ("items", lambda f: f"{f['items']:,}"),
+        ("input tokens", lambda f: f"{f['tokens']:,}"),
+        ("batch fill", lambda f: _pct(f["batch_fill"])),
+        ("padding waste", _waste),
+        ("cache hit rate", lambda f: _pct(f["cache_hit_rate"])),
+        ("shape switches (excess)", lambda f: f"{f['shape_switches']:,} ({f['excess_shape_switches']:,})"),
+        ("families served", lambda f: f"{f['families']:,}"),
+        ("modeled engine seconds", lambda f: f"{f['modeled_seconds']:,.1f}"),
+        ("modeled input tokens/s", lambda f: f"{f['modeled_tokens_per_s']:,.0f}"),
+        ("failed / guard violations", lambda f: f"{f['failed']} / {f['guard_violations']}"),
+    ]
+    for label, fmt in rows:
+        t.add_row(label, *[fmt(report["consumers"][n]) for n in names], fmt(report["total"]))
+    console.print(t)
+    console.print("  total modeled tokens/s = input tokens / modeled makespan (the slowest consumer's engine "
+                  "seconds; the consumers run side by side)")
+
+    b, f, tot = report["vs_fifo"], report["fifo"], report["total"]
+    t = Table(title="broker vs FIFO (the same workload and consumers; FIFO simulated offline in virtual time)",
+              title_justify="left")
+    for col in ("", "broker", "FIFO", "FIFO / broker"):
+        t.add_column(col, justify="left" if not col else "right")
+    waste_b = "n/a (packed)" if tot["packed"] else _pct(tot["padding_waste"])
+    waste_f = "n/a (packed)" if tot["packed"] else _pct(f["padding_waste"])
+    t.add_row("padding waste", waste_b, waste_f, "")
+    t.add_row("cache hit rate", _pct(tot["cache_hit_rate"]), _pct(f["cache_hit_rate"]), "")
+    t.add_row("batches", f"{tot['batches']:,}", f"{f['batches']:,}", "")
+    t.add_row("modeled engine seconds (sum)", f"{tot['modeled_seconds']:,.1f}", f"{f['modeled_seconds']:,.1f}",
+              f"{f['modeled_seconds'] / tot['modeled_seconds']:.2f}x" if tot["modeled_seconds"] else "")
+    t.add_row("modeled makespan seconds (max)", f"{tot['makespan_seconds']:,.1f}", f"{f['makespan_seconds']:,.1f}",
+              f"{b['makespan_speedup']:.2f}x")
+    console.print(t)
+    code = report["exit_code"]
+    console.print(f"broker stopped: exit {code} in {w['stop_seconds']:.1f} s, "
+                  + ("no shared memory left" if not report["shm_left"] else f"LEFT: {report['shm_left']}")
+                  + f"; broker start {w['broker_start_seconds']:.1f} s, FIFO simulation "
+                  f"{w['fifo_simulation_seconds']:.1f} s")
+    if report.get("data_dir"):
+        console.print(f"[red]the broker's data directory and log are kept in {report['data_dir']}[/]")
 
 
 def main(data_dir: str | None = None) -> None:
     t0 = time.monotonic()
     report = run(data_dir)
-    print("shmbroker demo: two producers -> shared-memory rings -> broker side (every item verified)")
-    print(f"{'producer':<10}{'items':>10}{'tokens':>14}{'seconds':>9}{'items/s':>12}{'tokens/s':>14}")
-    b = report.pop("backlog")
-    for name, r in report.items():
-        print(f"{name:<10}{r['items']:>10,}{r['tokens']:>14,}{r['seconds']:>9.2f}{r['items_per_s']:>12,.0f}{r['tokens_per_s']:>14,.0f}")
-    print(
-        f"backlog: reopened as after a restart in {b['recovery_seconds'] * 1e3:.1f} ms: {b['recovered_items']:,} items, "
-        f"{b['recovered_tokens']:,} tokens, every token verified; drained: {b['disk_bytes_before_drain'] / 2**20:.1f} MiB "
-        f"-> {b['disk_bytes_after_drain'] / 2**20:.1f} MiB on disk"
-    )
-    print(f"total wall time {time.monotonic() - t0:.2f} s")
+    print_summary(report)
+    print(f"total wall time {time.monotonic() - t0:.1f} s")
+    if not (report["verified"] and report["stopped_cleanly"]):
+        raise SystemExit(1)

@@ -136,6 +136,41 @@ class ResultsLog:
             self.fd = -1
 
 
+class OffsetQueue:
+    """Log offsets waiting for delivery, in increasing order, held as arrays (8 bytes a result)."""
+
+    def __init__(self):
+        self._parts: deque = deque()
+        self._head = 0  # position in the first part
+
+    def extend(self, offsets: np.ndarray) -> None:
+        if offsets.size:
+            self._parts.append(np.asarray(offsets, np.int64))
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def __len__(self) -> int:
+        return sum(p.size for p in self._parts) - self._head
+
+    def first(self) -> int:
+        return int(self._parts[0][self._head])
+
+    def pop(self) -> None:
+        self._head += 1
+        if self._head == self._parts[0].size:
+            self._parts.popleft()
+            self._head = 0
+
+    def take_all(self) -> list:
+        parts = list(self._parts)
+        if parts:
+            parts[0] = parts[0][self._head :]
+        self._parts.clear()
+        self._head = 0
+        return parts
+
+
 class _Outlet:
     """One producer's result ring and what was pushed on it but not yet consumed."""
 
@@ -143,7 +178,7 @@ class _Outlet:
         self.slot = slot
         self.ring = ring
         self.unconsumed: deque = deque()  # (num_pushed after a chunk, log offset of its first record)
-        self.waiting: deque = deque()  # log offsets of results parked because the ring was full
+        self.waiting = OffsetQueue()  # results parked because the ring was full (or it just connected)
 
 
 class Router:
@@ -158,7 +193,7 @@ class Router:
         self.outlets: dict[int, _Outlet] = {}  # producer id -> outlet (ids of this lifetime)
         self.by_name: dict[str, _Outlet] = {}
         self.names: dict[int, str] = {}  # producer id -> name, every id ever given
-        self.parked: dict[str, list] = {}  # name -> [log offsets] for names not connected
+        self.parked: dict[str, OffsetQueue] = {}  # results for names not connected
         self.seen_version = -1
         self.floor = _load_cursor(self.root)
         self._pos = np.empty(SCAN_MAX, np.int64)
@@ -180,8 +215,10 @@ class Router:
             self.outlets[p.producer_id] = outlet
             self.by_name[p.name] = outlet
             self.names[p.producer_id] = p.name
-            for at in self.parked.pop(p.name, []):
-                outlet.waiting.append(at)
+            queue = self.parked.pop(p.name, None)
+            if queue is not None:
+                for part in queue.take_all():
+                    outlet.waiting.extend(part)
 
     def _name_of(self, producer_id: int) -> str | None:
         name = self.names.get(producer_id)
@@ -249,11 +286,11 @@ class Router:
                 name = self._name_of(p)
                 outlet = self.by_name.get(name) if name is not None else None
             if outlet is None:
-                self.parked.setdefault(name or f"#{p}", []).extend((rows + at).tolist())
+                self.parked.setdefault(name or f"#{p}", OffsetQueue()).extend(rows + at)
                 self.counters[3] += rows.size
                 continue
             if outlet.waiting:
-                outlet.waiting.extend((rows + at).tolist())
+                outlet.waiting.extend(rows + at)
                 continue
             rows = np.ascontiguousarray(rows)
             pushed, wake = push_results(outlet.ring.buf, data, rows, 0, rows.size)
@@ -263,7 +300,7 @@ class Router:
                 outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at + int(rows[0])))
                 self.counters[1] += pushed
             if pushed < rows.size:
-                outlet.waiting.extend((rows[pushed:] + at).tolist())
+                outlet.waiting.extend(rows[pushed:] + at)
         return n
 
     def retry_waiting(self) -> int:
@@ -271,7 +308,7 @@ class Router:
         moved = 0
         for outlet in self.by_name.values():
             while outlet.waiting:
-                at = outlet.waiting[0]
+                at = outlet.waiting.first()
                 head = self.log.read(at, RES_HEADER_BYTES)
                 size = int(head.view(np.uint32)[0])
                 data = self.log.read(at, size)
@@ -280,7 +317,7 @@ class Router:
                     outlet.ring.data_bell.ring()
                 if not pushed:
                     break
-                outlet.waiting.popleft()
+                outlet.waiting.pop()
                 outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at))
                 self.counters[1] += 1
                 moved += 1
@@ -299,10 +336,10 @@ class Router:
             if q:
                 floor = min(floor, q[0][1])
             if outlet.waiting:
-                floor = min(floor, min(outlet.waiting))
-        for offsets in self.parked.values():
-            if offsets:
-                floor = min(floor, min(offsets))
+                floor = min(floor, outlet.waiting.first())
+        for queue in self.parked.values():
+            if queue:
+                floor = min(floor, queue.first())
         return floor
 
     def checkpoint(self, force: bool = False) -> None:

@@ -72,7 +72,9 @@ def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
         ends = np.r_[starts[1:], idx.size]
         for a, b in zip(starts.tolist(), ends.tolist()):
             sel = idx[a:b]
-            seg = backlog.segment(int(writers[sel[0]]), int(segments[sel[0]]))
+            key = (int(writers[sel[0]]), int(segments[sel[0]]))
+            seg = backlog.segment(*key)
             block_hashes(seg.buf, pending["offset"][sel].astype(np.int64), lengths[sel], prefixes[sel],
                          pending["prefix_key"][sel], block_tokens, hash_offsets[sel], hashes)
+            backlog.forget_segment(*key)  # unmapped at once: memory stays one segment, not the backlog
     return locs, hash_offsets, hashes

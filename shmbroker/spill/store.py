@@ -296,6 +296,12 @@ class Backlog:
             self._maps[key] = seg
         return seg
 
+    def forget_segment(self, writer: int, first_seq: int) -> None:
+        """Unmap a segment `segment()` mapped (its pages leave this process's memory)."""
+        seg = self._maps.pop((writer, first_seq), None)
+        if seg is not None:
+            seg.close()
+
     def tokens(self, rec) -> np.ndarray:
         """Zero-copy view of one record's tokens (rec: a PENDING_DTYPE row)."""
         seg = self.segment(int(rec["writer"]), int(rec["segment"]))
