@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 
-.PHONY: install demo test bench warm clean
+.PHONY: install demo test soak bench warm clean
 
 install: $(STAMP)
 
@@ -24,10 +24,18 @@ demo: warm
 test: warm
 	$(PY) -m pytest -q
 
+# The chaos tests for longer: SIGKILL every kind of broker process (and the supervisor) at random
+# moments while producers submit, SOAK_ITERATIONS seeded rounds of each.
+SOAK_ITERATIONS ?= 50
+soak: warm
+	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py
+
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json
 	$(VENV)/bin/shmbroker bench backlog --json
 	$(VENV)/bin/shmbroker bench pack --json
+	$(VENV)/bin/shmbroker bench e2e --json
+	$(VENV)/bin/shmbroker bench restart --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

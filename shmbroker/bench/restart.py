@@ -51,7 +51,7 @@ max_batch_tokens = 16384
 max_input_len = 16384
 engine_settings = {{ mode = "packed", zero_cost = true }}
 """
-CHUNK_ITEMS = 4096
+CHUNK_ITEMS = 1024
 
 
 def write_backlog(data_dir: str, tokens: int, seed: int = 0) -> dict:
@@ -180,6 +180,7 @@ def run(tokens: int = 100_000_000, *, scale: float = 1.0) -> dict:
     growth = {}
     d_items = full["items"] - small["items"]
     for role, peak in full["peak_rss_bytes"].items():
-        growth[role] = round((peak - small["peak_rss_bytes"].get(role, 0)) / d_items, 1)
+        if d_items > 0:
+            growth[role] = round((peak - small["peak_rss_bytes"].get(role, 0)) / d_items, 1)
     out["peak_rss_growth_bytes_per_item"] = growth
     return out

@@ -1,0 +1,29 @@
+"""Small runs of `bench e2e` and `bench restart`, so that they cannot rot (the figures are the benchmarks')."""
+
+from __future__ import annotations
+
+import pytest
+
+from shmbroker.bench import e2e, restart
+
+
+@pytest.mark.timeout(180)
+def test_bench_e2e_small_run_checks_every_item_and_reports_its_fields():
+    out = e2e.run(items_per_producer=4096, mpqueue_items=2000)
+    for key in ("items_per_s", "tokens_per_s", "submit_to_result_us_p50", "submit_to_result_us_p99",
+                "disk_bound_items_per_s", "mpqueue_items_per_s"):
+        assert out[key] > 0, key
+    assert out["items"] == 2 * 4096  # every item came back exactly once, ok (the producers check)
+    assert out["tokens_per_s"] == pytest.approx(out["items_per_s"] * 256, rel=1e-6)
+    assert out["submit_to_result_us_p50"] <= out["submit_to_result_us_p99"]
+    assert out["disk_bytes_per_item"] == 64 + 256 * 4 + 48
+
+
+@pytest.mark.timeout(180)
+def test_bench_restart_small_run_serves_the_recovered_backlog():
+    out = restart.run(tokens=3_000_000)
+    assert out["backlog_tokens"] == 3_000_000
+    assert out["backlog_items"] > 0
+    assert 0 < out["first_batch_seconds"] <= out["drain_seconds"]
+    assert set(out["peak_rss_bytes"]) >= {"sched", "results", "ingest-0", "supervisor"}
+    assert out["index_bytes_per_item"] > 0
