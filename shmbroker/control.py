@@ -27,6 +27,8 @@ Role slot r (ROLE_WORDS int64 words from ROLES_AT + r × ROLE_WORDS)
 | 1    | restarts      | times the supervisor restarted this role                       |
 | 2    | beat_ns       | CLOCK_MONOTONIC heartbeat of its loop                          |
 | 3    | started_ns    | CLOCK_MONOTONIC when this incarnation started                  |
+| 4    | compiles      | numba compilations (or cache loads) in it: 0, the supervisor   |
+|      |               | loaded every kernel before it forked                           |
 | 8-31 | counters      | per role, named in ROLE_COUNTERS (monotonic while it runs)     |
 
 Producer slot s (SLOT_BYTES from TABLE_AT; names are NUL-padded ASCII)
@@ -56,7 +58,7 @@ C_MAGIC, C_VERSION, C_NUM_ROLES, C_TABLE_VERSION, C_SUPERVISOR_PID, C_STARTED_NS
 HEADER_WORDS = 64
 ROLE_WORDS = 32
 MAX_ROLES = 128
-R_PID, R_RESTARTS, R_BEAT, R_STARTED = range(4)
+R_PID, R_RESTARTS, R_BEAT, R_STARTED, R_COMPILES = range(5)
 R_COUNTERS = 8
 ROLES_AT = HEADER_WORDS
 TABLE_AT = (ROLES_AT + MAX_ROLES * ROLE_WORDS) * 8

@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .control import Control
+from .control import R_COMPILES, Control
 from .lockfile import AlreadyRunning, InstanceLock
 from .ring.owner import Manifest, Owner
 from .ring.ring import create_ring
@@ -197,7 +197,7 @@ class Supervisor:
         if pid == 0:  # the child
             code = 0
             try:
-                _child_setup()
+                _child_setup(slot)
                 self._run_role(role)
             except BaseException:  # noqa: BLE001 - a child reports and exits, never returns
                 code = 1
@@ -352,9 +352,22 @@ def _acquire_lock(data_dir: Path) -> InstanceLock:
             time.sleep(0.05)
 
 
-def _child_setup() -> None:
+def _child_setup(slot) -> None:
+    """In a forked child: die with the supervisor, SIGTERM = stop, and count every numba compile
+    (or cache load) in its role slot: the supervisor loaded every kernel, so it stays 0."""
+    from numba.core import event
+
     global _stopping
     _stopping = 0
+
+    class CompileCounter(event.Listener):
+        def on_start(self, ev):
+            slot[R_COMPILES] += 1
+
+        def on_end(self, ev):
+            pass
+
+    event.install_listener("numba:compiler_lock", CompileCounter())
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
