@@ -22,9 +22,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,12 +31,12 @@ import numpy as np
 from ..ring.wire import res_bytes
 from ..spill.layout import record_bytes
 from . import mpqueue
+from .broker import BenchBroker
 
 TOKENS = 256
 CHUNK = 1024
 MAX_NEW_TOKENS = 1
 DISK_PROBE_BYTES = 256 << 20
-READY_SECONDS = 120.0
 
 CONFIG = """
 [[consumers]]
@@ -140,27 +137,12 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
 
 
 def _run_broker(tmp: str, items: int) -> dict:
-    from ..registry import request
-
-    data = os.path.join(tmp, "data")
-    cfg = os.path.join(tmp, "shmbroker.toml")
-    Path(cfg).write_text(f'instance = "e2e{os.getpid()}"\n' + CONFIG.format())
-    log = open(os.path.join(tmp, "supervisor.log"), "wb")
-    sup = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", cfg, "--data-dir", data],
-                           stdout=log, stderr=subprocess.STDOUT)
+    broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + CONFIG.format())
+    data = broker.data_dir
     ctx = mp.get_context("fork")
     procs, conns = [], []
     try:
-        deadline = time.monotonic() + READY_SECONDS
-        while True:
-            try:
-                if request(data, {"op": "info"}, 1.0).get("ok"):
-                    break
-            except OSError:
-                pass
-            if sup.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the broker did not start: " + Path(log.name).read_text(errors="replace")[-2000:])
-            time.sleep(0.05)
+        broker.wait_ready()
         for i in range(2):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_producer, args=(i, data, items, child), daemon=True)
@@ -198,10 +180,4 @@ def _run_broker(tmp: str, items: int) -> dict:
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
-        sup.send_signal(signal.SIGTERM)
-        try:
-            sup.wait(60)
-        except subprocess.TimeoutExpired:
-            sup.kill()
-            sup.wait()
-        log.close()
+        broker.stop()

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..ring.items import NO_PREFIX, SEQ_BITS
 from ..spill.layout import ITEM_DTYPE
 from ..spill.store import Backlog
+from .broker import BenchBroker
 
 CONFIG = """instance = "restart{pid}"
 index_items = {capacity}
@@ -102,28 +100,14 @@ def _rss_peak(pid: int) -> int:
 
 def _serve(tmp: str, tokens: int, capacity: int) -> dict:
     from ..control import Control
-    from ..registry import request
 
-    data = os.path.join(tmp, "data")
-    made = write_backlog(data, tokens)
-    cfg = os.path.join(tmp, "shmbroker.toml")
-    Path(cfg).write_text(CONFIG.format(pid=os.getpid(), capacity=capacity))
-    log = open(os.path.join(tmp, "supervisor.log"), "wb")
-    t0 = time.perf_counter()
-    sup = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", cfg, "--data-dir", data],
-                           stdout=log, stderr=subprocess.STDOUT)
+    made = write_backlog(os.path.join(tmp, "data"), tokens)
+    broker = BenchBroker(tmp, CONFIG.format(pid=os.getpid(), capacity=capacity))
+    t0 = broker.started
+    sup = broker.proc
     ctl = None
     try:
-        info = None
-        while info is None:
-            try:
-                reply = request(data, {"op": "info"}, 1.0)
-                info = reply if reply.get("ok") else None
-            except OSError:
-                pass
-            if sup.poll() is not None or time.perf_counter() - t0 > 120:
-                raise RuntimeError("the broker did not start: " + Path(log.name).read_text(errors="replace")[-2000:])
-            time.sleep(0.005)
+        info = broker.wait_ready(0.005)
         ctl = Control.attach(info["control"], info["roles"])
         gpus = [r for r, name in enumerate(info["roles"]) if name.startswith("gpu-")]
         res = info["roles"].index("results")
@@ -149,13 +133,7 @@ def _serve(tmp: str, tokens: int, capacity: int) -> dict:
     finally:
         if ctl is not None:
             ctl.close()
-        sup.send_signal(signal.SIGTERM)
-        try:
-            sup.wait(60)
-        except subprocess.TimeoutExpired:
-            sup.kill()
-            sup.wait()
-        log.close()
+        broker.stop()
 
 
 def run(tokens: int = 100_000_000, *, scale: float = 1.0) -> dict:

@@ -1,0 +1,51 @@
+"""A broker for a benchmark: `shmbroker supervise` in a subprocess on a scratch directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+READY_SECONDS = 120.0
+
+
+class BenchBroker:
+    """Started with `config` (TOML text) on `<tmp>/data`; `wait_ready()` returns the registry's info."""
+
+    def __init__(self, tmp: str, config: str):
+        self.data_dir = os.path.join(tmp, "data")
+        self.config_path = os.path.join(tmp, "shmbroker.toml")
+        Path(self.config_path).write_text(config)
+        self.log_path = os.path.join(tmp, "supervisor.log")
+        self._log = open(self.log_path, "wb")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", self.config_path,
+                                      "--data-dir", self.data_dir], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, poll_seconds: float = 0.05) -> dict:
+        from ..registry import request
+
+        while True:
+            try:
+                reply = request(self.data_dir, {"op": "info"}, 1.0)
+                if reply.get("ok"):
+                    return reply
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.perf_counter() - self.started > READY_SECONDS:
+                raise RuntimeError("the broker did not start: " + Path(self.log_path).read_text(errors="replace")[-2000:])
+            time.sleep(poll_seconds)
+
+    def stop(self) -> int:
+        """SIGTERM, wait (SIGKILL after 60 s); the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code
