@@ -122,6 +122,7 @@ class Producer:
         if not reply.get("ok"):
             raise BrokerError(f"broker refused producer {self.name!r}: {reply.get('error')}")
         self.producer_id = int(reply["producer_id"])
+        self._broker_pid = reply.get("broker_pid")
         self._ingest = Ring.attach(RingNames.from_dict(reply["ingest"]), PRODUCER)
         try:
             self._results = Ring.attach(RingNames.from_dict(reply["results"]), CONSUMER)
@@ -218,13 +219,22 @@ class Producer:
         if not block:
             raise Full("ingest ring is full")
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
-        try:
-            self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0, timeout)
-        except PeerDead:
-            # the broker went away: its next incarnation salvaged what the ring held; start
-            # over on new rings (a new producer id) and push this item there
-            self.reconnect()
-            raise _Retry() from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0,
+                                       max(0.0, deadline - time.monotonic()))
+                return
+            except PeerDead:
+                if not self._same_broker():
+                    # the broker went away: its next incarnation salvaged what the ring held;
+                    # start over on new rings (a new producer id) and push this item there
+                    self.reconnect()
+                    raise _Retry() from None
+                # the same broker restarts its ingest process: the ring stays, wait on
+                if time.monotonic() >= deadline:
+                    raise Full(f"ingest ring stayed full for {timeout} s (its ingest process is restarting)") from None
+                time.sleep(0.01)
 
     def submit_many(
         self,
@@ -262,6 +272,7 @@ class Producer:
             meta[:, 1] = prefixes
         meta[:, 2] = mid
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+        deadline = time.monotonic() + (timeout if block else 0.0)
         out = np.empty(count, np.uint64)
         done = 0
         while True:
@@ -271,17 +282,24 @@ class Producer:
             sub = flat[offs[done] : offs[-1]]
             m = meta if meta.shape[0] == 1 else meta[done:]
             try:
-                self._ingest.push_many(sub, part, seq0, m, timeout if block else 0.0)
+                self._ingest.push_many(sub, part, seq0, m, max(0.0, deadline - time.monotonic()))
             except Full as exc:
                 self._seq = seq0 + exc.submitted
                 out[done : done + exc.submitted] = ids[: exc.submitted]
                 done += exc.submitted
                 raise Full(str(exc), submitted=done, ids=out[:done]) from None
-            except PeerDead as exc:  # the broker restarted: the rest goes to the new one
+            except PeerDead as exc:
                 pushed = getattr(exc, "submitted", 0)
+                self._seq = seq0 + pushed
                 out[done : done + pushed] = ids[:pushed]
                 done += pushed
-                self.reconnect()
+                if not self._same_broker():
+                    self.reconnect()  # the broker restarted: the rest goes to the new one
+                elif time.monotonic() >= deadline:
+                    raise Full("ingest ring stayed full (its ingest process is restarting)", submitted=done,
+                               ids=out[:done]) from None
+                else:
+                    time.sleep(0.01)  # the same broker restarts its ingest process: wait on
                 continue
             self._seq = seq0 + count - done
             out[done:] = ids
@@ -334,18 +352,19 @@ class Producer:
         except PeerDead:
             # the results process is gone: a restarting one takes the ring over (same broker), or
             # the broker restarted and our results come on new rings
-            if self._broker_alive():
+            if self._same_broker():
                 time.sleep(min(timeout_seconds, 0.05))
                 return False
             self.reconnect()
             return False
 
-    def _broker_alive(self) -> bool:
+    def _same_broker(self) -> bool:
+        """Does the broker this producer connected to still run (its supervisor answers)?"""
         try:
-            return bool(request(self.data_dir, {"op": "info"}, 1.0).get("control")) and \
-                self._ingest.peer_alive()
+            reply = request(self.data_dir, {"op": "info"}, 1.0)
         except (OSError, ValueError):
             return False
+        return self._broker_pid is not None and reply.get("pid") == self._broker_pid
 
     def _pop_results(self, max_records: int = RESULT_BATCH) -> int:
         if self._result_out is None:
@@ -365,8 +384,9 @@ class Producer:
             return keep
         producers = keys >> np.uint64(SEQ_BITS)
         seqs = (keys & np.uint64(SEQ_MASK)).astype(np.int64)
-        for p in np.unique(producers).tolist():
-            mine = producers == p if producers[0] != producers[-1] else slice(None)
+        unique = np.unique(producers).tolist()
+        for p in unique:
+            mine = producers == p if len(unique) > 1 else slice(None)
             s = seqs[mine]
             seen = self._seen.get(p)
             top = int(s.max()) + 1

@@ -35,7 +35,8 @@ import numpy as np
 from . import config
 
 SEED = 7
-ITEMS = 20_000
+ITEMS = 60_000  # about 12 s on 2 cores, broker start and FIFO simulation included
+MAX_NEW_TOKENS: int | None = 1
 CHUNK = 256  # items per submit_many call of the `batch` producer
 DRAIN_EVERY = 64  # `chat` reads its results every this many submits
 READY_SECONDS = 120.0
@@ -48,11 +49,14 @@ SHM_DIR = "/dev/shm"
 # -- the workload ------------------------------------------------------------------------
 
 
-def workload(items: int, seed: int):
-    """The generator's workload, default model only: a consumer without a model name serves model id 0."""
+def workload(items: int, seed: int, max_new_tokens: int | None = None):
+    """The generator's workload, default model only: a consumer without a model name serves model id 0.
+    `max_new_tokens`: every item's (None: the generator's, per item)."""
     from .bench.workload import Workload, generate
 
     wl = generate(items, seed=seed)
+    if max_new_tokens is not None:
+        wl.max_new_tokens = np.full(len(wl), max_new_tokens, np.int64)
     keep = np.flatnonzero(wl.models == 0)
     if keep.size == len(wl):
         return wl
@@ -76,9 +80,12 @@ def _producer(name: str, data_dir: str, wl, rows: np.ndarray, bulk: bool, conn) 
     got_tokens: list[np.ndarray] = []
     not_ok = 0
 
+    seen: set[int] = set()
+
     def drain(timeout_seconds: float) -> None:
         nonlocal not_ok
         for r in p.results(timeout_seconds):
+            seen.add(r.item_id)
             got_ids.append(r.item_id)
             got_tokens.append(r.tokens)
             not_ok += r.status != "ok"
@@ -105,7 +112,7 @@ def _producer(name: str, data_dir: str, wl, rows: np.ndarray, bulk: bool, conn) 
                     drain(0.0)
         submitted = time.monotonic()
         deadline = submitted + RESULTS_SECONDS
-        while len(got_ids) < n and time.monotonic() < deadline:
+        while len(seen) < n and time.monotonic() < deadline:
             drain(0.2)
         t1 = time.monotonic()
     conn.send({"start": t0, "submitted": submitted, "end": t1,
@@ -142,8 +149,8 @@ def _check(ids: np.ndarray, max_new: np.ndarray, got: np.ndarray, tokens: list[n
 
 
 def _wait_ready(sup: subprocess.Popen, data: str, log_path: Path) -> dict:
-    """The registry's info once it answers for this supervisor and every broker process runs."""
-    from .control import Control
+    """The registry's info once it answers for this supervisor and every broker process runs its loop."""
+    from .control import R_BEAT, R_PID, R_STARTED, Control
     from .registry import request
 
     deadline = time.monotonic() + READY_SECONDS
@@ -159,7 +166,10 @@ def _wait_ready(sup: subprocess.Popen, data: str, log_path: Path) -> dict:
         if info.get("ok") and info.get("pid") == sup.pid:
             ctl = Control.attach(info["control"], info["roles"])
             try:
-                if all(int(ctl.role(r)[0]) for r in range(len(info["roles"]))):
+                # every process forked and in its loop: a heartbeat after its start (the scheduler's
+                # first comes after its start scan of the backlog)
+                slots = [ctl.role(r) for r in range(len(info["roles"]))]
+                if all(int(s[R_PID]) and int(s[R_BEAT]) >= int(s[R_STARTED]) for s in slots):
                     return info
             finally:
                 ctl.close()
@@ -255,6 +265,7 @@ def fifo_figures(wl, cfg) -> dict:
 
     The engines see the blocks the broker's simulated engines see (they hash each batch's tokens
     without the declared prefixes), so the cache hit rates compare like for like."""
+    from .bench.pack import distinct_blocks
     from .bench.packsim import FifoFeeder, SimConsumer, simulate
     from .pack.shapes import shape_items
 
@@ -266,13 +277,17 @@ def fifo_figures(wl, cfg) -> dict:
     mode, cost = modes.pop(), costs.pop()
     shapes = shape_items(wl.tokens, wl.offsets, block_tokens=cfg.block_tokens)
     feeder = FifoFeeder(consumers, mode, shapes, wl, tolerance=cfg.padding_tolerance)
-    return simulate(feeder, consumers, mode, shapes, wl, cost=cost)
+    out = simulate(feeder, consumers, mode, shapes, wl, cost=cost)
+    total_blocks, distinct, _ = distinct_blocks(shapes)
+    out["cache_hit_rate_max"] = 1 - distinct / total_blocks if total_blocks else 0.0  # every block computed once
+    return out
 
 
 # -- the run ------------------------------------------------------------------------------
 
 
-def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED) -> dict:
+def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
+        max_new_tokens: int | None = MAX_NEW_TOKENS) -> dict:
     from . import settings
 
     t_start = time.monotonic()
@@ -285,8 +300,9 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED) -> di
     cfg_path.write_text(f'instance = "{instance}"\n')
     cfg = settings.load(cfg_path, data_dir=data)  # what the broker reads: this instance, default consumers
     log_path = tmp / "supervisor.log"
-    wl = workload(items, seed)
+    wl = workload(items, seed, max_new_tokens)
     n = len(wl)
+    t_broker = time.monotonic()
     with open(log_path, "wb") as log:
         sup = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "supervise", "--config", str(cfg_path),
                                 "--data-dir", data], stdout=log, stderr=subprocess.STDOUT)
@@ -329,22 +345,24 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED) -> di
         fifo_seconds = time.monotonic() - t_fifo
         seconds = t1 - t0
         report = {
-            "workload": wl.name, "items": n, "input_tokens": int(wl.lengths.sum()), "instance": instance,
+            "workload": wl.name, "max_new_tokens": max_new_tokens, "items": n, "input_tokens": int(wl.lengths.sum()), "instance": instance,
             "producers": producers,
             "wall": {"seconds": seconds, "items_per_s": n / seconds, "tokens_per_s": int(wl.lengths.sum()) / seconds,
-                     "broker_start_seconds": t_ready - t_start, "stop_seconds": stop_seconds,
+                     "workload_seconds": t_broker - t_start, "broker_start_seconds": t_ready - t_broker,
+                     "stop_seconds": stop_seconds,
                      "fifo_simulation_seconds": fifo_seconds},
             "broker": {"ingest_items": sum(c["items"] for r, c in counters.items() if r.startswith("ingest-")),
                        "sched_items": counters["sched"]["items"], "sched_failed": counters["sched"]["failed"],
                        "results": counters["results"]["results"]},
+            "counters": counters,
             "consumers": per,
             "total": total,
             "fifo": fifo,
             "vs_fifo": {
                 "makespan_speedup": fifo["makespan_seconds"] / total["makespan_seconds"]
                 if total["makespan_seconds"] else 0.0,
-                "modeled_seconds_ratio": total["modeled_seconds"] / fifo["modeled_seconds"]
-                if fifo["modeled_seconds"] else 0.0,
+                "modeled_seconds_speedup": fifo["modeled_seconds"] / total["modeled_seconds"]
+                if total["modeled_seconds"] else 0.0,
             },
             "verified": all(p["verified"] for p in producers.values()) and sum(p["items"] for p in producers.values()) == n,
             "exit_code": code,
@@ -394,27 +412,32 @@ def print_summary(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    console.print(f"[bold]shmbroker demo[/]: `shmbroker supervise` (default configuration, instance "
-                  f"{report['instance']}), {report['workload']}: {report['items']:,} items, "
-                  f"{report['input_tokens']:,} input tokens")
-    t = Table(title="producers (wall clock, first submit to last result)", title_justify="left")
+    mnt = report["max_new_tokens"]
+    console.print(f"[bold]shmbroker demo[/]: `shmbroker supervise`, default configuration (instance "
+                  f"{report['instance']}); {report['workload']}: {report['items']:,} items, "
+                  f"{report['input_tokens']:,} input tokens, max_new_tokens "
+                  + ("per item (the generator's)" if mnt is None else f"{mnt} (prefill only, as `bench pack`)"))
+
+    t = Table(title="producers: wall clock, first submit to last result", title_justify="left")
     for col in ("producer", "submits", "items", "input tokens", "seconds", "items/s", "verified"):
         t.add_column(col, justify="left" if col in ("producer", "submits") else "right")
     for name, p in report["producers"].items():
-        how = "one at a time" if name == "chat" else f"submit_many x {CHUNK}"
-        check = "every item, once, ok, tokens" if p["verified"] else (
-            f"NO: missing {p['missing']}, duplicates {p['duplicates']}, foreign {p['foreign']}, "
-            f"not ok {p['not_ok']}, token mismatches {p['token_mismatches']}")
+        how = "one by one" if name == "chat" else f"{CHUNK} a call"
         t.add_row(name, how, f"{p['items']:,}", f"{p['tokens']:,}", f"{p['seconds']:.2f}", f"{p['items_per_s']:,.0f}",
-                  check)
+                  "yes" if p["verified"] else "NO")
     w = report["wall"]
     t.add_row("both", "", f"{report['items']:,}", f"{report['input_tokens']:,}", f"{w['seconds']:.2f}",
               f"{w['items_per_s']:,.0f}", "yes" if report["verified"] else "NO")
     console.print(t)
+    for name, p in report["producers"].items():
+        if not p["verified"]:
+            console.print(f"[red]{name}: missing {p['missing']}, duplicates {p['duplicates']}, foreign "
+                          f"{p['foreign']}, not ok {p['not_ok']}, token mismatches {p['token_mismatches']}[/]")
+    if report["verified"]:
+        console.print("  verified: every item id came back exactly once, ok, with the simulated engine's tokens")
 
-    t = Table(title="consumers (the broker's own counters; engine time is the simulated engine's MODELED GPU time)",
-              title_justify="left")
     names = list(report["consumers"])
+    t = Table(title="consumers: the broker's own counters (engine seconds are MODELED)", title_justify="left")
     t.add_column("")
     for name in names:
         t.add_column(f"gpu-{name}", justify="right")
@@ -430,33 +453,33 @@ def print_summary(report: dict, console=None) -> None:
         ("families served", lambda f: f"{f['families']:,}"),
         ("modeled engine seconds", lambda f: f"{f['modeled_seconds']:,.1f}"),
         ("modeled input tokens/s", lambda f: f"{f['modeled_tokens_per_s']:,.0f}"),
-        ("failed / guard violations", lambda f: f"{f['failed']} / {f['guard_violations']}"),
+        ("failed, guard violations", lambda f: f"{f['failed']}, {f['guard_violations']}"),
     ]
     for label, fmt in rows:
         t.add_row(label, *[fmt(report["consumers"][n]) for n in names], fmt(report["total"]))
     console.print(t)
-    console.print("  total modeled tokens/s = input tokens / modeled makespan (the slowest consumer's engine "
-                  "seconds; the consumers run side by side)")
+    console.print("  total tokens/s: over the modeled makespan (the slowest consumer's seconds). The modeled cost "
+                  "is not spent, so how work split between the consumers follows their CPU speed here.")
 
     b, f, tot = report["vs_fifo"], report["fifo"], report["total"]
-    t = Table(title="broker vs FIFO (the same workload and consumers; FIFO simulated offline in virtual time)",
+    t = Table(title="broker vs FIFO: same workload and consumers, FIFO simulated in virtual time",
               title_justify="left")
     for col in ("", "broker", "FIFO", "FIFO / broker"):
-        t.add_column(col, justify="left" if not col else "right")
-    waste_b = "n/a (packed)" if tot["packed"] else _pct(tot["padding_waste"])
-    waste_f = "n/a (packed)" if tot["packed"] else _pct(f["padding_waste"])
-    t.add_row("padding waste", waste_b, waste_f, "")
+        t.add_column(col, justify="right" if col else "left")
+    t.add_row("padding waste", _waste(tot), _waste({"packed": tot["packed"], **f}), "")
     t.add_row("cache hit rate", _pct(tot["cache_hit_rate"]), _pct(f["cache_hit_rate"]), "")
+    t.add_row("  possible (each block once)", _pct(f["cache_hit_rate_max"]), _pct(f["cache_hit_rate_max"]), "")
     t.add_row("batches", f"{tot['batches']:,}", f"{f['batches']:,}", "")
-    t.add_row("modeled engine seconds (sum)", f"{tot['modeled_seconds']:,.1f}", f"{f['modeled_seconds']:,.1f}",
-              f"{f['modeled_seconds'] / tot['modeled_seconds']:.2f}x" if tot["modeled_seconds"] else "")
-    t.add_row("modeled makespan seconds (max)", f"{tot['makespan_seconds']:,.1f}", f"{f['makespan_seconds']:,.1f}",
+    t.add_row("batch fill", _pct(tot["batch_fill"]), _pct(f["batch_fill"]), "")
+    t.add_row("modeled seconds (sum)", f"{tot['modeled_seconds']:,.1f}", f"{f['modeled_seconds']:,.1f}",
+              f"{b['modeled_seconds_speedup']:.2f}x")
+    t.add_row("modeled makespan (max)", f"{tot['makespan_seconds']:,.1f}", f"{f['makespan_seconds']:,.1f}",
               f"{b['makespan_speedup']:.2f}x")
     console.print(t)
-    code = report["exit_code"]
-    console.print(f"broker stopped: exit {code} in {w['stop_seconds']:.1f} s, "
-                  + ("no shared memory left" if not report["shm_left"] else f"LEFT: {report['shm_left']}")
-                  + f"; broker start {w['broker_start_seconds']:.1f} s, FIFO simulation "
+    left = report["shm_left"]
+    console.print(f"broker stopped: exit {report['exit_code']} in {w['stop_seconds']:.1f} s, "
+                  + ("no shared memory of its instance left" if not left else f"[red]LEFT: {', '.join(left)}[/]")
+                  + f"; started in {w['broker_start_seconds']:.1f} s; FIFO simulated in "
                   f"{w['fifo_simulation_seconds']:.1f} s")
     if report.get("data_dir"):
         console.print(f"[red]the broker's data directory and log are kept in {report['data_dir']}[/]")

@@ -225,6 +225,7 @@ class Registry:
         entry = self._connect(name, pid)
         return {
             "ok": True,
+            "broker_pid": self.info.get("pid"),
             "producer_id": entry.producer_id,
             "ingest": entry.ingest.names.to_dict(),
             "results": entry.results.names.to_dict(),

@@ -6,15 +6,16 @@ benchmarks' own delivery verification are asserted.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from shmbroker import cli, demo
 from shmbroker.bench import ring as bench_ring
-from shmbroker.ring.owner import MANIFEST_FILE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,27 +82,39 @@ def test_cli_refuses_unknown_commands_and_benchmarks(capsys):
 
 
 def test_demo_small_run_reports_each_producer(tmp_path):
-    data = tmp_path / "demo"
-    report = demo.run(data_dir=str(data), chat_items=2000, batch_items=300)
-    assert set(report) == {"chat", "batch", "backlog"}
-    backlog = report.pop("backlog")
-    # everything went through the backlog on disk, came back after a reopen, and was drained
-    assert backlog["verified"] is True
-    assert backlog["recovered_items"] == 2300
-    assert backlog["disk_bytes_after_drain"] <= (64 << 20) + (64 << 10)  # one segment per writer
-    assert report["chat"]["items"] == 2000
-    assert report["batch"]["items"] == 300
-    chat_tokens = sum(int(x.size) for x in demo.chat_workload(2000))
-    flat, _ = demo.batch_workload(300)
-    assert report["chat"]["tokens"] == chat_tokens
-    assert report["batch"]["tokens"] == int(flat.size)
-    for r in report.values():
-        assert r["verified"] is True
-        assert r["seconds"] > 0 and r["items_per_s"] > 0 and r["tokens_per_s"] > 0
-    # everything the demo created is unlinked and struck from the manifest; the socket is gone
-    manifest = json.loads((data / MANIFEST_FILE).read_text())
-    assert manifest["segments"] == [] and manifest["doorbells"] == []
-    assert not (data / "broker.sock").exists()
+    report = demo.run(data_dir=str(tmp_path), items=3000)
+    # every item came back exactly once, ok, with the simulated engine's tokens, to the producer that sent it
+    assert report["verified"] is True
+    assert set(report["producers"]) == {"chat", "batch"}
+    assert sum(p["items"] for p in report["producers"].values()) == report["items"] == 3000
+    for p in report["producers"].values():
+        assert p["verified"] is True
+        assert p["results"] == p["items"] > 0
+        assert p["missing"] == p["duplicates"] == p["foreign"] == p["not_ok"] == p["token_mismatches"] == 0
+        assert p["seconds"] > 0 and p["items_per_s"] > 0
+    assert report["wall"]["items_per_s"] > 0
+    # per-consumer figures from the broker's own counters, for each consumer of the default configuration
+    assert set(report["consumers"]) == {"big", "small"}
+    for f in [*report["consumers"].values(), report["total"]]:
+        assert 0.0 <= f["cache_hit_rate"] <= 1.0
+        assert 0.0 <= f["padding_waste"] <= 1.0
+        assert 0.0 < f["batch_fill"] <= 1.0
+        assert f["excess_shape_switches"] <= f["shape_switches"]
+        assert f["modeled_seconds"] > 0 and f["modeled_tokens_per_s"] > 0
+        assert f["failed"] == f["guard_violations"] == 0
+    assert report["total"]["items"] == 3000 and report["total"]["tokens"] == report["input_tokens"]
+    assert report["total"]["makespan_seconds"] == max(f["modeled_seconds"] for f in report["consumers"].values())
+    # FIFO feeding of the same workload, beside it
+    fifo = report["fifo"]
+    assert fifo["items"] == 3000 and fifo["input_tokens"] == report["input_tokens"]
+    assert 0.0 <= fifo["cache_hit_rate"] <= fifo["cache_hit_rate_max"] <= 1.0
+    assert 0.0 <= fifo["padding_waste"] <= 1.0
+    assert fifo["makespan_seconds"] > 0
+    assert report["vs_fifo"]["makespan_speedup"] > 0 and report["vs_fifo"]["modeled_seconds_speedup"] > 0
+    # the broker stopped cleanly: exit 0, none of its instance's shared memory left, its directory removed
+    assert report["exit_code"] == 0 and report["shm_left"] == [] and report["stopped_cleanly"] is True
+    assert report["data_dir"] is None and list(tmp_path.iterdir()) == []
+    demo.print_summary(report, Console(file=io.StringIO(), width=100))
 
 
 def test_cli_warm_succeeds(capsys, monkeypatch, tmp_path):

@@ -823,3 +823,15 @@ def test_spawned_producer_delivers_10k_items_in_order(make_broker):
     assert all(r.prefix_len == NO_PREFIX and r.model == 0 for r in got)
     np.testing.assert_array_equal(np.concatenate([r.tokens for r in got]), flat)
     assert side.entry("spawned").pid == proc.pid
+
+
+def test_dedupe_keeps_each_producer_ids_apart_in_one_batch():
+    """After a broker restart one batch of results mixes a name's old and new producer ids: each id is
+    judged against its own producer's seen set (and a duplicate inside the batch is dropped)."""
+    p = object.__new__(Producer)
+    p._seen = {}
+    a, b = 1 << items.SEQ_BITS, 2 << items.SEQ_BITS
+    assert p._fresh(np.array([a | 5, b | 7, a | 6], np.uint64)).tolist() == [True, True, True]
+    assert p._fresh(np.array([a | 7, b | 5, b | 7, a | 5, a | 7], np.uint64)).tolist() == [True, True, False, False,
+                                                                                          False]
+    assert p._fresh(np.array([b | 6, b | 6], np.uint64)).tolist() == [True, False]

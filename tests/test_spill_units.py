@@ -590,3 +590,32 @@ def test_a_zeroed_length_word_mid_segment_loses_only_that_record(tmp_path):
         assert len(report.quarantined) == 1
     finally:
         backlog.close()
+
+
+def test_a_read_only_look_stops_at_a_run_being_written_and_never_skips_past_it(tmp_path):
+    """A scheduler scans the backlog read-only while ingest appends: a run whose commit word is not
+    written yet ends what it sees, even when a later run is already committed behind it (resynchronising
+    past it would count the run as done: its records would never be served)."""
+    from shmbroker.spill.layout import ITEM_DTYPE
+    from shmbroker.spill.store import Backlog
+
+    backlog, _ = Backlog.open(tmp_path)
+    writer = backlog.writer(0, fsync="never")
+    offsets = []
+    for n in (3, 4, 2):  # three runs: committed, "being written", committed
+        flat = np.arange(10 * n, dtype=np.uint32)
+        _, _, rec_offsets = writer.append_many(flat, np.arange(n + 1, dtype=np.int64) * 10, np.zeros(n, ITEM_DTYPE))
+        offsets.append(int(rec_offsets.min()))
+    path = next((tmp_path / "backlog" / "w000").glob("*.seg"))
+    writer.close(clean=False)
+    backlog.close()
+    with open(path, "r+b") as f:  # the middle run's commit word, not written yet
+        f.seek(offsets[1])
+        f.write(b"\0\0\0\0")
+    look, _ = Backlog.open(tmp_path, readonly=True)
+    assert look.pending()["seq"].tolist() == [0, 1, 2]
+    assert look._writers[0].next_seq == 3
+    look.close()
+    crash, report = Backlog.open(tmp_path)  # recovery after a crash resynchronises past it instead
+    assert crash.pending()["seq"].tolist() == [0, 1, 2, 7, 8]
+    crash.close()

@@ -140,8 +140,12 @@ def last_nonzero(seg, start, end):
 
 
 @kernel
-def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
+def scan(seg, start, end, next_seq, check_crc, out_offset, out_status, live=False):
     """Walk records from `start` (8-aligned) up to `end`.
+
+    `live`: a writer may be appending right now (a read-only look), so a zero length word is the
+    end of what is committed, whatever follows it (the run being written), never a broken frame
+    to resynchronise past: what lies beyond may be committed while we look.
 
     Records found go to out_offset/out_status (REC_OK, REC_BAD_CRC,
     REC_BAD_FRAME for the first offset of a skipped broken region).
@@ -158,7 +162,7 @@ def scan(seg, start, end, next_seq, check_crc, out_offset, out_status):
         if off + RECORD_HEADER_BYTES > end:
             return count, SCAN_END, off, next_seq, 0
         length = load_acquire(words, (off >> 2) + R_LENGTH)
-        if length == 0 and last_nonzero(seg, off, end) == off:
+        if length == 0 and (live or last_nonzero(seg, off, end) == off):
             return count, SCAN_END, off, next_seq, 0
         if length != 0 and _frame_ok(seg, off, end, next_seq):
             status = REC_OK

@@ -214,7 +214,8 @@ class Backlog:
             offsets_all, status_all = [], []
             off, next_seq = SEGMENT_HEADER_BYTES, first
             while True:
-                n, outcome, off, next_seq, cut = scan(seg.buf, off, end_limit, next_seq, check_crc, out_off, out_status)
+                n, outcome, off, next_seq, cut = scan(seg.buf, off, end_limit, next_seq, check_crc, out_off, out_status,
+                                                      self.readonly)
                 offsets_all.append(out_off[:n].copy())
                 status_all.append(out_status[:n].copy())
                 if outcome != SCAN_FULL:
