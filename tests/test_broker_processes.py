@@ -49,3 +49,23 @@ def test_children_never_compile_also_after_a_restart(tmp_path):
         slots = _slots(broker)
         assert all(c == 0 for c, _ in slots.values()), slots
         assert all(slots[r][1] == 1 for r in ("sched", "gpu-small", "results", "ingest-0")), slots
+
+
+@pytest.mark.timeout(120)
+def test_two_ingest_processes_share_the_producers(tmp_path):
+    from brokerproc import SMALL_CONFIG
+
+    with BrokerProc(tmp_path, config="ingest_processes = 2\n" + SMALL_CONFIG) as broker:
+        assert {"ingest-0", "ingest-1"} <= set(broker.role_pids())
+        rng = np.random.default_rng(5)
+        with Producer("one", data_dir=broker.data_dir) as a, Producer("two", data_dir=broker.data_dir) as b:
+            _traffic(a, rng, 150)
+            _traffic(b, rng, 150)
+        info = broker.info()
+        ctl = Control.attach(info["control"], info["roles"])
+        try:
+            ingested = [ctl.counter_dict(info["roles"].index(f"ingest-{k}"))["items"] for k in (0, 1)]
+        finally:
+            ctl.close()
+        assert all(n > 0 for n in ingested), ingested  # each drained one producer's ring
+        assert (tmp_path / "data" / "backlog" / "w001").is_dir()
