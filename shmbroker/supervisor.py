@@ -37,9 +37,9 @@ from pathlib import Path
 
 from .control import R_COMPILES, Control
 from .lockfile import AlreadyRunning, InstanceLock
-from .ring.owner import Manifest, Owner
+from .ring.owner import Owner
 from .ring.ring import create_ring
-from .ring.shm import Segment
+from .salvage import salvage
 
 log = logging.getLogger("shmbroker.supervisor")
 
@@ -52,8 +52,6 @@ WATCH_SECONDS = 0.05
 BATCH_RING_BYTES = 4 << 20
 APPENDED_RING_BYTES = 16 << 20
 RESULTS_RING_BYTES = 16 << 20
-SALVAGE_GRACE_SECONDS = 0.02
-INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
 
 _stopping = 0  # in a child: 0 run, 1 stop gracefully, 2 stop now
 
@@ -101,7 +99,7 @@ class Supervisor:
         cfg = self.cfg
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
-            salvaged = self._salvage(backlog)
+            salvaged = salvage(backlog, cfg)
         finally:
             backlog.close()
         self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged}
@@ -133,60 +131,6 @@ class Supervisor:
             self._spawn(role)
         self.registry.start()
         log.info("broker %r up in %.2f s: %s", cfg.instance, time.monotonic() - t0, ", ".join(self.roles))
-
-    def _salvage(self, backlog) -> int:
-        """Append what a dead broker's ingest rings still hold to the backlog (writer 0)."""
-        import numpy as np
-
-        from .ring import layout as L
-        from .ring.wire import close_ring, peek_closed, set_closed_tail
-        from .spill.collect import collect
-        from .spill.layout import ITEM_DTYPE
-
-        try:
-            names = Manifest(self.cfg.data_dir).names()["segments"]
-        except ValueError:
-            return 0
-        rings = []
-        for name in names:
-            m = INGEST_RING_RE.search(name)
-            if m is None:
-                continue
-            try:
-                seg = Segment.attach(name)
-            except (FileNotFoundError, ValueError):
-                continue
-            rings.append((int(m.group(1)), seg))
-        if not rings:
-            return 0
-        for _, seg in rings:
-            close_ring(seg.buf)
-        time.sleep(SALVAGE_GRACE_SECONDS)  # a push that reserved its room before the close lands
-        total = 0
-        writer = backlog.writer(0, fsync=self.cfg.fsync, fsync_interval_ms=self.cfg.fsync_interval_ms)
-        try:
-            for producer_id, seg in rings:
-                buf = seg.buf
-                positions = np.empty(4096, np.int64)
-                capacity = int(buf[: L.HEADER_BYTES].view(np.int64)[L.H_CAPACITY])
-                flat = np.empty(capacity, np.uint32)
-                offsets = np.empty(positions.size + 1, np.int64)
-                items = np.zeros(positions.size, ITEM_DTYPE)
-                data = buf[L.HEADER_BYTES :]
-                while True:
-                    n, tail = peek_closed(buf, positions, positions.size)
-                    if n == 0:
-                        break
-                    used = collect(data.view(np.uint32), data.view(np.uint64), positions, n, producer_id,
-                                   self.cfg.block_tokens, flat, offsets, items)
-                    writer.append_many(flat[:used], offsets[: n + 1], items[:n])
-                    set_closed_tail(buf, tail)
-                    total += n
-        finally:
-            writer.close()
-            for _, seg in rings:
-                seg.close()
-        return total
 
     # -- children ------------------------------------------------------------------------
 

@@ -1,0 +1,75 @@
+"""Salvage: what a dead broker's ingest rings still hold goes to the backlog before its shm is swept.
+
+A producer's `submit` returns once the item is in its ingest ring (shared memory). When the whole
+broker dies, items not yet drained sit in rings that outlive it (until the next supervisor sweeps
+the instance's names). The next supervisor, before sweeping, attaches each ingest ring listed in
+the shm manifest (role `p<producer id>i`), closes it (`ring/wire.close_ring`: its producer now
+sees it full and its consumer dead, so the client reconnects to the new broker), waits a moment
+for a push that had reserved its room, and appends every committed record to the backlog
+(writer 0), with the item ids the producer was given.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+
+from .ring import layout as L
+from .ring.owner import Manifest
+from .ring.shm import Segment
+from .ring.wire import close_ring, peek_closed, set_closed_tail
+from .spill.collect import collect
+from .spill.layout import ITEM_DTYPE
+
+SALVAGE_GRACE_SECONDS = 0.02
+INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
+
+
+def salvage(backlog, cfg) -> int:
+    """Append what a dead broker's ingest rings still hold to the backlog (writer 0); how many items."""
+    try:
+        names = Manifest(cfg.data_dir).names()["segments"]
+    except ValueError:
+        return 0
+    rings = []
+    for name in names:
+        m = INGEST_RING_RE.search(name)
+        if m is None:
+            continue
+        try:
+            seg = Segment.attach(name)
+        except (FileNotFoundError, ValueError):
+            continue
+        rings.append((int(m.group(1)), seg))
+    if not rings:
+        return 0
+    for _, seg in rings:
+        close_ring(seg.buf)
+    time.sleep(SALVAGE_GRACE_SECONDS)  # a push that reserved its room before the close lands
+    total = 0
+    writer = backlog.writer(0, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
+    try:
+        for producer_id, seg in rings:
+            buf = seg.buf
+            positions = np.empty(4096, np.int64)
+            capacity = int(buf[: L.HEADER_BYTES].view(np.int64)[L.H_CAPACITY])
+            flat = np.empty(capacity, np.uint32)
+            offsets = np.empty(positions.size + 1, np.int64)
+            items = np.zeros(positions.size, ITEM_DTYPE)
+            data = buf[L.HEADER_BYTES :]
+            while True:
+                n, tail = peek_closed(buf, positions, positions.size)
+                if n == 0:
+                    break
+                used = collect(data.view(np.uint32), data.view(np.uint64), positions, n, producer_id,
+                               cfg.block_tokens, flat, offsets, items)
+                writer.append_many(flat[:used], offsets[: n + 1], items[:n])
+                set_closed_tail(buf, tail)
+                total += n
+    finally:
+        writer.close()
+        for _, seg in rings:
+            seg.close()
+    return total

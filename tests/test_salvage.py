@@ -1,0 +1,50 @@
+"""Salvage: a dead broker's ingest rings are closed and what they hold goes to the backlog."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmbroker import settings
+from shmbroker.ring import layout as L
+from shmbroker.ring.items import SEQ_BITS, item_id
+from shmbroker.ring.owner import Owner
+from shmbroker.ring.ring import PRODUCER, create_ring
+from shmbroker.salvage import salvage
+from shmbroker.spill.store import Backlog
+
+
+def test_salvage_appends_what_a_dead_brokers_ring_holds_and_closes_it(tmp_path):
+    data = str(tmp_path / "data")
+    cfg = settings.load(None, data_dir=data)
+    owner = Owner(data, "salv", sweep=False)  # the dead broker's objects, left in /dev/shm
+    try:
+        ring = create_ring(owner, "p7i", 1 << 16)
+        producer = ring.attach(PRODUCER)
+        items = [np.arange(n, dtype=np.uint32) + n for n in (5, 600, 1)]
+        for seq, tokens in enumerate(items):
+            assert producer.push(tokens, seq, 3, 0xFFFFFFFF, 0, 0) == L.OK
+        backlog, _ = Backlog.open(data)
+        try:
+            assert salvage(backlog, cfg) == 3
+        finally:
+            backlog.close()
+        # the ring is closed: its producer finds it full from now on
+        assert producer.push(items[0], 3, 3, 0xFFFFFFFF, 0, 0) == L.FULL
+        producer.close()
+        recovered, _ = Backlog.open(data)
+        try:
+            rows = np.sort(recovered.pending(), order="item_id")
+            assert rows["item_id"].tolist() == [item_id(7, s) for s in range(3)]
+            assert (rows["item_id"] >> np.uint64(SEQ_BITS)).tolist() == [7, 7, 7]
+            for row, tokens in zip(rows, items):
+                np.testing.assert_array_equal(recovered.tokens(row), tokens)
+            assert rows["max_new_tokens"].tolist() == [3, 3, 3]
+        finally:
+            recovered.close()
+        backlog, _ = Backlog.open(data)
+        try:
+            assert salvage(backlog, cfg) == 0  # a second look finds nothing more
+        finally:
+            backlog.close()
+    finally:
+        owner.close()
