@@ -16,8 +16,8 @@ import pytest
 from brokerproc import BrokerProc
 from conftest import shm_leftovers
 
-from shmbroker import commands
 from shmbroker.cli import main
+from shmbroker.commands.submit import _read_trace
 from shmbroker.prompts import LineError, Prompt
 
 REAL_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
@@ -185,7 +185,7 @@ def test_trace_reader_synthesises_what_bench_trace_does(tmp_path):
     from shmbroker.bench import trace
 
     src = _mooncake(tmp_path / "trace.jsonl")
-    out = sorted(commands._read_trace(str(src), 4), key=lambda o: o.line)  # errors come before buffered lines
+    out = sorted(_read_trace(str(src), 4), key=lambda o: o.line)  # errors come before buffered lines
     assert [type(o) for o in out] == [Prompt, Prompt, Prompt, LineError, LineError, Prompt]
     assert [o.line for o in out] == [1, 2, 3, 4, 5, 6]
     assert [o.max_new_tokens for o in out if isinstance(o, Prompt)] == [5, 3, 4, 2]

@@ -1,0 +1,19 @@
+"""`shmbroker submit`, `shmbroker results`, `shmbroker status`: the user-facing commands around a running broker.
+
+    shmbroker submit prompts.jsonl [--trace] [--name N] [--wait [--out F]]
+    shmbroker results --name N [--out F] [--timeout S]
+    shmbroker status [--json]
+
+One module a command (`submit`, `results`, `status`); what they share is in `common`.
+
+Exit status: 0 done; 1 some lines refused, a result missing, no broker; 2 a
+bad configuration, file or option.
+"""
+
+from __future__ import annotations
+
+from .results import results
+from .status import status
+from .submit import submit
+
+__all__ = ["results", "status", "submit"]
