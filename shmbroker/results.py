@@ -144,15 +144,13 @@ class Router:
         pos = self._pos[:n]
         result_fields(data, pos, n, item_ids, seqs, writers, status)
         if ack:
-            for w in np.unique(writers).tolist():
-                mine = writers == w
-                self.backlog.ack(int(w), seqs[mine])
+            for w, mine in _groups(writers):
+                self.backlog.ack(w, seqs if mine is None else seqs[mine])
             self.counters[2] += n
         self.counters[0] += n
         producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
-        unique = np.unique(producers).tolist()
-        for p in unique:
-            rows = pos if len(unique) == 1 else pos[producers == p]
+        for p, mine in _groups(producers):
+            rows = pos if mine is None else pos[mine]
             outlet = self.outlets.get(p)
             if outlet is None:
                 name = self._name_of(p)
@@ -237,6 +235,16 @@ class Router:
         self.backlog.close()
         for outlet in self.by_name.values():
             outlet.ring.close()
+
+
+def _groups(values: np.ndarray) -> list:
+    """[(value, mask)] of the distinct values; one value (the usual batch) without sorting or a mask."""
+    if values.size == 0:
+        return []
+    lo, hi = values.min(), values.max()
+    if lo == hi:
+        return [(int(lo), None)]
+    return [(int(v), values == v) for v in np.unique(values).tolist()]
 
 
 def _scan_all(data: np.ndarray, out_pos: np.ndarray):
