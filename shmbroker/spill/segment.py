@@ -87,8 +87,16 @@ class SegmentFile:
         """Map an existing segment; ValueError when its header fails the checks."""
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            seg = cls(path, 0, 0, fd, size, writable)
+            for attempt in range(3):
+                size = os.fstat(fd).st_size
+                try:
+                    seg = cls(path, 0, 0, fd, size, writable)
+                    break
+                except ValueError:
+                    # its writer sealed it (cut it to its used length) between the fstat and
+                    # the mmap: look at its size again
+                    if attempt == 2:
+                        raise
             seg.first_seq, seg.writer = seg.check_header()
         except BaseException:
             os.close(fd)

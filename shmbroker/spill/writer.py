@@ -237,7 +237,9 @@ class SegmentWriter:
         if self.fsync != "never":
             seg.sync()
         index = idx_bytes(seg, offsets, end)
-        used = -(-end // PAGE_BYTES) * PAGE_BYTES
+        # keep at least one zero word after the last record inside the file: a reader that looks
+        # (read-only, while we write) at the length word past the end finds 0, never past EOF (SIGBUS)
+        used = min(seg.size, -(-(end + 8) // PAGE_BYTES) * PAGE_BYTES)
         fd = os.dup(seg.fd)
         seg.close()
         try:
