@@ -619,3 +619,38 @@ def test_a_read_only_look_stops_at_a_run_being_written_and_never_skips_past_it(t
     crash, report = Backlog.open(tmp_path)  # recovery after a crash resynchronises past it instead
     assert crash.pending()["seq"].tolist() == [0, 1, 2, 7, 8]
     crash.close()
+
+
+def test_opening_a_segment_its_writer_cuts_that_instant_looks_at_its_size_again(tmp_path, monkeypatch):
+    """A GPU process maps a segment while its writer seals it (cuts it to its used length): the size
+    it read a moment before is too large for the mmap; the open looks again instead of failing."""
+    import os as os_mod
+
+    from shmbroker.spill import segment as segmod
+    from shmbroker.spill.layout import ITEM_DTYPE
+    from shmbroker.spill.store import Backlog
+
+    backlog, _ = Backlog.open(tmp_path)
+    with backlog.writer(0, fsync="never") as writer:
+        writer.append_many(np.arange(30, dtype=np.uint32), np.array([0, 10, 30], np.int64), np.zeros(2, ITEM_DTYPE))
+    backlog.close()
+    path = next((tmp_path / "backlog" / "w000").glob("*.seg"))
+    real = os_mod.fstat
+    calls = []
+
+    class Stale:
+        def __init__(self, st):
+            self.st_size = st.st_size + (1 << 20)  # the size before the cut
+
+    def fstat(fd):
+        calls.append(fd)
+        st = real(fd)
+        return Stale(st) if len(calls) == 1 else st
+
+    monkeypatch.setattr(segmod.os, "fstat", fstat)
+    seg = segmod.SegmentFile.open(path)
+    try:
+        assert len(calls) == 2
+        assert seg.size == real(seg.fd).st_size
+    finally:
+        seg.close()
