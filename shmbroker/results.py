@@ -34,13 +34,14 @@ from .results_log import CURSOR_FILE, RESULTS_DIR, OffsetQueue, ResultsLog
 from .ring import layout as L
 from .ring.items import SEQ_BITS
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
-from .ring.wire import RES_BAD, RES_HEADER_BYTES, push_results, result_fields, scan_results
+from .ring.wire import RES_HEADER_BYTES, RES_OK, push_results, result_fields, scan_results
 from .spill.acks import atomic_write
 from .spill.store import BACKLOG_DIR, Backlog
 
 ACK_SAVE_SECONDS = 0.2
 RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
+REPLAY_BYTES = 8 << 20
 
 
 class _Outlet:
@@ -111,11 +112,24 @@ class Router:
             if end <= at:
                 continue
             pos_in_file = max(at, start)
-            data = self.log.read(pos_in_file, end - pos_in_file)
-            n, stop, outcome = _scan_all(data, self._pos)
-            if outcome == RES_BAD and start == self.log.start:
-                self.log.cut(pos_in_file + stop)
-            count += self._route(data, n, pos_in_file, ack=True)
+            piece = REPLAY_BYTES
+            while pos_in_file < end:  # in pieces: memory stays bounded
+                data = self.log.read(pos_in_file, min(piece, end - pos_in_file))
+                n, stop, outcome = scan_results(data, 0, data.size, self._pos, True)
+                count += self._route(data, n, pos_in_file, ack=True)
+                pos_in_file += stop
+                grown, piece = piece != REPLAY_BYTES, REPLAY_BYTES
+                if outcome == RES_OK or (stop and pos_in_file < end and data.size == REPLAY_BYTES):
+                    continue  # the scan's room was full, or the piece cut a record: go on from there
+                if stop == 0 and not grown and pos_in_file < end and data.size >= RES_HEADER_BYTES:
+                    size = int(data[:4].view(np.uint32)[0])
+                    if data.size < size <= end - pos_in_file:
+                        piece = size  # one record larger than a piece
+                        continue
+                if pos_in_file < end and start == self.log.start:
+                    self.log.cut(pos_in_file)  # a torn tail (a crash mid-write): cut
+                    end = self.log.end
+                break
             at = end
         return {"seconds": time.perf_counter() - t0, "results": count}
 
@@ -134,7 +148,9 @@ class Router:
             data = ring.buf[L.HEADER_BYTES + start : L.HEADER_BYTES + start + nbytes]
             at = self.log.append(data)
             self.counters[4] += nbytes
-            count, _stop, _outcome = _scan_all(data, self._pos)
+            # from our own GPU process through shared memory: framed by the ring, no CRC to check
+            # (the CRC protects the copy on disk, checked when the log is replayed)
+            count, _stop, _outcome = _scan_all(data, self._pos, check_crc=False)
             self._route(data, count, at, ack=True)
             ring.release(new_tail, 1)
             taken += 1
@@ -247,8 +263,8 @@ def _groups(values: np.ndarray) -> list:
     return [(int(v), values == v) for v in np.unique(values).tolist()]
 
 
-def _scan_all(data: np.ndarray, out_pos: np.ndarray):
-    n, stop, outcome = scan_results(data, 0, data.size, out_pos, True)
+def _scan_all(data: np.ndarray, out_pos: np.ndarray, check_crc: bool = True):
+    n, stop, outcome = scan_results(data, 0, data.size, out_pos, check_crc)
     if n == out_pos.size:
         raise ValueError("more result records in one read than the scan holds")
     return n, stop, outcome
