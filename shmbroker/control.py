@@ -72,7 +72,7 @@ ROLE_COUNTERS = {
     "ingest": ("items", "tokens", "bytes", "batches", "disk_full"),
     "sched": ("indexed_items", "indexed_tokens", "batches", "items", "failed", "pending_items", "pending_tokens",
               "overflow_items"),
-    "results": ("results", "delivered", "acked", "parked", "log_bytes", "acks_saved"),
+    "results": ("results", "delivered", "acked", "parked", "log_bytes", "acks_saved", "disk_full"),
     "gpu": ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
             "hit_blocks", "queried_blocks", "engine_ns", "modeled_engine_ns", "padded_tokens", "rect_tokens",
             "shape_switches", "excess_shape_switches", "families"),

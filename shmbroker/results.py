@@ -21,6 +21,7 @@ from there, so a result reaches its producer at least once. The client drops dup
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections import deque
@@ -41,6 +42,8 @@ from .spill.store import BACKLOG_DIR, Backlog
 ACK_SAVE_SECONDS = 0.2
 RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_BACKOFF_SECONDS = 0.05
 REPLAY_BYTES = 8 << 20
 
 
@@ -298,9 +301,18 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
         while True:
             slot[2] = time.monotonic_ns()
             router.refresh()
-            got = sum(router.take(r) for r in rings)
-            router.retry_waiting()
-            router.checkpoint()
+            try:
+                got = sum(router.take(r) for r in rings)
+                router.retry_waiting()
+                router.checkpoint()
+            except OSError as exc:
+                if exc.errno not in DISK_ERRNOS:
+                    raise
+                # a full disk: nothing taken is lost (a GPU's ring record is released only once
+                # logged); wait and take it again, the GPUs wait on their full rings meanwhile
+                router.counters[6] += 1
+                time.sleep(DISK_FULL_BACKOFF_SECONDS)
+                continue
             if got == 0:
                 if stopping() and all(_gpu_gone(r) for r in rings):
                     break

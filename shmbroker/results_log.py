@@ -50,18 +50,23 @@ class ResultsLog:
             os.close(dfd)
 
     def append(self, data) -> int:
-        """Write `data` (a uint8 array of whole records); returns the log offset of its first byte."""
+        """Write `data` (a uint8 array of whole records); returns the log offset of its first byte.
+        A failed write (a full disk) raises OSError and leaves no part of `data` behind."""
         if self.end - self.start >= LOG_FILE_BYTES:
+            self._create(self.end)  # first: when this fails, the current file stays in use
             self.sync()
             os.close(self.fd)
-            self._create(self.end)
             self.files.append(self.end)
             self.start = self.end
             self.fd = os.open(self._path(self.start), os.O_RDWR | os.O_APPEND)
         at = self.end
         view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(self.fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError:
+            os.ftruncate(self.fd, at - self.start)  # a torn record here would end every later replay
+            raise
         self.end += len(data)
         self.dirty = True
         if self.fsync == "always":

@@ -48,3 +48,38 @@ def test_replay_routes_every_record_across_pieces_and_cuts_a_torn_tail(tmp_path,
         assert len(router.parked["#1"]) == 1009  # no producer of id 1 is known: parked, by offset
     finally:
         router.close()
+
+
+def test_a_failed_append_leaves_no_part_of_its_records_behind(tmp_path, monkeypatch):
+    import errno
+    import os as os_mod
+
+    import pytest
+
+    from shmbroker import results_log
+
+    log = ResultsLog(tmp_path / "results", fsync="never")
+    first = _records(5, 1 << 40)
+    log.append(first)
+    real_write = os_mod.write
+    calls = []
+
+    def failing_write(fd, view):
+        calls.append(len(view))
+        if len(calls) == 1:
+            return real_write(fd, view[: len(view) // 2])  # half lands, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results_log.os, "write", failing_write)
+    with pytest.raises(OSError):
+        log.append(_records(5, (1 << 40) + 5))
+    monkeypatch.setattr(results_log.os, "write", real_write)
+    assert log.end == first.size
+    assert os_mod.fstat(log.fd).st_size == first.size
+    log.append(_records(2, (1 << 40) + 10))  # the next append goes on where the last good one ended
+    log.close()
+    router = Router(str(tmp_path), _Cfg(), _Control())
+    try:
+        assert router.replay()["results"] == 7
+    finally:
+        router.close()
