@@ -218,10 +218,15 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        while not self.stop_requested:
-            self.reap()
-            self.restart_due()
-            time.sleep(WATCH_SECONDS)
+        try:
+            while not self.stop_requested:
+                self.reap()
+                self.restart_due()
+                time.sleep(WATCH_SECONDS)
+        except BaseException:
+            log.exception("the supervisor failed; stopping the broker")
+            self.stop()
+            raise
         self.stop()
         return 0
 
