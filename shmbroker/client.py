@@ -80,6 +80,41 @@ class ResultBatch:
                    np.array([r.tokens.size for r in results], np.uint32))
 
 
+class SeenSet:
+    """The sequence numbers seen of one producer id: every one below `base`, and a window of flags
+    above it that slides up as its low end fills, so its size is the spread of results in flight,
+    not the number of items ever submitted."""
+
+    SLIDE = 1 << 16
+
+    def __init__(self):
+        self.base = 0
+        self.window = np.zeros(1024, bool)
+
+    def add(self, seqs: np.ndarray) -> np.ndarray:
+        """Mark seqs seen; True for each not seen before (the first of two equal ones in seqs)."""
+        rel = seqs - self.base
+        fresh = rel >= 0
+        top = int(rel.max()) + 1 if rel.size else 0
+        if top > self.window.size:
+            grown = np.zeros(max(top, 2 * self.window.size), bool)
+            grown[: self.window.size] = self.window
+            self.window = grown
+        r = rel[fresh]
+        fresh[fresh] = ~self.window[r]
+        if seqs.size > 1:  # two copies within one call: keep the first
+            order = np.argsort(seqs, kind="stable")
+            again = np.zeros(seqs.size, bool)
+            again[order[1:]] = seqs[order[1:]] == seqs[order[:-1]]
+            fresh &= ~again
+        self.window[rel[rel >= 0]] = True
+        if self.window[: self.SLIDE].all():
+            filled = int(np.argmin(self.window)) if not self.window.all() else self.window.size
+            self.window = self.window[filled:].copy() if filled < self.window.size else np.zeros(1024, bool)
+            self.base += filled
+        return fresh
+
+
 class _Retry(Exception):
     """Internal: the broker restarted under a submit; submit again on the new rings."""
 
@@ -105,7 +140,7 @@ class Producer:
         self._buf = None
         self._result_out = None
         self._pending: deque[Result] = deque()
-        self._seen: dict[int, np.ndarray] = {}  # producer id -> results seen, by seq (dedupe)
+        self._seen: dict[int, SeenSet] = {}  # producer id -> the seqs whose results were yielded (dedupe)
         self._models: dict[str | None, int] = {None: 0}
         self.reconnects = 0
         self._connect(self.connect_timeout_seconds)
@@ -387,23 +422,10 @@ class Producer:
         unique = np.unique(producers).tolist()
         for p in unique:
             mine = producers == p if len(unique) > 1 else slice(None)
-            s = seqs[mine]
             seen = self._seen.get(p)
-            top = int(s.max()) + 1
-            if seen is None or seen.size < top:
-                grown = np.zeros(max(top, 1024, 0 if seen is None else 2 * seen.size), bool)
-                if seen is not None:
-                    grown[: seen.size] = seen
-                seen = self._seen[p] = grown
-            dup = seen[s].copy()
-            seen[s] = True
-            # two copies within one batch: keep the first
-            if s.size > 1:
-                order = np.argsort(s, kind="stable")
-                again = np.zeros(s.size, bool)
-                again[order[1:]] = s[order[1:]] == s[order[:-1]]
-                dup |= again
-            keep[mine] = ~dup
+            if seen is None:
+                seen = self._seen[p] = SeenSet()
+            keep[mine] = seen.add(seqs[mine])
         return keep
 
     def _fetch_results(self, max_records: int = RESULT_BATCH) -> int:

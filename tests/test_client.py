@@ -835,3 +835,22 @@ def test_dedupe_keeps_each_producer_ids_apart_in_one_batch():
     assert p._fresh(np.array([a | 7, b | 5, b | 7, a | 5, a | 7], np.uint64)).tolist() == [True, True, False, False,
                                                                                           False]
     assert p._fresh(np.array([b | 6, b | 6], np.uint64)).tolist() == [True, False]
+
+
+def test_seen_set_slides_and_stays_small_over_many_results():
+    from shmbroker.client import SeenSet
+
+    seen = SeenSet()
+    rng = np.random.default_rng(1)
+    total = 600_000
+    order = np.arange(total)
+    for lo in range(0, total, 5000):  # results come back a little out of order, some twice
+        chunk = order[lo : lo + 5000].copy()
+        rng.shuffle(chunk)
+        again = chunk[:50]
+        assert seen.add(chunk).all()
+        assert not seen.add(again).any()
+    assert seen.base >= total - SeenSet.SLIDE - 5000
+    assert seen.window.size <= 4 * SeenSet.SLIDE
+    assert not seen.add(np.array([0, total - 1], np.int64)).any()  # below the base and in the window
+    assert seen.add(np.array([total, total, total + 7], np.int64)).tolist() == [True, False, True]
