@@ -308,7 +308,7 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     return s
 
 
-@kernel
+@kernel(_nrt=False)
 def insert_many(S, keys, arrivals, lengths, max_new, models, families, hash_offsets, hashes):
     """`insert` for items 0.. in order; the number indexed (stops, whole items only, when full)."""
     for i in range(keys.size):

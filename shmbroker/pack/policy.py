@@ -99,7 +99,7 @@ def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys):
     return 1, 0, f, code, n, n, key
 
 
-@kernel
+@kernel(_nrt=False)
 def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
     """(items, failed, family slot, guard code, shortest, longest, family key)."""
     cons = S[S_CONS]
@@ -126,7 +126,7 @@ def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
     return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
 
 
-@kernel
+@kernel(_nrt=False)
 def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
     """(items, failed, family slot, guard code, 1, max_input_len, family key)."""
     c = ip[P_C]
