@@ -15,7 +15,7 @@ BAND_WORDS = (NUM_BANDS + 63) // 64
 SUMMARY_WORDS = (BAND_WORDS + 63) // 64
 
 
-@kernel
+@kernel(_nrt=False)
 def _lowbit(w):
     n = 0
     while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
@@ -23,7 +23,7 @@ def _lowbit(w):
     return n
 
 
-@kernel
+@kernel(_nrt=False)
 def _highbit(w):
     n = 63
     while (w >> np.uint64(n)) & np.uint64(1) == np.uint64(0):
@@ -31,14 +31,14 @@ def _highbit(w):
     return n
 
 
-@kernel
+@kernel(_nrt=False)
 def bit_set(bits, summ, f, b):
     w = b >> 6
     bits[f, w] |= np.uint64(1) << np.uint64(b & 63)
     summ[f, w >> 6] |= np.uint64(1) << np.uint64(w & 63)
 
 
-@kernel
+@kernel(_nrt=False)
 def bit_clear(bits, summ, f, b):
     w = b >> 6
     bits[f, w] &= ~(np.uint64(1) << np.uint64(b & 63))
@@ -46,7 +46,7 @@ def bit_clear(bits, summ, f, b):
         summ[f, w >> 6] &= ~(np.uint64(1) << np.uint64(w & 63))
 
 
-@kernel
+@kernel(_nrt=False)
 def band_next(bits, summ, f, b):
     """Lowest non-empty band >= b, or -1."""
     if b < 0:
@@ -71,7 +71,7 @@ def band_next(bits, summ, f, b):
     return (w << 6) + _lowbit(bits[f, w])
 
 
-@kernel
+@kernel(_nrt=False)
 def band_prev(bits, summ, f, b):
     """Highest non-empty band <= b, or -1."""
     if b >= NUM_BANDS:

@@ -88,7 +88,7 @@ C_FAM, C_BRANCH, C_BAND, C_MAXIN = range(4)
 
 # ---- classes -------------------------------------------------------------------------------
 
-@kernel
+@kernel(_nrt=False)
 def class_of(cls, model, length):
     """First class (rows of cls: model, max_input_len; sorted) of `model` that fits `length`.
 
@@ -103,13 +103,13 @@ def class_of(cls, model, length):
 
 # ---- free lists: a stack of free slots, its height in meta[k] ---------------------------------
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def _pop_free(free, meta, k):
     meta[k] -= 1
     return free[meta[k]]
 
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def _push_free(free, meta, k, x):
     free[meta[k]] = x
     meta[k] += 1
@@ -120,12 +120,12 @@ def _push_free(free, meta, k, x):
 # counters (S_AT[c] = head, tail). Removing an item only bumps its slot's gen: its entry goes stale
 # and is dropped when it reaches the head, so a removal touches no other item's record.
 
-@kernel
+@kernel(_nrt=False)
 def _age_entry_live(it, e):
     return it[np.int64(e >> 32)].gen == np.int32(e & 0xFFFFFFFF)
 
 
-@kernel
+@kernel(_nrt=False)
 def age_push(S, c, s):
     it = S[S_IT]
     ring = S[S_AH]
@@ -137,7 +137,7 @@ def age_push(S, c, s):
     pos[c, 1] += 1
 
 
-@kernel
+@kernel(_nrt=False)
 def age_head(S, c):
     """The oldest live item of class c (dropping stale entries), or -1."""
     it = S[S_IT]
@@ -154,7 +154,7 @@ def age_head(S, c):
 
 # ---- insert and remove ---------------------------------------------------------------------
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def family_reclass(S, f):
     """Put an unclaimed family in the class list of its shortest pending item."""
     fm = S[S_FM]
@@ -165,7 +165,7 @@ def family_reclass(S, f):
     _family_list_set(fm, S[S_GH], S[S_GT], f, class_of(S[S_CLS], fm[f].model, band_floor(b)))
 
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def branch_reclass(S, x):
     """List an unclaimed live branch: in its affine consumer's list when that consumer fits it,
     else in the class list of its longest item. Lists 0..K are classes, K+1+c consumer c's."""
@@ -180,7 +180,7 @@ def branch_reclass(S, x):
         _branch_list_set(nd, S[S_FBH], S[S_FBT], x, class_of(S[S_CLS], S[S_FM][nd[x].fam].model, nd[x].maxlen))
 
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def _new_node(S, key, parent, depth, f):
     nd = S[S_ND]
     meta = S[S_META]
@@ -212,7 +212,7 @@ def _new_node(S, key, parent, depth, f):
     return x
 
 
-@kernel
+@kernel(_nrt=False)
 def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     """Index one item; its slot, or a FULL_* code (nothing changed)."""
     it = S[S_IT]
@@ -319,7 +319,7 @@ def insert_many(S, keys, arrivals, lengths, max_new, models, families, hash_offs
     return keys.size
 
 
-@kernel
+@kernel(_nrt=False)
 def remove(S, s):
     """Take item s out of the index (its slot is free afterwards)."""
     f = remove_quiet(S, s)
@@ -327,7 +327,7 @@ def remove(S, s):
         family_reclass(S, f)
 
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def remove_quiet(S, s):
     """`remove` without re-listing the family; returns the family slot if it still has items, else -1.
     A caller removing several items of one family re-lists it once (`family_reclass`)."""

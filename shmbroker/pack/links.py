@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..jit import kernel
 
 
-@kernel
+@kernel(_nrt=False)
 def _bucket_append(it, bk, b, s):
     it[s].bucket = b
     it[s].bnext = -1
@@ -30,7 +30,7 @@ def _bucket_append(it, bk, b, s):
     bk[b].count += 1
 
 
-@kernel
+@kernel(_nrt=False)
 def _bucket_unlink(it, bk, s):
     b = it[s].bucket
     p = it[s].bprev
@@ -47,7 +47,7 @@ def _bucket_unlink(it, bk, s):
     return b
 
 
-@kernel
+@kernel(_nrt=False)
 def _nitem_append(it, nd, x, s):
     it[s].node = x
     it[s].nnext = -1
@@ -60,7 +60,7 @@ def _nitem_append(it, nd, x, s):
     nd[x].nitems += 1
 
 
-@kernel
+@kernel(_nrt=False)
 def _nitem_unlink(it, nd, s):
     x = it[s].node
     p = it[s].nprev
@@ -77,7 +77,7 @@ def _nitem_unlink(it, nd, s):
     return x
 
 
-@kernel
+@kernel(_nrt=False)
 def _child_append(nd, p, x):
     nd[x].snext = -1
     nd[x].sprev = nd[p].ctail
@@ -88,7 +88,7 @@ def _child_append(nd, p, x):
     nd[p].ctail = x
 
 
-@kernel
+@kernel(_nrt=False)
 def _child_unlink(nd, p, x):
     a = nd[x].sprev
     b = nd[x].snext
@@ -104,7 +104,7 @@ def _child_unlink(nd, p, x):
     nd[x].snext = -1
 
 
-@kernel
+@kernel(_nrt=False)
 def _branch_list_set(nd, fbh, fbt, x, c):
     """Move branch x to its family's class list c (-1: out of every list)."""
     old = nd[x].cls
@@ -134,7 +134,7 @@ def _branch_list_set(nd, fbh, fbt, x, c):
         fbt[f, c] = x
 
 
-@kernel
+@kernel(_nrt=False)
 def _family_list_set(fm, gh, gt, f, c):
     """Move family f to the global class list c (-1: out of every list)."""
     old = fm[f].gcls

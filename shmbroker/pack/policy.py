@@ -40,7 +40,7 @@ FAMILY_ATTEMPTS = 8
 NO_AGING = -1.0
 
 
-@kernel
+@kernel(_nrt=False)
 def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model):
     """(family or -1, aged item slot or -1).
 
@@ -81,7 +81,7 @@ P_C, P_MODEL, P_BS, P_BT, P_MAXIN, P_MODELMAX, P_DESC = range(7)
 F_MAXWAIT, F_TOL = range(2)
 
 
-@kernel
+@kernel(_nrt=False)
 def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys):
     """Rather than idle, serve the oldest overdue item c can take on its own (its shape is then
     held by another consumer or mixed with longer work)."""

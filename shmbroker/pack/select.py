@@ -50,13 +50,13 @@ from .shapes import NUM_BANDS
 from .tables import ht_find
 
 
-@kernel
+@kernel(_nrt=False)
 def _fits(n, longest, length, bs, bt):
     m = max(longest, length)
     return n + 1 <= bs and (n + 1) * m <= bt
 
 
-@kernel
+@kernel(_nrt=False)
 def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed):
     """Returns (items, failed, band to resume from or -1 for the far end, shortest, longest).
 
@@ -115,7 +115,7 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
     return n, nf, -1, lo, hi
 
 
-@kernel
+@kernel(_nrt=False)
 def _claim(S, c, x):
     nd = S[S_ND]
     _branch_list_set(nd, S[S_FBH], S[S_FBT], x, -1)
@@ -125,7 +125,7 @@ def _claim(S, c, x):
     return x
 
 
-@kernel
+@kernel(_nrt=False)
 def _claim_branch(S, f, c, cls_order):
     """c's next branch in family f: one it served before (its cache may hold it), else the class
     lists in c's order, else (rather than idle) one another consumer served before, if c fits it."""
@@ -148,7 +148,7 @@ def _claim_branch(S, f, c, cls_order):
     return -1
 
 
-@kernel
+@kernel(_nrt=False)
 def release_branch(S, c):
     x = S[S_CONS][c, C_BRANCH]
     if x == -1:
@@ -158,7 +158,7 @@ def release_branch(S, c):
     branch_reclass(S, x)
 
 
-@kernel
+@kernel(_nrt=False)
 def select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed):
     """Returns (items, failed)."""
     it = S[S_IT]
@@ -228,7 +228,7 @@ def select_packed(S, f, c, bs, bt, max_in, model_max, cls_order, out, failed):
     return n, nf
 
 
-@kernel
+@kernel(_nrt=False)
 def oldest(S, classes, cutoff):
     """The oldest item of the given age classes that arrived before cutoff (waited longer), or -1."""
     it = S[S_IT]
@@ -240,7 +240,7 @@ def oldest(S, classes, cutoff):
     return best
 
 
-@kernel
+@kernel(_nrt=False)
 def unclaim(S, slots, n):
     """Put back the branches of a refused batch's items (claimed, but no longer any consumer's)."""
     it = S[S_IT]
@@ -253,7 +253,7 @@ def unclaim(S, slots, n):
             branch_reclass(S, x)
 
 
-@kernel(inline="always")
+@kernel(inline="always", _nrt=False)
 def contains(values, n, x):
     for i in range(n):
         if values[i] == x:
@@ -261,7 +261,7 @@ def contains(values, n, x):
     return False
 
 
-@kernel
+@kernel(_nrt=False)
 def take_family(S, c, cls_order, skip, nskip):
     """Claim the first unclaimed family in the class lists (in cls_order) not in skip[:nskip]; or -1."""
     fm = S[S_FM]
@@ -277,7 +277,7 @@ def take_family(S, c, cls_order, skip, nskip):
     return -1
 
 
-@kernel
+@kernel(_nrt=False)
 def release_family(S, c):
     """c leaves its current family: unclaim it if c held it."""
     f = S[S_CONS][c, C_FAM]
@@ -289,7 +289,7 @@ def release_family(S, c):
         family_reclass(S, f)
 
 
-@kernel
+@kernel(_nrt=False)
 def claim_item_branch(S, c, s, max_in):
     """Aging, packed: make item s's branch c's current branch when nobody holds it and c fits it."""
     nd = S[S_ND]
@@ -300,7 +300,7 @@ def claim_item_branch(S, c, s, max_in):
     _claim(S, c, x)
 
 
-@kernel
+@kernel(_nrt=False)
 def gather(S, slots, n, rows):
     it = S[S_IT]
     fm = S[S_FM]
@@ -314,7 +314,7 @@ def gather(S, slots, n, rows):
         rows[i].model = fm[it[s].fam].model
 
 
-@kernel
+@kernel(_nrt=False)
 def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol, bs, bt, max_in, rows, fail_keys):
     """Gather the batch, run the guard, then remove its items (and the failed ones) from the index.
 

@@ -25,12 +25,12 @@ def table_size(capacity: int) -> int:
     return size
 
 
-@kernel
+@kernel(_nrt=False)
 def _home(key, mask):
     return np.int64(((key * GOLDEN) >> np.uint64(32)) & np.uint64(mask))
 
 
-@kernel
+@kernel(_nrt=False)
 def ht_find(keys, vals, key):
     mask = keys.size - 1
     i = _home(key, mask)
@@ -41,7 +41,7 @@ def ht_find(keys, vals, key):
     return np.int64(NOT_FOUND)
 
 
-@kernel
+@kernel(_nrt=False)
 def ht_put(keys, vals, key, val):
     """Insert key (absent) -> val."""
     mask = keys.size - 1
@@ -52,7 +52,7 @@ def ht_put(keys, vals, key, val):
     vals[i] = val
 
 
-@kernel
+@kernel(_nrt=False)
 def ht_delete(keys, vals, key):
     mask = keys.size - 1
     i = _home(key, mask)
