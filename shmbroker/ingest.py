@@ -109,10 +109,6 @@ class RingSet:
             if time.monotonic() >= deadline:
                 return False
 
-    def dead_producers(self) -> list[ProducerEntry]:
-        """Producers whose process is gone and whose ring is drained."""
-        return [s.entry for s in self.sources if not s.ring.peer_alive() and not spsc.readable(s.ring.buf)]
-
     def close(self) -> None:
         for src in self.sources:
             src.ring.close()
@@ -136,20 +132,26 @@ class BacklogAppender:
         self.num_disk_full = 0
 
     def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:
-        if self._flat.size < ring.capacity_words:
-            self._flat = np.empty(ring.capacity_words, np.uint32)
-        data = ring.buf[L.HEADER_BYTES :]
-        total = collect(
-            data.view(np.uint32), data.view(np.uint64), positions, count, entry.producer_id,
-            self.block_tokens, self._flat, self._offsets, self._items,
-        )
+        self.append(entry.producer_id, ring.buf, positions, count)
+
+    def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int):
+        """Append the records at `positions` of a ring (its whole segment, `ring_buf`) to the backlog.
+        Returns (flat, offsets, items, seqs, segments, record offsets): what was appended, and where."""
+        data = ring_buf[L.HEADER_BYTES :]
+        words = data.view(np.uint32)
+        if self._flat.size < words.size:
+            self._flat = np.empty(words.size, np.uint32)
+        total = collect(words, data.view(np.uint64), positions, count, producer_id, self.block_tokens, self._flat,
+                        self._offsets, self._items)
+        flat, offsets, items = self._flat[:total], self._offsets[: count + 1], self._items[:count]
         try:
-            self.writer.append_many(self._flat[:total], self._offsets[: count + 1], self._items[:count])
+            seqs, segments, rec_offsets = self.writer.append_many(flat, offsets, items)
         except DiskFull:
             self.num_disk_full += 1
             raise  # nothing written: drain_once does not release, the ring keeps the records
         self.num_items += count
         self.num_tokens += total
+        return flat, offsets, items, seqs, segments, rec_offsets
 
 
 def pump(rings: RingSet, registry: Registry, on_records: OnRecords, wait_seconds: float = SLEEP_SLICE_SECONDS) -> int:
@@ -188,15 +190,8 @@ class Announcer:
 
     def __call__(self, entry, ring: Ring, positions: np.ndarray, count: int) -> None:
         app = self.appender
-        if app._flat.size < ring.capacity_words:
-            app._flat = np.empty(ring.capacity_words, np.uint32)
-        data = ring.buf[L.HEADER_BYTES :]
-        total = collect(data.view(np.uint32), data.view(np.uint64), positions, count, entry.producer_id,
-                        app.block_tokens, app._flat, app._offsets, app._items)
-        flat, offsets, items = app._flat[:total], app._offsets[: count + 1], app._items[:count]
-        seqs, segments, rec_offsets = self.writer.append_many(flat, offsets, items)
-        app.num_items += count
-        app.num_tokens += total
+        flat, offsets, items, seqs, segments, rec_offsets = app.append(entry.producer_id, ring.buf, positions, count)
+        total = flat.size
         prefixes = self._prefixes[:count]
         declared = items["prefix_len"]
         prefixes[:] = np.where(declared == NO_PREFIX, 0, declared)

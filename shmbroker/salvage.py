@@ -16,12 +16,10 @@ import time
 
 import numpy as np
 
-from .ring import layout as L
+from .ingest import BATCH_RECORDS, BacklogAppender
 from .ring.owner import Manifest
 from .ring.shm import Segment
 from .ring.wire import close_ring, peek_closed, set_closed_tail
-from .spill.collect import collect
-from .spill.layout import ITEM_DTYPE
 
 SALVAGE_GRACE_SECONDS = 0.02
 INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
@@ -48,28 +46,19 @@ def salvage(backlog, cfg) -> int:
     for _, seg in rings:
         close_ring(seg.buf)
     time.sleep(SALVAGE_GRACE_SECONDS)  # a push that reserved its room before the close lands
-    total = 0
     writer = backlog.writer(0, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
+    appender = BacklogAppender(writer, cfg.block_tokens)
+    positions = np.empty(BATCH_RECORDS, np.int64)
     try:
         for producer_id, seg in rings:
-            buf = seg.buf
-            positions = np.empty(4096, np.int64)
-            capacity = int(buf[: L.HEADER_BYTES].view(np.int64)[L.H_CAPACITY])
-            flat = np.empty(capacity, np.uint32)
-            offsets = np.empty(positions.size + 1, np.int64)
-            items = np.zeros(positions.size, ITEM_DTYPE)
-            data = buf[L.HEADER_BYTES :]
             while True:
-                n, tail = peek_closed(buf, positions, positions.size)
+                n, tail = peek_closed(seg.buf, positions, positions.size)
                 if n == 0:
                     break
-                used = collect(data.view(np.uint32), data.view(np.uint64), positions, n, producer_id,
-                               cfg.block_tokens, flat, offsets, items)
-                writer.append_many(flat[:used], offsets[: n + 1], items[:n])
-                set_closed_tail(buf, tail)
-                total += n
+                appender.append(producer_id, seg.buf, positions, n)
+                set_closed_tail(seg.buf, tail)
     finally:
         writer.close()
         for _, seg in rings:
             seg.close()
-    return total
+    return appender.num_items
