@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import DiskFull, Full, PeerDead
-from .pack.shapes import DEFAULT_BLOCK_TOKENS, DEFAULT_SEED, count_blocks, hash_items
+from .pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring import spsc
@@ -185,7 +185,6 @@ class Announcer:
         self.writer = appender.writer
         self._hash_offsets = np.empty(BATCH_RECORDS + 1, np.int64)
         self._hashes = np.empty(0, np.uint64)
-        self._families = np.empty(BATCH_RECORDS, np.uint64)
         self._prefixes = np.empty(BATCH_RECORDS, np.int64)
 
     def __call__(self, entry, ring: Ring, positions: np.ndarray, count: int) -> None:
@@ -200,8 +199,9 @@ class Announcer:
         if self._hashes.size < nh:
             self._hashes = np.empty(max(nh, 2 * self._hashes.size), np.uint64)
         hashes = self._hashes[:nh]
-        hash_items(flat, offsets, prefixes, items["model"].astype(np.int64), app.block_tokens, DEFAULT_SEED,
-                   self._families[:count], hash_offsets, hashes)
+        # the family keys are collect's (`prefix_key`): hash only the blocks below them
+        chain_items(flat, offsets[:-1], np.diff(offsets), prefixes, np.ascontiguousarray(items["prefix_key"]),
+                    app.block_tokens, hash_offsets, hashes)
         payload = np.empty(count * LOC_WORDS + 2 * nh, np.uint32)
         locs = payload[: count * LOC_WORDS].view(LOC_DTYPE)
         locs["writer"] = self.writer.writer

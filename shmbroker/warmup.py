@@ -101,7 +101,6 @@ def warm_spill() -> None:
 def warm_broker() -> None:
     """The kernels of the broker's processes: wire records, closing rings, block hashes of recovered items."""
     from .ring import layout, wire
-    from .spill import locate
 
     cap = 4096
     ring = np.zeros(layout.segment_bytes(cap), np.uint8)
@@ -121,12 +120,17 @@ def warm_broker() -> None:
     wire.close_ring(ring)
     _, tail = wire.peek_closed(ring, pos, 8)
     wire.set_closed_tail(ring, tail)
-    seg = np.zeros(4096, np.uint8)
-    hash_offsets = np.zeros(2, np.int64)
+    from .pack.shapes import chain_items
+
+    hash_offsets = np.array([0, 1], np.int64)
     lengths = np.array([600], np.int64)
     zero = np.zeros(1, np.int64)
-    locate._count(lengths, zero, 512, hash_offsets)
-    locate.block_hashes(seg, zero, lengths, zero, np.ones(1, np.uint64), 512, hash_offsets, np.zeros(1, np.uint64))
+    families = np.ones(1, np.uint64)
+    out = np.zeros(1, np.uint64)
+    flat = np.zeros(600, np.uint32)
+    readonly = np.frombuffer(bytes(2400), np.uint8).view(np.uint32)  # a read-only segment mapping
+    for words in (flat, readonly):
+        chain_items(words, zero, lengths, zero, families, 512, hash_offsets, out)
 
 
 def warm_all() -> None:

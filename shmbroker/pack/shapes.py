@@ -107,20 +107,33 @@ def family_key(tokens, start, n, prefix, model, block_tokens, seed):
 
 
 @kernel
-def item_hashes(tokens, start, n, prefix, model, block_tokens, seed, out, out_start):
-    """Family key of tokens[start:start+n]; block hashes into out[out_start:]. Returns the key."""
-    base = prefix if prefix > 0 else min(n, block_tokens)
-    h = family_key(tokens, start, n, prefix, model, block_tokens, seed)
-    family = h
+def chain_blocks(tokens, start, n, prefix, family, block_tokens, out, out_start):
+    """Block hashes of tokens[start:start+n] below its family key, chained, into out[out_start:]."""
     k = out_start
-    pos = base
+    pos = prefix if prefix > 0 else min(n, block_tokens)
+    h = family
     while pos < n:
         stop = min(pos + block_tokens, n)
         h = hash_span(tokens, start + pos, start + stop, h)
         out[k] = h
         k += 1
         pos = stop
+
+
+@kernel
+def item_hashes(tokens, start, n, prefix, model, block_tokens, seed, out, out_start):
+    """Family key of tokens[start:start+n]; block hashes into out[out_start:]. Returns the key."""
+    family = family_key(tokens, start, n, prefix, model, block_tokens, seed)
+    chain_blocks(tokens, start, n, prefix, family, block_tokens, out, out_start)
     return family
+
+
+@kernel
+def chain_items(words, starts, lengths, prefixes, families, block_tokens, hash_offsets, hashes):
+    """Block hashes of items whose family keys are known (item i: words[starts[i]:starts[i]+lengths[i]]):
+    only the tokens past each family root are read."""
+    for i in range(starts.size):
+        chain_blocks(words, starts[i], lengths[i], prefixes[i], families[i], block_tokens, hashes, hash_offsets[i])
 
 
 @kernel

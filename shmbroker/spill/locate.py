@@ -9,40 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit import kernel
-from ..pack.shapes import hash_span, num_blocks
+from ..pack.shapes import chain_items, count_blocks
 from ..ring.items import NO_PREFIX
 from ..ring.wire import LOC_DTYPE
 from .layout import RECORD_HEADER_BYTES
-
-
-@kernel
-def block_hashes(seg, offsets, lengths, prefixes, families, block_tokens, hash_offsets, out):
-    """Block hashes of the records at seg[offsets[i]] into out[hash_offsets[i]:hash_offsets[i+1]]."""
-    for i in range(offsets.size):
-        n = lengths[i]
-        base = prefixes[i] if prefixes[i] > 0 else min(n, block_tokens)
-        if base >= n:
-            continue
-        start = offsets[i] + RECORD_HEADER_BYTES
-        tokens = seg[start : start + 4 * n].view(np.uint32)
-        h = families[i]
-        k = hash_offsets[i]
-        pos = base
-        while pos < n:
-            stop = min(pos + block_tokens, n)
-            h = hash_span(tokens, pos, stop, h)
-            out[k] = h
-            k += 1
-            pos = stop
-
-
-@kernel
-def _count(lengths, prefixes, block_tokens, hash_offsets):
-    hash_offsets[0] = 0
-    for i in range(lengths.size):
-        hash_offsets[i + 1] = hash_offsets[i] + num_blocks(lengths[i], prefixes[i], block_tokens)
-    return hash_offsets[lengths.size]
 
 
 def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
@@ -60,7 +30,9 @@ def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
     lengths = pending["num_tokens"].astype(np.int64)
     declared = pending["prefix_len"]
     prefixes = np.where(declared == NO_PREFIX, 0, declared).astype(np.int64)
-    total = _count(lengths, prefixes, block_tokens, hash_offsets)
+    ends = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=ends[1:])
+    total = count_blocks(ends, prefixes, block_tokens, hash_offsets)
     locs["aux"] = np.diff(hash_offsets)
     hashes = np.zeros(total, np.uint64)
     if total:
@@ -74,7 +46,8 @@ def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
             sel = idx[a:b]
             key = (int(writers[sel[0]]), int(segments[sel[0]]))
             seg = backlog.segment(*key)
-            block_hashes(seg.buf, pending["offset"][sel].astype(np.int64), lengths[sel], prefixes[sel],
-                         pending["prefix_key"][sel], block_tokens, hash_offsets[sel], hashes)
+            starts = (pending["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
+            chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], pending["prefix_key"][sel],
+                        block_tokens, hash_offsets[sel], hashes)
             backlog.forget_segment(*key)  # unmapped at once: memory stays one segment, not the backlog
     return locs, hash_offsets, hashes
