@@ -126,10 +126,10 @@ class Scheduler:
             self.slots[slots] = locs[:n]
             lengths = locs["length"][:n].astype(np.int64)
             models = locs["model"][:n].astype(np.int64)
-            prefixes = np.where(locs["prefix_len"][:n] == 0xFFFFFFFF, 0, locs["prefix_len"][:n]).astype(np.int64)
-            bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, self.cfg.block_tokens))
+            # the index reads families, lengths, models and block hashes (no bases: those are the
+            # cache models')
             shapes = ItemShapes(locs["family"][:n].copy(), hash_offsets[: n + 1] - hash_offsets[0],
-                                hashes[hash_offsets[0] :], lengths, models, bases, self.cfg.block_tokens)
+                                hashes[hash_offsets[0] :], lengths, models, None, self.cfg.block_tokens)
             added = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
                                          locs["max_new"][:n].astype(np.int64))
             self.num_free -= added
@@ -234,10 +234,6 @@ class Scheduler:
             self.bell.sleep(timeout_seconds)
         for buf, f in flags:
             spsc.clear_waiting(buf, f)
-
-    @property
-    def pending_items(self) -> int:
-        return len(self.packer) + sum(o[0].size for o in self.overflow)
 
 
 def _subset(locs, hash_offsets, hashes, keep):
