@@ -33,8 +33,9 @@ from .control import Control
 from .registry import ProducerBook
 from .results_log import CURSOR_FILE, RESULTS_DIR, OffsetQueue, ResultsLog
 from .ring import layout as L
+from .ring import spsc
 from .ring.items import SEQ_BITS
-from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
+from .ring.ring import CONSUMER, PRODUCER, Ring, sleep_on
 from .ring.wire import RES_HEADER_BYTES, RES_OK, push_results, result_fields, scan_results
 from .spill.acks import atomic_write
 from .spill.store import BACKLOG_DIR, Backlog
@@ -316,7 +317,7 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
             if got == 0:
                 if stopping() and all(_gpu_gone(r) for r in rings):
                     break
-                _sleep(rings, bell)
+                sleep_on(bell, rings)
     finally:
         router.close()
         for r in rings:
@@ -324,17 +325,4 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
 
 
 def _gpu_gone(ring: Ring) -> bool:
-    from .ring import spsc
-
     return not spsc.readable(ring.buf) and not ring.peer_alive()
-
-
-def _sleep(rings, bell) -> None:
-    from .ring import spsc
-
-    for r in rings:
-        spsc.set_waiting(r.buf, L.H_CONSUMER_WAITING)
-    if not any(spsc.readable(r.buf) for r in rings):
-        bell.sleep(SLEEP_SLICE_SECONDS)
-    for r in rings:
-        spsc.clear_waiting(r.buf, L.H_CONSUMER_WAITING)

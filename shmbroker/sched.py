@@ -26,9 +26,8 @@ from .errors import PeerDead
 from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
 from .ring import layout as L
-from .ring import spsc
 from .ring.items import STATUS_CODES
-from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
+from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
 from .spill.locate import recovered_locations
 from .spill.store import Backlog
@@ -226,14 +225,7 @@ class Scheduler:
 
     def wait(self, timeout_seconds: float) -> None:
         """Sleep on the shared doorbell until an announcement or a batch ring's space, or the timeout."""
-        flags = [(r.buf, L.H_CONSUMER_WAITING) for r in self.appended]
-        flags += [(r.buf, L.H_PRODUCER_WAITING) for r in self.batches]
-        for buf, f in flags:
-            spsc.set_waiting(buf, f)
-        if not any(spsc.readable(r.buf) for r in self.appended):
-            self.bell.sleep(timeout_seconds)
-        for buf, f in flags:
-            spsc.clear_waiting(buf, f)
+        sleep_on(self.bell, self.appended, self.batches, timeout_seconds)
 
 
 def _subset(locs, hash_offsets, hashes, keep):

@@ -108,6 +108,20 @@ def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | 
     return OwnedRing(RingNames(segment.name, data_bell.name, space_bell.name), segment, data_bell, space_bell)
 
 
+def sleep_on(bell: Doorbell, readable: list, space: list = (), timeout_seconds: float = SLEEP_SLICE_SECONDS) -> None:
+    """Sleep on one doorbell shared by several rings: announce the sleep as the consumer of each ring
+    in `readable` and as the producer of each in `space`, look once more (a record in any `readable`
+    ring cancels the sleep), sleep at most `timeout_seconds`, withdraw the announcements. Each ring's
+    peer rings the shared doorbell when it sees the announcement."""
+    flags = [(r.buf, L.H_CONSUMER_WAITING) for r in readable] + [(r.buf, L.H_PRODUCER_WAITING) for r in space]
+    for buf, f in flags:
+        spsc.set_waiting(buf, f)
+    if not any(spsc.readable(r.buf) for r in readable):
+        bell.sleep(timeout_seconds)
+    for buf, f in flags:
+        spsc.clear_waiting(buf, f)
+
+
 class Ring:
     """The producer's or the consumer's handle on one ring."""
 
