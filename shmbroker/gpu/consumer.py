@@ -257,29 +257,25 @@ class ResultWriter:
         self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
 
     def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
+        """Runs of plain records in one kernel call each; a failed item with an error text alone."""
         n = len(res)
-        status = res.status
-        errs = res.errors
-        i = 0
-        at = 0
-        while i < n:
-            if i in errs and status[i] != CODE_OK:
-                text = errs[i].encode("utf-8", "replace")[:RES_MAX_ERROR_BYTES]
+        texts = sorted(k for k in res.errors if res.status[k] != CODE_OK)
+        i = at = 0
+        for stop in texts + [n]:
+            while i < stop:
+                j, at = encode_results(self.buf, at, res.item_ids, seqs, writers, res.status, res.flat, res.offsets,
+                                       i, stop)
+                if j == i:  # the next record does not fit what is left
+                    at = self._flush(at, RES_HEADER_BYTES + 4 * int(res.offsets[i + 1] - res.offsets[i]) + 8)
+                i = j
+            if stop < n:
+                text = res.errors[stop].encode("utf-8", "replace")[:RES_MAX_ERROR_BYTES]
                 need = RES_HEADER_BYTES + len(text) + 8
                 if at + need > self.buf.size:
                     at = self._flush(at, need)
-                at = encode_error(self.buf, at, res.item_ids[i], seqs[i], status[i], writers[i],
+                at = encode_error(self.buf, at, res.item_ids[stop], seqs[stop], res.status[stop], writers[stop],
                                   np.frombuffer(text, np.uint8))
-                i += 1
-                continue
-            stop = n if not errs else min([k for k in errs if k >= i] + [n])
-            if stop == i:
-                stop = i + 1
-            j, at = encode_results(self.buf, at, res.item_ids, seqs, writers, status, res.flat, res.offsets, i, stop)
-            if j == i:  # the next record does not fit what is left
-                need = RES_HEADER_BYTES + 4 * int(res.offsets[i + 1] - res.offsets[i]) + 8
-                at = self._flush(at, need)
-            i = j
+                i = stop + 1
         self._flush(at, 0)
 
     def _flush(self, at: int, need: int) -> int:
