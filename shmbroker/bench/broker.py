@@ -11,6 +11,24 @@ from pathlib import Path
 
 READY_SECONDS = 120.0
 
+# The default configuration's two consumers (`settings.default_consumers`) on the simulated engine in
+# zero-cost mode: every batch returns at once, so a benchmark measures the broker, not a model.
+ZERO_COST_CONSUMERS = """
+[[consumers]]
+name = "big"
+max_batch_size = 256
+max_batch_tokens = 131072
+max_input_len = 131072
+engine_settings = { mode = "packed", cache_tokens = 2097152, zero_cost = true }
+
+[[consumers]]
+name = "small"
+max_batch_size = 64
+max_batch_tokens = 16384
+max_input_len = 16384
+engine_settings = { mode = "packed", cache_tokens = 262144, zero_cost = true }
+"""
+
 
 class BenchBroker:
     """Started with `config` (TOML text) on `<tmp>/data`; `wait_ready()` returns the registry's info."""

@@ -31,29 +31,12 @@ import numpy as np
 from ..ring.wire import res_bytes
 from ..spill.layout import record_bytes
 from . import mpqueue
-from .broker import BenchBroker
+from .broker import ZERO_COST_CONSUMERS, BenchBroker
 
 TOKENS = 256
 CHUNK = 1024
 MAX_NEW_TOKENS = 1
 DISK_PROBE_BYTES = 256 << 20
-
-CONFIG = """
-[[consumers]]
-name = "big"
-max_batch_size = 256
-max_batch_tokens = 131072
-max_input_len = 131072
-engine_settings = {{ mode = "packed", cache_tokens = 2097152, zero_cost = true }}
-
-[[consumers]]
-name = "small"
-max_batch_size = 64
-max_batch_tokens = 16384
-max_input_len = 16384
-engine_settings = {{ mode = "packed", cache_tokens = 262144, zero_cost = true }}
-"""
-
 
 def _producer(index: int, data_dir: str, items: int, conn) -> None:
     from ..client import Producer
@@ -137,7 +120,7 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
 
 
 def _run_broker(tmp: str, items: int) -> dict:
-    broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + CONFIG.format())
+    broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + ZERO_COST_CONSUMERS)
     data = broker.data_dir
     ctx = mp.get_context("fork")
     procs, conns = [], []

@@ -30,25 +30,12 @@ from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..ring.items import NO_PREFIX, SEQ_BITS
 from ..spill.layout import ITEM_DTYPE
 from ..spill.store import Backlog
-from .broker import BenchBroker
+from .broker import ZERO_COST_CONSUMERS, BenchBroker
 
 CONFIG = """instance = "restart{pid}"
 index_items = {capacity}
-
-[[consumers]]
-name = "big"
-max_batch_size = 256
-max_batch_tokens = 131072
-max_input_len = 131072
-engine_settings = {{ mode = "packed", zero_cost = true }}
-
-[[consumers]]
-name = "small"
-max_batch_size = 64
-max_batch_tokens = 16384
-max_input_len = 16384
-engine_settings = {{ mode = "packed", zero_cost = true }}
 """
+
 CHUNK_ITEMS = 1024
 
 
@@ -102,7 +89,7 @@ def _serve(tmp: str, tokens: int, capacity: int) -> dict:
     from ..control import Control
 
     made = write_backlog(os.path.join(tmp, "data"), tokens)
-    broker = BenchBroker(tmp, CONFIG.format(pid=os.getpid(), capacity=capacity))
+    broker = BenchBroker(tmp, CONFIG.format(pid=os.getpid(), capacity=capacity) + ZERO_COST_CONSUMERS)
     t0 = broker.started
     sup = broker.proc
     ctl = None
