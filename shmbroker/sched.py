@@ -254,6 +254,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
             got = sched.take_announcements()
             sent = sched.dispatch()
             counters[5] = len(sched.packer)
+            counters[6] = sched.packer.index.tokens
             if got == 0 and sent == 0:
                 try:
                     sched.wait(SLEEP_SLICE_SECONDS)
