@@ -20,7 +20,6 @@ the result records to the results ring, release the batch.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ from ..errors import Full, PeerDead
 from ..pack.contract import BATCH_ROW, Batch, Contract, Shape
 from ..pack.guard import Guard
 from ..ring import layout as L
-from ..ring import spsc
 from ..ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
 from ..ring.wire import LOC_DTYPE, LOC_WORDS, RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
 from ..spill.layout import RECORD_HEADER_BYTES, writer_dir_name
@@ -45,6 +43,10 @@ from .engines.base import (
     EngineOutcome,
     ItemResult,
 )
+
+# Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
+# within a few of its time slices.
+YIELD_ROUNDS = 64
 
 CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR = (STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID,
                                                                                       ENGINE_ERROR))
@@ -323,8 +325,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 if stopping():
                     break
                 try:
-                    if not _yield_until_readable(ring.buf):
-                        ring.wait_readable(SLEEP_SLICE_SECONDS)
+                    ring.wait_readable(SLEEP_SLICE_SECONDS, YIELD_ROUNDS)
                 except PeerDead:
                     pass  # the scheduler is restarting; its ring and our batches stay
                 continue
@@ -347,19 +348,6 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
         ring.close()
         out.close()
         engine.close()
-
-
-YIELD_ROUNDS = 64
-
-
-def _yield_until_readable(buf) -> bool:
-    """Give the CPU to the others a few times before sleeping: the scheduler's next batch usually
-    lands within a few of its time slices, and waking a sleeper costs it a doorbell ring."""
-    for _ in range(YIELD_ROUNDS):
-        if spsc.readable(buf):
-            return True
-        os.sched_yield()
-    return False
 
 
 def _batch(c: int, run: np.ndarray) -> Batch:

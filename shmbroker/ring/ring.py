@@ -122,6 +122,14 @@ def sleep_on(bell: Doorbell, readable: list, space: list = (), timeout_seconds: 
         spsc.clear_waiting(buf, f)
 
 
+def _yield_until(buf: np.ndarray, rounds: int) -> bool:
+    for _ in range(rounds):
+        os.sched_yield()
+        if spsc.readable(buf):
+            return True
+    return False
+
+
 class Ring:
     """The producer's or the consumer's handle on one ring."""
 
@@ -235,11 +243,15 @@ class Ring:
                 return True
             self._check_peer()
 
-    def wait_readable(self, timeout_seconds: float) -> bool:
-        """Consumer: wait until a record is there; False at the deadline; PeerDead if the producer died."""
+    def wait_readable(self, timeout_seconds: float, yield_rounds: int = 0) -> bool:
+        """Consumer: wait until a record is there; False at the deadline; PeerDead if the producer died.
+
+        `yield_rounds`: after the spin, give the CPU to the others that many times before sleeping
+        (a consumer whose producer usually answers within a few of their time slices saves it a
+        doorbell ring and itself a wake-up)."""
         buf = self.buf
         return self._wait(
-            lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS),
+            lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS) or _yield_until(buf, yield_rounds),
             lambda: spsc.readable(buf),
             time.monotonic() + timeout_seconds,
         )
