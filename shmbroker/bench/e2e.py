@@ -51,6 +51,9 @@ def _producer(index: int, data_dir: str, items: int, conn) -> None:
     sent_ns = np.zeros(items, np.int64)
     latency_ns = np.zeros(items, np.int64)
     got = 0
+    from ..warmup import warm_rings
+
+    warm_rings()  # the client's kernels in memory before the clock starts, as the broker's are
     with Producer(f"bench{index}", data_dir=data_dir) as p:
         conn.send("ready")
         conn.recv()

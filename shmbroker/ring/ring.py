@@ -246,12 +246,12 @@ class Ring:
     def wait_readable(self, timeout_seconds: float, yield_rounds: int = 0) -> bool:
         """Consumer: wait until a record is there; False at the deadline; PeerDead if the producer died.
 
-        `yield_rounds`: after the spin, give the CPU to the others that many times before sleeping
-        (a consumer whose producer usually answers within a few of their time slices saves it a
-        doorbell ring and itself a wake-up)."""
+        `yield_rounds`: first give the CPU to the others that many times (a consumer whose producer
+        usually answers within a few of their time slices saves it a doorbell ring and itself a
+        wake-up, without spinning on a core the producer needs), then spin and sleep as usual."""
         buf = self.buf
         return self._wait(
-            lambda: spsc.spin_until_readable(buf, SPIN_ROUNDS) or _yield_until(buf, yield_rounds),
+            lambda: _yield_until(buf, yield_rounds) or spsc.spin_until_readable(buf, SPIN_ROUNDS),
             lambda: spsc.readable(buf),
             time.monotonic() + timeout_seconds,
         )
