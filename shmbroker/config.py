@@ -21,3 +21,4 @@ def data_dir(explicit: str | os.PathLike | None = None) -> str:
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_FSYNC = "interval"
 DEFAULT_FSYNC_INTERVAL_MS = 5.0
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"  # the Prometheus exporter; loopback unless configured otherwise

@@ -18,18 +18,21 @@ Header (int64 words)
 | 4    | supervisor_pid   | supervisor |                                                  |
 | 5    | started_ns       | supervisor | CLOCK_REALTIME at start                          |
 | 6    | stopping         | supervisor | 1: a graceful stop is under way                  |
+| 7    | metrics_port     | supervisor | the exporter's TCP port (0: no exporter)         |
 
 Role slot r (ROLE_WORDS int64 words from ROLES_AT + r × ROLE_WORDS)
 
-| word | field         | meaning                                                        |
-|------|---------------|----------------------------------------------------------------|
-| 0    | pid           | 0 = not running                                                |
-| 1    | restarts      | times the supervisor restarted this role                       |
-| 2    | beat_ns       | CLOCK_MONOTONIC heartbeat of its loop                          |
-| 3    | started_ns    | CLOCK_MONOTONIC when this incarnation started                  |
-| 4    | compiles      | numba compilations (or cache loads) in it: 0, the supervisor   |
-|      |               | loaded every kernel before it forked                           |
-| 8-31 | counters      | per role, named in ROLE_COUNTERS (monotonic while it runs)     |
+| word  | field         | writer      | meaning                                                  |
+|-------|---------------|-------------|----------------------------------------------------------|
+| 0     | pid           | supervisor  | 0 = not running                                          |
+| 1     | restarts      | supervisor  | times the supervisor restarted this role                 |
+| 2     | beat_ns       | the process | CLOCK_MONOTONIC heartbeat of its loop                    |
+| 3     | started_ns    | supervisor  | CLOCK_MONOTONIC when this incarnation started            |
+| 4     | compiles      | the process | numba compilations (or cache loads) in it: 0, the        |
+|       |               |             | supervisor loaded every kernel before it forked          |
+| 5     | seq           | the process | seqlock sequence of the values (`ring/seqlock.py`)        |
+| 8-63  | values        | the process | its statistics, named in `stats.STATS` by role kind;     |
+|       |               |             | counters carry on across its restarts                    |
 
 Producer slot s (SLOT_BYTES from TABLE_AT; names are NUL-padded ASCII)
 
@@ -52,32 +55,21 @@ from .ring.ring import RingNames
 from .ring.shm import Segment
 
 CONTROL_MAGIC = 0x4C525443424D4853  # "SHMBCTRL"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
-C_MAGIC, C_VERSION, C_NUM_ROLES, C_TABLE_VERSION, C_SUPERVISOR_PID, C_STARTED_NS, C_STOPPING = range(7)
+C_MAGIC, C_VERSION, C_NUM_ROLES, C_TABLE_VERSION, C_SUPERVISOR_PID, C_STARTED_NS, C_STOPPING, C_METRICS_PORT = range(8)
 HEADER_WORDS = 64
-ROLE_WORDS = 32
+ROLE_WORDS = 64
 MAX_ROLES = 128
-R_PID, R_RESTARTS, R_BEAT, R_STARTED, R_COMPILES = range(5)
-R_COUNTERS = 8
+R_PID, R_RESTARTS, R_BEAT, R_STARTED, R_COMPILES, R_SEQ = range(6)
+R_VALUES = 8
+VALUE_WORDS = ROLE_WORDS - R_VALUES
 ROLES_AT = HEADER_WORDS
 TABLE_AT = (ROLES_AT + MAX_ROLES * ROLE_WORDS) * 8
 NAME_BYTES = 96
 SLOT_BYTES = 80 + 6 * NAME_BYTES
 MAX_PRODUCERS = 1024
 CONTROL_BYTES = TABLE_AT + MAX_PRODUCERS * SLOT_BYTES
-
-# What each role's counters mean (index into its counters).
-ROLE_COUNTERS = {
-    "ingest": ("items", "tokens", "bytes", "batches", "disk_full"),
-    "sched": ("indexed_items", "indexed_tokens", "batches", "items", "failed", "pending_items", "pending_tokens",
-              "overflow_items"),
-    "results": ("results", "delivered", "acked", "parked", "log_bytes", "acks_saved", "disk_full"),
-    "gpu": ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
-            "hit_blocks", "queried_blocks", "engine_ns", "modeled_engine_ns", "padded_tokens", "rect_tokens",
-            "shape_switches", "excess_shape_switches", "families"),
-}
-
 
 def role_kind(name: str) -> str:
     """"ingest-0" -> "ingest", "gpu-big" -> "gpu", "sched" -> "sched"."""
@@ -107,8 +99,9 @@ class Control:
         return ctl
 
     @classmethod
-    def attach(cls, name: str, roles: list[str] | None = None) -> Control:
-        seg = Segment.attach(name)
+    def attach(cls, name: str, roles: list[str] | None = None, *, readonly: bool = False) -> Control:
+        """Attach by name; readonly (a watcher: `top`, `status`, the exporter) maps it PROT_READ."""
+        seg = Segment.attach(name, readonly=readonly)
         ctl = cls(seg, roles)
         if int(ctl.words[C_MAGIC]) != CONTROL_MAGIC or int(ctl.words[C_VERSION]) != LAYOUT_VERSION:
             seg.close()
@@ -121,13 +114,9 @@ class Control:
         at = ROLES_AT + r * ROLE_WORDS
         return self.words[at : at + ROLE_WORDS]
 
-    def counters(self, r: int) -> np.ndarray:
-        return self.role(r)[R_COUNTERS:]
-
-    def counter_dict(self, r: int) -> dict[str, int]:
-        names = ROLE_COUNTERS[role_kind(self.roles[r])]
-        values = self.counters(r)
-        return {n: int(values[i]) for i, n in enumerate(names)}
+    def values(self, r: int) -> np.ndarray:
+        """Role r's published statistics words (read them through `stats.read_role`)."""
+        return self.role(r)[R_VALUES:]
 
     # -- producer table ------------------------------------------------------------
 

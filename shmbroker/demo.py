@@ -164,7 +164,7 @@ def _wait_ready(sup: subprocess.Popen, data: str, log_path: Path) -> dict:
         except (OSError, ValueError):
             info = {}
         if info.get("ok") and info.get("pid") == sup.pid:
-            ctl = Control.attach(info["control"], info["roles"])
+            ctl = Control.attach(info["control"], info["roles"], readonly=True)
             try:
                 # every process forked and in its loop: a heartbeat after its start (the scheduler's
                 # first comes after its start scan of the backlog)
@@ -180,12 +180,13 @@ def _counters(info: dict, items: int) -> dict[str, dict[str, int]]:
     """Every role's counters, once the GPU processes have counted all `items` (they count a batch
     just after writing its results, so the last results can reach a producer first)."""
     from .control import Control
+    from .stats import read_role
 
-    ctl = Control.attach(info["control"], info["roles"])
+    ctl = Control.attach(info["control"], info["roles"], readonly=True)
     try:
         deadline = time.monotonic() + COUNTERS_SECONDS
         while True:
-            out = {role: ctl.counter_dict(r) for r, role in enumerate(info["roles"])}
+            out = {role: read_role(ctl, r) or {} for r, role in enumerate(info["roles"])}
             done = sum(c["items"] for role, c in out.items() if role.startswith("gpu-"))
             if done >= items or time.monotonic() > deadline:
                 return out
@@ -242,7 +243,7 @@ def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
         "shape_switches": c["shape_switches"], "excess_shape_switches": c["excess_shape_switches"],
         "families": c["families"], "modeled_seconds": modeled,
         "modeled_tokens_per_s": c["tokens"] / modeled if modeled else 0.0,
-        "engine_wall_seconds": c["engine_ns"] / 1e9,
+        "engine_wall_seconds": c["busy_ns"] / 1e9,
     }
 
 
@@ -297,7 +298,8 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
     data = str(tmp / "data")
     instance = f"demo{os.getpid()}"
     cfg_path = tmp / "shmbroker.toml"
-    cfg_path.write_text(f'instance = "{instance}"\n')
+    # the exporter on a free port (the default one may be taken); `shmbroker top` needs no port
+    cfg_path.write_text(f'instance = "{instance}"\nmetrics_addr = "127.0.0.1:0"\n')
     cfg = settings.load(cfg_path, data_dir=data)  # what the broker reads: this instance, default consumers
     log_path = tmp / "supervisor.log"
     wl = workload(items, seed, max_new_tokens)

@@ -35,7 +35,7 @@ from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
 from .ring.shm import Doorbell
 from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
 from .spill.collect import collect
-from .spill.layout import ITEM_DTYPE
+from .spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from .spill.writer import SegmentWriter
 
 BATCH_RECORDS = 4096
@@ -116,6 +116,7 @@ class RingSet:
 
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
+I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = range(5)  # stats.INGEST
 
 
 class BacklogAppender:
@@ -219,10 +220,10 @@ class Announcer:
         push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
         if self.counters is not None:
             c = self.counters
-            c[0] += count
-            c[1] += total
-            c[2] += int(total) * 4 + count * 64
-            c[3] += 1
+            c[I_ITEMS] += count
+            c[I_TOKENS] += total
+            c[I_BYTES] += count * RECORD_HEADER_BYTES + 4 * int(total) + 4 * int((np.diff(offsets) & 1).sum())
+            c[I_BATCHES] += 1
 
 
 def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh: int, stopping) -> None:
@@ -241,13 +242,15 @@ def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh:
 def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -> None:
     """Ingest process k: drain the rings of producers assigned to it into backlog writer k."""
     from .spill.store import Backlog
+    from .stats import StatsWriter
 
     backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes, writers={k})
     writer = backlog.writer(k, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
     appended = appended_ring.attach(PRODUCER)
     role = control.roles.index(f"ingest-{k}")
     slot = control.role(role)
-    announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, control.counters(role))
+    stats = StatsWriter(control, role)
+    announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, stats.values)
     rings = RingSet(bell)
     seen_version = -1
     try:
@@ -263,15 +266,19 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -
             if stopping():
                 drained = _final_drain(rings, announcer, stopping)
                 if drained:
+                    stats.publish()
                     break
                 continue
             try:
                 n = rings.drain_once(announcer)
             except DiskFull:
-                control.counters(role)[4] += 1
+                stats.values[I_DISK_FULL] += 1
+                stats.publish()
                 time.sleep(DISK_FULL_BACKOFF_SECONDS)
                 continue
-            if n == 0:
+            if n:
+                stats.publish()
+            else:
                 if rings.sources:
                     rings.wait(SLEEP_SLICE_SECONDS)
                 else:

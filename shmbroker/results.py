@@ -97,6 +97,10 @@ class Router:
                 for part in queue.take_all():
                     outlet.waiting.extend(part)
 
+    def parked_now(self) -> int:
+        """Results waiting for a producer: parked by name, or for a full ring."""
+        return sum(len(q) for q in self.parked.values()) + sum(len(o.waiting) for o in self.outlets.values())
+
     def _name_of(self, producer_id: int) -> str | None:
         name = self.names.get(producer_id)
         if name is None:
@@ -291,11 +295,19 @@ def _load_cursor(root: Path) -> int:
         return 0
 
 
+GAUGE_SECONDS = 0.25  # the parked gauge is counted this often
+
+
 def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
+    from .stats import StatsWriter, slot_of
+
     role = control.roles.index("results")
     slot = control.role(role)
-    router = Router(cfg.data_dir, cfg, control, control.counters(role))
+    stats = StatsWriter(control, role)
+    parked_at = slot_of("results", "parked_now")
+    router = Router(cfg.data_dir, cfg, control, stats.values)
     rings = [r.attach(CONSUMER) for r in results_rings]
+    next_gauges = 0.0
     try:
         router.refresh()
         router.replay()
@@ -312,14 +324,23 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
                 # a full disk: nothing taken is lost (a GPU's ring record is released only once
                 # logged); wait and take it again, the GPUs wait on their full rings meanwhile
                 router.counters[6] += 1
+                stats.publish()
                 time.sleep(DISK_FULL_BACKOFF_SECONDS)
                 continue
+            now = time.monotonic()
+            if now >= next_gauges:
+                stats.values[parked_at] = router.parked_now()
+                next_gauges = now + GAUGE_SECONDS
+                stats.publish()
+            elif got:
+                stats.publish()
             if got == 0:
                 if stopping() and all(_gpu_gone(r) for r in rings):
                     break
                 sleep_on(bell, rings)
     finally:
         router.close()
+        stats.publish()
         for r in rings:
             r.close()
 

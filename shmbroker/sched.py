@@ -31,15 +31,27 @@ from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
 from .spill.locate import recovered_locations
 from .spill.store import Backlog
+from .stats import MAX_MODELS, SCHED, slot_of
 
 AHEAD = 3  # batches queued or running per consumer
 POP_RECORDS = 64
 TOO_LONG = STATUS_CODES["too_long"]
 INVALID = STATUS_CODES["invalid"]
+NO_ITEM_NS = np.iinfo(np.int64).max
+GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
+
+# statistics words (stats.SCHED)
+(S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
+ S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS) = (
+    slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
+                                  "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
+                                  "overflow_items", "families", "oldest_ns", "num_models"))
+S_MODEL_ITEMS = slot_of("sched", "model0_items")
+S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
 
 
 class Scheduler:
-    def __init__(self, cfg, modes: list[str], appended, batch_rings, bell, counters=None):
+    def __init__(self, cfg, modes: list[str], appended, batch_rings, bell, values=None):
         self.cfg = cfg
         specs = [ConsumerSpec(c.name, c.contract, m) for c, m in zip(cfg.consumers, modes)]
         self.capacity = cfg.index_items
@@ -52,7 +64,11 @@ class Scheduler:
         self.appended = appended
         self.batches = batch_rings
         self.bell = bell
-        self.counters = counters if counters is not None else np.zeros(8, np.int64)
+        # statistics (stats.SCHED): the StatsWriter's values in the process, a private array in tests
+        self.values = values if values is not None else np.zeros(len(SCHED), np.int64)
+        self.models = models_of(cfg)  # model id -> its per-model pending counters' index
+        self.values[S_NUM_MODELS] = len(self.models)
+        self.arrival_ns = np.full(self.capacity, NO_ITEM_NS, np.int64)  # when each slot's item came in
         self.slots = np.zeros(self.capacity, LOC_DTYPE)
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
         self.num_free = self.capacity
@@ -111,14 +127,41 @@ class Scheduler:
             failed = locs[~keep].copy()
             failed["aux"] = status[~keep]
             self.failed.append(failed)
-            self.counters[4] += failed.size
             locs, hash_offsets, hashes = _subset(locs, hash_offsets, hashes, keep)
+            if locs.size == 0:
+                return
+        self._pending(locs, 1)
+        now_ns = time.monotonic_ns()
         if self.overflow:
-            self.overflow.append((locs, hash_offsets, hashes))
+            self.overflow.append((locs, hash_offsets, hashes, now_ns))
+            self.values[S_OVERFLOW] += locs.size
             return
-        self._index(locs, hash_offsets, hashes)
+        self._index(locs, hash_offsets, hashes, now_ns)
 
-    def _index(self, locs, hash_offsets, hashes) -> int:
+    def _pending(self, locs, sign: int) -> None:
+        """Count items (all of known models) into (+1) or out of (-1) the pending gauges."""
+        v = self.values
+        models, lengths = locs["model"], locs["length"]
+        n, tokens = locs.size, int(lengths.sum())
+        v[S_PENDING_ITEMS] += sign * n
+        v[S_PENDING_TOKENS] += sign * tokens
+        if len(self.models) == 1:
+            m = S_MODEL_ITEMS + 0
+            v[m] += sign * n
+            v[S_MODEL_TOKENS] += sign * tokens
+            return
+        first = int(models[0])
+        if (models == first).all():
+            m = self.models[first]
+            v[S_MODEL_ITEMS + m] += sign * n
+            v[S_MODEL_TOKENS + m] += sign * tokens
+            return
+        for model, m in self.models.items():
+            mine = models == model
+            v[S_MODEL_ITEMS + m] += sign * int(mine.sum())
+            v[S_MODEL_TOKENS + m] += sign * int(lengths[mine].sum())
+
+    def _index(self, locs, hash_offsets, hashes, arrival_ns: int) -> int:
         n = min(locs.size, self.num_free)
         if n:
             slots = self.free[self.num_free - n : self.num_free][::-1].copy()
@@ -132,35 +175,45 @@ class Scheduler:
             added = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
                                          locs["max_new"][:n].astype(np.int64))
             self.num_free -= added
-            self.counters[0] += added
-            self.counters[1] += int(lengths[:added].sum())
+            self.arrival_ns[slots[:added]] = arrival_ns
+            self.values[S_INDEXED_ITEMS] += added
+            self.values[S_INDEXED_TOKENS] += int(lengths[:added].sum())
             n = added
         if n < locs.size:
-            self.overflow.appendleft(_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n))
-        self.counters[7] = sum(o[0].size for o in self.overflow)
+            self.overflow.appendleft((*_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n), arrival_ns))
+            self.values[S_OVERFLOW] += locs.size - n
         return n
 
     def _refill(self) -> None:
         """Move overflow into the index as batches free its room."""
         while self.overflow and self.num_free:
-            if self._index(*self.overflow.popleft()) == 0:
+            entry = self.overflow.popleft()
+            self.values[S_OVERFLOW] -= entry[0].size
+            if self._index(*entry) == 0:
                 break
 
     def _unservable(self, locs):
+        """(status, keep) of items no consumer can ever take, counted by reason; None when all can be."""
         status = np.zeros(locs.size, np.uint32)
         lengths = locs["length"]
-        status[lengths == 0] = INVALID
+        empty = lengths == 0
+        status[empty] = INVALID
         models = locs["model"]
         for m in np.unique(models).tolist():
             mine = models == m
             top = self.model_max.get(int(m))
             if top is None:
-                status[mine] = INVALID
+                nobody = mine & ~empty
+                status[nobody] = INVALID
+                self.values[S_NO_CONSUMER] += int(nobody.sum())
             else:
-                status[mine & (lengths > top) & (status == 0)] = TOO_LONG
+                long = mine & (lengths > top) & (status == 0)
+                status[long] = TOO_LONG
+                self.values[S_TOO_LONG] += int(long.sum())
         keep = status == 0
         if keep.all():
             return None
+        self.values[S_EMPTY] += int(empty.sum())
         return status, keep
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -178,14 +231,16 @@ class Scheduler:
                     if record is None:
                         break
                 payload, n_run, n_failed = record
-                if ring.push(payload, self.num_batches, n_run, n_failed) != L.OK:
+                packed_ns = time.monotonic_ns()  # the GPU process counts the wait from here
+                if ring.push(payload, self.num_batches, n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32) \
+                        != L.OK:
                     self.held[c] = record
                     break
                 self.held[c] = None
                 self.num_batches += 1
                 pushed += 1
-                self.counters[2] += 1
-                self.counters[3] += n_run
+                self.values[S_BATCHES] += 1
+                self.values[S_ITEMS] += n_run
         if self.overflow:
             self._refill()
         return pushed
@@ -201,13 +256,16 @@ class Scheduler:
             rows.append(run)
             n_run = run.size
             self._free(slots)
+            if n_run:
+                self._pending(run, -1)
             if batch.failed:
                 keys = np.array([k for k, _ in batch.failed], np.int64)
                 bad = self.slots[keys].copy()
                 bad["aux"] = TOO_LONG
                 rows.append(bad)
                 self._free(keys)
-                self.counters[4] += keys.size
+                self._pending(bad, -1)
+                self.values[S_TOO_LONG] += keys.size
         if self.failed:
             rows.extend(self.failed)
             self.failed = []
@@ -217,9 +275,19 @@ class Scheduler:
         return locs.view(np.uint32).reshape(-1), n_run, locs.size - n_run
 
     def _free(self, slots: np.ndarray) -> None:
+        self.arrival_ns[slots] = NO_ITEM_NS
         k = slots.size
         self.free[self.num_free : self.num_free + k] = slots
         self.num_free += k
+
+    def refresh_gauges(self) -> None:
+        """The gauges a loop round does not keep: families in the index, the oldest waiting item."""
+        v = self.values
+        v[S_FAMILIES] = self.packer.index.num_families
+        oldest = int(self.arrival_ns.min())
+        if self.overflow:
+            oldest = min(oldest, int(self.overflow[0][3]))
+        v[S_OLDEST] = 0 if oldest == NO_ITEM_NS else oldest
 
     # -- waiting ------------------------------------------------------------------------------
 
@@ -240,21 +308,42 @@ def _subset(locs, hash_offsets, hashes, keep):
     return sub, new_offsets, sub_hashes
 
 
+def models_of(cfg) -> dict[int, int]:
+    """Model id -> index of its per-model statistics, in the order consumers name them (at most MAX_MODELS)."""
+    out: dict[int, int] = {}
+    for c in cfg.consumers:
+        out.setdefault(c.contract.model, len(out))
+    assert len(out) <= MAX_MODELS, "settings.load refuses more models"
+    return out
+
+
 def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping) -> None:
+    from .stats import StatsWriter
+
     role = control.roles.index("sched")
     slot = control.role(role)
-    counters = control.counters(role)
+    stats = StatsWriter(control, role)
+    gauges = (S_PENDING_ITEMS, S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST)
+    gauges += tuple(range(S_MODEL_ITEMS, S_MODEL_ITEMS + MAX_MODELS))
+    gauges += tuple(range(S_MODEL_TOKENS, S_MODEL_TOKENS + MAX_MODELS))
+    stats.values[list(gauges)] = 0  # this incarnation's own view: it rebuilds the index from disk
     appended = [r.attach(CONSUMER) for r in appended_rings]
     batches = [r.attach(PRODUCER) for r in batch_rings]
-    sched = Scheduler(cfg, modes, appended, batches, bell, counters)
+    sched = Scheduler(cfg, modes, appended, batches, bell, stats.values)
+    next_gauges = 0.0
     try:
         sched.recover(cfg.data_dir)
         while not stopping():
             slot[2] = time.monotonic_ns()
             got = sched.take_announcements()
             sent = sched.dispatch()
-            counters[5] = len(sched.packer)
-            counters[6] = sched.packer.index.tokens
+            now = time.monotonic()
+            if now >= next_gauges:
+                sched.refresh_gauges()
+                next_gauges = now + GAUGE_SECONDS
+                stats.publish()
+            elif got or sent:
+                stats.publish()
             if got == 0 and sent == 0:
                 try:
                     sched.wait(SLEEP_SLICE_SECONDS)

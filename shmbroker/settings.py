@@ -7,6 +7,7 @@ Unknown keys and impossible values raise `ConfigError` naming the key, e.g.
 The defaults live in `config.py`; every key is documented in the README.
 
     data_dir = "shmbroker-data"      # also $SHMBROKER_DATA_DIR
+    metrics_addr = "127.0.0.1:9464"  # the Prometheus exporter ("" = none)
     instance = "main"
     ingest_processes = 1
     ingest_ring_bytes = 8388608
@@ -46,6 +47,7 @@ from .pack.contract import MODES, Contract
 from .pack.policy import DEFAULT_PADDING_TOLERANCE
 from .pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
 from .ring.items import model_id
+from .stats import MAX_MODELS
 
 DEFAULT_CONFIG_FILE = "shmbroker.toml"
 DEFAULT_MAX_WAIT_SECONDS = 30.0
@@ -95,6 +97,7 @@ class BrokerConfig:
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
     index_items: int = DEFAULT_INDEX_ITEMS
+    metrics_addr: str = config.DEFAULT_METRICS_ADDR  # "" = no exporter
     consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
     source: str = "built-in default"
 
@@ -156,6 +159,16 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         out["padding_tolerance"] = v.number(raw, "padding_tolerance", 0.0, 1e6)
     if "index_items" in raw:
         out["index_items"] = v.integer(raw, "index_items", 1024, 1 << 28)
+    if "metrics_addr" in raw:
+        value = raw["metrics_addr"]
+        if not isinstance(value, str):
+            v.fail("metrics_addr", 'must be "host:port" (or "" for no exporter)', value)
+        if value:
+            try:
+                parse_addr(value)
+            except ValueError as exc:
+                v.fail("metrics_addr", str(exc), value)
+        out["metrics_addr"] = value
     if "consumers" in raw:
         items = raw["consumers"]
         if not isinstance(items, list) or not items or not all(isinstance(c, dict) for c in items):
@@ -165,9 +178,22 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             v.fail("consumers", f"names must be unique, repeated: {', '.join(dupes)}", names)
+        models = {c.contract.model for c in out["consumers"]}
+        if len(models) > MAX_MODELS:
+            v.fail("consumers", f"at most {MAX_MODELS} distinct models (the statistics count each)", len(models))
     else:
         out["consumers"] = default_consumers()
     return BrokerConfig(source=where, **out)
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """"host:port" or "[v6-host]:port" -> (host, port); port 0 picks a free port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError('must be "host:port" with a port in 0..65535 (or "" for no exporter)')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
 
 
 def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:

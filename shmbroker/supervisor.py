@@ -35,11 +35,12 @@ import time
 import traceback
 from pathlib import Path
 
-from .control import R_COMPILES, Control
+from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, Control
 from .lockfile import AlreadyRunning, InstanceLock
 from .ring.owner import Owner
 from .ring.ring import create_ring
 from .salvage import salvage
+from .watch import describe, remove_description, write_description
 
 log = logging.getLogger("shmbroker.supervisor")
 
@@ -66,7 +67,10 @@ class Supervisor:
         self.modes = modes
         self.data_dir = Path(cfg.data_dir)
         self.roles = ([f"ingest-{k}" for k in range(cfg.ingest_processes)] + ["sched", "results"]
-                      + [f"gpu-{c.name}" for c in cfg.consumers])
+                      + [f"gpu-{c.name}" for c in cfg.consumers] + (["metrics"] if cfg.metrics_addr else []))
+        self.metrics_sock = None
+        self.metrics_addr: str | None = None
+        self.desc: dict | None = None
         self.pids: dict[int, str] = {}
         self.role_pid: dict[str, int] = {}
         self.restart_at: dict[str, float] = {}
@@ -112,7 +116,16 @@ class Supervisor:
         warmup.warm_all()
         owner = self.owner
         self.control = Control.create(owner, self.roles)
-        self.control.words[4] = os.getpid()
+        self.control.words[C_SUPERVISOR_PID] = os.getpid()
+        if cfg.metrics_addr:
+            from .metrics import bind
+            from .settings import parse_addr
+
+            self.metrics_sock = bind(parse_addr(cfg.metrics_addr))
+            host, port = self.metrics_sock.getsockname()[:2]
+            self.control.words[C_METRICS_PORT] = port
+            self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
         self.sched_bell = owner.doorbell("sched-d")
         self.results_bell = owner.doorbell("results-d")
         self.ingest_bells = [owner.doorbell(f"ingest{k}-d") for k in range(cfg.ingest_processes)]
@@ -127,9 +140,14 @@ class Supervisor:
                                  ingest_bells=self.ingest_bells,
                                  info={"control": self.control.segment.name, "pid": os.getpid(),
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
+        rings = {f"announce:{k}": r.names.segment for k, r in enumerate(self.appended)}
+        rings.update({f"batch:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.batch_rings)})
+        rings.update({f"done:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.results_rings)})
+        self.desc = describe(cfg, self.control, self.roles, rings, self.modes, self.metrics_addr)
         for role in self.roles:
             self._spawn(role)
         self.registry.start()
+        write_description(cfg.data_dir, self.desc)
         log.info("broker %r up in %.2f s: %s", cfg.instance, time.monotonic() - t0, ", ".join(self.roles))
 
     # -- children ------------------------------------------------------------------------
@@ -159,6 +177,15 @@ class Supervisor:
         cfg = self.cfg
         if self.registry is not None and self.registry._sock is not None:
             self.registry._sock.close()
+        if role == "metrics":
+            from .metrics import metrics_main
+            from .watch import BrokerView
+
+            view = BrokerView(cfg.data_dir, self.desc, self.control)
+            metrics_main(view, self.metrics_sock, self.control.role(self.roles.index(role)), stopping)
+            return
+        if self.metrics_sock is not None:
+            self.metrics_sock.close()
         if role.startswith("ingest-"):
             from .ingest import ingest_main
 
@@ -234,12 +261,12 @@ class Supervisor:
 
     def stop(self) -> None:
         self.stop_requested = True
-        self.control.words[6] = 1
+        self.control.words[C_STOPPING] = 1
         if self.registry is not None:
             self.registry.close()
         ingest = [r for r in self.roles if r.startswith("ingest-")]
         gpus = [r for r in self.roles if r.startswith("gpu-")]
-        for group in (ingest, ["sched"], gpus, ["results"]):
+        for group in (ingest, ["sched"], gpus, ["results"], [r for r in self.roles if r == "metrics"]):
             self._stop_group(group)
         self.close()
 
@@ -276,6 +303,12 @@ class Supervisor:
         self.pids.clear()
         if self.registry is not None:
             self.registry.close()
+        if self.metrics_sock is not None:
+            self.metrics_sock.close()
+            self.metrics_sock = None
+        if self.desc is not None:
+            remove_description(self.cfg.data_dir)
+            self.desc = None
         if self.owner is not None:
             self.owner.close()
             self.owner = None

@@ -134,6 +134,9 @@ def warm_broker() -> None:
 
 
 def warm_all() -> None:
+    from .ring import seqlock
+
+    seqlock.warm()
     warm_rings()
     warm_spill()
     warm_pack()

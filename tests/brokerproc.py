@@ -42,15 +42,18 @@ engine_settings = { mode = "padded", cache_tokens = 65536 }
 """
 
 
+EPHEMERAL_METRICS = 'metrics_addr = "127.0.0.1:0"\n'
+
+
 class BrokerProc:
     def __init__(self, tmp_path, config: str | None = SMALL_CONFIG, instance: str | None = None):
         self.tmp = Path(tmp_path)
         self.data_dir = str(self.tmp / "data")
-        self.config_path = None
-        if config is not None:
-            text = config if instance is None else f'instance = "{instance}"\n' + config
-            self.config_path = self.tmp / "shmbroker.toml"
-            self.config_path.write_text(text)
+        # every test broker's exporter on a free port (the default 9464 may be taken on a test machine)
+        text = (config or "") if "metrics_addr" in (config or "") else EPHEMERAL_METRICS + (config or "")
+        text = text if instance is None else f'instance = "{instance}"\n' + text
+        self.config_path = self.tmp / "shmbroker.toml"
+        self.config_path.write_text(text)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.tmp / "supervisor.log"
         self.starts = 0

@@ -36,6 +36,8 @@ class BenchBroker:
     def __init__(self, tmp: str, config: str):
         self.data_dir = os.path.join(tmp, "data")
         self.config_path = os.path.join(tmp, "shmbroker.toml")
+        if "metrics_addr" not in config:  # the exporter on a free port: the default one may be taken
+            config = 'metrics_addr = "127.0.0.1:0"\n' + config
         Path(self.config_path).write_text(config)
         self.log_path = os.path.join(tmp, "supervisor.log")
         self._log = open(self.log_path, "wb")

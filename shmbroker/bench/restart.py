@@ -102,14 +102,14 @@ def _serve(tmp: str, tokens: int, capacity: int) -> dict:
         peaks: dict[str, int] = {}
         while True:
             now = time.perf_counter()
-            if first is None and any(ctl.counters(r)[0] > 0 for r in gpus):
+            if first is None and any(ctl.values(r)[0] > 0 for r in gpus):
                 first = now - t0
             for r, name in enumerate(info["roles"]):
                 pid = int(ctl.role(r)[0])
                 if pid:
                     peaks[name] = max(peaks.get(name, 0), _rss_peak(pid))
             peaks["supervisor"] = max(peaks.get("supervisor", 0), _rss_peak(sup.pid))
-            if ctl.counters(res)[0] >= made["items"]:
+            if ctl.values(res)[0] >= made["items"]:
                 drained = now - t0
                 break
             if now - t0 > 600:

@@ -69,11 +69,9 @@ class ConsumerStats:
     rect_tokens: int = 0
     shape_switches: int = 0  # consecutive batches of different families
     families: int = 0  # distinct families served
-
-    @property
-    def excess_shape_switches(self) -> int:
-        """Switches beyond one per family served: a family left and come back to (DESIGN.md "Words")."""
-        return max(0, self.shape_switches - max(0, self.families - 1))
+    # switches back to a family already served: switches - (families - 1) (DESIGN.md "Words"),
+    # counted as they happen so that a restarted process can continue the count
+    excess_shape_switches: int = 0
 
 
 class ConsumerCore:
@@ -99,6 +97,8 @@ class ConsumerCore:
             family = int(batch.shape.family)
             if self._last_family is not None and family != self._last_family:
                 stats.shape_switches += 1
+                if family in self._families:
+                    stats.excess_shape_switches += 1
             self._last_family = family
             if family not in self._families:
                 self._families.add(family)
@@ -303,20 +303,23 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     from pathlib import Path
 
     from ..spill.store import BACKLOG_DIR
+    from ..stats import StatsWriter
     from .engines.base import load_engine
 
     consumer = cfg.consumers[c]
     role = control.roles.index(f"gpu-{consumer.name}")
     slot = control.role(role)
-    counters = control.counters(role)
+    stats = StatsWriter(control, role)
     engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens)
     core = ConsumerCore(consumer.contract, engine, tolerance=cfg.padding_tolerance)
+    counting = GpuCounting(stats, core)
     ring = batch_ring.attach(CONSUMER)
     out = results_ring.attach(PRODUCER)
     views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
     writer = ResultWriter(out, stopping)
     positions = np.empty(1, np.int64)
     data = ring.data_words
+    idle_from = time.monotonic_ns()
     try:
         while True:
             slot[2] = time.monotonic_ns()
@@ -329,8 +332,10 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 except PeerDead:
                     pass  # the scheduler is restarting; its ring and our batches stay
                 continue
+            taken_ns = time.monotonic_ns()
             pos = int(positions[0])
             n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
+            packed_ns = int(data[pos + 6]) | int(data[pos + 7]) << 32
             locs = data[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + (n_run + n_failed) * LOC_WORDS] \
                 .view(LOC_DTYPE)
             run, failed = locs[:n_run], locs[n_run:]
@@ -342,12 +347,50 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 res = fail if res is None else _concat(res, fail)
             writer.write(res, locs["seq"], locs["writer"])
             ring.release(new_tail, 1)
-            _count(counters, core.stats, n_run, run, engine_ns)
+            counting.batch(engine_ns, taken_ns - idle_from, max(0, taken_ns - packed_ns) if packed_ns else 0)
+            idle_from = time.monotonic_ns()
     finally:
         views.close()
         ring.close()
         out.close()
         engine.close()
+
+
+U64_MASK = (1 << 64) - 1
+
+
+class GpuCounting:
+    """A GPU process's statistics (`stats.GPU`): the core's counts of this incarnation on top of
+    what its predecessors published, plus the process's own clocks."""
+
+    KEYS = ("batches", "items", "ok", "too_long", "invalid", "engine_errors", "guard_violations", "hit_blocks",
+            "queried_blocks", "padded_tokens", "rect_tokens", "shape_switches", "excess_shape_switches",
+            "families")
+
+    def __init__(self, stats, core: ConsumerCore):
+        self.stats = stats
+        self.core = core
+        v = stats.values
+        self.base = v.copy()
+        self.at = {k: stats.index[k] for k in (*self.KEYS, "tokens", "busy_ns", "idle_ns", "batch_wait_ns",
+                                                "modeled_engine_ns", "last_family")}
+        if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
+            core._last_family = stats["last_family"] & U64_MASK
+            core._families.add(core._last_family)
+
+    def batch(self, busy_ns: int, idle_ns: int, wait_ns: int) -> None:
+        s, v, base, at = self.core.stats, self.stats.values, self.base, self.at
+        for k in self.KEYS:
+            v[at[k]] = base[at[k]] + getattr(s, k)
+        v[at["tokens"]] = base[at["tokens"]] + s.input_tokens
+        v[at["modeled_engine_ns"]] = base[at["modeled_engine_ns"]] + int(s.engine_seconds * 1e9)
+        v[at["busy_ns"]] += busy_ns
+        v[at["idle_ns"]] += idle_ns
+        v[at["batch_wait_ns"]] += wait_ns
+        family = self.core._last_family
+        if family is not None:
+            v[at["last_family"]] = family - (1 << 64) if family >= 1 << 63 else family
+        self.stats.publish()
 
 
 def _batch(c: int, run: np.ndarray) -> Batch:
@@ -377,23 +420,3 @@ def _concat(a: BatchResults, b: BatchResults) -> BatchResults:
     errors.update({len(a) + k: v for k, v in b.errors.items()})
     return BatchResults(np.concatenate([a.item_ids, b.item_ids]), np.concatenate([a.status, b.status]),
                         np.concatenate([a.flat, b.flat]), offsets, errors)
-
-
-def _count(counters, stats: ConsumerStats, n_run: int, run: np.ndarray, engine_ns: int) -> None:
-    counters[0] = stats.batches
-    counters[1] = stats.items
-    counters[2] += int(run["length"].sum()) if n_run else 0
-    counters[3] = stats.ok
-    counters[4] = stats.too_long
-    counters[5] = stats.invalid
-    counters[6] = stats.engine_errors
-    counters[7] = stats.guard_violations
-    counters[8] = stats.hit_blocks
-    counters[9] = stats.queried_blocks
-    counters[10] += engine_ns
-    counters[11] = int(stats.engine_seconds * 1e9)
-    counters[12] = stats.padded_tokens
-    counters[13] = stats.rect_tokens
-    counters[14] = stats.shape_switches
-    counters[15] = stats.excess_shape_switches
-    counters[16] = stats.families

@@ -20,6 +20,8 @@ the loop (the `llvm.x86.sse2.pause` intrinsic; inline asm aborts the process).
 | compare_and_swap(a, i, old, new) | cmpxchg acq_rel acquire | value seen       |
 | fetch_add(a, i, v)            | atomicrmw add acq_rel      | value before     |
 | exchange(a, i, v)             | atomicrmw xchg acq_rel     | value before     |
+| fence_release()               | fence release              | nothing          |
+| fence_acquire()               | fence acquire              | nothing          |
 | cpu_pause()                   | llvm.x86.sse2.pause        | nothing          |
 | memcpy(dst, i, src, j, n)     | llvm.memcpy                | nothing          |
 """
@@ -119,6 +121,22 @@ def _rmw(op: str):
 
 fetch_add = _rmw("add")
 exchange = _rmw("xchg")
+
+
+def _fence(ordering: str):
+    def typer(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.fence(ordering)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    typer.__name__ = f"fence_{ordering}"
+    return intrinsic(typer)
+
+
+fence_release = _fence("release")
+fence_acquire = _fence("acquire")
 
 
 @intrinsic

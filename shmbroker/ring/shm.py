@@ -144,16 +144,22 @@ class Segment(_Named):
             raise
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
+    def attach(cls, name: str, *, readonly: bool = False, length: int | None = None) -> Segment:
+        """Map an existing segment. readonly: mapped PROT_READ (`buf` is a read-only array), and
+        `length` bytes of it only when given (a watcher reading a ring's header maps one page)."""
         try:
-            shm = posix_ipc.SharedMemory(name, 0)
+            shm = posix_ipc.SharedMemory(name, 0, read_only=readonly)
         except posix_ipc.ExistentialError as e:
             raise FileNotFoundError(f"shared memory segment {name!r} does not exist") from e
         try:
             size = shm.size
             if size == 0:
                 raise ValueError(f"shared memory segment {name!r} has size 0 (creator not finished?)")
-            mapping = _map(shm.fd, size)
+            if readonly:
+                size = min(size, length) if length is not None else size
+                mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            else:
+                mapping = _map(shm.fd, size)
         finally:
             shm.close_fd()
         return cls(name, size, False, mapping)

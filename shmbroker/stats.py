@@ -1,0 +1,167 @@
+"""Every broker process's statistics: what they are, how a process keeps them, how anyone reads them.
+
+Each process keeps its statistics in a private int64 array (`StatsWriter.values`), adds to it on
+its loop as it works (plain numpy stores, no calls per event), and publishes the whole array into
+its role slot of the control segment with one seqlock publication (`ring/seqlock.py`) after each
+unit of work: a batch, a drain round, a routing round. Readers (`watch.py`: `shmbroker top`,
+`status`, the Prometheus exporter) copy a slot with `read_role`: no locks, no RPC, and never a
+torn set of values.
+
+Counters are monotonic for the life of the broker, across restarts of the process: a restarted
+process starts from the values its predecessor last published (a process killed in the middle of
+a publication leaves each word at its old or its new value, both valid). Gauges are the process's
+current view and are overwritten.
+
+`STATS[kind]` lists the fields of each role kind in slot order: key (the name in snapshots and in
+`shmbroker status --json`), kind, the Prometheus metric it feeds (`metrics.py` prefixes
+`shmbroker_`; None: not exported), a help text, constant labels, and a scale (nanoseconds are
+exported as seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .control import R_SEQ, R_VALUES, VALUE_WORDS, Control, role_kind
+from .ring import seqlock
+
+COUNTER, GAUGE = "counter", "gauge"
+READ_TRIES = 1000
+MAX_MODELS = 16  # models the scheduler counts pending work for (one per distinct consumer model)
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str
+    kind: str
+    metric: str | None
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+    scale: float = 1.0
+
+
+def _c(key, metric, text, labels=(), scale=1.0) -> Field:
+    return Field(key, COUNTER, metric, text, labels, scale)
+
+
+def _g(key, metric, text, labels=(), scale=1.0) -> Field:
+    return Field(key, GAUGE, metric, text, labels, scale)
+
+
+NS = 1e-9
+
+GPU = (
+    _c("batches", "consumer_batches_total", "Batches the consumer ran."),
+    _c("items", "consumer_items_total", "Items in the consumer's batches."),
+    _c("tokens", "consumer_input_tokens_total", "Input tokens of the consumer's batches."),
+    _c("padded_tokens", "consumer_padded_tokens_total",
+       "Padding a padded engine computes: count x longest suffix - sum of suffixes, per batch."),
+    _c("rect_tokens", "consumer_rectangle_tokens_total",
+       "Rectangle tokens (count x longest suffix past the batch's common prefix), per batch."),
+    _c("hit_blocks", "consumer_cache_hit_blocks_total", "Prefix blocks the engine found in its cache."),
+    _c("queried_blocks", "consumer_cache_queried_blocks_total", "Prefix blocks the engine looked up."),
+    _c("shape_switches", "consumer_shape_switches_total", "Consecutive batches of different prefix families."),
+    _c("excess_shape_switches", "consumer_excess_shape_switches_total",
+       "Switches back to a family the consumer had already served (switches - (families - 1))."),
+    _c("families", "consumer_families_total", "Prefix families the consumer served."),
+    _c("guard_violations", "consumer_guard_refusals_total",
+       "Batches the consumer's shape guard found not shape-pure or over its contract."),
+    _c("ok", "consumer_ok_items_total", "Items the engine completed."),
+    _c("too_long", "consumer_failed_items_total", "Items failed back by the consumer.", (("reason", "too_long"),)),
+    _c("invalid", "consumer_failed_items_total", "Items failed back by the consumer.", (("reason", "invalid"),)),
+    _c("engine_errors", "consumer_failed_items_total", "Items failed back by the consumer.",
+       (("reason", "engine_error"),)),
+    _c("busy_ns", "consumer_engine_busy_seconds_total", "Seconds the consumer spent running batches.", scale=NS),
+    _c("idle_ns", "consumer_engine_idle_seconds_total", "Seconds the consumer waited with no batch.", scale=NS),
+    _c("batch_wait_ns", "consumer_batch_wait_seconds_total",
+       "Seconds batches sat packed in the consumer's ring before it took them.", scale=NS),
+    _c("modeled_engine_ns", "consumer_modeled_engine_seconds_total",
+       "Engine seconds the simulated engine's cost model charged (sim only).", scale=NS),
+    _g("last_family", None, "The family of the consumer's last batch (a restart resumes from it)."),
+)
+
+INGEST = (
+    _c("items", "ingest_items_total", "Items appended to the backlog."),
+    _c("tokens", "ingest_tokens_total", "Tokens appended to the backlog."),
+    _c("bytes", "ingest_appended_bytes_total", "Bytes appended to the backlog's segment files."),
+    _c("batches", "ingest_batches_total", "Drain rounds that appended records."),
+    _c("disk_full", "ingest_disk_full_total", "Appends refused by a full disk (retried after a back-off)."),
+)
+
+SCHED = (
+    _c("indexed_items", "sched_indexed_items_total", "Items the scheduler put into the packing index."),
+    _c("indexed_tokens", "sched_indexed_tokens_total", "Tokens the scheduler put into the packing index."),
+    _c("batches", "sched_batches_total", "Batch records the scheduler pushed to consumers."),
+    _c("items", "sched_dispatched_items_total", "Items the scheduler packed into batches."),
+    _c("rejected_empty", "rejected_items_total", "Items failed back at intake.", (("reason", "empty"),)),
+    _c("rejected_no_consumer", "rejected_items_total", "Items failed back at intake.", (("reason", "no_consumer"),)),
+    _c("rejected_too_long", "rejected_items_total", "Items failed back at intake.", (("reason", "too_long"),)),
+    # exported per model (metrics.py: shmbroker_backlog_pending_items{model}), from the words below
+    _g("pending_items", None, "Items waiting for a batch (index and overflow)."),
+    _g("pending_tokens", None, "Tokens waiting for a batch (index and overflow)."),
+    _g("overflow_items", "sched_overflow_items", "Items waiting on disk for room in the packing index."),
+    _g("families", "backlog_families", "Prefix families in the packing index."),
+    _g("oldest_ns", None, "CLOCK_MONOTONIC time the oldest waiting item entered the scheduler (0: none)."),
+    _g("num_models", None, "Models with per-model pending counts below."),
+    _g("reserved13", None, ""),
+    _g("reserved14", None, ""),
+    _g("reserved15", None, ""),
+) + tuple(_g(f"model{m}_items", None, "") for m in range(MAX_MODELS)) \
+  + tuple(_g(f"model{m}_tokens", None, "") for m in range(MAX_MODELS))
+
+RESULTS = (
+    _c("results", "results_total", "Results appended to the durable results log."),
+    _c("delivered", "results_delivered_total", "Results pushed to producers' result rings."),
+    _c("acked", "results_acked_items_total", "Backlog items acked (done)."),
+    _c("parked", "results_parked_total", "Results parked for an absent or full producer."),
+    _c("log_bytes", "results_log_bytes_total", "Bytes appended to the results log."),
+    _c("acks_saved", "results_checkpoints_total", "Ack and cursor checkpoints saved."),
+    _c("disk_full", "results_disk_full_total", "Results-log appends refused by a full disk (retried)."),
+    _g("parked_now", "results_parked", "Results parked now."),
+)
+
+STATS = {"gpu": GPU, "ingest": INGEST, "sched": SCHED, "results": RESULTS}
+for _kind, _fields in STATS.items():
+    assert len(_fields) <= VALUE_WORDS, _kind
+    assert len({f.key for f in _fields}) == len(_fields), _kind
+
+
+def slot_of(kind: str, key: str) -> int:
+    """A field's word in its role's values (`StatsWriter.values[slot_of(...)]`)."""
+    for i, f in enumerate(STATS[kind]):
+        if f.key == key:
+            return i
+    raise KeyError(f"{kind} has no statistic {key!r}")
+
+
+class StatsWriter:
+    """A process's statistics: `values` private, `publish()` into its role slot."""
+
+    def __init__(self, control: Control, role: int):
+        self.fields = STATS[role_kind(control.roles[role])]
+        self.words = control.role(role)
+        self.values = np.zeros(len(self.fields), np.int64)
+        resumed = np.zeros(VALUE_WORDS, np.int64)
+        if not seqlock.read(self.words, R_SEQ, R_VALUES, resumed, READ_TRIES):
+            resumed[:] = self.words[R_VALUES:]  # a predecessor killed mid-publication: each word old or new
+        self.values[:] = resumed[: self.values.size]
+        self.index = {f.key: i for i, f in enumerate(self.fields)}
+
+    def publish(self) -> None:
+        seqlock.publish(self.words, R_SEQ, R_VALUES, self.values)
+
+    def __getitem__(self, key: str) -> int:
+        return int(self.values[self.index[key]])
+
+
+def read_role(control: Control, r: int, out: np.ndarray | None = None) -> dict[str, int] | None:
+    """Role r's statistics by key, from one publication; None when the slot stayed mid-publication."""
+    fields = STATS.get(role_kind(control.roles[r]), ())
+    if not fields:
+        return {}
+    out = np.empty(len(fields), np.int64) if out is None else out[: len(fields)]
+    if not seqlock.read(control.role(r), R_SEQ, R_VALUES, out, READ_TRIES):
+        return None
+    return {f.key: int(v) for f, v in zip(fields, out.tolist())}
