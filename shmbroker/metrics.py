@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import CollectorRegistry
 
+from .errors import BrokerError
 from .stats import COUNTER, STATS
 from .watch import BrokerView
 
@@ -162,18 +163,25 @@ def metric_names(collector: BrokerCollector) -> set[str]:
 
 # -- the process --------------------------------------------------------------------------------
 
+class ExporterAddressError(BrokerError):
+    """The exporter cannot listen on `metrics_addr` (taken, or not an address of this host)."""
+
+
 def bind(addr: tuple[str, int]) -> socket.socket:
     """The listening socket (the supervisor binds it before it forks, so a taken address fails the start)."""
     host, port = addr
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ExporterAddressError(f"metrics_addr {host}:{port}: {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"metrics_addr {host}:{port}: {exc.strerror} (set metrics_addr to a free "
-                                 f"address, or to \"\" to run without the exporter)") from None
+        raise ExporterAddressError(f"metrics_addr {host}:{port}: {exc.strerror} (set metrics_addr to a free "
+                                   f"address, or to \"\" to run without the exporter)") from None
     sock.listen(16)
     return sock
 

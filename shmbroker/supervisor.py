@@ -11,15 +11,19 @@ Start:
 3. recover the backlog (torn tails cut, segments of done records reclaimed);
 4. sweep the dead broker's shared memory, load every numba kernel (children never compile), create
    the control segment, the rings between processes and the registry socket;
-5. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
-   consumer). A child that dies is restarted after a back-off (doubling from 0.1 s to 5 s, reset
-   after it ran 10 s); why it died is logged. Children die with the supervisor (PR_SET_PDEATHSIG).
+5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
+6. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
+   consumer) and `metrics` (the Prometheus exporter, unless `metrics_addr` is ""). A child that
+   dies is restarted after a back-off (doubling from 0.1 s to 5 s, reset after it ran 10 s); why
+   it died is logged. Children die with the supervisor (PR_SET_PDEATHSIG);
+7. write `broker.json` (`watch.py`): what `shmbroker top`, `status` and the exporter need to
+   attach read-only. It is removed at stop.
 
 Stop (SIGTERM or SIGINT): close the registry socket; stop the ingest processes (each drains its
 producers' rings until they stay empty, closes them and takes what landed meanwhile); stop the
 scheduler (no new batches); the GPU processes finish the batches already in their rings; the
-results process logs and delivers what is left and checkpoints (acks, the delivery cursor); then
-the shared memory is unlinked and the lock released. Each step has a deadline (`STOP_SECONDS`),
+results process logs and delivers what is left and checkpoints (acks, the delivery cursor); the
+exporter stops last; then `broker.json` is removed, the shared memory unlinked and the lock released. Each step has a deadline (`STOP_SECONDS`),
 after which the step is hurried (a second SIGTERM) and then killed.
 """
 

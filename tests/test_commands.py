@@ -238,11 +238,11 @@ def test_status_shows_consumers_and_counters(broker, tmp_path, capsys):
     capsys.readouterr()
     assert main(["status", "--data-dir", broker.data_dir, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("pid", "processes", "consumers", "ingest", "scheduler", "results", "backlog", "rates"):
+    for key in ("pid", "processes", "consumers", "ingest", "scheduler", "results", "backlog", "rates", "rings"):
         assert key in report
     assert report["pid"] == broker.proc.pid
     roles = {p["role"]: p for p in report["processes"]}
-    assert set(roles) == {"ingest-0", "sched", "results", "gpu-big", "gpu-small"}
+    assert set(roles) == {"ingest-0", "sched", "results", "gpu-big", "gpu-small", "metrics"}
     assert all(p["alive"] and p["pid"] > 0 and p["restarts"] == 0 for p in roles.values())
     assert all(0 <= p["heartbeat_age_seconds"] < 5 for p in roles.values())
     assert set(report["consumers"]) == {"big", "small"}
@@ -251,7 +251,7 @@ def test_status_shows_consumers_and_counters(broker, tmp_path, capsys):
     assert all(c["guard_violations"] == 0 for c in report["consumers"].values())
     assert report["ingest"]["items"] >= 20 and report["ingest"]["tokens"] >= 20 * 64
     assert report["results"]["results"] >= 20 and report["scheduler"]["batches"] >= 1
-    assert report["backlog"]["segments"] >= 0 and report["backlog"]["bytes"] > 0
+    assert report["backlog"]["segments"] >= 0 and report["backlog"]["disk_bytes"] > 0
     assert set(report["rates"]["consumers"]) == {"big", "small"}
     assert report["rates"]["ingest"]["items_per_second"] >= 0
 

@@ -14,14 +14,24 @@ must come back exactly once with an ok status. Figures:
   disk_bound_items_per_s: that over the bytes one item costs on disk (its backlog record and its
   result record), so a reader sees which limit holds;
 - mpqueue_items_per_s: the same pipeline shape (producers -> one dispatcher -> two workers ->
-  results) on `multiprocessing.Queue` (`mpqueue.py`), in the same run.
+  results) on `multiprocessing.Queue` (`mpqueue.py`), in the same run;
+- observed_items_per_s, observed_vs_plain: the cost of watching. The broker runs `2 × pairs`
+  times on fresh data directories, in the order plain, observed, observed, plain, ... (so a drift
+  of the machine falls on both alike); an observed run has its Prometheus exporter scraped every
+  second (`Observer`) and `shmbroker top` attached in a pseudo-terminal the whole time.
+  items_per_s and the latencies are the median plain run's; observed_items_per_s the median
+  observed run's; observed_vs_plain their ratio (the target: at least 0.95);
+- exported_tokens, exported_tokens_match: the consumers' input tokens on the exporter's last
+  scrape of the last observed run, against what the producers sent (items × tokens_per_item).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -104,12 +114,27 @@ def disk_write_bandwidth(directory: str, total: int = DISK_PROBE_BYTES) -> float
 
 
 def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale: float = 1.0,
-        data_dir: str | None = None) -> dict:
+        data_dir: str | None = None, pairs: int = 2) -> dict:
     items = max(CHUNK, int(items_per_producer * scale))
     tmp = tempfile.mkdtemp(prefix="shmb-e2e-", dir=data_dir)
     try:
         disk_bw = disk_write_bandwidth(tmp, int(DISK_PROBE_BYTES * min(1.0, max(scale, 0.125))))
-        out = _run_broker(tmp, items)
+        runs: dict[bool, list] = {False: [], True: []}
+        for k in range(2 * pairs):
+            observed = k % 4 in (1, 2)  # plain, observed, observed, plain, ...
+            run_dir = os.path.join(tmp, f"run{k}")
+            os.mkdir(run_dir, 0o700)
+            runs[observed].append(_run_broker(run_dir, items, observe=observed))
+            shutil.rmtree(run_dir, ignore_errors=True)
+        out = _median_run(runs[False])
+        watched = _median_run(runs[True])
+        out["plain_runs_items_per_s"] = [r["items_per_s"] for r in runs[False]]
+        out["observed_runs_items_per_s"] = [r["items_per_s"] for r in runs[True]]
+        out["observed_items_per_s"] = watched["items_per_s"]
+        out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
+        last = runs[True][-1]
+        for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match"):
+            out[key] = last[key]
         out["disk_write_bytes_per_s"] = round(disk_bw, 1)
         per_item = record_bytes(TOKENS) + res_bytes(MAX_NEW_TOKENS)
         out["disk_bytes_per_item"] = per_item
@@ -122,13 +147,26 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_broker(tmp: str, items: int) -> dict:
+def _median_run(runs: list[dict]) -> dict:
+    by_speed = sorted(runs, key=lambda r: r["items_per_s"])
+    out = dict(by_speed[(len(by_speed) - 1) // 2])
+    out["items_per_s"] = round(statistics.median(r["items_per_s"] for r in runs), 1)
+    out["tokens_per_s"] = round(out["items_per_s"] * TOKENS, 1)
+    for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match"):
+        out.pop(key, None)
+    return out
+
+
+def _run_broker(tmp: str, items: int, *, observe: bool = False) -> dict:
     broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + ZERO_COST_CONSUMERS)
     data = broker.data_dir
     ctx = mp.get_context("fork")
     procs, conns = [], []
+    observer = None
     try:
         broker.wait_ready()
+        if observe:
+            observer = Observer(data)
         for i in range(2):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_producer, args=(i, data, items, child), daemon=True)
@@ -152,7 +190,9 @@ def _run_broker(tmp: str, items: int) -> dict:
         seconds = (t1 - t0) / 1e9
         lat = np.concatenate([r[2] for r in reports]) / 1000.0
         total = 2 * items
+        watched = observer.finish(total * TOKENS) if observer is not None else {}
         return {
+            **watched,
             "items_per_s": round(total / seconds, 1),
             "tokens_per_s": round(total * TOKENS / seconds, 1),
             "submit_to_result_us_p50": round(float(np.percentile(lat, 50)), 1),
@@ -162,8 +202,106 @@ def _run_broker(tmp: str, items: int) -> dict:
             "tokens_per_item": TOKENS,
         }
     finally:
+        if observer is not None:
+            observer.close()
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
         broker.stop()
+
+
+SCRAPE_SECONDS = 1.0
+EXPORTED_WAIT_SECONDS = 10.0
+
+
+class Observer:
+    """What an operator attaches to a running broker: Prometheus scraping its exporter every second
+    (a thread here), and `shmbroker top` in a pseudo-terminal (its screen is read and dropped)."""
+
+    def __init__(self, data_dir: str):
+        import pty
+        import subprocess
+        import sys
+        import threading
+
+        self.addr = json.loads((Path(data_dir) / "broker.json").read_text())["metrics_addr"]
+        self.scrapes = 0
+        self.scrape_seconds_max = 0.0
+        self.top_bytes = 0
+        self._stop = threading.Event()
+        self._scraper = threading.Thread(target=self._scrape_loop, daemon=True)
+        self._scraper.start()
+        self._master, slave = pty.openpty()
+        _set_window(slave, 50, 160)
+        env = dict(os.environ, TERM="xterm-256color")
+        self.top = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "top", "--data-dir", data_dir],
+                                    stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self._reader = threading.Thread(target=self._read_loop, daemon=True)
+        self._reader.start()
+
+    def scrape(self) -> str:
+        import urllib.request
+
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(f"http://{self.addr}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        self.scrape_seconds_max = max(self.scrape_seconds_max, time.perf_counter() - t0)
+        self.scrapes += 1
+        return text
+
+    def _scrape_loop(self) -> None:
+        while not self._stop.wait(SCRAPE_SECONDS):
+            self.scrape()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:  # the terminal closed: top exited
+                return
+            if not chunk:
+                return
+            self.top_bytes += len(chunk)
+
+    def finish(self, expected_tokens: int) -> dict:
+        """Stop scraping and quit top (q); then the exporter's consumer input tokens, once the GPU
+        processes published their last batches, against what the producers sent."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self._stop.set()
+        self._scraper.join(30)
+        os.write(self._master, b"q")
+        top_code = self.top.wait(30)
+        deadline = time.monotonic() + EXPORTED_WAIT_SECONDS
+        while True:
+            exported = 0
+            for fam in text_string_to_metric_families(self.scrape()):
+                exported += sum(int(s.value) for s in fam.samples if s.name == "shmbroker_consumer_input_tokens_total")
+            if exported >= expected_tokens or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if top_code != 0:
+            raise RuntimeError(f"shmbroker top exited with {top_code}")
+        return {"scrapes": self.scrapes, "scrape_seconds_max": round(self.scrape_seconds_max, 4),
+                "top_bytes": self.top_bytes, "exported_tokens": exported,
+                "exported_tokens_match": exported == expected_tokens}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.top.poll() is None:
+            self.top.kill()
+            self.top.wait(10)
+        try:
+            os.close(self._master)
+        except OSError:
+            pass
+
+
+def _set_window(fd: int, rows: int, cols: int) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
