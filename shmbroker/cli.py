@@ -94,6 +94,7 @@ def _supervise(args) -> int:
 
     from . import settings
     from .lockfile import AlreadyRunning
+    from .metrics import ExporterAddressError
     from .supervisor import supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shmbroker %(levelname)s %(message)s",
@@ -107,6 +108,23 @@ def _supervise(args) -> int:
     except AlreadyRunning as exc:
         print(f"shmbroker: {exc}", file=sys.stderr)
         return 3
+    except ExporterAddressError as exc:
+        print(f"shmbroker: {exc}", file=sys.stderr)
+        return 2
+
+
+def _top(args) -> int:
+    """A live view of a running broker until q, Ctrl-C or SIGTERM."""
+    from . import top
+    from .commands.common import _data_dir, _err
+
+    if not 0 < args.interval <= top.INTERVAL_SECONDS_MAX:
+        _err(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")
+        return 2
+    data_dir = _data_dir(args)
+    if data_dir is None:
+        return 2
+    return top.run(data_dir, args.interval)
 
 
 def _commands(name: str):
@@ -169,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the screen")
     p.set_defaults(func=_commands("status"))
+    p = sub.add_parser("top", help="a live view of a running broker (read-only; q or Ctrl-C quits)")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes, at most 0.5 (default 0.5)")
+    p.set_defaults(func=_top)
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache")
     p.set_defaults(func=_warm)
     return parser

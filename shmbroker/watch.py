@@ -122,7 +122,7 @@ class BrokerView:
         return cls(data_dir, desc, control)
 
     def alive(self) -> bool:
-        """The supervisor that wrote the description still runs (and has not begun to stop)."""
+        """The supervisor that wrote the description still runs (`stopping()`: whether it began to stop)."""
         return is_alive(int(self.desc["pid"]), int(self.desc["pid_start"]))
 
     def stopping(self) -> bool:
