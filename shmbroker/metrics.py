@@ -142,14 +142,37 @@ def _process_metrics(f: _Families, snap: dict) -> None:
               p["compiles"])
 
 
+PRODUCER_RING_KINDS = ("ingest", "results")
+
+
 def _ring_metrics(f: _Families, snap: dict) -> None:
+    """The broker's own rings one by one (their number is fixed by the configuration); producers'
+    rings summed per kind, so that producer names (`submit-<pid>`, ...) never become label values."""
+    agg = {k: {"used": 0.0, "full": 0, "pushed": 0, "rings": 0} for k in PRODUCER_RING_KINDS}
     for ring in snap["rings"]:
-        labels = {"ring": ring["ring"], "kind": ring["kind"]}
+        kind = ring["kind"]
+        if kind in agg:
+            a = agg[kind]
+            a["used"] = max(a["used"], ring["occupancy"])
+            a["full"] += ring["full_total"]
+            a["pushed"] += ring["pushed_total"]
+            a["rings"] += 1
+            continue
+        labels = {"ring": ring["ring"], "kind": kind}
         f.add("gauge", "ring_used_ratio", "Share of the ring holding records not yet consumed.", labels,
               ring["occupancy"])
         f.add("gauge", "ring_capacity_bytes", "The ring's data bytes.", labels, ring["capacity_bytes"])
         f.add(COUNTER, "ring_full_total", "Pushes the ring refused because it was full.", labels, ring["full_total"])
         f.add(COUNTER, "ring_pushed_records_total", "Records pushed onto the ring.", labels, ring["pushed_total"])
+    for kind, a in agg.items():
+        labels = {"kind": kind}
+        f.add("gauge", "producer_rings", "Producers' rings of this kind (one per producer).", labels, a["rings"])
+        f.add("gauge", "producer_ring_used_ratio_max", "The fullest producer ring of this kind: its used share.",
+              labels, a["used"])
+        f.add(COUNTER, "producer_ring_full_total", "Pushes refused by full producer rings of this kind, summed.",
+              labels, a["full"])
+        f.add(COUNTER, "producer_ring_pushed_records_total", "Records pushed onto producer rings of this kind, summed.",
+              labels, a["pushed"])
 
 
 def metric_names(collector: BrokerCollector) -> set[str]:

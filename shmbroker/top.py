@@ -224,7 +224,7 @@ class Keys:
     def __enter__(self) -> Keys:
         if self._tty is not None:
             self._saved = termios.tcgetattr(self._tty)
-            tty.setcbreak(self._tty)
+            tty.setcbreak(self._tty, termios.TCSANOW)  # keeps keys typed before top was up (a q)
         return self
 
     def __exit__(self, *exc) -> None:

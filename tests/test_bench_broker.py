@@ -9,7 +9,7 @@ from shmbroker.bench import e2e, restart
 
 @pytest.mark.timeout(180)
 def test_bench_e2e_small_run_checks_every_item_and_reports_its_fields():
-    out = e2e.run(items_per_producer=4096, mpqueue_items=2000)
+    out = e2e.run(items_per_producer=4096, mpqueue_items=2000, pairs=1)
     for key in ("items_per_s", "tokens_per_s", "submit_to_result_us_p50", "submit_to_result_us_p99",
                 "disk_bound_items_per_s", "mpqueue_items_per_s"):
         assert out[key] > 0, key
@@ -17,6 +17,11 @@ def test_bench_e2e_small_run_checks_every_item_and_reports_its_fields():
     assert out["tokens_per_s"] == pytest.approx(out["items_per_s"] * 256, rel=1e-3)
     assert out["submit_to_result_us_p50"] <= out["submit_to_result_us_p99"]
     assert out["disk_bytes_per_item"] == 64 + 256 * 4 + 48
+    # the observed run: the exporter scraped, top drew, and the exported tokens are the producers'
+    assert out["observed_items_per_s"] > 0 and out["observed_vs_plain"] > 0
+    assert len(out["plain_runs_items_per_s"]) == len(out["observed_runs_items_per_s"]) == 1
+    assert out["scrapes"] >= 1 and out["top_bytes"] > 0
+    assert out["exported_tokens"] == 2 * 4096 * 256 and out["exported_tokens_match"] is True
 
 
 @pytest.mark.timeout(180)

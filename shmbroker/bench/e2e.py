@@ -268,12 +268,23 @@ class Observer:
     def finish(self, expected_tokens: int) -> dict:
         """Stop scraping and quit top (q); then the exporter's consumer input tokens, once the GPU
         processes published their last batches, against what the producers sent."""
+        import subprocess
+
         from prometheus_client.parser import text_string_to_metric_families
 
         self._stop.set()
         self._scraper.join(30)
-        os.write(self._master, b"q")
-        top_code = self.top.wait(30)
+        deadline = time.monotonic() + 30
+        while self.top_bytes == 0 and time.monotonic() < deadline:  # a short run may end before top drew
+            time.sleep(0.05)
+        while True:
+            os.write(self._master, b"q")
+            try:
+                top_code = self.top.wait(1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("shmbroker top did not quit on q") from None
         deadline = time.monotonic() + EXPORTED_WAIT_SECONDS
         while True:
             exported = 0

@@ -47,6 +47,7 @@ from .engines.base import (
 # Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
 # within a few of its time slices.
 YIELD_ROUNDS = 64
+IDLE_PUBLISH_NS = 500_000_000  # an idle GPU process publishes its idle seconds this often
 
 CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR = (STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID,
                                                                                       ENGINE_ERROR))
@@ -331,6 +332,10 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                     ring.wait_readable(SLEEP_SLICE_SECONDS, YIELD_ROUNDS)
                 except PeerDead:
                     pass  # the scheduler is restarting; its ring and our batches stay
+                now = time.monotonic_ns()
+                if now - idle_from >= IDLE_PUBLISH_NS:  # a long idle shows as it happens, not at the next batch
+                    counting.idle(now - idle_from)
+                    idle_from = now
                 continue
             taken_ns = time.monotonic_ns()
             pos = int(positions[0])
@@ -377,6 +382,10 @@ class GpuCounting:
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
             core._last_family = stats["last_family"] & U64_MASK
             core._families.add(core._last_family)
+
+    def idle(self, idle_ns: int) -> None:
+        self.stats.values[self.at["idle_ns"]] += idle_ns
+        self.stats.publish()
 
     def batch(self, busy_ns: int, idle_ns: int, wait_ns: int) -> None:
         s, v, base, at = self.core.stats, self.stats.values, self.base, self.at
