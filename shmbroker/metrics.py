@@ -25,7 +25,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from .errors import BrokerError
 from .stats import COUNTER, STATS
-from .watch import BrokerView
+from .watch import BrokerView, lower_priority
 
 PREFIX = "shmbroker_"
 SERVE_SLICE_SECONDS = 0.25  # the serving loop beats and checks for a stop this often
@@ -223,7 +223,9 @@ class _Server(HTTPServer):
 
 
 def metrics_main(view: BrokerView, sock: socket.socket, slot, stopping) -> None:
-    """The `metrics` process: serve /metrics on `sock` until stopped, one request at a time."""
+    """The `metrics` process: serve /metrics on `sock` until stopped, one request at a time. It runs at
+    a lower CPU priority (`watch.lower_priority`): on a busy host a scrape waits, the broker does not."""
+    lower_priority()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(view))
     server = _Server(sock, MetricsHandler.factory(registry))

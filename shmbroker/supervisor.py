@@ -150,8 +150,8 @@ class Supervisor:
         self.desc = describe(cfg, self.control, self.roles, rings, self.modes, self.metrics_addr)
         for role in self.roles:
             self._spawn(role)
+        write_description(cfg.data_dir, self.desc)  # before the registry answers: "ready" means watchable
         self.registry.start()
-        write_description(cfg.data_dir, self.desc)
         log.info("broker %r up in %.2f s: %s", cfg.instance, time.monotonic() - t0, ", ".join(self.roles))
 
     # -- children ------------------------------------------------------------------------

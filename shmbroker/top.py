@@ -290,6 +290,9 @@ class Top:
 def run(data_dir: str, interval_seconds: float = INTERVAL_SECONDS_MAX) -> int:
     """Show the broker on `data_dir` until `q`, Ctrl-C or SIGTERM; 0 then."""
     assert 0 < interval_seconds <= INTERVAL_SECONDS_MAX
+    from .watch import lower_priority
+
+    lower_priority()  # a watcher yields the CPU to the broker it watches
     previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
     signal.signal(signal.SIGTERM, _on_sigterm)
     top = Top(data_dir)

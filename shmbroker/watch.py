@@ -41,6 +41,7 @@ from .ring.shm import Segment
 from .stats import MAX_MODELS, read_role
 
 BROKER_FILE = "broker.json"
+WATCHER_NICE = 10  # the exporter and `shmbroker top` yield the CPU to the broker's processes
 RING_HEADER_BYTES = L.HEADER_BYTES
 
 
@@ -235,6 +236,17 @@ class BrokerView:
         if self.control is not None:
             self.control.close()
             self.control = None
+
+
+def lower_priority() -> None:
+    """Raise this process's nice value to WATCHER_NICE (best effort; never lowers it): a watcher
+    runs when the broker's processes leave a core free, and delays none of them."""
+    try:
+        now = os.nice(0)
+        if now < WATCHER_NICE:
+            os.nice(WATCHER_NICE - now)
+    except OSError:
+        pass
 
 
 def derived(v: dict, max_batch_tokens: int) -> dict:
