@@ -186,7 +186,12 @@ def _counters(info: dict, items: int) -> dict[str, dict[str, int]]:
     try:
         deadline = time.monotonic() + COUNTERS_SECONDS
         while True:
-            out = {role: read_role(ctl, r) or {} for r, role in enumerate(info["roles"])}
+            out = {role: read_role(ctl, r) for r, role in enumerate(info["roles"])}
+            if any(v is None for v in out.values()):  # a process restarting mid-publication: read again
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a broker process's statistics stayed unreadable")
+                time.sleep(0.02)
+                continue
             done = sum(c["items"] for role, c in out.items() if role.startswith("gpu-"))
             if done >= items or time.monotonic() > deadline:
                 return out

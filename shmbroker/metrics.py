@@ -201,11 +201,11 @@ def bind(addr: tuple[str, int]) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(16)
     except OSError as exc:
         sock.close()
         raise ExporterAddressError(f"metrics_addr {host}:{port}: {exc.strerror} (set metrics_addr to a free "
                                    f"address, or to \"\" to run without the exporter)") from None
-    sock.listen(16)
     return sock
 
 

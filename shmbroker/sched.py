@@ -39,6 +39,7 @@ TOO_LONG = STATUS_CODES["too_long"]
 INVALID = STATUS_CODES["invalid"]
 NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
+ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
 
 # statistics words (stats.SCHED)
 (S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
@@ -69,6 +70,9 @@ class Scheduler:
         self.models = models_of(cfg)  # model id -> its per-model pending counters' index
         self.values[S_NUM_MODELS] = len(self.models)
         self.arrival_ns = np.full(self.capacity, NO_ITEM_NS, np.int64)  # when each slot's item came in
+        # (arrival_ns, slots) in arrival order, pieces of at most ARRIVAL_PIECE: the oldest waiting
+        # item is the first piece with a slot still holding its arrival (dead pieces are dropped)
+        self.arrivals: deque = deque()
         self.slots = np.zeros(self.capacity, LOC_DTYPE)
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
         self.num_free = self.capacity
@@ -176,6 +180,8 @@ class Scheduler:
                                          locs["max_new"][:n].astype(np.int64))
             self.num_free -= added
             self.arrival_ns[slots[:added]] = arrival_ns
+            for at in range(0, added, ARRIVAL_PIECE):
+                self.arrivals.append((arrival_ns, slots[at : min(added, at + ARRIVAL_PIECE)]))
             self.values[S_INDEXED_ITEMS] += added
             self.values[S_INDEXED_TOKENS] += int(lengths[:added].sum())
             n = added
@@ -230,8 +236,7 @@ class Scheduler:
                     record = self._next_record(c, now)
                     if record is None:
                         break
-                payload, n_run, n_failed = record
-                packed_ns = time.monotonic_ns()  # the GPU process counts the wait from here
+                payload, n_run, n_failed, packed_ns = record  # the GPU process counts its wait from packed_ns
                 if ring.push(payload, self.num_batches, n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32) \
                         != L.OK:
                     self.held[c] = record
@@ -272,7 +277,7 @@ class Scheduler:
         if not rows:
             return None
         locs = np.concatenate(rows) if len(rows) > 1 else rows[0]
-        return locs.view(np.uint32).reshape(-1), n_run, locs.size - n_run
+        return locs.view(np.uint32).reshape(-1), n_run, locs.size - n_run, time.monotonic_ns()
 
     def _free(self, slots: np.ndarray) -> None:
         self.arrival_ns[slots] = NO_ITEM_NS
@@ -284,7 +289,10 @@ class Scheduler:
         """The gauges a loop round does not keep: families in the index, the oldest waiting item."""
         v = self.values
         v[S_FAMILIES] = self.packer.index.num_families
-        oldest = int(self.arrival_ns.min())
+        arrivals = self.arrivals
+        while arrivals and not (self.arrival_ns[arrivals[0][1]] == arrivals[0][0]).any():
+            arrivals.popleft()
+        oldest = int(arrivals[0][0]) if arrivals else NO_ITEM_NS
         if self.overflow:
             oldest = min(oldest, int(self.overflow[0][3]))
         v[S_OLDEST] = 0 if oldest == NO_ITEM_NS else oldest

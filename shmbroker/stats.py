@@ -119,7 +119,7 @@ RESULTS = (
     _c("log_bytes", "results_log_bytes_total", "Bytes appended to the results log."),
     _c("acks_saved", "results_checkpoints_total", "Ack and cursor checkpoints saved."),
     _c("disk_full", "results_disk_full_total", "Results-log appends refused by a full disk (retried)."),
-    _g("parked_now", "results_parked", "Results parked now."),
+    _g("parked_now", "results_parked_now", "Results parked now."),
 )
 
 STATS = {"gpu": GPU, "ingest": INGEST, "sched": SCHED, "results": RESULTS}
@@ -148,6 +148,7 @@ class StatsWriter:
             resumed[:] = self.words[R_VALUES:]  # a predecessor killed mid-publication: each word old or new
         self.values[:] = resumed[: self.values.size]
         self.index = {f.key: i for i, f in enumerate(self.fields)}
+        self.publish()  # at once: a predecessor killed mid-publication left the slot unreadable
 
     def publish(self) -> None:
         seqlock.publish(self.words, R_SEQ, R_VALUES, self.values)

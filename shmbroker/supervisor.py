@@ -105,6 +105,14 @@ class Supervisor:
         from .spill.store import Backlog
 
         cfg = self.cfg
+        if cfg.metrics_addr:  # first: a taken address fails the start before any recovery work
+            from .metrics import bind
+            from .settings import parse_addr
+
+            self.metrics_sock = bind(parse_addr(cfg.metrics_addr))
+            host, port = self.metrics_sock.getsockname()[:2]
+            self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
             salvaged = salvage(backlog, cfg)
@@ -121,15 +129,8 @@ class Supervisor:
         owner = self.owner
         self.control = Control.create(owner, self.roles)
         self.control.words[C_SUPERVISOR_PID] = os.getpid()
-        if cfg.metrics_addr:
-            from .metrics import bind
-            from .settings import parse_addr
-
-            self.metrics_sock = bind(parse_addr(cfg.metrics_addr))
-            host, port = self.metrics_sock.getsockname()[:2]
-            self.control.words[C_METRICS_PORT] = port
-            self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
+        if self.metrics_sock is not None:
+            self.control.words[C_METRICS_PORT] = self.metrics_sock.getsockname()[1]
         self.sched_bell = owner.doorbell("sched-d")
         self.results_bell = owner.doorbell("results-d")
         self.ingest_bells = [owner.doorbell(f"ingest{k}-d") for k in range(cfg.ingest_processes)]

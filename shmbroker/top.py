@@ -299,9 +299,11 @@ def run(data_dir: str, interval_seconds: float = INTERVAL_SECONDS_MAX) -> int:
     try:
         with Keys(sys.stdin) as keys, Live(screen=True, auto_refresh=False, redirect_stderr=False) as live:
             try:
+                next_frame = time.monotonic()
                 while True:
                     live.update(top.frame(), refresh=True)
-                    if keys.wait(interval_seconds):
+                    next_frame = max(next_frame + interval_seconds, time.monotonic())  # a period, not a pause
+                    if keys.wait(max(0.0, next_frame - time.monotonic())):
                         break
             except (KeyboardInterrupt, Quit):
                 pass

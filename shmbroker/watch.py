@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import posix_ipc
 
 from .control import (
     C_METRICS_PORT,
@@ -109,13 +110,20 @@ class BrokerView:
             raise NoBroker(f"no broker is running on data directory {data_dir!r} (no {BROKER_FILE})") from None
         except (OSError, ValueError) as exc:
             raise NoBroker(f"no broker is running on data directory {data_dir!r} ({path}: {exc})") from None
-        pid, ticks = int(desc.get("pid", 0)), desc.get("pid_start")
-        if pid <= 0 or ticks is None or not is_alive(pid, int(ticks)):
+        try:
+            pid, ticks = int(desc["pid"]), int(desc["pid_start"])
+            missing = [k for k in ("control", "roles", "consumers", "models", "rings") if k not in desc]
+            if missing:
+                raise KeyError(", ".join(missing))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise NoBroker(f"no broker is running on data directory {data_dir!r} ({path}: not a broker "
+                           f"description: {exc!r})") from None
+        if pid <= 0 or not is_alive(pid, ticks):
             raise NoBroker(f"no broker is running on data directory {data_dir!r} "
                            f"(supervisor pid {pid} of {BROKER_FILE} is gone)")
         try:
             control = Control.attach(desc["control"], desc["roles"], readonly=True)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, posix_ipc.Error) as exc:
             raise NoBroker(f"no broker is running on data directory {data_dir!r} ({exc})") from None
         if int(control.words[C_SUPERVISOR_PID]) != pid:
             control.close()
@@ -224,7 +232,7 @@ class BrokerView:
         if seg is None:
             try:
                 seg = Segment.attach(name, readonly=True, length=RING_HEADER_BYTES)
-            except (OSError, ValueError):
+            except (OSError, ValueError, posix_ipc.Error):  # gone (a producer's ring being replaced)
                 return None
             self._rings[name] = seg
         return seg.buf[:RING_HEADER_BYTES].view(np.int64)

@@ -181,6 +181,67 @@ def test_a_taken_metrics_addr_fails_the_start_clearly(tmp_path):
     assert not (tmp_path / "data" / "broker.json").exists()
 
 
+TWO_MODELS = """
+[[consumers]]
+name = "q"
+model = "qwen2"
+max_batch_size = 16
+max_batch_tokens = 16384
+max_input_len = 4096
+engine_settings = { mode = "packed", cache_tokens = 65536 }
+
+[[consumers]]
+name = "l"
+model = "llama-3-8b"
+max_batch_size = 16
+max_batch_tokens = 16384
+max_input_len = 4096
+engine_settings = { mode = "padded", cache_tokens = 65536 }
+"""
+
+
+def test_named_models_are_served_and_counted_per_model(tmp_path):
+    """Model names whose 32-bit FNV hash had the top bit set ("qwen2", "llama-3-8b") crashed the
+    scheduler's index (ids must be below 2^31); the per-model metrics carry the names."""
+    from shmbroker.ring.items import model_id
+
+    assert all(0 < model_id(f"model-{i}") < 1 << 31 for i in range(2000))
+    rng = np.random.default_rng(8)
+    counts = {"qwen2": 30, "llama-3-8b": 20}
+    with BrokerProc(tmp_path, config=TWO_MODELS) as broker:
+        with Producer("models", data_dir=broker.data_dir) as p:
+            for model, n in counts.items():
+                for _ in range(n):
+                    p.submit(rng.integers(0, 30_000, size=int(rng.integers(50, 900)), dtype=np.uint32),
+                             max_new_tokens=1, model=model)
+            status = _take(p, sum(counts.values()))
+        assert (status == 0).all()
+        _gpu_counted(broker.data_dir, sum(counts.values()))
+        samples = scrape(broker.data_dir)
+    items = {dict(labels)["model"]: v for (n, labels), v in samples.items() if n == "shmbroker_consumer_items_total"}
+    assert items == counts
+    pending = {dict(labels)["model"]: v for (n, labels), v in samples.items() if n == "shmbroker_backlog_pending_items"}
+    assert pending == {"qwen2": 0, "llama-3-8b": 0}
+
+
+def test_openmetrics_scrape_parses(tmp_path):
+    """Prometheus asks for OpenMetrics first; its stricter parser refuses clashing family names."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
+
+    with BrokerProc(tmp_path) as broker:
+        with Producer("om", data_dir=broker.data_dir) as p:
+            p.submit(np.arange(100, dtype=np.uint32), max_new_tokens=1)
+            _take(p, 1)
+        addr = json.loads((Path(broker.data_dir) / "broker.json").read_text())["metrics_addr"]
+        req = urllib.request.Request(f"http://{addr}/metrics",
+                                     headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            text = resp.read().decode()
+    names = {fam.name for fam in om_families(text)}
+    assert "shmbroker_results_parked" in names and "shmbroker_results_parked_now" in names
+
+
 def test_no_exporter_when_metrics_addr_is_empty(tmp_path):
     with BrokerProc(tmp_path, config='metrics_addr = ""\n' + SMALL_CONFIG) as broker:
         desc = json.loads((Path(broker.data_dir) / "broker.json").read_text())

@@ -170,9 +170,6 @@ def _run_broker(tmp: str, items: int, *, observe: bool = False) -> dict:
     observer = None
     try:
         broker.wait_ready()
-        if observe:
-            observer = Observer(data)
-            observer.wait_attached()  # top started, drew, and the exporter answered: then the clock
         for i in range(2):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_producer, args=(i, data, items, child), daemon=True)
@@ -183,6 +180,9 @@ def _run_broker(tmp: str, items: int, *, observe: bool = False) -> dict:
             if not c.poll(60):
                 raise RuntimeError("a producer did not connect")
             c.recv()
+        if observe:  # after the producers forked: they inherit neither its threads nor its terminal
+            observer = Observer(data)
+            observer.wait_attached()  # top started, drew, and the exporter answered: then the clock
         for c in conns:
             c.send("go")
         reports = []
@@ -235,6 +235,7 @@ class Observer:
         self.scrapes = 0
         self.scrape_seconds_max = 0.0
         self.top_bytes = 0
+        self.scrape_errors: list[str] = []
         self._stop = threading.Event()
         self._scraper = threading.Thread(target=self._scrape_loop, daemon=True)
         self._scraper.start()
@@ -252,6 +253,8 @@ class Observer:
         of watching a broker, which is what the observed runs measure)."""
         deadline = time.monotonic() + timeout_seconds
         while self.top_bytes == 0 or self.scrapes == 0:
+            if self.scrape_errors:
+                raise RuntimeError(f"the exporter did not answer: {self.scrape_errors[0]}")
             if self.top.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"shmbroker top did not attach (exit status {self.top.poll()})")
             time.sleep(0.05)
@@ -268,7 +271,10 @@ class Observer:
 
     def _scrape_loop(self) -> None:
         while True:
-            self.scrape()
+            try:
+                self.scrape()
+            except OSError as exc:  # counted, and `finish` fails the run: an unscraped run is not observed
+                self.scrape_errors.append(repr(exc))
             if self._stop.wait(SCRAPE_SECONDS):
                 return
 
@@ -312,6 +318,8 @@ class Observer:
             time.sleep(0.05)
         if top_code != 0:
             raise RuntimeError(f"shmbroker top exited with {top_code}")
+        if self.scrape_errors:
+            raise RuntimeError(f"{len(self.scrape_errors)} scrapes failed: {self.scrape_errors[0]}")
         return {"scrapes": self.scrapes, "scrape_seconds_max": round(self.scrape_seconds_max, 4),
                 "top_bytes": self.top_bytes, "exported_tokens": exported,
                 "exported_tokens_match": exported == expected_tokens}

@@ -351,8 +351,10 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 fail = _failed_results(failed)
                 res = fail if res is None else _concat(res, fail)
             writer.write(res, locs["seq"], locs["writer"])
-            ring.release(new_tail, 1)
+            # counted before the release: a crash in between re-runs the batch and counts it again (the
+            # engine did run it twice), but a batch is never released uncounted
             counting.batch(engine_ns, taken_ns - idle_from, max(0, taken_ns - packed_ns) if packed_ns else 0)
+            ring.release(new_tail, 1)
             idle_from = time.monotonic_ns()
     finally:
         views.close()

@@ -73,7 +73,8 @@ push_item_readonly = kernel(signature=_signature(readonly=True))(_push_item)
 
 
 def model_id(name: str | None) -> int:
-    """Stable 32-bit id of a model name (FNV-1a, never 0); None is the default model, 0."""
+    """Stable 31-bit id of a model name (FNV-1a folded to 31 bits, never 0: the packing index keeps
+    model ids in 0..2^31-1); None is the default model, 0."""
     if name is None:
         return 0
     if not isinstance(name, str) or not name:
@@ -81,7 +82,7 @@ def model_id(name: str | None) -> int:
     h = 0x811C9DC5
     for byte in name.encode():
         h = ((h ^ byte) * 0x01000193) & U32_MAX
-    return h or 1
+    return (h & 0x7FFFFFFF) or 1
 
 
 def item_id(producer_id: int, seq: int) -> int:
