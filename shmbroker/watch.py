@@ -247,8 +247,14 @@ class BrokerView:
 
 
 def lower_priority() -> None:
-    """Raise this process's nice value to WATCHER_NICE (best effort; never lowers it): a watcher
-    runs when the broker's processes leave a core free, and delays none of them."""
+    """Run as SCHED_IDLE where Linux has it, else at nice WATCHER_NICE (best effort; never raises the
+    priority): a watcher takes a core only when the broker's processes leave one, and its wake-ups
+    never preempt them (a nice value alone still lets a waking watcher preempt a broker process)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
     try:
         now = os.nice(0)
         if now < WATCHER_NICE:

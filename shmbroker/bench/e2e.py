@@ -138,7 +138,8 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
         out["observed_items_per_s"] = watched["items_per_s"]
         out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
         last = runs[True][-1]
-        for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match"):
+        for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
+                    "watch_cpu_seconds", "watch_cpu_share"):
             out[key] = last[key]
         out["disk_write_bytes_per_s"] = round(disk_bw, 1)
         per_item = record_bytes(TOKENS) + res_bytes(MAX_NEW_TOKENS)
@@ -157,7 +158,8 @@ def _median_run(runs: list[dict]) -> dict:
     out = dict(by_speed[(len(by_speed) - 1) // 2])
     out["items_per_s"] = round(statistics.median(r["items_per_s"] for r in runs), 1)
     out["tokens_per_s"] = round(out["items_per_s"] * TOKENS, 1)
-    for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match"):
+    for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
+                "watch_cpu_seconds", "watch_cpu_share"):
         out.pop(key, None)
     return out
 
@@ -231,7 +233,14 @@ class Observer:
         import sys
         import threading
 
+        from ..watch import BrokerView
+
         self.addr = json.loads((Path(data_dir) / "broker.json").read_text())["metrics_addr"]
+        view = BrokerView.attach(data_dir)
+        try:
+            self.exporter_pid = next(p["pid"] for p in view.snapshot()["processes"] if p["role"] == "metrics")
+        finally:
+            view.close()
         self.scrapes = 0
         self.scrape_seconds_max = 0.0
         self.top_bytes = 0
@@ -258,6 +267,14 @@ class Observer:
             if self.top.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"shmbroker top did not attach (exit status {self.top.poll()})")
             time.sleep(0.05)
+        self._cpu_from = self._cpu()
+
+    def _cpu(self) -> tuple[float, dict[str, float]]:
+        """(monotonic seconds, CPU seconds so far of top, the exporter process and this process's
+        scraping and pty-reading threads (the whole bench process: its main thread only waits))."""
+        t = os.times()
+        return time.monotonic(), {"top": _cpu_seconds(self.top.pid), "exporter": _cpu_seconds(self.exporter_pid),
+                                  "scraper": t.user + t.system}
 
     def scrape(self) -> str:
         import urllib.request
@@ -295,6 +312,9 @@ class Observer:
 
         from prometheus_client.parser import text_string_to_metric_families
 
+        t1, cpu1 = self._cpu()
+        t0, cpu0 = self._cpu_from
+        watch_cpu = {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1}
         self._stop.set()
         self._scraper.join(30)
         deadline = time.monotonic() + 30
@@ -322,7 +342,9 @@ class Observer:
             raise RuntimeError(f"{len(self.scrape_errors)} scrapes failed: {self.scrape_errors[0]}")
         return {"scrapes": self.scrapes, "scrape_seconds_max": round(self.scrape_seconds_max, 4),
                 "top_bytes": self.top_bytes, "exported_tokens": exported,
-                "exported_tokens_match": exported == expected_tokens}
+                "exported_tokens_match": exported == expected_tokens, "watch_cpu_seconds": watch_cpu,
+                "watch_cpu_share": round(sum(watch_cpu.values()) / (os.cpu_count() * (t1 - t0)), 4)
+                if t1 > t0 else 0.0}
 
     def close(self) -> None:
         self._stop.set()
@@ -333,6 +355,12 @@ class Observer:
             os.close(self._master)
         except OSError:
             pass
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _set_window(fd: int, rows: int, cols: int) -> None:
