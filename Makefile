@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: install demo test soak bench warm clean
 
@@ -11,6 +12,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: this release is a CPU build on these machines (an unpinned one pulls a CUDA
+	# build of several GB that a CPU-only test run does not need)
+	$(PY) -m pip install --quiet 'torch==$(TORCH_VERSION)'
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

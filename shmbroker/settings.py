@@ -51,7 +51,7 @@ from .stats import MAX_MODELS
 
 DEFAULT_CONFIG_FILE = "shmbroker.toml"
 DEFAULT_MAX_WAIT_SECONDS = 30.0
-ENGINES = ("sim",)
+ENGINES = ("sim", "hf", "vllm", "trtllm", "openai")
 INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 RING_BYTES_MIN = 1 << 16
@@ -80,7 +80,7 @@ class ConsumerConfig:
     contract: Contract
     model_name: str | None
     engine: str
-    engine_settings: SimSettings
+    engine_settings: SimSettings  # or the engine's own (gpu/engines/options.py)
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,15 @@ def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
     settings = raw.get("engine_settings", {})
     if not isinstance(settings, dict):
         v.fail(f"{at}.engine_settings", "must be a table", settings)
-    return ConsumerConfig(name, contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings"))
+    if engine == "sim":
+        return ConsumerConfig(name, contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings"))
+    from .gpu.engines import options
+
+    try:
+        parsed = options.parse(engine, settings, f"{at}.engine_settings")
+    except ValueError as exc:
+        raise ConfigError(f"{v.where}: {exc}") from None
+    return ConsumerConfig(name, contract, model, engine, parsed)
 
 
 def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:

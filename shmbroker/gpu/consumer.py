@@ -311,7 +311,8 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     role = control.roles.index(f"gpu-{consumer.name}")
     slot = control.role(role)
     stats = StatsWriter(control, role)
-    engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens)
+    engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens,
+                         contract=consumer.contract)
     core = ConsumerCore(consumer.contract, engine, tolerance=cfg.padding_tolerance)
     counting = GpuCounting(stats, core)
     ring = batch_ring.attach(CONSUMER)

@@ -28,7 +28,13 @@ ENGINE_ERROR = "engine_error"
 STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR)
 
 # name -> (module, class, the extra that installs its packages)
-ENGINES = {"sim": ("shmbroker.gpu.engines.sim", "Sim", None)}
+ENGINES = {
+    "sim": ("shmbroker.gpu.engines.sim", "Sim", None),
+    "hf": ("shmbroker.gpu.engines.hf", "HF", "hf"),
+    "vllm": ("shmbroker.gpu.engines.vllm", "VLLM", "vllm"),
+    "trtllm": ("shmbroker.gpu.engines.trtllm", "TRTLLM", "trtllm"),
+    "openai": ("shmbroker.gpu.engines.openai", "OpenAICompatible", "openai"),
+}
 
 
 class EngineBatch:
@@ -120,6 +126,7 @@ class EngineOutcome:
     engine_seconds: float = 0.0  # the engine's own (or modeled) time for the batch
     padded_tokens: int = 0  # a padded engine's rectangle cells that computed nothing
     rect_tokens: int = 0  # a padded engine's rectangle (count x longest suffix)
+    reused_tokens: int = 0  # prefix tokens served from a cache instead of computed (hf: the shared prefix)
 
 
 class Engine(Protocol):
@@ -136,7 +143,7 @@ class EngineUnavailable(BrokerError):
 
 def load_engine(name: str, settings, **options) -> Engine:
     """An engine instance by name (settings: its engine_settings; options: broker-wide ones such as
-    block_tokens); imported only now."""
+    block_tokens, and the consumer's contract); imported only now."""
     try:
         module, cls, extra = ENGINES[name]
     except KeyError:

@@ -173,7 +173,7 @@ class Sim:
 
     VOCAB = 32_000
 
-    def __init__(self, settings, *, block_tokens: int = 512):
+    def __init__(self, settings, *, block_tokens: int = 512, **_options):
         self.mode = settings.mode
         self.block_tokens = block_tokens
         self.model = SimEngine(settings.mode, cache_tokens=settings.cache_tokens, block_tokens=self.block_tokens,

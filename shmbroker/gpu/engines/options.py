@@ -1,0 +1,133 @@
+"""Each real engine's settings (`[consumers.engine_settings]`), as frozen dataclasses, validated here.
+
+This module imports nothing heavy: the configuration is checked by `settings.py` (and by
+`shmbroker config`) without torch, vllm, tensorrt_llm or httpx. The engine modules
+(`hf.py`, `vllm.py`, `trtllm.py`, `openai.py`) import their packages only when a GPU process
+loads them (`base.load_engine`).
+
+An engine's mode is not a setting: it belongs to the engine (DESIGN.md "Words"). `hf` computes a
+padded rectangle (`padded`); `vllm`, `trtllm` and `openai` page their KV cache (`packed`).
+
+`parse(engine, raw, at)` returns the settings dataclass or raises ValueError naming the key
+(`settings.py` turns that into a ConfigError with the file's name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """transformers on torch. `model`: a local directory (never downloaded); or `config`: a
+    transformers config as a table (e.g. { model_type = "llama", hidden_size = 64, ... }) built with
+    random weights seeded by `seed` (benchmarks, tests)."""
+
+    model: str | None = None
+    config: dict | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu; or "cpu", "cuda", "cuda:1"
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+    reuse_prefix: bool = True  # compute a batch's shared prefix once and reuse its KV for every item
+    keep_prefix: bool = True  # keep the last prefix's KV for the next batch of the same family
+    threads: int = 0  # torch CPU threads (0: torch's default)
+
+    mode = "padded"
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """Offline `vllm.LLM`; the contract gives max_num_seqs, max_num_batched_tokens, max_model_len."""
+
+    model: str = ""
+    dtype: str = "auto"
+    max_new_tokens: int = 256  # the longest generation an item may ask for (max_model_len = input + this)
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)  # more `LLM(...)` keyword arguments, passed as given
+
+    mode = "packed"
+
+
+@dataclass(frozen=True)
+class TRTLLMSettings:
+    """TensorRT-LLM's `LLM` API; the contract gives max_batch_size, max_num_tokens, max_input_len."""
+
+    model: str = ""
+    dtype: str = "auto"
+    max_new_tokens: int = 256  # max_seq_len = max_input_len + this
+    free_gpu_memory_fraction: float = 0.9
+    tensor_parallel_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    mode = "packed"
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    """Any OpenAI-compatible completions server (vLLM serve, SGLang, TGI, trtllm-serve)."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = ""
+    api_key_env: str = ""  # the environment variable holding the API key ("" = none)
+    max_in_flight: int = 4  # requests (one per batch part) in flight at once
+    max_items_per_request: int = 0  # 0: a whole batch in one request
+    timeout_seconds: float = 120.0
+    retries: int = 3
+    backoff_seconds: float = 0.5  # doubled after each failed try
+
+    mode = "packed"
+
+
+SETTINGS = {"hf": HFSettings, "vllm": VLLMSettings, "trtllm": TRTLLMSettings, "openai": OpenAISettings}
+REQUIRED = {"vllm": ("model",), "trtllm": ("model",), "openai": ("model",)}
+
+
+def parse(engine: str, raw: dict, at: str):
+    """engine_settings of a real engine: known keys, right types, sane values."""
+    cls = SETTINGS[engine]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ValueError(f"{at}: unknown key {key!r} for engine {engine!r} (known: {', '.join(sorted(fields))})")
+    for key in REQUIRED.get(engine, ()):
+        if not raw.get(key):
+            raise ValueError(f"{at}.{key}: is required for engine {engine!r}")
+    out = {}
+    for key, value in raw.items():
+        kind = str(fields[key].type)
+        where = f"{at}.{key}"
+        if kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: must be true or false, got {value!r}")
+        elif kind.startswith("int"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: must be an integer >= 0, got {value!r}")
+        elif kind.startswith("float"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: must be a number >= 0, got {value!r}")
+            value = float(value)
+        elif kind.startswith("dict"):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: must be a table, got {value!r}")
+        elif not isinstance(value, str):
+            raise ValueError(f"{where}: must be a string, got {value!r}")
+        out[key] = value
+    if out.get("dtype", "auto") not in DTYPES:
+        raise ValueError(f"{at}.dtype: must be one of {', '.join(DTYPES)}, got {out['dtype']!r}")
+    if engine == "hf" and bool(out.get("model")) == bool(out.get("config")):
+        raise ValueError(f"{at}: engine 'hf' needs exactly one of model (a local directory) or config (a table)")
+    for key in ("max_in_flight", "retries", "max_new_tokens", "tensor_parallel_size"):
+        if key in out and key != "retries" and out[key] < 1:
+            raise ValueError(f"{at}.{key}: must be >= 1, got {out[key]!r}")
+    for key in ("gpu_memory_utilization", "free_gpu_memory_fraction"):
+        if key in out and not 0 < out[key] <= 1:
+            raise ValueError(f"{at}.{key}: must be in (0, 1], got {out[key]!r}")
+    return cls(**out)
