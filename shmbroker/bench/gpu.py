@@ -1,0 +1,222 @@
+"""`shmbroker bench gpu`: a real engine (`hf`) fed FIFO with right padding against fed by the broker.
+
+One backlog, drawn from the Mooncake-format conversation trace (`../shared/traces/`; the seeded
+generator when the trace is absent) and scaled to fit the card: each 512-token hash block of the
+trace becomes `block_tokens` synthetic tokens (equal hashes give equal blocks, so the trace's
+shared prefixes survive the scaling), lengths capped at the contract's `max_input_len`. One model:
+a random-weight Llama-style model, about 1B parameters on a GPU (bf16), tiny on the CPU (fp32),
+with max_new_tokens fixed for every item.
+
+In the same run, on the same weights:
+
+(a) FIFO: batches in arrival order, as many items as the contract takes (count x longest <=
+    max_batch_tokens), right-padded, no prefix reuse: what a plain queue feeds an engine;
+(b) the broker: the backlog through shmbroker's packer (the scheduler's kernels, padded mode, this
+    one consumer's contract), each shape-pure batch run with its shared prefix computed once
+    (`hf` with reuse_prefix and keep_prefix).
+
+Both go through the GPU process's core (`ConsumerCore.process`: guard, failures, results), so
+`consumer_overhead` is the consumer's own cost per batch over the engine's time. Figures:
+useful input tokens per second (the backlog's input tokens over the seconds to run all batches),
+padding waste, prefix tokens reused, the speed-up of (b) over (a), and on a sample of items
+whether (b)'s outputs equal the item run alone (greedy, same weights, no batch, no reuse).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..pack.contract import Contract
+from .workload import Workload
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+# ~1.0B parameters: 16 layers of 2048 (GQA 32/8 heads), 32k vocabulary
+GPU_MODEL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+             "max_position_embeddings": 8192, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+CPU_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+             "max_position_embeddings": 2048, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    device: str
+    model: dict
+    dtype: str
+    contract: Contract
+    items: int
+    block_tokens: int  # tokens per trace hash block after scaling
+    max_new_tokens: int
+    sample: int
+
+
+GPU_SETUP = Setup("cuda", GPU_MODEL, "bfloat16", Contract(64, 16384, 4096), 2048, 128, 4, 32)
+CPU_SETUP = Setup("cpu", CPU_MODEL, "float32", Contract(16, 2048, 512), 96, 16, 2, 6)
+
+
+class _Consumer:
+    def __init__(self, contract: Contract):
+        self.name = "card"
+        self.contract = contract
+        self.cache_tokens = 0
+
+
+def backlog(setup: Setup, trace: str | os.PathLike | None, scale: float, seed: int) -> Workload:
+    """The scaled backlog: the first items of the trace (or the generator's), hash blocks of
+    `setup.block_tokens` tokens, lengths capped at max_input_len."""
+    from . import trace as tr
+
+    n = max(8, int(setup.items * scale))
+    vocab = int(setup.model["vocab_size"])
+    path = Path(trace) if trace else TRACE
+    if path.exists():
+        rows = []
+        with open(path) as fh:
+            for line in fh:
+                if line.strip():
+                    rows.append(json.loads(line))
+                if len(rows) >= n:
+                    break
+        b = setup.block_tokens
+        lengths, ids, counts = [], [], []
+        for r in rows:
+            scaled = max(1, -(-int(r["input_length"]) * b // tr.TRACE_BLOCK_TOKENS))
+            scaled = min(scaled, setup.contract.max_input_len - setup.max_new_tokens)
+            blocks = [int(h) for h in r["hash_ids"]][: -(-scaled // b)]
+            lengths.append(scaled)
+            ids.extend(blocks)
+            counts.append(len(blocks))
+        lengths_a = np.array(lengths, np.int64)
+        hash_offsets = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=hash_offsets[1:])
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths_a, out=offsets[1:])
+        tokens = np.empty(int(offsets[-1]), np.uint32)
+        tr.synthesise(np.array(ids, np.int64), hash_offsets, lengths_a, b, vocab, tokens, offsets)
+        name = f"trace({path.name}, {len(rows)} items, {b} tokens a block)"
+    else:
+        from .workload import generate
+
+        wl = generate(n, seed=seed, max_len=setup.contract.max_input_len - setup.max_new_tokens,
+                      system_tokens_median=setup.block_tokens * 4, turn_tokens_median=setup.block_tokens * 2,
+                      reply_tokens_median=setup.block_tokens)
+        tokens, offsets, lengths_a = wl.tokens % np.uint32(vocab), wl.offsets, wl.lengths
+        name = f"generator({n} items; no trace at {path})"
+    count = lengths_a.size
+    return Workload(tokens.astype(np.uint32), offsets, np.zeros(count), np.full(count, setup.max_new_tokens, np.int64),
+                    np.zeros(count, np.int64), np.zeros(count, np.int64), name)
+
+
+def batches(feeder_cls, setup: Setup, wl: Workload, shapes) -> list:
+    """Every batch the feeder gives the one consumer for the whole backlog, in order."""
+    feeder = feeder_cls([_Consumer(setup.contract)], "padded", shapes, wl)
+    for row in range(len(wl)):
+        feeder.add(row, 0.0)
+    out = []
+    while True:
+        batch = feeder.next_batch(0, 0.0)
+        if batch is None:
+            return out
+        assert not batch.failed, "the backlog is scaled to fit the contract"
+        out.append(batch)
+
+
+def _feed(core, wl: Workload, plan: list) -> dict:
+    from ..gpu.consumer import ConsumerStats
+
+    core.stats = ConsumerStats()
+    core._last_family, core._families = None, set()
+    views = [wl.tokens[wl.offsets[i] : wl.offsets[i + 1]] for i in range(len(wl))]
+    outputs = {}
+    reused = 0
+    engine_seconds = 0.0
+    core_ns = 0
+    engine = core.engine
+    run = engine.run
+
+    def counting_run(batch):
+        nonlocal reused, engine_seconds
+        outcome = run(batch)
+        reused += outcome.reused_tokens
+        engine_seconds += outcome.engine_seconds
+        return outcome
+
+    engine.run = counting_run
+    try:
+        t0 = time.perf_counter()
+        for batch in plan:
+            rows = batch.keys.astype(np.int64)
+            c0 = time.perf_counter_ns()
+            res = core.process(batch, [views[r] for r in rows])
+            core_ns += time.perf_counter_ns() - c0
+            for k, r in enumerate(rows.tolist()):
+                outputs[r] = res.flat[res.offsets[k] : res.offsets[k + 1]].copy()
+            assert (res.status == 0).all(), res.errors
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.run = run
+    s = core.stats
+    tokens = int(wl.lengths.sum())
+    return {"batches": len(plan), "seconds": round(seconds, 4), "useful_tokens_per_s": round(tokens / seconds, 1),
+            "padded_tokens": s.padded_tokens, "rect_tokens": s.rect_tokens,
+            "padding_waste": round(s.padded_tokens / s.rect_tokens, 4) if s.rect_tokens else 0.0,
+            "prefix_tokens_reused": reused,
+            "engine_seconds": round(engine_seconds, 4),
+            "consumer_overhead": round(core_ns / 1e9 / engine_seconds - 1, 4) if engine_seconds else None,
+            "_outputs": outputs}
+
+
+def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
+    import torch
+
+    from ..gpu.consumer import ConsumerCore
+    from ..gpu.engines.hf import HF, unbatched
+    from ..gpu.engines.options import HFSettings
+    from ..pack.shapes import shape_items
+    from .packsim import FifoFeeder, PackerFeeder
+
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    setup = GPU_SETUP if cuda else CPU_SETUP
+    wl = backlog(setup, trace, scale, seed)
+    shapes = shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens)
+    fifo_plan = batches(FifoFeeder, setup, wl, shapes)
+    broker_plan = batches(PackerFeeder, setup, wl, shapes)
+    settings = HFSettings(config=setup.model, dtype=setup.dtype, device=setup.device, seed=seed)
+    t0 = time.perf_counter()
+    broker_engine = HF(settings, block_tokens=setup.block_tokens)
+    load_seconds = time.perf_counter() - t0
+    fifo_engine = copy.copy(broker_engine)  # the same weights, no prefix reuse
+    fifo_engine.settings = dataclasses.replace(settings, reuse_prefix=False, keep_prefix=False)
+    for e, plan in ((fifo_engine, fifo_plan), (broker_engine, broker_plan)):  # warm-up: kernels, allocator
+        _feed(ConsumerCore(setup.contract, e), wl, plan[:1])
+    broker_engine._kept = None
+    fifo = _feed(ConsumerCore(setup.contract, fifo_engine), wl, fifo_plan)
+    broker = _feed(ConsumerCore(setup.contract, broker_engine), wl, broker_plan)
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.choice(len(wl), size=min(setup.sample, len(wl)), replace=False))
+    equal = sum(broker["_outputs"][int(r)].tolist()
+                == unbatched(broker_engine, wl.tokens[wl.offsets[r] : wl.offsets[r + 1]], setup.max_new_tokens)
+                for r in sample)
+    for part in (fifo, broker):
+        part.pop("_outputs")
+    n = len(wl)
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model_parameters": sum(p.numel() for p in broker_engine.model.parameters()),
+        "dtype": setup.dtype, "workload": wl.name, "items": n, "input_tokens": int(wl.lengths.sum()),
+        "max_new_tokens": setup.max_new_tokens,
+        "contract": dataclasses.asdict(setup.contract), "block_tokens": setup.block_tokens,
+        "model_load_seconds": round(load_seconds, 2),
+        "fifo": fifo, "broker": broker,
+        "speedup": round(broker["useful_tokens_per_s"] / fifo["useful_tokens_per_s"], 3),
+        "sample_items": int(sample.size), "sample_outputs_equal_unbatched": int(equal),
+    }

@@ -1,0 +1,198 @@
+"""`hf`: transformers on torch, a padded engine that computes a shape-pure batch's shared prefix once.
+
+A batch from the broker is shape-pure: one prefix family, similar lengths. This engine turns that
+into compute saved:
+
+1. the batch's common prefix (`EngineBatch.prefix_tokens`, at least one token of every item left
+   outside it) runs once, batch size 1, into a KV cache (`DynamicCache`);
+2. if the previous batch's prefix shares a start with it (the same family again: the scheduler
+   keeps a consumer on a family), that much of the kept cache is reused (cropped), and only the
+   rest of the prefix is computed: the hits reported;
+3. the prefix cache is repeated for the batch, and the suffixes run as one right-padded rectangle
+   (count × longest suffix: the padding reported) with explicit position ids and an attention mask
+   that hides the pads;
+4. greedy decoding: `max_new_tokens` per item honoured, an item stops at the model's EOS (kept as
+   its last token); finished items ride along masked until the longest is done.
+
+The prefix's KV is kept for the next batch (`keep_prefix`). With `reuse_prefix = false` the engine
+runs plain right-padded batches (what FIFO feeding gets; `bench gpu` compares the two).
+
+Weights: a local directory (`model`, loaded with `local_files_only`: never downloaded), or a
+transformers config (`config`) built with random weights from `seed` (benchmarks, tests). bf16 on
+CUDA, fp32 on the CPU unless `dtype` says otherwise. An item the model cannot take (a token id
+outside its vocabulary, longer than its positions) raises: the GPU process then runs the batch's
+items one by one, so only that item fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+
+import numpy as np
+import torch
+import transformers
+
+from .base import EngineOutcome, ItemResult
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class HF:
+    mode = "padded"
+
+    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+        self.settings = settings
+        self.block_tokens = block_tokens
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype = settings.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = DTYPES[dtype]
+        self.model = build_model(settings, self.dtype).to(self.device).eval()
+        # transformers renamed forward's `past_key_values` to `cache` (5.x deprecates the old name)
+        self._kv = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        self._kept: tuple[np.ndarray, object] | None = None  # the last prefix's tokens and its KV (batch 1)
+
+    # -- a batch -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch) -> EngineOutcome:
+        t0 = time.perf_counter()
+        tokens = [np.asarray(t) for t in batch.tokens]
+        n = len(tokens)
+        max_new = [max(1, int(m)) for m in batch.max_new_tokens]
+        for t, m in zip(tokens, max_new):
+            self._check(t, m)
+        lengths = [int(t.size) for t in tokens]
+        prefix = 0
+        if self.settings.reuse_prefix:
+            prefix = min(batch.prefix_tokens, min(lengths) - 1)
+        cache, cached = self._prefix_cache(tokens[0][:prefix]) if prefix > 0 else (None, 0)
+        generated = self._generate(tokens, lengths, prefix, cache, max_new)
+        rect = n * max(lengths[i] - prefix for i in range(n))
+        padded = rect - sum(lengths[i] - prefix for i in range(n))
+        b = self.block_tokens
+        hit_blocks = n * (cached // b) + (n - 1) * (prefix // b - cached // b) if prefix else 0
+        reused = n * cached + (n - 1) * (prefix - cached) if prefix else 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        results = [ItemResult(int(i), "ok", np.asarray(g, np.uint32)) for i, g in zip(batch.item_ids, generated)]
+        return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=sum(x // b for x in lengths),
+                             engine_seconds=time.perf_counter() - t0, padded_tokens=padded, rect_tokens=rect,
+                             reused_tokens=reused)
+
+    def _check(self, tokens: np.ndarray, max_new: int) -> None:
+        if tokens.size == 0:
+            raise ValueError("no tokens")
+        top = int(tokens.max())
+        if top >= self.vocab_size:
+            raise ValueError(f"token id {top} is outside the model's vocabulary ({self.vocab_size})")
+        if tokens.size + max_new > self.max_positions:
+            raise ValueError(f"{tokens.size} tokens + {max_new} new exceed the model's {self.max_positions} positions")
+
+    def _prefix_cache(self, prefix: np.ndarray):
+        """(the prefix's KV cache at batch size 1, prefix tokens it took from the kept cache)."""
+        cached = 0
+        cache = None
+        kept = self._kept
+        if kept is not None and self.settings.keep_prefix:
+            old, old_cache = kept
+            m = min(old.size, prefix.size)
+            diff = np.flatnonzero(old[:m] != prefix[:m])
+            cached = int(diff[0]) if diff.size else m
+            if cached:
+                cache = copy.deepcopy(old_cache)
+                if cached < old.size:
+                    cache.crop(cached - old.size)  # negative: drop that many (every release takes it)
+        if cache is None:
+            cache = transformers.DynamicCache()
+            cached = 0
+        if cached < prefix.size:
+            ids = torch.as_tensor(prefix[cached:].astype(np.int64), device=self.device)[None]
+            pos = torch.arange(cached, prefix.size, device=self.device)[None]
+            self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._kv: cache})
+        if self.settings.keep_prefix:
+            self._kept = (prefix.copy(), copy.deepcopy(cache))
+        return cache, cached
+
+    def _generate(self, tokens, lengths, prefix: int, cache, max_new) -> list[list[int]]:
+        n = len(tokens)
+        dev = self.device
+        width = max(lengths) - prefix
+        ids = np.zeros((n, width), np.int64)
+        mask = np.zeros((n, prefix + width), np.int64)
+        mask[:, :prefix] = 1
+        for i, t in enumerate(tokens):
+            ids[i, : lengths[i] - prefix] = t[prefix:]
+            mask[i, prefix : lengths[i]] = 1
+        if cache is not None and prefix > 0:
+            cache.batch_repeat_interleave(n)
+        elif cache is None:
+            cache = transformers.DynamicCache()
+        ids_t = torch.as_tensor(ids, device=dev)
+        mask_t = torch.as_tensor(mask, device=dev)
+        pos = torch.arange(prefix, prefix + width, device=dev)[None].expand(n, width)
+        out = self.model(input_ids=ids_t, attention_mask=mask_t, position_ids=pos, use_cache=True, **{self._kv: cache})
+        last = torch.as_tensor([x - prefix - 1 for x in lengths], device=dev)
+        logits = out.logits[torch.arange(n, device=dev), last]
+        ends = torch.as_tensor(lengths, device=dev)
+        generated: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        for step in range(max(max_new)):
+            nxt = logits.float().argmax(-1).tolist()
+            for i in range(n):
+                if done[i]:
+                    continue
+                generated[i].append(int(nxt[i]))
+                if len(generated[i]) >= max_new[i] or nxt[i] in self.eos:
+                    done[i] = True
+            if all(done):
+                break
+            mask_t = torch.cat([mask_t, torch.ones((n, 1), dtype=mask_t.dtype, device=dev)], dim=1)
+            step_ids = torch.as_tensor(nxt, device=dev)[:, None]
+            out = self.model(input_ids=step_ids, attention_mask=mask_t, position_ids=(ends + step)[:, None],
+                             use_cache=True, **{self._kv: cache})
+            logits = out.logits[:, -1]
+        return generated
+
+    def close(self) -> None:
+        self._kept = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def build_model(settings, dtype):
+    """The model: from a local directory (never downloaded), or random weights from a config table."""
+    auto = transformers.AutoModelForCausalLM
+    # transformers >= 4.56 takes `dtype`, older releases `torch_dtype`
+    key = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+    if settings.model:
+        return auto.from_pretrained(settings.model, local_files_only=True, attn_implementation=settings.attn_implementation,
+                                    **{key: dtype})
+    raw = dict(settings.config)
+    model_type = raw.pop("model_type", "llama")
+    config = transformers.AutoConfig.for_model(model_type, **raw)
+    torch.manual_seed(settings.seed)
+    return auto.from_config(config, attn_implementation=settings.attn_implementation, **{key: dtype})
+
+
+def unbatched(engine: HF, tokens: np.ndarray, max_new_tokens: int) -> list[int]:
+    """One item alone, no prefix reuse, no kept cache: the reference a batch's outputs must equal."""
+    cache = transformers.DynamicCache()
+    with torch.inference_mode():
+        return engine._generate([np.asarray(tokens)], [int(tokens.size)], 0, cache, [max(1, int(max_new_tokens))])[0]

@@ -1,0 +1,178 @@
+"""The `hf` engine on the CPU with a tiny random-weight Llama: prefix reuse changes no output, a bad
+item fails alone, generation through the whole broker, and a small `bench gpu` run."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the hf engine needs torch (the test extra installs it)")
+pytest.importorskip("transformers", reason="the hf engine needs transformers (the test extra installs it)")
+
+from brokerproc import BrokerProc  # noqa: E402
+
+from shmbroker.client import Producer  # noqa: E402
+from shmbroker.gpu.consumer import ConsumerCore  # noqa: E402
+from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable, load_engine  # noqa: E402
+from shmbroker.gpu.engines.hf import HF, unbatched  # noqa: E402
+from shmbroker.gpu.engines.options import HFSettings  # noqa: E402
+from shmbroker.pack.contract import Batch, Contract, Shape  # noqa: E402
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 1024,
+        "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+# float64: batched and unbatched sums then differ by ~1e-15, far below any gap between two logits
+EXACT = HFSettings(config=TINY, dtype="float64", device="cpu", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HF(EXACT, block_tokens=16)
+
+
+def _family(rng, prefix_len: int, suffixes) -> list[np.ndarray]:
+    prefix = rng.integers(0, 500, size=prefix_len).astype(np.uint32)
+    return [np.concatenate([prefix, rng.integers(0, 500, size=int(k)).astype(np.uint32)]) for k in suffixes]
+
+
+def test_prefix_reuse_changes_no_output(engine):
+    rng = np.random.default_rng(1)
+    items = _family(rng, 48, (5, 17, 1, 9))
+    max_new = np.array([3, 6, 2, 4])
+    out = engine.run(EngineBatch(np.arange(4, dtype=np.uint64), items, max_new))
+    for r, tokens, m in zip(out.results, items, max_new):
+        assert r.status == "ok"
+        assert r.tokens.size == m  # max_new_tokens honoured (no EOS in this model)
+        assert r.tokens.tolist() == unbatched(engine, tokens, int(m))
+    # the prefix (48 tokens = 3 blocks of 16) was computed once and served all four items
+    assert out.reused_tokens == 3 * 48 and out.hit_blocks == 3 * 3
+    assert out.queried_blocks == sum(t.size // 16 for t in items)
+    suffixes = [t.size - 48 for t in items]
+    assert out.rect_tokens == 4 * max(suffixes) and out.padded_tokens == 4 * max(suffixes) - sum(suffixes)
+
+
+def test_the_next_batch_of_the_family_reuses_the_kept_prefix(engine):
+    rng = np.random.default_rng(2)
+    first = _family(rng, 40, (4, 6))
+    engine.run(EngineBatch(np.arange(2, dtype=np.uint64), first, np.array([2, 2])))
+    second = [np.concatenate([first[0][:40], rng.integers(0, 500, size=k).astype(np.uint32)]) for k in (3, 8, 2)]
+    out = engine.run(EngineBatch(np.arange(3, dtype=np.uint64), second, np.array([3, 3, 3])))
+    assert out.reused_tokens == 3 * 40  # all of it from the kept cache, none recomputed
+    for r, tokens in zip(out.results, second):
+        assert r.tokens.tolist() == unbatched(engine, tokens, 3)
+    other = _family(rng, 40, (5, 5))  # another family: the kept prefix does not match
+    out = engine.run(EngineBatch(np.arange(2, dtype=np.uint64), other, np.array([2, 2])))
+    assert out.reused_tokens == 40  # computed once, reused by the second item
+    assert [r.tokens.tolist() for r in out.results] == [unbatched(engine, t, 2) for t in other]
+
+
+def test_without_reuse_it_is_a_plain_padded_batch(engine):
+    plain = HF(dataclasses.replace(EXACT, reuse_prefix=False, keep_prefix=False), block_tokens=16)
+    rng = np.random.default_rng(4)
+    items = _family(rng, 32, (3, 11))
+    out = plain.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([2, 2])))
+    assert out.reused_tokens == 0 and out.hit_blocks == 0
+    assert out.rect_tokens == 2 * max(t.size for t in items)
+    assert [r.tokens.tolist() for r in out.results] == [unbatched(engine, t, 2) for t in items]
+
+
+def test_generation_stops_at_eos():
+    probe = HF(EXACT, block_tokens=16)
+    tokens = np.arange(20, dtype=np.uint32)
+    first = unbatched(probe, tokens, 1)[0]
+    with_eos = HF(dataclasses.replace(EXACT, config={**TINY, "eos_token_id": first}), block_tokens=16)
+    out = with_eos.run(EngineBatch(np.array([7], np.uint64), [tokens], np.array([5])))
+    assert out.results[0].tokens.tolist() == [first]  # the EOS is kept, nothing after it
+
+
+def test_a_failing_item_does_not_fail_its_batch(engine):
+    rng = np.random.default_rng(5)
+    items = _family(rng, 32, (4, 4, 4))
+    items[1] = items[1].copy()
+    items[1][-1] = 10_000  # outside the 500-token vocabulary
+    contract = Contract(8, 4096, 512)
+    rows = np.arange(3, dtype=np.uint64)
+    lengths = np.array([t.size for t in items], np.int64)
+    batch = Batch.of(0, Shape(0, 1, int(lengths.min()), int(lengths.max())), rows, lengths, np.full(3, 2, np.int64),
+                     families=np.ones(3, np.uint64))
+    res = ConsumerCore(contract, engine).process(batch, items)
+    assert res.status.tolist() == [0, 3, 0]  # ok, engine_error, ok
+    assert "outside the model's vocabulary" in res.errors[1]
+    assert res.flat[res.offsets[0] : res.offsets[1]].tolist() == unbatched(engine, items[0], 2)
+
+
+def test_a_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    monkeypatch.delitem(sys.modules, "shmbroker.gpu.engines.hf", raising=False)
+    with pytest.raises(EngineUnavailable, match=r"pip install 'shmbroker\[hf\]'"):
+        load_engine("hf", EXACT, block_tokens=16)
+
+
+HF_CONFIG = """
+metrics_addr = ""
+block_tokens = 16
+
+[[consumers]]
+name = "cpu"
+engine = "hf"
+max_batch_size = 8
+max_batch_tokens = 4096
+max_input_len = 512
+
+[consumers.engine_settings]
+dtype = "float64"
+device = "cpu"
+seed = 3
+threads = 1
+
+[consumers.engine_settings.config]
+model_type = "llama"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+vocab_size = 500
+max_position_embeddings = 1024
+"""
+
+
+@pytest.mark.timeout(180)
+def test_generation_through_the_whole_broker(tmp_path, engine):
+    rng = np.random.default_rng(6)
+    items = _family(rng, 48, (3, 9, 14, 2, 7)) + _family(rng, 20, (6, 6, 30))
+    items.append(np.arange(600, dtype=np.uint32) % 500)  # longer than max_input_len: too_long
+    with BrokerProc(tmp_path, config=HF_CONFIG) as broker:
+        with Producer("hf", data_dir=broker.data_dir) as p:
+            ids = [p.submit(t, max_new_tokens=3) for t in items]
+            got = {}
+            deadline = time.monotonic() + 120
+            while len(got) < len(items):
+                assert time.monotonic() < deadline, "results did not all arrive"
+                for r in p.results(timeout_seconds=1.0):
+                    got[r.item_id] = r
+    for item_id, tokens in zip(ids[:-1], items[:-1]):
+        assert got[item_id].status == "ok", got[item_id].error
+        assert got[item_id].tokens.tolist() == unbatched(engine, tokens, 3)  # same seed, same weights
+    assert got[ids[-1]].status == "too_long"
+
+
+@pytest.mark.timeout(180)
+def test_bench_gpu_small_run_on_the_cpu():
+    from shmbroker.bench import gpu
+
+    out = gpu.run(scale=0.25)
+    assert out["device"] == "cpu"
+    assert out["items"] >= 8 and out["input_tokens"] > 0
+    for side in ("fifo", "broker"):
+        assert out[side]["useful_tokens_per_s"] > 0 and out[side]["batches"] > 0
+        assert out[side]["consumer_overhead"] is not None
+    assert out["fifo"]["prefix_tokens_reused"] == 0
+    assert out["broker"]["padding_waste"] < out["fifo"]["padding_waste"]
+    assert out["sample_outputs_equal_unbatched"] == out["sample_items"] > 0
+    assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
+                                           rel=1e-2)
