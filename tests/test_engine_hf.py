@@ -176,3 +176,17 @@ def test_bench_gpu_small_run_on_the_cpu():
     assert out["sample_outputs_equal_unbatched"] == out["sample_items"] > 0
     assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
                                            rel=1e-2)
+
+
+def test_the_broker_imports_no_engine_package_until_a_gpu_process_loads_one():
+    import subprocess
+
+    code = ("import sys\n"
+            "from shmbroker import cli, settings, supervisor, watch\n"
+            "from shmbroker.gpu import consumer\n"
+            "settings.parse({'consumers': [{'name': 'a', 'max_batch_size': 4, 'max_batch_tokens': 4096, "
+            "'max_input_len': 1024, 'engine': 'hf', 'engine_settings': {'config': {'model_type': 'llama'}}}]})\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'tensorrt_llm', 'httpx') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
