@@ -190,3 +190,27 @@ def test_the_broker_imports_no_engine_package_until_a_gpu_process_loads_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
+
+
+@CUDA
+def test_on_a_gpu_prefix_reuse_changes_no_output():
+    gpu = HF(dataclasses.replace(EXACT, device="cuda"), block_tokens=16)  # float64 on the GPU: exact
+    rng = np.random.default_rng(9)
+    items = _family(rng, 64, (5, 30, 2, 17))
+    out = gpu.run(EngineBatch(np.arange(4, dtype=np.uint64), items, np.array([4, 4, 4, 4])))
+    assert [r.tokens.tolist() for r in out.results] == [unbatched(gpu, t, 4) for t in items]
+    assert out.reused_tokens == 3 * 64
+
+
+@CUDA
+def test_on_a_gpu_bf16_runs_by_default():
+    gpu = HF(dataclasses.replace(EXACT, dtype="auto", device="auto"), block_tokens=16)
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
+    rng = np.random.default_rng(10)
+    items = _family(rng, 32, (4, 8))
+    out = gpu.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([3, 5])))
+    assert [r.status for r in out.results] == ["ok", "ok"]
+    assert [r.tokens.size for r in out.results] == [3, 5]
