@@ -7,7 +7,9 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu")
+GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
+             "in place of [[consumers]] (default: [[consumers]] as written)")
 
 
 def _warm(args) -> int:
@@ -51,6 +53,10 @@ def _bench(args) -> int:
         from .bench import restart
 
         result = restart.run(scale=args.scale)
+    elif args.name == "gpu":
+        from .bench import gpu
+
+        result = gpu.run(scale=args.scale, trace=args.trace, seed=args.seed)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -72,10 +78,13 @@ def _print_figures(result: dict, indent: str) -> None:
 def _config(args) -> int:
     """Validate a configuration file (or show the built-in default) and print it resolved."""
     from . import settings
+    from .gpu.tiers import TierError, apply_gpus_auto
 
     try:
         cfg = settings.load(args.config)
-    except settings.ConfigError as exc:
+        if args.gpus == "auto":
+            cfg = apply_gpus_auto(cfg, say=lambda line: print(line, file=sys.stderr))
+    except (settings.ConfigError, TierError) as exc:
         print(f"shmbroker: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(settings.as_dict(cfg), indent=2))
@@ -93,6 +102,7 @@ def _supervise(args) -> int:
     import logging
 
     from . import settings
+    from .gpu.tiers import TierError, apply_gpus_auto
     from .lockfile import AlreadyRunning
     from .metrics import ExporterAddressError
     from .supervisor import supervise
@@ -101,8 +111,10 @@ def _supervise(args) -> int:
                         stream=sys.stderr)
     try:
         cfg = _load_config(args)
+        if args.gpus == "auto":
+            cfg = apply_gpus_auto(cfg)
         return supervise(cfg)
-    except settings.ConfigError as exc:
+    except (settings.ConfigError, TierError) as exc:
         print(f"shmbroker: {exc}", file=sys.stderr)
         return 2
     except AlreadyRunning as exc:
@@ -160,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
+    p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
     p.set_defaults(func=_config)
     p = sub.add_parser("supervise", help="run the broker: ingest, scheduler, results and one GPU process per consumer")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
     p.set_defaults(func=_supervise)
     p = sub.add_parser("submit", help="submit prompts from a JSONL file (or a Mooncake-format trace) to a running broker")
     p.add_argument("file", help="prompts, one JSON object a line: {\"tokens\": [...], \"max_new_tokens\": N, ...}")

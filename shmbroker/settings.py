@@ -29,6 +29,24 @@ The defaults live in `config.py`; every key is documented in the README.
     [consumers.engine_settings]      # sim: mode, cache_tokens, SimCost fields
     mode = "packed"
     cache_tokens = 2097152
+
+`[[tiers]]` (a consumer's keys plus `min_memory_gib`, the smallest card the tier fits) and
+`[[gpus]]` (cards declared for when NVML cannot tell) are read here and used only by
+`supervise --gpus auto` (gpu/tiers.py); without it `[[consumers]]` stands as written.
+
+    [[tiers]]
+    name = "big"
+    min_memory_gib = 75              # a card with at least this much total memory
+    max_batch_size = 256
+    max_batch_tokens = 131072
+    max_input_len = 32768
+    engine = "hf"
+    engine_settings = { model = "/models/llama" }
+
+    [[gpus]]                         # only read when NVML is missing
+    index = 0
+    memory_gib = 80
+    name = "A100"                    # optional
 """
 
 from __future__ import annotations
@@ -43,6 +61,7 @@ from dataclasses import dataclass, field
 from . import config
 from .errors import BrokerError
 from .gpu.engines.sim import SimCost
+from .gpu.tiers import GIB, Card, Tier
 from .pack.contract import MODES, Contract
 from .pack.policy import DEFAULT_PADDING_TOLERANCE
 from .pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
@@ -81,6 +100,9 @@ class ConsumerConfig:
     model_name: str | None
     engine: str
     engine_settings: SimSettings  # or the engine's own (gpu/engines/options.py)
+    # the card (NVML's index) the GPU process pins itself to with CUDA_VISIBLE_DEVICES; None: not pinned
+    # (set by `supervise --gpus auto`, gpu/tiers.py)
+    device: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,8 @@ class BrokerConfig:
     metrics_addr: str = config.DEFAULT_METRICS_ADDR  # "" = no exporter
     consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
     source: str = "built-in default"
+    tiers: tuple[Tier, ...] = ()  # [[tiers]]: a card's memory -> engine and contract (`supervise --gpus auto`)
+    gpus: tuple[Card, ...] = ()  # [[gpus]]: cards declared for when NVML cannot tell
 
 
 def default_consumers() -> tuple[ConsumerConfig, ...]:
@@ -183,6 +207,10 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
             v.fail("consumers", f"at most {MAX_MODELS} distinct models (the statistics count each)", len(models))
     else:
         out["consumers"] = default_consumers()
+    if "tiers" in raw:
+        out["tiers"] = _tiers(v, raw["tiers"])
+    if "gpus" in raw:
+        out["gpus"] = _gpus(v, raw["gpus"])
     return BrokerConfig(source=where, **out)
 
 
@@ -203,6 +231,64 @@ def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
         if key not in raw:
             v.fail(f"{at}.{key}", "is required", None)
     name = v.pattern(raw, "name", NAME_RE, "1-64 letters, digits, '_', '.' or '-'", at)
+    contract, model, engine, settings = _contract_engine(v, raw, at)
+    return ConsumerConfig(name, contract, model, engine, settings)
+
+
+def _tiers(v: _Validator, items) -> tuple[Tier, ...]:
+    if not isinstance(items, list) or not items or not all(isinstance(t, dict) for t in items):
+        v.fail("tiers", "must be a non-empty array of tables ([[tiers]])", items)
+    tiers = []
+    for i, raw in enumerate(items):
+        at = f"tiers[{i}]"
+        v.no_unknown(raw, {"name", "min_memory_gib", "max_batch_size", "max_batch_tokens", "max_input_len", "model",
+                           "engine", "engine_settings"}, at)
+        for key in ("name", "min_memory_gib", "max_batch_size", "max_batch_tokens", "max_input_len"):
+            if key not in raw:
+                v.fail(f"{at}.{key}", "is required", None)
+        name = v.pattern(raw, "name", NAME_RE, "1-64 letters, digits, '_', '.' or '-'", at)
+        memory = v.number(raw, "min_memory_gib", 0.0, 1 << 20, at=at)
+        contract, model, engine, settings = _contract_engine(v, raw, at)
+        tiers.append(Tier(name, memory, engine, settings, contract.max_batch_size, contract.max_batch_tokens,
+                          contract.max_input_len, model))
+    names = [t.name for t in tiers]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        v.fail("tiers", f"names must be unique, repeated: {', '.join(dupes)}", names)
+    sizes = [t.min_memory_gib for t in tiers]
+    same = sorted({s for s in sizes if sizes.count(s) > 1})
+    if same:
+        v.fail("tiers", "min_memory_gib must differ between tiers (a card would fit two equally), repeated: "
+               + ", ".join(f"{s:g}" for s in same), None)
+    models = {t.model for t in tiers}
+    if len(models) > MAX_MODELS:
+        v.fail("tiers", f"at most {MAX_MODELS} distinct models (the statistics count each)", len(models))
+    return tuple(tiers)
+
+
+def _gpus(v: _Validator, items) -> tuple[Card, ...]:
+    if not isinstance(items, list) or not items or not all(isinstance(g, dict) for g in items):
+        v.fail("gpus", "must be a non-empty array of tables ([[gpus]])", items)
+    cards = []
+    for i, raw in enumerate(items):
+        at = f"gpus[{i}]"
+        v.no_unknown(raw, {"index", "memory_gib", "name"}, at)
+        for key in ("index", "memory_gib"):
+            if key not in raw:
+                v.fail(f"{at}.{key}", "is required", None)
+        index = v.integer(raw, "index", 0, 1023, at=at)
+        memory = v.number(raw, "memory_gib", 0.0, 1 << 20, low_open=True, at=at)
+        name = v.string(raw, "name", at) if "name" in raw else "GPU"
+        cards.append(Card(index, name, int(memory * GIB)))
+    indexes = [c.index for c in cards]
+    dupes = sorted({n for n in indexes if indexes.count(n) > 1})
+    if dupes:
+        v.fail("gpus", f"indexes must be unique, repeated: {', '.join(map(str, dupes))}", indexes)
+    return tuple(cards)
+
+
+def _contract_engine(v: _Validator, raw: dict, at: str):
+    """(contract, model name, engine, engine settings) of a consumer or a tier."""
     bs = v.integer(raw, "max_batch_size", 1, 1 << 20, at=at)
     bt = v.integer(raw, "max_batch_tokens", 1, 1 << 31, at=at)
     mi = v.integer(raw, "max_input_len", 1, LENGTH_MAX, at=at)
@@ -215,14 +301,14 @@ def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
     if not isinstance(settings, dict):
         v.fail(f"{at}.engine_settings", "must be a table", settings)
     if engine == "sim":
-        return ConsumerConfig(name, contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings"))
+        return contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings")
     from .gpu.engines import options
 
     try:
         parsed = options.parse(engine, settings, f"{at}.engine_settings")
     except ValueError as exc:
         raise ConfigError(f"{v.where}: {exc}") from None
-    return ConsumerConfig(name, contract, model, engine, parsed)
+    return contract, model, engine, parsed
 
 
 def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:

@@ -88,7 +88,7 @@ zero_cost = true
     (CONSUMER.replace("max_input_len = 2048", "max_input_len = 5000"), "consumers[0].max_input_len:"),
     (CONSUMER.replace('name = "a"\n', ""), "consumers[0].name:"),
     (CONSUMER + "colour = 'red'\n", "'consumers[0].colour'"),
-    (CONSUMER + "engine = 'vllm'\n", "consumers[0].engine:"),
+    (CONSUMER + "engine = 'tgi'\n", "consumers[0].engine:"),
     (CONSUMER + "model = 7\n", "consumers[0].model:"),
     (CONSUMER + "[consumers.engine_settings]\nmode = 'fast'\n", "consumers[0].engine_settings.mode:"),
     (CONSUMER + "[consumers.engine_settings]\nwarp = 9\n", "'consumers[0].engine_settings.warp'"),

@@ -301,6 +301,10 @@ class ResultWriter:
 
 def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     """GPU process c: run consumer c's batches through its engine and write every item's result."""
+    if cfg.consumers[c].device is not None:  # pinned to its card (tiers.py) before any engine import
+        import os
+
+        os.environ.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(cfg.consumers[c].device))
     from pathlib import Path
 
     from ..spill.store import BACKLOG_DIR

@@ -1,0 +1,178 @@
+"""Tiers: each card gets the engine and contract that suit its memory (`supervise --gpus auto`).
+
+A machine may hold cards of different sizes, and one `[[consumers]]` list written by hand for one
+machine is wrong on the next. A `[[tiers]]` table says instead what a card of at least so much
+memory runs: an engine, its settings, and the contract numbers it declares. `--gpus auto` reads the
+cards (nvidia-ml-py when it is installed and NVML answers, else the `[[gpus]]` the configuration
+declares), gives each the tier with the largest `min_memory_gib` it reaches, and makes one consumer
+per card, `gpu<index>`, pinned to its card (`ConsumerConfig.device`).
+
+Card numbers are NVML's, which are nvidia-smi's and the PCI bus order. CUDA numbers cards fastest
+first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so the GPU process sets that with
+`CUDA_VISIBLE_DEVICES=<index>`, and the supervisor reads a `CUDA_VISIBLE_DEVICES` of indexes in
+that order too. A `GPU-<uuid>` entry (or a unique prefix of one) is matched against NVML's UUIDs;
+a `MIG-` entry is refused: a MIG slice's memory is not the card's, and tiers size whole cards.
+
+This module imports nothing heavy: `pynvml` only inside `detect_cards`, the configuration types
+only where a consumer is built (`settings.py` imports this module for `Tier` and `Card`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import BrokerError
+
+log = logging.getLogger("shmbroker.tiers")
+
+GIB = 1 << 30
+
+
+class TierError(BrokerError, ValueError):
+    """No card to run on, no tier to choose from, or a card too small for every tier."""
+
+
+@dataclass(frozen=True)
+class Tier:
+    """What a card with at least `min_memory_gib` of memory runs (one `[[tiers]]` table)."""
+
+    name: str
+    min_memory_gib: float  # the smallest card it fits, in GiB (2^30 bytes) of total memory
+    engine: str
+    engine_settings: object  # SimSettings, or the engine's own (gpu/engines/options.py)
+    max_batch_size: int
+    max_batch_tokens: int
+    max_input_len: int
+    model: str | None = None  # the model name producers submit with; None: the default model
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU: NVML's (nvidia-smi's) index, its name, its total memory."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    uuid: str | None = None
+
+
+def gib(memory_bytes: int) -> str:
+    """Bytes as GiB for messages: "80 GiB", "139.8 GiB"."""
+    return f"{memory_bytes / GIB:.1f}".removesuffix(".0") + " GiB"
+
+
+def select_tier(card: Card, tiers) -> Tier:
+    """The tier with the largest min_memory_gib that the card's memory reaches."""
+    if not tiers:
+        raise TierError("no [[tiers]] in the configuration: --gpus auto needs at least one")
+    fits = [t for t in tiers if t.min_memory_gib * GIB <= card.memory_bytes]
+    if not fits:
+        smallest = min(tiers, key=lambda t: t.min_memory_gib)
+        raise TierError(f"card {card.index} ({card.name}, {gib(card.memory_bytes)}) fits no tier: the smallest, "
+                        f"{smallest.name!r}, needs min_memory_gib = {smallest.min_memory_gib:g}")
+    return max(fits, key=lambda t: t.min_memory_gib)
+
+
+def consumers_for(cards, tiers) -> tuple:
+    """One ConsumerConfig per card, `gpu<index>`, its tier's engine, settings and contract, pinned to the card."""
+    from ..pack.contract import Contract
+    from ..ring.items import model_id
+    from ..settings import ConsumerConfig
+
+    out = []
+    for card in cards:
+        t = select_tier(card, tiers)
+        contract = Contract(t.max_batch_size, t.max_batch_tokens, t.max_input_len, model_id(t.model))
+        out.append(ConsumerConfig(f"gpu{card.index}", contract, t.model, t.engine, t.engine_settings, device=card.index))
+    return tuple(out)
+
+
+def detect_cards() -> list[Card]:
+    """The cards NVML sees and CUDA_VISIBLE_DEVICES lets through; [] (and a log line why) without NVML."""
+    cards, why = probe_nvml()
+    if why:
+        log.info("no cards from NVML: %s", why)
+    return cards
+
+
+def probe_nvml() -> tuple[list[Card], str]:
+    """(cards, "") from NVML, or ([], why not): pynvml missing, NVML failing, nothing visible."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "nvidia-ml-py (pynvml) is not installed (pip install 'shmbroker[gpu]')"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError and its many subclasses; no driver, no library
+        return [], f"NVML did not start: {exc}"
+    try:
+        cards = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = None
+            try:
+                uuid = _text(pynvml.nvmlDeviceGetUUID(h))
+            except Exception:  # noqa: BLE001 - a UUID only matters for GPU-<uuid> entries
+                pass
+            cards.append(Card(i, _text(pynvml.nvmlDeviceGetName(h)), int(pynvml.nvmlDeviceGetMemoryInfo(h).total), uuid))
+    except Exception as exc:  # noqa: BLE001
+        return [], f"NVML failed reading the cards: {exc}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return visible(cards, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible(cards: list[Card], mask: str | None) -> tuple[list[Card], str]:
+    """The cards a CUDA_VISIBLE_DEVICES value lets through, in its order; like CUDA, the list ends at
+    the first entry that names no card. (cards, "") or ([], why)."""
+    if mask is None:
+        return (cards, "") if cards else ([], "NVML sees no card")
+    out: list[Card] = []
+    for entry in (e.strip() for e in mask.split(",")):
+        if entry.startswith("MIG-"):
+            return [], f"CUDA_VISIBLE_DEVICES={mask!r} names a MIG slice; tiers size whole cards"
+        if entry.startswith("GPU-"):
+            match = [c for c in cards if c.uuid and c.uuid.startswith(entry)]
+            card = match[0] if len(match) == 1 else None
+        elif entry.isdigit():
+            card = next((c for c in cards if c.index == int(entry)), None)
+        else:
+            card = None
+        if card is None:
+            break
+        if card not in out:
+            out.append(card)
+    return (out, "") if out else ([], f"CUDA_VISIBLE_DEVICES={mask!r} lets no card through")
+
+
+def apply_gpus_auto(cfg, say: Callable[[str], None] = log.info):
+    """cfg with one consumer per card (NVML's, else the declared `[[gpus]]`) in place of `[[consumers]]`.
+
+    Says one line per card ("card 0 NVIDIA H200 139.8 GiB -> tier big (hf)"); raises TierError when
+    there are no tiers, no cards, or a card that fits no tier.
+    """
+    if not cfg.tiers:
+        raise TierError(f"{cfg.source}: --gpus auto needs at least one [[tiers]] table")
+    cards, why = probe_nvml()
+    source = "NVML"
+    if not cards:
+        if not cfg.gpus:
+            raise TierError(f"no cards: {why}, and {cfg.source} declares no [[gpus]]")
+        cards, source = list(cfg.gpus), f"[[gpus]] of {cfg.source} ({why})"
+    say(f"{len(cards)} card(s) from {source}")
+    consumers = consumers_for(cards, cfg.tiers)
+    for card, c in zip(cards, consumers):
+        say(f"card {card.index} {card.name} {gib(card.memory_bytes)} -> tier {select_tier(card, cfg.tiers).name} "
+            f"({c.engine}) as consumer {c.name}")
+    return dataclasses.replace(cfg, consumers=consumers)
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
