@@ -3,7 +3,7 @@
 Selection from memory sizes (two sizes, the exact boundary, a card too small for any tier), the
 `[[tiers]]`/`[[gpus]]` tables and their refusals, card detection through a test double of `pynvml`
 (CUDA_VISIBLE_DEVICES honoured), the fallback to `[[gpus]]`, and the CLI end to end: a real broker
-whose two declared cards get consumers gpu0 and gpu1 on different tiers.
+whose two declared cards get consumers card0 and card1 on different tiers.
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def test_a_card_too_small_for_any_tier_is_a_clear_error():
 
 def test_consumers_for_carries_the_tier_and_pins_each_card():
     big, small = consumers_for([card(0, 80 * GIB), card(3, 24 * GIB)], (SMALL, BIG))
-    assert (big.name, big.device, big.engine, big.engine_settings) == ("gpu0", 0, "sim", BIG.engine_settings)
+    assert (big.name, big.device, big.engine, big.engine_settings) == ("card0", 0, "sim", BIG.engine_settings)
     assert (big.contract.max_batch_size, big.contract.max_batch_tokens, big.contract.max_input_len) == (256, 131072, 32768)
     assert big.contract.model == model_id("llama") and big.model_name == "llama"
-    assert (small.name, small.device, small.engine_settings.mode) == ("gpu3", 3, "padded")
+    assert (small.name, small.device, small.engine_settings.mode) == ("card3", 3, "padded")
     assert (small.contract.max_batch_size, small.contract.max_batch_tokens, small.contract.max_input_len) == (32, 16384, 8192)
     default = consumers_for([card(0, 80 * GIB)], (Tier("t", 0, "sim", SimSettings(), 4, 64, 64),))[0]
     assert default.contract.model == 0 and default.model_name is None
@@ -254,17 +254,17 @@ def test_gpus_auto_uses_nvml_else_the_declared_cards(tmp_path, nvml, monkeypatch
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     lines = []
     auto = tiers.apply_gpus_auto(cfg, say=lines.append)
-    assert [(c.name, c.device, c.engine) for c in auto.consumers] == [("gpu1", 1, "sim"), ("gpu0", 0, "hf")]
+    assert [(c.name, c.device, c.engine) for c in auto.consumers] == [("card1", 1, "sim"), ("card0", 0, "hf")]
     assert auto.tiers == cfg.tiers and cfg.consumers == settings.default_consumers()
-    assert lines[1] == "card 1 NVIDIA L4 22.5 GiB -> tier small (sim) as consumer gpu1", lines
+    assert lines[1] == "card 1 NVIDIA L4 22.5 GiB -> tier small (sim) as consumer card1", lines
     assert lines[2].startswith("card 0 NVIDIA H200 140.4 GiB -> tier big (hf)"), lines
     monkeypatch.setitem(sys.modules, "pynvml", None)
     lines.clear()
     auto = tiers.apply_gpus_auto(cfg, say=lines.append)
-    assert [(c.name, c.device, c.contract.max_batch_size) for c in auto.consumers] == [("gpu0", 0, 256), ("gpu1", 1, 32)]
+    assert [(c.name, c.device, c.contract.max_batch_size) for c in auto.consumers] == [("card0", 0, 256), ("card1", 1, 32)]
     assert "[[gpus]]" in lines[0] and "not installed" in lines[0], lines
-    assert lines[1:] == ["card 0 A100-80 80 GiB -> tier big (hf) as consumer gpu0",
-                         "card 1 GPU 24 GiB -> tier small (sim) as consumer gpu1"]
+    assert lines[1:] == ["card 0 A100-80 80 GiB -> tier big (hf) as consumer card0",
+                         "card 1 GPU 24 GiB -> tier small (sim) as consumer card1"]
 
 
 def test_gpus_auto_refusals(tmp_path, monkeypatch):
@@ -355,8 +355,8 @@ def test_cli_config_gpus_auto_prints_the_consumers(tmp_path, no_nvml_env):
     out = cli("config", "--config", str(path), "--gpus", "auto", env=no_nvml_env)
     assert out.returncode == 0, out.stderr
     consumers = json.loads(out.stdout)["consumers"]
-    assert [(c["name"], c["device"], c["contract"]["max_batch_size"]) for c in consumers] == [("gpu0", 0, 64), ("gpu1", 1, 16)]
-    assert "card 1 GPU 24 GiB -> tier small (sim) as consumer gpu1" in out.stderr
+    assert [(c["name"], c["device"], c["contract"]["max_batch_size"]) for c in consumers] == [("card0", 0, 64), ("card1", 1, 16)]
+    assert "card 1 GPU 24 GiB -> tier small (sim) as consumer card1" in out.stderr
     out = cli("config", "--config", str(path), env=no_nvml_env)
     assert [c["name"] for c in json.loads(out.stdout)["consumers"]] == ["handwritten"]
 
@@ -379,10 +379,10 @@ def test_cli_supervise_gpus_auto_starts_one_consumer_per_card(tmp_path, no_nvml_
             except (FileNotFoundError, ValueError):
                 time.sleep(0.05)
         assert desc is not None, log_path.read_text()
-        assert [r for r in desc["roles"] if r.startswith("gpu-")] == ["gpu-gpu0", "gpu-gpu1"]
+        assert [r for r in desc["roles"] if r.startswith("gpu-")] == ["gpu-card0", "gpu-card1"]
         by_name = {c["name"]: c for c in desc["consumers"]}
-        assert (by_name["gpu0"]["mode"], by_name["gpu0"]["max_batch_size"]) == ("packed", 64)
-        assert (by_name["gpu1"]["mode"], by_name["gpu1"]["max_batch_size"]) == ("padded", 16)
+        assert (by_name["card0"]["mode"], by_name["card0"]["max_batch_size"]) == ("packed", 64)
+        assert (by_name["card1"]["mode"], by_name["card1"]["max_batch_size"]) == ("padded", 16)
         time.sleep(0.5)
         assert proc.poll() is None, log_path.read_text()
     finally:
@@ -391,7 +391,7 @@ def test_cli_supervise_gpus_auto_starts_one_consumer_per_card(tmp_path, no_nvml_
         code = proc.wait(60)
     text = log_path.read_text()
     assert code == 0, text
-    assert "card 0 A100-80 80 GiB -> tier big (sim) as consumer gpu0" in text, text
+    assert "card 0 A100-80 80 GiB -> tier big (sim) as consumer card0" in text, text
 
 
 def test_cli_supervise_gpus_auto_refuses_a_card_too_small(tmp_path, no_nvml_env):

@@ -5,7 +5,7 @@ machine is wrong on the next. A `[[tiers]]` table says instead what a card of at
 memory runs: an engine, its settings, and the contract numbers it declares. `--gpus auto` reads the
 cards (nvidia-ml-py when it is installed and NVML answers, else the `[[gpus]]` the configuration
 declares), gives each the tier with the largest `min_memory_gib` it reaches, and makes one consumer
-per card, `gpu<index>`, pinned to its card (`ConsumerConfig.device`).
+per card, `card<index>`, pinned to its card (`ConsumerConfig.device`).
 
 Card numbers are NVML's, which are nvidia-smi's and the PCI bus order. CUDA numbers cards fastest
 first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so the GPU process sets that with
@@ -78,7 +78,7 @@ def select_tier(card: Card, tiers) -> Tier:
 
 
 def consumers_for(cards, tiers) -> tuple:
-    """One ConsumerConfig per card, `gpu<index>`, its tier's engine, settings and contract, pinned to the card."""
+    """One ConsumerConfig per card, `card<index>`, its tier's engine, settings and contract, pinned to the card."""
     from ..pack.contract import Contract
     from ..ring.items import model_id
     from ..settings import ConsumerConfig
@@ -87,7 +87,7 @@ def consumers_for(cards, tiers) -> tuple:
     for card in cards:
         t = select_tier(card, tiers)
         contract = Contract(t.max_batch_size, t.max_batch_tokens, t.max_input_len, model_id(t.model))
-        out.append(ConsumerConfig(f"gpu{card.index}", contract, t.model, t.engine, t.engine_settings, device=card.index))
+        out.append(ConsumerConfig(f"card{card.index}", contract, t.model, t.engine, t.engine_settings, device=card.index))
     return tuple(out)
 
 
