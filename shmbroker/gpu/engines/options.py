@@ -127,6 +127,8 @@ def parse(engine: str, raw: dict, at: str):
     for key in ("max_in_flight", "retries", "max_new_tokens", "tensor_parallel_size"):
         if key in out and key != "retries" and out[key] < 1:
             raise ValueError(f"{at}.{key}: must be >= 1, got {out[key]!r}")
+    if "timeout_seconds" in out and out["timeout_seconds"] <= 0:
+        raise ValueError(f"{at}.timeout_seconds: must be > 0, got {out['timeout_seconds']!r}")
     for key in ("gpu_memory_utilization", "free_gpu_memory_fraction"):
         if key in out and not 0 < out[key] <= 1:
             raise ValueError(f"{at}.{key}: must be in (0, 1], got {out[key]!r}")

@@ -1,0 +1,289 @@
+"""The `openai` engine: a batch sent to any OpenAI-compatible completions server (vLLM, SGLang, ...).
+
+Why an HTTP engine at all: a card whose inference server already runs (`vllm serve`, SGLang,
+trtllm-serve) is fed without loading a model into the GPU process. The server pages its KV cache,
+so the mode is `packed` (DESIGN.md "Words"): the server batches continuously, and what the broker
+still gives it is shape-pure batches whose shared prefixes hit the server's prefix cache.
+
+One batch becomes a few requests to `POST {base_url}/completions` with token-id prompts
+(`"prompt": [[ids], ...]`, one choice per prompt, `choices[i].index` naming it). `max_tokens` is
+per request, so items are grouped by max_new_tokens, one request per group, split further by
+`max_items_per_request`. At most `max_in_flight` requests run at once (a small blocking thread
+pool: no asyncio on the hot path, DESIGN.md), each with `timeout_seconds` (httpx's connect, write
+and read timeout: a non-streaming completion sends nothing until it is done).
+
+Failures stay with their items (the consumer's rule: an error fails its items, never the batch or
+the process): `run` returns an `engine_error` result per failed item and does not raise.
+Connection errors, timeouts, 408, 429 and 5xx are retried with exponential back-off
+(`backoff_seconds`, doubled per try, at most `retries` retries); then that request's items fail
+with the reason. A 400/413/422 (the server refused the request's content, often one prompt: too
+long, a token id out of vocabulary) is not retried as is: a request of several prompts is split in
+halves and each half sent again, so only the prompts the server refuses fail, with its message.
+Other 4xx (auth, unknown model) fail the request's items at once.
+
+The broker deals in token ids, so they are asked for and read back in this order:
+
+- `choices[i].token_ids`, asked with `"return_token_ids": true` (vLLM >= 0.10.2 and SGLang,
+  `CompletionRequest.return_token_ids` / `CompletionResponseChoice.token_ids` in their
+  `.../openai/protocol.py`);
+- `choices[i].logprobs.tokens` as `"token_id:N"` strings, asked with
+  `"return_tokens_as_token_ids": true` and `"logprobs": 0` (older vLLM);
+- `choices[i].output_ids` (SGLang's native field name, in case a server uses it).
+
+The logprobs fields cost the server work per generated token, so they are asked only until a
+response carries `token_ids`. A response with no token ids at all fails its items with an error
+that names what was asked.
+
+Cache figures: `usage.prompt_tokens_details.cached_tokens` (vLLM with
+`--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`) is reported as
+`reused_tokens`, with hit blocks = cached // block_tokens and queried blocks = prompt tokens //
+block_tokens; a server that does not report it counts 0 for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult
+
+TOKEN_ID_PREFIX = "token_id:"
+ASKED_FIELDS = '"return_token_ids": true, and "return_tokens_as_token_ids": true with "logprobs": 0'
+READ_FIELDS = "choices[].token_ids, choices[].logprobs.tokens ('token_id:N'), choices[].output_ids"
+NO_TOKEN_IDS = (f"the server returned no token ids: it must return them (request fields sent: {ASKED_FIELDS}; "
+                f"response fields read: {READ_FIELDS})")
+RETRY_STATUSES = (408, 429)  # and every 5xx
+SPLIT_STATUSES = (400, 413, 422)  # the request's content was refused: maybe one prompt, so split
+MESSAGE_CHARS_MAX = 500  # of a server's error text kept in an item's error
+
+
+class RequestFailed(Exception):
+    """A request that failed for good: its items fail with this reason."""
+
+    def __init__(self, reason: str, status: int | None = None):
+        super().__init__(reason)
+        self.status = status
+
+
+@dataclass
+class Reply:
+    """One request's answer: per prompt its tokens or an error text; the usage's cache figures."""
+
+    tokens: list  # np.ndarray (uint32) or None per prompt
+    errors: list  # str or None per prompt
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    sub_replies: list = field(default_factory=list)  # a split request's halves, in order
+
+
+class OpenAICompatible:
+    """The engine interface (`base.Engine`) over an OpenAI-compatible completions server."""
+
+    mode = "packed"
+
+    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+        if not settings.model:
+            raise ValueError("engine 'openai' needs engine_settings.model (the served model's name)")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.settings = settings
+        self.block_tokens = block_tokens
+        self.contract = contract
+        self.url = settings.base_url.rstrip("/") + "/completions"
+        self.in_flight_max = max(1, int(settings.max_in_flight))
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(settings.timeout_seconds),
+                                   limits=httpx.Limits(max_connections=self.in_flight_max,
+                                                       max_keepalive_connections=self.in_flight_max))
+        self.pool = ThreadPoolExecutor(max_workers=self.in_flight_max, thread_name_prefix="openai-engine")
+        self.ask_logprobs = True  # until a response carries choices[].token_ids
+        self.closed = False
+
+    # -- one batch --------------------------------------------------------------------------
+
+    def run(self, batch) -> EngineOutcome:
+        assert not self.closed, "run after close"
+        started = time.perf_counter()
+        n = len(batch)
+        if n == 0:
+            return EngineOutcome([])
+        ids = [int(i) for i in batch.item_ids]
+        max_new = [max(1, int(m)) for m in batch.max_new_tokens]
+        parts = self.parts(max_new)
+        # tokens are read here, in the caller's thread (they may be views into the caller's mappings)
+        futures = [self.pool.submit(self.request, [batch.tokens[i].tolist() for i in part], max_new[part[0]])
+                   for part in parts]
+        results: list = [None] * n
+        hit_blocks = queried_blocks = reused_tokens = 0
+        for part, future in zip(parts, futures):
+            try:
+                reply = future.result()
+            except RequestFailed as exc:
+                for i in part:
+                    results[i] = ItemResult(ids[i], ENGINE_ERROR, error=str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only
+                for i in part:
+                    results[i] = ItemResult(ids[i], ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
+                continue
+            for k, i in enumerate(part):
+                tokens, error = reply.tokens[k], reply.errors[k]
+                results[i] = (ItemResult(ids[i], OK, tokens) if error is None
+                              else ItemResult(ids[i], ENGINE_ERROR, error=error))
+            for r in reply.sub_replies or [reply]:
+                if r.cached_tokens is not None:
+                    reused_tokens += r.cached_tokens
+                    hit_blocks += r.cached_tokens // self.block_tokens
+                    queried_blocks += r.prompt_tokens // self.block_tokens
+        return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=queried_blocks,
+                             engine_seconds=time.perf_counter() - started, reused_tokens=reused_tokens)
+
+    def parts(self, max_new: list) -> list:
+        """Item rows grouped by max_new_tokens (first appearance first), then cut to
+        max_items_per_request: one request each."""
+        groups: dict = {}
+        for i, m in enumerate(max_new):
+            groups.setdefault(m, []).append(i)
+        size = int(self.settings.max_items_per_request) or len(max_new)
+        return [rows[k : k + size] for rows in groups.values() for k in range(0, len(rows), size)]
+
+    # -- one request ------------------------------------------------------------------------
+
+    def request(self, prompts: list, max_tokens: int) -> Reply:
+        """The reply to these prompts; a refused request of several prompts is split in halves."""
+        try:
+            return self.post(prompts, max_tokens)
+        except RequestFailed as exc:
+            if exc.status not in SPLIT_STATUSES or len(prompts) == 1:
+                raise
+        half = len(prompts) // 2
+        replies = []
+        for sub in (prompts[:half], prompts[half:]):
+            try:
+                replies.append(self.request(sub, max_tokens))
+            except RequestFailed as exc:
+                replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
+        return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
+                     sub_replies=[s for r in replies for s in (r.sub_replies or [r])])
+
+    def post(self, prompts: list, max_tokens: int) -> Reply:
+        """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed."""
+        s = self.settings
+        body = {"model": s.model, "prompt": prompts, "max_tokens": int(max_tokens), "temperature": 0,
+                "n": 1, "stream": False, "return_token_ids": True}
+        if self.ask_logprobs:
+            body["logprobs"] = 0
+            body["return_tokens_as_token_ids"] = True
+        content = json.dumps(body, separators=(",", ":")).encode()
+        delay_seconds = s.backoff_seconds
+        tries = int(s.retries) + 1
+        for attempt in range(tries):
+            status = None
+            try:
+                resp = self.client.post(self.url, content=content)
+            except httpx.TimeoutException:
+                reason = f"timed out after {s.timeout_seconds:g} s"
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                status = resp.status_code
+                if status == 200:
+                    return self.parse(resp, prompts)
+                reason = f"HTTP {status}: {server_message(resp)}"
+                if status not in RETRY_STATUSES and status < 500:
+                    raise RequestFailed(reason, status)
+            if attempt + 1 < tries:
+                time.sleep(delay_seconds)
+                delay_seconds *= 2
+        raise RequestFailed(f"{reason} (after {tries} tries)" if tries > 1 else reason, status)
+
+    def parse(self, resp: httpx.Response, prompts: list) -> Reply:
+        n = len(prompts)
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise RequestFailed(f"the server's answer is not JSON ({exc}): {resp.text[:MESSAGE_CHARS_MAX]!r}") from None
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list):
+            raise RequestFailed(f"the server's answer has no choices: {resp.text[:MESSAGE_CHARS_MAX]!r}")
+        tokens: list = [None] * n
+        errors: list = ["the server returned no choice for it"] * n
+        for choice in choices:
+            index = choice.get("index") if isinstance(choice, dict) else None
+            if not isinstance(index, int) or not 0 <= index < n:
+                continue
+            if choice.get("finish_reason") in ("abort", "error"):
+                errors[index] = f"the server ended it with finish_reason {choice['finish_reason']!r}"
+                continue
+            out, from_token_ids = choice_tokens(choice)
+            if from_token_ids:
+                self.ask_logprobs = False
+            tokens[index], errors[index] = (out, None) if out is not None else (None, NO_TOKEN_IDS)
+        usage = data.get("usage") if isinstance(data, dict) else None
+        usage = usage if isinstance(usage, dict) else {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt_tokens = usage.get("prompt_tokens")
+        if not isinstance(prompt_tokens, int):
+            prompt_tokens = sum(len(p) for p in prompts)
+        return Reply(tokens, errors, prompt_tokens, cached if isinstance(cached, int) and cached >= 0 else None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+
+
+def choice_tokens(choice: dict) -> tuple:
+    """(uint32 token ids or None, whether they came from `token_ids`): the fields in the order the
+    module docstring gives."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and (out := as_tokens(ids)) is not None:
+        return out, True
+    logprobs = choice.get("logprobs")
+    strings = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    if isinstance(strings, list) and all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in strings):
+        try:
+            return as_tokens([int(t[len(TOKEN_ID_PREFIX):]) for t in strings]), False
+        except ValueError:
+            pass
+    ids = choice.get("output_ids")
+    if isinstance(ids, list):
+        return as_tokens(ids), False
+    return None, False
+
+
+def as_tokens(ids: list):
+    """uint32 token ids, or None when the list holds anything but ids."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in ids):
+        return None
+    return np.array(ids, np.uint32)
+
+
+def server_message(resp: httpx.Response) -> str:
+    """The server's error text: OpenAI's {"error": {"message"}}, vLLM/SGLang's {"message"}, FastAPI's
+    {"detail"}, else the body."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:MESSAGE_CHARS_MAX] or resp.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:MESSAGE_CHARS_MAX]
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                value = data[key]
+                return (value if isinstance(value, str) else json.dumps(value))[:MESSAGE_CHARS_MAX]
+    return json.dumps(data)[:MESSAGE_CHARS_MAX]

@@ -1,0 +1,477 @@
+"""The `openai` engine against a completions server: results per item, failures kept to their items.
+
+No OpenAI-compatible server that runs here without a model download fits in a unit test (a real
+vLLM CPU build serves a tiny random-weight model, but takes ~20 s to start and ~1 GB to install),
+so these tests run the engine against `FakeCompletionsServer`, a test double: a stdlib HTTP server
+on 127.0.0.1 implementing `POST /v1/completions` for token-id prompts as vLLM documents it
+(`CompletionRequest` / `CompletionResponse` in vllm/entrypoints/openai/completion/protocol.py),
+with knobs for the failures a real server shows. Its generated tokens are a function of the
+prompt, so every item's result can be checked. `test_a_real_server` runs the same engine against
+a real server when SHMBROKER_OPENAI_URL and SHMBROKER_OPENAI_MODEL name one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from shmbroker.gpu.consumer import ConsumerCore
+from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable, load_engine
+from shmbroker.gpu.engines.openai import NO_TOKEN_IDS, OpenAICompatible
+from shmbroker.gpu.engines.options import OpenAISettings
+from shmbroker.pack.contract import Batch, Contract, Shape
+
+MODEL = "fake-model"
+BLOCK_TOKENS = 16
+CONTRACT = Contract(16, 8192, 1000)
+REJECTED = 5000  # a prompt holding this token id is refused (400) by the fake, as out of vocabulary
+SLOW = 4000  # a request with a prompt holding this token id answers after slow_seconds
+
+
+def generated(prompt, count: int) -> list:
+    """The fake's generated tokens for a prompt: a function of the prompt, so results are checkable."""
+    total = int(np.sum(np.asarray(prompt, np.int64)))
+    return [(total + k) % 1000 for k in range(count)]
+
+
+class FakeCompletionsServer:
+    """Test double of an OpenAI-compatible completions server (vLLM's `/v1/completions` for
+    token-id prompts). It validates the request body (model, prompt as a list of non-empty token-id
+    lists, max_tokens >= 1), answers one choice per prompt (in reverse order, so the engine must use
+    `index`), with `token_ids` when asked with `return_token_ids`, or "token_id:N" strings in
+    `logprobs.tokens` when asked with `return_tokens_as_token_ids` and `logprobs`, and `usage` with
+    prompt_tokens and prompt_tokens_details.cached_tokens from a prefix cache of 16-token blocks.
+
+    Knobs: `fail_first` requests answer `fail_status` (500, 429); a prompt holding REJECTED makes
+    its request a 400; a prompt holding SLOW makes its request wait `slow_seconds`; `latency_seconds`
+    delays every answer; `style` "vllm" (the above), "old_vllm" (ignores return_token_ids),
+    "sglang_output_ids" (answers `output_ids` only), "text_only" (no token ids at all).
+    It counts requests in flight at once (`in_flight_max`) and keeps every request body and time."""
+
+    def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm"):
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        self.slow_seconds = slow_seconds
+        self.latency_seconds = latency_seconds
+        self.style = style
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.bodies: list = []
+        self.times: list = []
+        self.headers: list = []
+        self.statuses: list = []
+        self.in_flight = 0
+        self.in_flight_max = 0
+        self.cache: set = set()  # prefixes (tuples) of whole blocks computed before
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms delayed-ACK stall
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with fake.lock:
+                    fake.in_flight += 1
+                    fake.in_flight_max = max(fake.in_flight_max, fake.in_flight)
+                try:
+                    status, answer = fake.answer(self.path, dict(self.headers), body)
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+                data = json.dumps(answer).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (timed out) and closed the connection
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str, headers: dict, raw: bytes):
+        with self.lock:
+            self.times.append(time.monotonic())
+            self.headers.append(headers)
+            tries = len(self.times)
+        status, answer = self._answer(path, raw, tries)
+        with self.lock:
+            self.statuses.append(status)
+        return status, answer
+
+    def _answer(self, path: str, raw: bytes, tries: int):
+        if path != "/v1/completions":
+            return 404, error(f"no route {path}", 404)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return 400, error("the body is not JSON", 400)
+        with self.lock:
+            self.bodies.append(body)
+        if body.get("model") != MODEL:
+            return 404, error(f"The model `{body.get('model')}` does not exist.", 404)
+        prompts, max_tokens = body.get("prompt"), body.get("max_tokens")
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for p in prompts for t in p)):
+            return 400, error("prompt must be a non-empty list of non-empty token id lists", 400)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return 400, error("max_tokens must be at least 1", 400)
+        if self.latency_seconds:
+            self.stopping.wait(self.latency_seconds)
+        if any(SLOW in p for p in prompts):
+            self.stopping.wait(self.slow_seconds)
+        if tries <= self.fail_first:
+            return self.fail_status, error("the server is busy" if self.fail_status == 429 else "engine overloaded",
+                                           self.fail_status)
+        if any(REJECTED in p for p in prompts):
+            return 400, error(f"token id {REJECTED} is out of vocabulary", 400)
+        choices = [self.choice(i, p, max_tokens, body) for i, p in enumerate(prompts)]
+        cached = sum(self.cached_tokens(p) for p in prompts)
+        prompt_tokens = sum(len(p) for p in prompts)
+        return 200, {"id": f"cmpl-{tries}", "object": "text_completion", "created": 0, "model": MODEL,
+                     "choices": choices[::-1],
+                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens * len(prompts),
+                               "total_tokens": prompt_tokens + max_tokens * len(prompts),
+                               "prompt_tokens_details": {"cached_tokens": cached}}}
+
+    def choice(self, index: int, prompt: list, max_tokens: int, body: dict) -> dict:
+        out = generated(prompt, max_tokens)
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
+        if self.style == "vllm" and body.get("return_token_ids"):
+            choice["token_ids"] = out
+        if self.style in ("vllm", "old_vllm") and body.get("return_tokens_as_token_ids") \
+                and body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in out], "token_logprobs": [-1.0] * len(out),
+                                  "text_offset": list(range(len(out))), "top_logprobs": None}
+        if self.style == "sglang_output_ids":
+            choice["output_ids"] = out
+        return choice
+
+    def cached_tokens(self, prompt: list) -> int:
+        """Tokens of the prompt's leading whole blocks computed before (then all its blocks are)."""
+        with self.lock:
+            cached, hitting = 0, True
+            for end in range(BLOCK_TOKENS, len(prompt) + 1, BLOCK_TOKENS):
+                key = tuple(prompt[:end])
+                if hitting and key in self.cache:
+                    cached += BLOCK_TOKENS
+                else:
+                    hitting = False
+                    self.cache.add(key)
+            return cached
+
+    def close(self):
+        self.stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+def error(message: str, code: int) -> dict:
+    return {"error": {"message": message, "type": "BadRequestError" if code < 500 else "InternalServerError",
+                      "param": None, "code": code}}
+
+
+@pytest.fixture
+def server_factory():
+    made = []
+
+    def make(**knobs):
+        made.append(FakeCompletionsServer(**knobs))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(server_or_url, **settings):
+        url = server_or_url if isinstance(server_or_url, str) else server_or_url.url
+        options = {"timeout_seconds": 2.0, "retries": 2, "backoff_seconds": 0.01, **settings}
+        made.append(OpenAICompatible(OpenAISettings(base_url=url, model=options.pop("model", MODEL), **options),
+                                     block_tokens=BLOCK_TOKENS, contract=CONTRACT))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def prompts(n, prefix=40, seed=0):
+    rng = np.random.default_rng(seed)
+    head = rng.integers(0, 1000, prefix, dtype=np.uint32)
+    return [np.concatenate([head, rng.integers(0, 1000, int(rng.integers(1, 30)), dtype=np.uint32)]) for _ in range(n)]
+
+
+def batch(tokens, max_new):
+    ids = np.arange(100, 100 + len(tokens), dtype=np.uint64)
+    max_new = np.full(len(tokens), max_new, np.int64) if np.isscalar(max_new) else np.asarray(max_new, np.int64)
+    return EngineBatch(ids, tokens, max_new)
+
+
+def assert_ok(result, prompt, count):
+    assert result.status == "ok" and result.error is None, result.error
+    assert result.tokens.dtype == np.uint32
+    assert result.tokens.tolist() == generated(prompt, count)
+
+
+def test_results_per_item_one_request_per_max_new_tokens(server_factory, engines):
+    server = server_factory()
+    engine = engines(server)
+    tokens = prompts(5)
+    max_new = [3, 5, 3, 5, 3]
+    out = engine.run(batch(tokens, max_new))
+    assert engine.mode == "packed"
+    assert [r.item_id for r in out.results] == list(range(100, 105))
+    for r, t, m in zip(out.results, tokens, max_new):
+        assert_ok(r, t, m)
+    assert sorted(b["max_tokens"] for b in server.bodies) == [3, 5]
+    first = next(b for b in server.bodies if b["max_tokens"] == 3)
+    assert first["prompt"] == [tokens[i].tolist() for i in (0, 2, 4)]
+    assert first["model"] == MODEL and first["temperature"] == 0 and first["return_token_ids"] is True
+    assert out.engine_seconds > 0
+
+
+def test_max_items_per_request_splits_a_group(server_factory, engines):
+    server = server_factory()
+    engine = engines(server, max_items_per_request=2)
+    tokens = prompts(5)
+    out = engine.run(batch(tokens, 4))
+    assert sorted(len(b["prompt"]) for b in server.bodies) == [1, 2, 2]
+    for r, t in zip(out.results, tokens):
+        assert_ok(r, t, 4)
+
+
+def test_logprobs_are_asked_until_a_response_carries_token_ids(server_factory, engines):
+    server = server_factory()
+    engine = engines(server)
+    tokens = prompts(2)
+    engine.run(batch(tokens, 2))
+    engine.run(batch(tokens, 2))
+    first, second = server.bodies
+    assert first["logprobs"] == 0 and first["return_tokens_as_token_ids"] is True
+    assert "logprobs" not in second and "return_tokens_as_token_ids" not in second
+    assert second["return_token_ids"] is True
+
+
+def test_token_id_strings_in_logprobs_when_the_server_ignores_return_token_ids(server_factory, engines):
+    server = server_factory(style="old_vllm")
+    engine = engines(server)
+    tokens = prompts(3)
+    for _ in range(2):
+        out = engine.run(batch(tokens, 4))
+        for r, t in zip(out.results, tokens):
+            assert_ok(r, t, 4)
+    assert all(b["logprobs"] == 0 for b in server.bodies)  # still asked: token_ids never came
+
+
+def test_sglang_output_ids_are_read(server_factory, engines):
+    server = server_factory(style="sglang_output_ids")
+    tokens = prompts(2)
+    out = engines(server).run(batch(tokens, 3))
+    for r, t in zip(out.results, tokens):
+        assert_ok(r, t, 3)
+
+
+def test_a_response_without_token_ids_fails_its_items_with_a_clear_error(server_factory, engines):
+    server = server_factory(style="text_only")
+    out = engines(server).run(batch(prompts(2), 3))
+    assert [r.status for r in out.results] == ["engine_error"] * 2
+    assert out.results[0].error == NO_TOKEN_IDS
+    assert "return_token_ids" in NO_TOKEN_IDS and "return_tokens_as_token_ids" in NO_TOKEN_IDS
+    assert len(server.bodies) == 1  # a malformed answer is not retried
+
+
+def test_500_on_the_first_tries_is_retried_with_doubling_back_off(server_factory, engines):
+    server = server_factory(fail_first=2, fail_status=500)
+    tokens = prompts(3)
+    out = engines(server, retries=3, backoff_seconds=0.05).run(batch(tokens, 2))
+    for r, t in zip(out.results, tokens):
+        assert_ok(r, t, 2)
+    assert server.statuses == [500, 500, 200]
+    gaps = np.diff(server.times)
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1
+
+
+def test_429_backs_off_then_succeeds(server_factory, engines):
+    server = server_factory(fail_first=1, fail_status=429)
+    tokens = prompts(2)
+    out = engines(server, backoff_seconds=0.05).run(batch(tokens, 2))
+    for r, t in zip(out.results, tokens):
+        assert_ok(r, t, 2)
+    assert server.statuses == [429, 200]
+    assert server.times[1] - server.times[0] >= 0.05
+
+
+def test_a_500_that_persists_fails_its_items_after_the_retries(server_factory, engines):
+    server = server_factory(fail_first=100, fail_status=500)
+    out = engines(server, retries=2).run(batch(prompts(2), 2))
+    assert [r.status for r in out.results] == ["engine_error"] * 2
+    assert out.results[0].error == "HTTP 500: engine overloaded (after 3 tries)"
+    assert len(server.statuses) == 3
+
+
+def test_a_400_fails_only_the_refused_prompt_with_the_servers_message(server_factory, engines):
+    server = server_factory()
+    tokens = prompts(6)
+    tokens[4] = np.concatenate([tokens[4], [REJECTED]]).astype(np.uint32)
+    out = engines(server).run(batch(tokens, 3))
+    assert [r.status for r in out.results] == ["ok"] * 4 + ["engine_error", "ok"]
+    assert out.results[4].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
+    for i in (0, 1, 2, 3, 5):
+        assert_ok(out.results[i], tokens[i], 3)
+    # never retried as is: the request is split in halves, and the halves holding the refused prompt again
+    # [0..5] 400 -> [0, 1, 2] ok, [3, 4, 5] 400 -> [3] ok, [4, 5] 400 -> [4] 400, [5] ok
+    assert server.statuses == [400, 200, 400, 200, 400, 400, 200]
+    assert [len(b["prompt"]) for b in server.bodies] == [6, 3, 3, 1, 2, 1, 1]
+
+
+def test_an_unknown_model_fails_at_once_without_retries_or_splits(server_factory, engines):
+    server = server_factory()
+    out = engines(server, model="other-model").run(batch(prompts(4), 2))
+    assert [r.status for r in out.results] == ["engine_error"] * 4
+    assert out.results[0].error == "HTTP 404: The model `other-model` does not exist."
+    assert server.statuses == [404]
+
+
+def test_a_slow_request_times_out_and_fails_only_its_items(server_factory, engines):
+    server = server_factory(slow_seconds=5.0)
+    tokens = prompts(4)
+    tokens[1] = np.concatenate([tokens[1], [SLOW]]).astype(np.uint32)
+    engine = engines(server, timeout_seconds=0.3, retries=1, backoff_seconds=0.01)
+    started = time.monotonic()
+    out = engine.run(batch(tokens, [2, 7, 2, 2]))  # the slow prompt is alone in its request (max_new 7)
+    assert time.monotonic() - started < 1.5
+    assert [r.status for r in out.results] == ["ok", "engine_error", "ok", "ok"]
+    assert out.results[1].error == "timed out after 0.3 s (after 2 tries)"
+    for i in (0, 2, 3):
+        assert_ok(out.results[i], tokens[i], 2)
+
+
+def test_a_refused_connection_fails_the_items_and_never_raises(engines):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    out = engines(url, retries=1).run(batch(prompts(2), 2))
+    assert [r.status for r in out.results] == ["engine_error"] * 2
+    assert out.results[0].error.startswith("ConnectError") and out.results[0].error.endswith("(after 2 tries)")
+
+
+def test_max_in_flight_bounds_the_requests_at_once(server_factory, engines):
+    server = server_factory(latency_seconds=0.1)
+    tokens = prompts(12)
+    max_new = list(range(1, 13))  # twelve groups: twelve requests
+    out = engines(server, max_in_flight=3).run(batch(tokens, max_new))
+    assert len(server.bodies) == 12
+    assert server.in_flight_max == 3
+    for r, t, m in zip(out.results, tokens, max_new):
+        assert_ok(r, t, m)
+
+
+def test_cached_tokens_become_hit_blocks(server_factory, engines):
+    server = server_factory()
+    engine = engines(server)
+    tokens = prompts(4, prefix=48)
+    first = engine.run(batch(tokens, 2))
+    prompt_tokens = sum(t.size for t in tokens)
+    assert first.queried_blocks == prompt_tokens // BLOCK_TOKENS
+    assert first.reused_tokens == 3 * 48 and first.hit_blocks == 3 * 48 // BLOCK_TOKENS  # the 3 after the first
+    second = engine.run(batch(tokens, 2))
+    whole_blocks = sum(t.size // BLOCK_TOKENS * BLOCK_TOKENS for t in tokens)
+    assert second.reused_tokens == whole_blocks and second.hit_blocks == whole_blocks // BLOCK_TOKENS
+
+
+def test_no_usage_details_reports_no_cache_figures(engines, server_factory, monkeypatch):
+    server = server_factory()
+    monkeypatch.setattr(server, "_answer", lambda path, raw, tries: (200, {"choices": [
+        {"index": 0, "token_ids": [1, 2], "finish_reason": "length"}]}))
+    out = engines(server).run(batch(prompts(1), 2))
+    assert out.results[0].tokens.tolist() == [1, 2]
+    assert (out.hit_blocks, out.queried_blocks, out.reused_tokens) == (0, 0, 0)
+
+
+def test_api_key_is_sent_as_a_bearer_token_when_its_variable_is_set(server_factory, engines, monkeypatch):
+    server = server_factory()
+    monkeypatch.setenv("SHMB_TEST_KEY", "sekret")
+    engines(server, api_key_env="SHMB_TEST_KEY").run(batch(prompts(1), 1))
+    monkeypatch.delenv("SHMB_TEST_KEY")
+    engines(server, api_key_env="SHMB_TEST_KEY").run(batch(prompts(1), 1))
+    assert server.headers[0]["Authorization"] == "Bearer sekret"
+    assert "Authorization" not in server.headers[1]
+
+
+def test_load_engine_by_name_and_close_is_idempotent(server_factory):
+    server = server_factory()
+    engine = load_engine("openai", OpenAISettings(base_url=server.url, model=MODEL, retries=0), block_tokens=16,
+                         contract=Contract(8, 4096, 1000))
+    try:
+        assert isinstance(engine, OpenAICompatible) and engine.mode == "packed" and engine.block_tokens == 16
+        tokens = prompts(2)
+        out = engine.run(batch(tokens, 3))
+        for r, t in zip(out.results, tokens):
+            assert_ok(r, t, 3)
+        assert engine.run(batch([], 1)).results == []
+    finally:
+        engine.close()
+        engine.close()
+    with pytest.raises(ValueError, match="needs engine_settings.model"):
+        OpenAICompatible(OpenAISettings(base_url=server.url))
+
+
+def test_consumer_core_a_server_error_fails_only_its_items(server_factory, engines):
+    server = server_factory()
+    tokens = prompts(5)
+    tokens[2] = np.concatenate([tokens[2], [REJECTED]]).astype(np.uint32)
+    ids = np.arange(100, 105, dtype=np.uint64)
+    lengths = [t.size for t in tokens]
+    b = Batch.of(0, Shape(0, 7, 1, CONTRACT.max_input_len), ids, lengths, np.full(5, 4), families=np.full(5, 7))
+    core = ConsumerCore(CONTRACT, engines(server))
+    results = core.process(b, tokens).items()
+    assert [r.status for r in results] == ["ok", "ok", "engine_error", "ok", "ok"]
+    assert results[2].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
+    for i in (0, 1, 3, 4):
+        assert_ok(results[i], tokens[i], 4)
+    assert core.stats.engine_errors == 1 and core.stats.ok == 4
+
+
+@pytest.mark.skipif(not (os.environ.get("SHMBROKER_OPENAI_URL") and os.environ.get("SHMBROKER_OPENAI_MODEL")),
+                    reason="set SHMBROKER_OPENAI_URL and SHMBROKER_OPENAI_MODEL to run against a real server")
+def test_a_real_server(engines):
+    """A real server (e.g. `vllm serve MODEL --skip-tokenizer-init --enable-prompt-tokens-details`):
+    every item gets at most max_new_tokens token ids, and the same batch twice gives the same
+    tokens (temperature 0)."""
+    engine = engines(os.environ["SHMBROKER_OPENAI_URL"], model=os.environ["SHMBROKER_OPENAI_MODEL"],
+                     timeout_seconds=60.0)
+    tokens = prompts(4, prefix=300)
+    first = engine.run(batch(tokens, [3, 5, 3, 5]))
+    second = engine.run(batch(tokens, [3, 5, 3, 5]))
+    assert [r.status for r in first.results] == ["ok"] * 4, [r.error for r in first.results]
+    assert all(1 <= r.tokens.size <= m for r, m in zip(first.results, [3, 5, 3, 5]))
+    assert [r.tokens.tolist() for r in first.results] == [r.tokens.tolist() for r in second.results]
+
+
+def test_without_httpx_load_engine_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` raises ImportError
+    monkeypatch.delitem(sys.modules, "shmbroker.gpu.engines.openai", raising=False)
+    with pytest.raises(EngineUnavailable, match=r"pip install 'shmbroker\[openai\]'"):
+        load_engine("openai", OpenAISettings(model=MODEL), block_tokens=16)
