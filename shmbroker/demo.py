@@ -235,7 +235,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
     """One consumer's figures (DESIGN.md "Words") from its GPU process's counters."""
-    modeled = c["modeled_engine_ns"] / 1e9
+    modeled = c["engine_own_ns"] / 1e9
     return {
         "mode": mode, "batches": c["batches"], "items": c["items"], "ok": c["ok"], "tokens": c["tokens"],
         "failed": c["too_long"] + c["invalid"] + c["engine_errors"], "guard_violations": c["guard_violations"],

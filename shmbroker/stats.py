@@ -73,12 +73,15 @@ GPU = (
     _c("invalid", "consumer_failed_items_total", "Items failed back by the consumer.", (("reason", "invalid"),)),
     _c("engine_errors", "consumer_failed_items_total", "Items failed back by the consumer.",
        (("reason", "engine_error"),)),
-    _c("busy_ns", "consumer_engine_busy_seconds_total", "Seconds the consumer spent running batches.", scale=NS),
+    _c("busy_ns", "consumer_engine_busy_seconds_total",
+       "Seconds the GPU process spent on batches, from taking one to releasing it (engine and consumer loop).",
+       scale=NS),
     _c("idle_ns", "consumer_engine_idle_seconds_total", "Seconds the consumer waited with no batch.", scale=NS),
     _c("batch_wait_ns", "consumer_batch_wait_seconds_total",
        "Seconds batches sat packed in the consumer's ring before it took them.", scale=NS),
-    _c("modeled_engine_ns", "consumer_modeled_engine_seconds_total",
-       "Engine seconds the simulated engine's cost model charged (sim only).", scale=NS),
+    _c("engine_own_ns", "consumer_engine_own_seconds_total",
+       "Seconds the engine reported for its batches: its own measured time (hf, vllm, trtllm, openai), "
+       "the cost model's (sim).", scale=NS),
     _g("last_family", None, "The family of the consumer's last batch (a restart resumes from it)."),
 )
 

@@ -44,7 +44,7 @@ def test_prefix_reuse_changes_no_output(engine):
     items = _family(rng, 48, (5, 17, 1, 9))
     max_new = np.array([3, 6, 2, 4])
     out = engine.run(EngineBatch(np.arange(4, dtype=np.uint64), items, max_new))
-    for r, tokens, m in zip(out.results, items, max_new):
+    for r, tokens, m in zip(out.results.items(), items, max_new):
         assert r.status == "ok"
         assert r.tokens.size == m  # max_new_tokens honoured (no EOS in this model)
         assert r.tokens.tolist() == unbatched(engine, tokens, int(m))
@@ -62,12 +62,12 @@ def test_the_next_batch_of_the_family_reuses_the_kept_prefix(engine):
     second = [np.concatenate([first[0][:40], rng.integers(0, 500, size=k).astype(np.uint32)]) for k in (3, 8, 2)]
     out = engine.run(EngineBatch(np.arange(3, dtype=np.uint64), second, np.array([3, 3, 3])))
     assert out.reused_tokens == 3 * 40  # all of it from the kept cache, none recomputed
-    for r, tokens in zip(out.results, second):
+    for r, tokens in zip(out.results.items(), second):
         assert r.tokens.tolist() == unbatched(engine, tokens, 3)
     other = _family(rng, 40, (5, 5))  # another family: the kept prefix does not match
     out = engine.run(EngineBatch(np.arange(2, dtype=np.uint64), other, np.array([2, 2])))
     assert out.reused_tokens == 40  # computed once, reused by the second item
-    assert [r.tokens.tolist() for r in out.results] == [unbatched(engine, t, 2) for t in other]
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(engine, t, 2) for t in other]
 
 
 def test_without_reuse_it_is_a_plain_padded_batch(engine):
@@ -77,7 +77,7 @@ def test_without_reuse_it_is_a_plain_padded_batch(engine):
     out = plain.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([2, 2])))
     assert out.reused_tokens == 0 and out.hit_blocks == 0
     assert out.rect_tokens == 2 * max(t.size for t in items)
-    assert [r.tokens.tolist() for r in out.results] == [unbatched(engine, t, 2) for t in items]
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(engine, t, 2) for t in items]
 
 
 def test_generation_stops_at_eos():
@@ -86,7 +86,7 @@ def test_generation_stops_at_eos():
     first = unbatched(probe, tokens, 1)[0]
     with_eos = HF(dataclasses.replace(EXACT, config={**TINY, "eos_token_id": first}), block_tokens=16)
     out = with_eos.run(EngineBatch(np.array([7], np.uint64), [tokens], np.array([5])))
-    assert out.results[0].tokens.tolist() == [first]  # the EOS is kept, nothing after it
+    assert out.results.items()[0].tokens.tolist() == [first]  # the EOS is kept, nothing after it
 
 
 def test_a_failing_item_does_not_fail_its_batch(engine):
@@ -174,6 +174,9 @@ def test_bench_gpu_small_run_on_the_cpu():
     assert out["fifo"]["prefix_tokens_reused"] == 0
     assert out["broker"]["padding_waste"] < out["fifo"]["padding_waste"]
     assert out["sample_outputs_equal_unbatched"] == out["sample_items"] > 0
+    live = out["live"]  # through a running broker with an hf consumer
+    assert live["batches"] > 0 and live["useful_tokens_per_s"] > 0
+    assert live["busy_seconds"] >= live["engine_seconds"] > 0 and live["consumer_loop_overhead"] >= 0
     assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
                                            rel=1e-2)
 
@@ -201,7 +204,7 @@ def test_on_a_gpu_prefix_reuse_changes_no_output():
     rng = np.random.default_rng(9)
     items = _family(rng, 64, (5, 30, 2, 17))
     out = gpu.run(EngineBatch(np.arange(4, dtype=np.uint64), items, np.array([4, 4, 4, 4])))
-    assert [r.tokens.tolist() for r in out.results] == [unbatched(gpu, t, 4) for t in items]
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(gpu, t, 4) for t in items]
     assert out.reused_tokens == 3 * 64
 
 
@@ -212,5 +215,5 @@ def test_on_a_gpu_bf16_runs_by_default():
     rng = np.random.default_rng(10)
     items = _family(rng, 32, (4, 8))
     out = gpu.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([3, 5])))
-    assert [r.status for r in out.results] == ["ok", "ok"]
-    assert [r.tokens.size for r in out.results] == [3, 5]
+    assert [r.status for r in out.results.items()] == ["ok", "ok"]
+    assert [r.tokens.size for r in out.results.items()] == [3, 5]

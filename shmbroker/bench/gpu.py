@@ -16,7 +16,10 @@ In the same run, on the same weights:
     (`hf` with reuse_prefix and keep_prefix).
 
 Both go through the GPU process's core (`ConsumerCore.process`: guard, failures, results), so
-`consumer_overhead` is the consumer's own cost per batch over the engine's time. Figures:
+`consumer_overhead` is the consumer's own cost per batch over the engine's time. Then (c) `live`:
+the same backlog through a running broker with one `hf` consumer of the same weights, where the
+GPU process's own accounting gives the whole consumer loop's cost (taking a batch, viewing its
+tokens in the segment files, the engine, writing results) over the engine's. Figures:
 useful input tokens per second (the backlog's input tokens over the seconds to run all batches),
 padding waste, prefix tokens reused, the speed-up of (b) over (a), and on a sample of items
 whether (b)'s outputs equal the item run alone (greedy, same weights, no batch, no reuse).
@@ -190,6 +193,72 @@ def _combine(parts: list[dict], tokens: int) -> dict:
     return out
 
 
+def _toml_value(v) -> str:
+    return json.dumps(v) if isinstance(v, str) else ("true" if v is True else "false" if v is False else str(v))
+
+
+def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
+    """(c) The same backlog through a running broker (`shmbroker supervise` with one `hf` consumer
+    of the same weights): the GPU process's own accounting gives the consumer loop's overhead over
+    the engine's time (busy: from taking a batch to releasing it; the engine's own seconds)."""
+    from ..client import Producer
+    from ..watch import BrokerView
+    from .broker import BenchBroker
+
+    model = "\n".join(f"{k} = {_toml_value(v)}" for k, v in setup.model.items() if v is not None)
+    c = setup.contract
+    config = (f'instance = "gpu{os.getpid()}"\nmetrics_addr = ""\nblock_tokens = {setup.block_tokens}\n'
+              f'index_items = 65536\nsegment_bytes = 16777216\n\n[[consumers]]\nname = "card"\nengine = "hf"\n'
+              f"max_batch_size = {c.max_batch_size}\nmax_batch_tokens = {c.max_batch_tokens}\n"
+              f"max_input_len = {c.max_input_len}\n\n[consumers.engine_settings]\n"
+              f'dtype = "{setup.dtype}"\ndevice = "{setup.device}"\nseed = {seed}\n'
+              f"threads = {0 if setup.device == 'cuda' else CPU_THREADS}\n\n[consumers.engine_settings.config]\n{model}\n")
+    broker = BenchBroker(tmp, config)
+    try:
+        broker.wait_ready()
+        n = len(wl)
+        with Producer("bench-gpu", data_dir=broker.data_dir) as p:
+            view = BrokerView.attach(broker.data_dir)
+            try:
+                deadline = time.monotonic() + 600
+                while view.snapshot()["processes"] and not _engine_loaded(view):  # the GPU process built its model
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the GPU process did not load its model in 600 s")
+                    time.sleep(0.1)
+                t0 = time.perf_counter()
+                p.submit_many(wl.tokens, wl.offsets, max_new_tokens=setup.max_new_tokens)
+                got = 0
+                while got < n:
+                    batch = p.take_results(1.0)
+                    if len(batch) and (batch.status != 0).any():
+                        raise RuntimeError("an item failed in the live run")
+                    got += len(batch)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{got} of {n} results in the live run")
+                seconds = time.perf_counter() - t0
+                while view.snapshot()["consumers"]["card"]["items"] < n:  # counted just after its results
+                    time.sleep(0.01)
+                card = view.snapshot()["consumers"]["card"]
+            finally:
+                view.close()
+    finally:
+        broker.stop()
+    own = card["engine_own_ns"]
+    return {"batches": card["batches"], "seconds": round(seconds, 4),
+            "useful_tokens_per_s": round(int(wl.lengths.sum()) / seconds, 1),
+            "padding_waste": round(card["padding_waste"], 4) if card["padding_waste"] is not None else 0.0,
+            "busy_seconds": round(card["busy_ns"] / 1e9, 4), "engine_seconds": round(own / 1e9, 4),
+            "consumer_loop_overhead": round(card["busy_ns"] / own - 1, 4) if own else None,
+            "consumer_loop_ms_per_batch": round((card["busy_ns"] - own) / 1e6 / card["batches"], 3)
+            if card["batches"] else None}
+
+
+def _engine_loaded(view) -> bool:
+    """The GPU process runs its loop (a heartbeat after its start): its engine is built."""
+    p = next(x for x in view.snapshot()["processes"] if x["role"] == "gpu-card")
+    return p["alive"] and p["heartbeat_age_seconds"] is not None and p["heartbeat_age_seconds"] < p["uptime_seconds"]
+
+
 def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
     import torch
 
@@ -228,6 +297,15 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
                 for r in sample)
     for part in (fifo, broker):
         part.pop("_outputs")
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="shmb-gpu-")
+    try:
+        through = live(setup, wl, seed, tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     n = len(wl)
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -236,7 +314,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
         "max_new_tokens": setup.max_new_tokens,
         "contract": dataclasses.asdict(setup.contract), "block_tokens": setup.block_tokens,
         "model_load_seconds": round(load_seconds, 2),
-        "fifo": fifo, "broker": broker,
+        "fifo": fifo, "broker": broker, "live": through,
         "speedup": round(broker["useful_tokens_per_s"] / fifo["useful_tokens_per_s"], 3),
         "sample_items": int(sample.size), "sample_outputs_equal_unbatched": int(equal),
     }

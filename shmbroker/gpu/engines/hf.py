@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import transformers
 
-from .base import EngineOutcome, ItemResult
+from .base import BatchResults, EngineOutcome
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -90,7 +90,10 @@ class HF:
         reused = n * cached + (n - 1) * (prefix - cached) if prefix else 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        results = [ItemResult(int(i), "ok", np.asarray(g, np.uint32)) for i, g in zip(batch.item_ids, generated)]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum([len(g) for g in generated], out=offsets[1:])
+        flat = np.fromiter((t for g in generated for t in g), np.uint32, int(offsets[-1]))
+        results = BatchResults(np.asarray(batch.item_ids, np.uint64), np.zeros(n, np.uint32), flat, offsets)
         return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=sum(x // b for x in lengths),
                              engine_seconds=time.perf_counter() - t0, padded_tokens=padded, rect_tokens=rect,
                              reused_tokens=reused)
