@@ -217,3 +217,37 @@ def test_on_a_gpu_bf16_runs_by_default():
     out = gpu.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([3, 5])))
     assert [r.status for r in out.results.items()] == ["ok", "ok"]
     assert [r.tokens.size for r in out.results.items()] == [3, 5]
+
+
+def test_a_sliding_window_model_runs_its_suffixes_unpadded():
+    """Sliding-window masks follow cache columns: a right-padded item would lose real tokens from its
+    window while decoding. Such a model keeps the shared prefix but runs each suffix unpadded."""
+    cfg = {**TINY, "model_type": "mistral", "sliding_window": 8}
+    cfg.pop("max_position_embeddings")
+    sliding = HF(dataclasses.replace(EXACT, config=cfg), block_tokens=16)
+    assert sliding.sliding
+    rng = np.random.default_rng(12)
+    items = _family(rng, 30, (3, 12, 7))
+    out = sliding.run(EngineBatch(np.arange(3, dtype=np.uint64), items, np.array([6, 6, 6])))
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(sliding, t, 6) for t in items]
+    assert out.padded_tokens == 0 and out.reused_tokens == 2 * 30
+
+
+def test_bench_gpu_checks_bf16_samples_on_a_float32_copy():
+    """On a GPU the bench runs bf16; its sample check re-runs the sampled batches on a float32 copy
+    of the same weights (here: the same path on the CPU)."""
+    from shmbroker.bench import gpu
+    from shmbroker.bench.packsim import PackerFeeder
+    from shmbroker.pack.shapes import shape_items
+
+    setup = dataclasses.replace(gpu.CPU_SETUP, dtype="bfloat16", items=24)
+    wl = gpu.backlog(setup, None, 1.0, 0)
+    shapes = shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens)
+    plan = gpu.batches(PackerFeeder, setup, wl, shapes)
+    engine = HF(HFSettings(config=setup.model, dtype="bfloat16", device="cpu", seed=0, threads=1),
+                block_tokens=setup.block_tokens)
+    sample = np.arange(0, len(wl), 5)
+    equal, dtype = gpu._sample_check(engine, wl, plan, sample, setup, outputs={})
+    assert dtype == "float32 copy of the weights"
+    assert equal == sample.size
+    assert engine.model.dtype == torch.bfloat16  # the copy, not the engine's weights, went to float32

@@ -259,6 +259,7 @@ def test_gpus_auto_uses_nvml_else_the_declared_cards(tmp_path, nvml, monkeypatch
     assert lines[1] == "card 1 NVIDIA L4 22.5 GiB -> tier small (sim) as consumer card1", lines
     assert lines[2].startswith("card 0 NVIDIA H200 140.4 GiB -> tier big (hf)"), lines
     monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # (with it, the declared cards follow its order too)
     lines.clear()
     auto = tiers.apply_gpus_auto(cfg, say=lines.append)
     assert [(c.name, c.device, c.contract.max_batch_size) for c in auto.consumers] == [("card0", 0, 256), ("card1", 1, 32)]
@@ -404,3 +405,15 @@ def test_cli_supervise_gpus_auto_refuses_a_card_too_small(tmp_path, no_nvml_env)
     out = cli("supervise", "--config", str(write(tmp_path, SIM_TIERS)), "--data-dir", str(tmp_path / "data"),
               "--gpus", "auto", env=no_nvml_env)
     assert out.returncode == 2 and "declares no [[gpus]]" in out.stderr, out.stderr
+
+
+def test_a_mask_that_hides_every_card_does_not_fall_back_to_declared_cards(nvml, monkeypatch):
+    """NVML works but CUDA_VISIBLE_DEVICES lets no whole card through (a MIG slice, empty): the declared
+    [[gpus]] must not be used, or each GPU process would pin itself to a card outside the mask."""
+    cfg = settings.parse({"tiers": [{"name": "t", "min_memory_gib": 1, "engine": "sim", "max_batch_size": 4,
+                                     "max_batch_tokens": 4096, "max_input_len": 1024}],
+                          "gpus": [{"index": 0, "memory_gib": 80}]})
+    for mask in ("MIG-1234", ""):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+        with pytest.raises(tiers.TierError, match="CUDA_VISIBLE_DEVICES"):
+            tiers.apply_gpus_auto(cfg, say=lambda line: None)

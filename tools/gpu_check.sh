@@ -12,7 +12,7 @@ $PY -m pip install --quiet --no-deps -e . > "$OUT/install.txt" 2>&1
 $PY -m shmbroker.cli warm > "$OUT/warm.txt" 2>&1
 timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_engine_hf.py -k "gpu" > "$OUT/tests.txt" 2>&1
 echo "tests: $?" >> "$OUT/tests.txt"
-timeout 300 $PY -m shmbroker.cli bench gpu --json > "$OUT/bench_gpu.json" 2> "$OUT/bench_gpu.err"
+timeout 420 $PY -m shmbroker.cli bench gpu --json --scale 0.5 > "$OUT/bench_gpu.json" 2> "$OUT/bench_gpu.err"
 echo "bench gpu: $?"
 cat "$OUT/tests.txt" | tail -3
 cat "$OUT/bench_gpu.json"

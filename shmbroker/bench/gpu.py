@@ -44,10 +44,12 @@ TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_co
 # ~1.0B parameters: 16 layers of 2048 (GQA 32/8 heads), 32k vocabulary
 GPU_MODEL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-             "max_position_embeddings": 8192, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+             "max_position_embeddings": 8192, "eos_token_id": 32000, "bos_token_id": 32000, "pad_token_id": None}
 CPU_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-             "max_position_embeddings": 2048, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+             "max_position_embeddings": 2048, "eos_token_id": 1000, "bos_token_id": 1000, "pad_token_id": None}
+# (eos = vocab_size: an id the model never produces, so every item generates max_new_tokens, in
+# process and in the live broker alike; a TOML file has no null to say "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +195,43 @@ def _combine(parts: list[dict], tokens: int) -> dict:
     return out
 
 
+def _sample_check(engine, wl: Workload, plan: list, sample: np.ndarray, setup: Setup, outputs: dict) -> tuple[int, str]:
+    """Sampled items of (b) against the same item alone (greedy, same weights, no batch, no reuse).
+
+    In float32 (the CPU) the timed run's outputs are compared. In bf16 two kernels that sum in a
+    different order (a batch's shapes against one item's) can flip a greedy choice between two
+    near-equal logits of a random-weight model, which says nothing about the batching: there the
+    sampled items' batches are run again on a float32 copy of the same weights, and compared with
+    that copy's unbatched outputs."""
+    import torch
+
+    from ..gpu.engines.base import EngineBatch
+    from ..gpu.engines.hf import unbatched
+
+    def alone(e, r):
+        return unbatched(e, wl.tokens[wl.offsets[r] : wl.offsets[r + 1]], setup.max_new_tokens)
+
+    if engine.dtype in (torch.float32, torch.float64):
+        return sum(outputs[int(r)].tolist() == alone(engine, int(r)) for r in sample), str(engine.dtype).split(".")[1]
+    ref = copy.copy(engine)
+    ref.model = copy.deepcopy(engine.model).float()
+    ref.dtype = torch.float32
+    ref._kept = None
+    wanted = {int(r) for r in sample}
+    equal = 0
+    for batch in plan:
+        rows = [int(r) for r in batch.keys]
+        if not wanted.intersection(rows):
+            continue
+        toks = [wl.tokens[wl.offsets[r] : wl.offsets[r + 1]] for r in rows]
+        got = ref.run(EngineBatch(np.asarray(rows, np.uint64), toks, np.full(len(rows), setup.max_new_tokens))).results
+        for k, r in enumerate(rows):
+            if r in wanted:
+                equal += got.flat[got.offsets[k] : got.offsets[k + 1]].tolist() == alone(ref, r)
+    ref.model = None
+    return equal, "float32 copy of the weights"
+
+
 def _toml_value(v) -> str:
     return json.dumps(v) if isinstance(v, str) else ("true" if v is True else "false" if v is False else str(v))
 
@@ -263,7 +302,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     import torch
 
     from ..gpu.consumer import ConsumerCore
-    from ..gpu.engines.hf import HF, unbatched
+    from ..gpu.engines.hf import HF
     from ..gpu.engines.options import HFSettings
     from ..pack.shapes import shape_items
     from .packsim import FifoFeeder, PackerFeeder
@@ -292,9 +331,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     fifo, broker = (_combine(runs[side], int(wl.lengths.sum())) for side in ("fifo", "broker"))
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(len(wl), size=min(setup.sample, len(wl)), replace=False))
-    equal = sum(broker["_outputs"][int(r)].tolist()
-                == unbatched(broker_engine, wl.tokens[wl.offsets[r] : wl.offsets[r + 1]], setup.max_new_tokens)
-                for r in sample)
+    equal, check_dtype = _sample_check(broker_engine, wl, broker_plan, sample, setup, broker["_outputs"])
     for part in (fifo, broker):
         part.pop("_outputs")
     import tempfile
@@ -316,5 +353,5 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
         "model_load_seconds": round(load_seconds, 2),
         "fifo": fifo, "broker": broker, "live": through,
         "speedup": round(broker["useful_tokens_per_s"] / fifo["useful_tokens_per_s"], 3),
-        "sample_items": int(sample.size), "sample_outputs_equal_unbatched": int(equal),
+        "sample_items": int(sample.size), "sample_outputs_equal_unbatched": int(equal), "sample_check_dtype": check_dtype,
     }

@@ -99,6 +99,10 @@ def detect_cards() -> list[Card]:
     return cards
 
 
+# the reasons `probe_nvml` gives when NVML itself is not there (only then are [[gpus]] read)
+NVML_UNAVAILABLE = ("nvidia-ml-py (pynvml) is not installed", "NVML did not start")
+
+
 def probe_nvml() -> tuple[list[Card], str]:
     """(cards, "") from NVML, or ([], why not): pynvml missing, NVML failing, nothing visible."""
     try:
@@ -163,9 +167,16 @@ def apply_gpus_auto(cfg, say: Callable[[str], None] = log.info):
     cards, why = probe_nvml()
     source = "NVML"
     if not cards:
+        if not why.startswith(NVML_UNAVAILABLE):
+            # NVML works but lets no card through (CUDA_VISIBLE_DEVICES: empty, a MIG slice, an unknown
+            # UUID): the declared cards would escape that mask, so there are none
+            raise TierError(f"no cards: {why}")
         if not cfg.gpus:
             raise TierError(f"no cards: {why}, and {cfg.source} declares no [[gpus]]")
-        cards, source = list(cfg.gpus), f"[[gpus]] of {cfg.source} ({why})"
+        cards, hidden = visible(list(cfg.gpus), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if not cards:
+            raise TierError(f"no cards: {why}, and of the [[gpus]] of {cfg.source}: {hidden}")
+        source = f"[[gpus]] of {cfg.source} ({why})"
     say(f"{len(cards)} card(s) from {source}")
     consumers = consumers_for(cards, cfg.tiers)
     for card, c in zip(cards, consumers):

@@ -66,6 +66,14 @@ class HF:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
         self._kept: tuple[np.ndarray, object] | None = None  # the last prefix's tokens and its KV (batch 1)
+        params = inspect.signature(self.model.forward).parameters
+        # logits of the positions that are read only (a batch's full logits are count x width x vocab)
+        self._keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        # sliding-window attention masks by cache column, not position: a right-padded item would see
+        # fewer real tokens in its window while it decodes, so such a model runs its suffixes unpadded
+        layer_types = getattr(cfg, "layer_types", None) or ()
+        self.sliding = "sliding_attention" in layer_types or (
+            bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False)
 
     # -- a batch -----------------------------------------------------------------------------------
 
@@ -82,8 +90,13 @@ class HF:
         if self.settings.reuse_prefix:
             prefix = min(batch.prefix_tokens, min(lengths) - 1)
         cache, cached = self._prefix_cache(tokens[0][:prefix]) if prefix > 0 else (None, 0)
-        generated = self._generate(tokens, lengths, prefix, cache, max_new)
-        rect = n * max(lengths[i] - prefix for i in range(n))
+        if self.sliding and n > 1:  # one suffix at a time on the shared prefix: no padding at all
+            generated = [self._generate([t], [x], prefix, copy.deepcopy(cache), [m])[0]
+                         for t, x, m in zip(tokens, lengths, max_new)]
+            rect = sum(x - prefix for x in lengths)
+        else:
+            generated = self._generate(tokens, lengths, prefix, cache, max_new)
+            rect = n * max(lengths[i] - prefix for i in range(n))
         padded = rect - sum(lengths[i] - prefix for i in range(n))
         b = self.block_tokens
         hit_blocks = n * (cached // b) + (n - 1) * (prefix // b - cached // b) if prefix else 0
@@ -127,7 +140,7 @@ class HF:
         if cached < prefix.size:
             ids = torch.as_tensor(prefix[cached:].astype(np.int64), device=self.device)[None]
             pos = torch.arange(cached, prefix.size, device=self.device)[None]
-            self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._kv: cache})
+            self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._kv: cache}, **self._logits(1))
         if self.settings.keep_prefix:
             self._kept = (prefix.copy(), copy.deepcopy(cache))
         return cache, cached
@@ -149,9 +162,12 @@ class HF:
         ids_t = torch.as_tensor(ids, device=dev)
         mask_t = torch.as_tensor(mask, device=dev)
         pos = torch.arange(prefix, prefix + width, device=dev)[None].expand(n, width)
-        out = self.model(input_ids=ids_t, attention_mask=mask_t, position_ids=pos, use_cache=True, **{self._kv: cache})
-        last = torch.as_tensor([x - prefix - 1 for x in lengths], device=dev)
-        logits = out.logits[torch.arange(n, device=dev), last]
+        last = [x - prefix - 1 for x in lengths]
+        keep = width - min(last)  # the logits kept: from the earliest last position to the end
+        out = self.model(input_ids=ids_t, attention_mask=mask_t, position_ids=pos, use_cache=True, **{self._kv: cache},
+                         **self._logits(keep))
+        kept = out.logits.shape[1]
+        logits = out.logits[torch.arange(n, device=dev), torch.as_tensor(last, device=dev) - (width - kept)]
         ends = torch.as_tensor(lengths, device=dev)
         generated: list[list[int]] = [[] for _ in range(n)]
         done = [False] * n
@@ -171,6 +187,9 @@ class HF:
                              use_cache=True, **{self._kv: cache})
             logits = out.logits[:, -1]
         return generated
+
+    def _logits(self, keep: int) -> dict:
+        return {self._keep: keep} if self._keep else {}
 
     def close(self) -> None:
         self._kept = None
