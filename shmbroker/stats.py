@@ -61,6 +61,8 @@ GPU = (
     _c("rect_tokens", "consumer_rectangle_tokens_total",
        "Rectangle tokens (count x longest suffix past the batch's common prefix), per batch."),
     _c("hit_blocks", "consumer_cache_hit_blocks_total", "Prefix blocks the engine found in its cache."),
+    _c("reused_tokens", "consumer_prefix_reused_tokens_total",
+       "Prefix tokens the engine served from a cache instead of computing them."),
     _c("queried_blocks", "consumer_cache_queried_blocks_total", "Prefix blocks the engine looked up."),
     _c("shape_switches", "consumer_shape_switches_total", "Consecutive batches of different prefix families."),
     _c("excess_shape_switches", "consumer_excess_shape_switches_total",

@@ -155,6 +155,20 @@ def test_generation_through_the_whole_broker(tmp_path, engine):
                 assert time.monotonic() < deadline, "results did not all arrive"
                 for r in p.results(timeout_seconds=1.0):
                     got[r.item_id] = r
+        from shmbroker.watch import BrokerView
+
+        view = BrokerView.attach(broker.data_dir)
+        try:
+            while view.snapshot()["consumers"]["cpu"]["items"] < len(items) - 1:  # counted just after results
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            card = view.snapshot()["consumers"]["cpu"]
+        finally:
+            view.close()
+    # the GPU process's accounting: the engine's own seconds, the loop's busy time, the prefixes reused
+    assert card["tokens"] == sum(t.size for t in items[:-1])
+    assert card["busy_ns"] >= card["engine_own_ns"] > 0
+    assert card["reused_tokens"] > 0 and card["rect_tokens"] > 0
     for item_id, tokens in zip(ids[:-1], items[:-1]):
         assert got[item_id].status == "ok", got[item_id].error
         assert got[item_id].tokens.tolist() == unbatched(engine, tokens, 3)  # same seed, same weights

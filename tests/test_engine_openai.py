@@ -56,7 +56,9 @@ class FakeCompletionsServer:
     "sglang_output_ids" (answers `output_ids` only), "text_only" (no token ids at all).
     It counts requests in flight at once (`in_flight_max`) and keeps every request body and time."""
 
-    def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm"):
+    def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm",
+                 refuse_field=None):
+        self.refuse_field = refuse_field  # a strict server: a request carrying this field is refused (400)
         self.fail_first = fail_first
         self.fail_status = fail_status
         self.slow_seconds = slow_seconds
@@ -126,6 +128,8 @@ class FakeCompletionsServer:
             self.bodies.append(body)
         if body.get("model") != MODEL:
             return 404, error(f"The model `{body.get('model')}` does not exist.", 404)
+        if self.refuse_field and self.refuse_field in body:
+            return 400, error(f"unknown field {self.refuse_field!r}", 400)
         prompts, max_tokens = body.get("prompt"), body.get("max_tokens")
         if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for p in prompts for t in p)):
@@ -340,10 +344,21 @@ def test_a_400_fails_only_the_refused_prompt_with_the_servers_message(server_fac
     assert out.results[4].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
     for i in (0, 1, 2, 3, 5):
         assert_ok(out.results[i], tokens[i], 3)
-    # never retried as is: the request is split in halves, and the halves holding the refused prompt again
-    # [0..5] 400 -> [0, 1, 2] ok, [3, 4, 5] 400 -> [3] ok, [4, 5] 400 -> [4] 400, [5] ok
-    assert server.statuses == [400, 200, 400, 200, 400, 400, 200]
-    assert [len(b["prompt"]) for b in server.bodies] == [6, 3, 3, 1, 2, 1, 1]
+    # never retried as is: one prompt alone is tried ([5] ok: the refusal is a prompt's), then the request
+    # is split in halves, and the halves holding the refused prompt again
+    # [0..5] 400 -> [5] ok -> [0, 1, 2] ok, [3, 4, 5] 400 -> [3] ok, [4, 5] 400 -> [4] 400, [5] ok
+    assert server.statuses == [400, 200, 200, 400, 200, 400, 400, 200]
+    assert [len(b["prompt"]) for b in server.bodies] == [6, 1, 3, 3, 1, 2, 1, 1]
+
+
+def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_factory, engines):
+    """A strict server refusing a field the engine sends refuses every request alike: two requests
+    (the batch, one prompt alone), not 2n - 1."""
+    server = server_factory(refuse_field="return_token_ids")
+    out = engines(server).run(batch(prompts(16), 2))
+    assert [r.status for r in out.results] == ["engine_error"] * 16
+    assert out.results[0].error == "HTTP 400: unknown field 'return_token_ids'"
+    assert [len(b["prompt"]) for b in server.bodies] == [16, 1]
 
 
 def test_an_unknown_model_fails_at_once_without_retries_or_splits(server_factory, engines):

@@ -68,6 +68,7 @@ class ConsumerStats:
     input_tokens: int = 0
     padded_tokens: int = 0
     rect_tokens: int = 0
+    reused_tokens: int = 0  # prefix tokens the engine served from a cache
     shape_switches: int = 0  # consecutive batches of different families
     families: int = 0  # distinct families served
     # switches back to a family already served: switches - (families - 1) (DESIGN.md "Words"),
@@ -150,6 +151,7 @@ class ConsumerCore:
         self.stats.engine_seconds += outcome.engine_seconds
         self.stats.padded_tokens += outcome.padded_tokens
         self.stats.rect_tokens += outcome.rect_tokens
+        self.stats.reused_tokens += outcome.reused_tokens
         res = outcome.results
         if isinstance(res, BatchResults):
             if np.array_equal(res.item_ids, sub.item_ids):
@@ -375,7 +377,7 @@ class GpuCounting:
     what its predecessors published, plus the process's own clocks."""
 
     KEYS = ("batches", "items", "ok", "too_long", "invalid", "engine_errors", "guard_violations", "hit_blocks",
-            "queried_blocks", "padded_tokens", "rect_tokens", "shape_switches", "excess_shape_switches",
+            "queried_blocks", "padded_tokens", "rect_tokens", "reused_tokens", "shape_switches", "excess_shape_switches",
             "families")
 
     def __init__(self, stats, core: ConsumerCore):

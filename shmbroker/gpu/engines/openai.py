@@ -158,18 +158,28 @@ class OpenAICompatible:
 
     # -- one request ------------------------------------------------------------------------
 
-    def request(self, prompts: list, max_tokens: int) -> Reply:
-        """The reply to these prompts; a refused request of several prompts is split in halves."""
+    def request(self, prompts: list, max_tokens: int, *, probed: bool = False) -> Reply:
+        """The reply to these prompts; a refused request of several prompts is split in halves, so that
+        only the prompts the server refuses fail. First one prompt alone is tried: when the server
+        refuses it with the very same reason, the refusal is the request's, not a prompt's (an option
+        it does not take, say), and every prompt fails at once instead of after 2n - 1 requests."""
         try:
             return self.post(prompts, max_tokens)
         except RequestFailed as exc:
             if exc.status not in SPLIT_STATUSES or len(prompts) == 1:
                 raise
+            whole = exc
+        if not probed:
+            try:
+                self.post(prompts[-1:], max_tokens)
+            except RequestFailed as exc:
+                if str(exc) == str(whole) and exc.status == whole.status:
+                    raise whole from None
         half = len(prompts) // 2
         replies = []
         for sub in (prompts[:half], prompts[half:]):
             try:
-                replies.append(self.request(sub, max_tokens))
+                replies.append(self.request(sub, max_tokens, probed=True))
             except RequestFailed as exc:
                 replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
