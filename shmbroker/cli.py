@@ -55,8 +55,13 @@ def _bench(args) -> int:
         result = restart.run(scale=args.scale)
     elif args.name == "gpu":
         from .bench import gpu
+        from .errors import BrokerError
 
-        result = gpu.run(scale=args.scale, trace=args.trace, seed=args.seed)
+        try:
+            result = gpu.run(scale=args.scale, trace=args.trace, seed=args.seed, device=args.device)
+        except (BrokerError, ValueError) as exc:  # no engine packages, no GPU: say so, no traceback
+            print(f"shmbroker: {exc}", file=sys.stderr)
+            return 2
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -163,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=("offline", "streaming"), default="offline",
                    help="offline: the whole workload is the backlog; streaming: items arrive by timestamp")
     g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="gpu: where the model runs (auto: a CUDA GPU when torch sees one)")
     g.add_argument("--max-new-tokens", type=int, default=1,
                    help="max_new_tokens of every item (default 1: prefill only); 0 keeps the workload's")
     g.add_argument("--max-wait", type=float, default=None,

@@ -57,8 +57,9 @@ class FakeCompletionsServer:
     It counts requests in flight at once (`in_flight_max`) and keeps every request body and time."""
 
     def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm",
-                 refuse_field=None):
-        self.refuse_field = refuse_field  # a strict server: a request carrying this field is refused (400)
+                 refuse_field=None, retry_after=None):
+        self.refuse_field = refuse_field
+        self.retry_after = retry_after  # a Retry-After header (seconds) on the failures  # a strict server: a request carrying this field is refused (400)
         self.fail_first = fail_first
         self.fail_status = fail_status
         self.slow_seconds = slow_seconds
@@ -95,6 +96,8 @@ class FakeCompletionsServer:
                 data = json.dumps(answer).encode()
                 try:
                     self.send_response(status)
+                    if status != 200 and fake.retry_after is not None:
+                        self.send_header("Retry-After", str(fake.retry_after))
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -325,6 +328,15 @@ def test_429_backs_off_then_succeeds(server_factory, engines):
         assert_ok(r, t, 2)
     assert server.statuses == [429, 200]
     assert server.times[1] - server.times[0] >= 0.05
+
+
+def test_429_honours_retry_after(server_factory, engines):
+    server = server_factory(fail_first=1, fail_status=429, retry_after=0.4)
+    tokens = prompts(2)
+    out = engines(server, backoff_seconds=0.01).run(batch(tokens, 2))
+    assert [r.status for r in out.results] == ["ok", "ok"]
+    assert server.statuses == [429, 200]
+    assert server.times[1] - server.times[0] >= 0.4  # the server's delay, not the 0.01 s back-off
 
 
 def test_a_500_that_persists_fails_its_items_after_the_retries(server_factory, engines):

@@ -299,7 +299,16 @@ def _engine_loaded(view) -> bool:
 
 
 def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
-    import torch
+    try:
+        import torch
+        import transformers  # noqa: F401 - the hf engine's other package
+    except ImportError as exc:
+        from ..gpu.engines.base import EngineUnavailable
+
+        raise EngineUnavailable(f"bench gpu runs the hf engine, whose packages are not installed ({exc}): "
+                                "pip install 'shmbroker[hf]'") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench gpu --device cuda: torch sees no CUDA GPU")
 
     from ..gpu.consumer import ConsumerCore
     from ..gpu.engines.hf import HF

@@ -63,6 +63,18 @@ SPLIT_STATUSES = (400, 413, 422)  # the request's content was refused: maybe one
 MESSAGE_CHARS_MAX = 500  # of a server's error text kept in an item's error
 
 
+BACKOFF_MAX_SECONDS = 30.0  # no single wait between tries is longer (a server's Retry-After included)
+
+
+def retry_after(resp) -> float | None:
+    """A response's Retry-After in seconds (the delay form; an HTTP date is ignored), or None."""
+    try:
+        value = float(resp.headers.get("retry-after", ""))
+    except (TypeError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
 class RequestFailed(Exception):
     """A request that failed for good: its items fail with this reason."""
 
@@ -212,7 +224,9 @@ class OpenAICompatible:
                 if status not in RETRY_STATUSES and status < 500:
                     raise RequestFailed(reason, status)
             if attempt + 1 < tries:
-                time.sleep(delay_seconds)
+                # the server's Retry-After (seconds) when it gives one, else the doubling back-off; both capped
+                wait = retry_after(resp) if status in (429, 503) else None
+                time.sleep(min(BACKOFF_MAX_SECONDS, wait if wait is not None else delay_seconds))
                 delay_seconds *= 2
         raise RequestFailed(f"{reason} (after {tries} tries)" if tries > 1 else reason, status)
 
