@@ -101,13 +101,8 @@ def backlog(setup: Setup, trace: str | os.PathLike | None, scale: float, seed: i
             lengths.append(scaled)
             ids.extend(blocks)
             counts.append(len(blocks))
-        lengths_a = np.array(lengths, np.int64)
-        hash_offsets = np.zeros(len(counts) + 1, np.int64)
-        np.cumsum(counts, out=hash_offsets[1:])
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths_a, out=offsets[1:])
-        tokens = np.empty(int(offsets[-1]), np.uint32)
-        tr.synthesise(np.array(ids, np.int64), hash_offsets, lengths_a, b, vocab, tokens, offsets)
+        tokens, offsets = tr.synthesise_items(lengths, ids, counts, b, vocab)
+        lengths_a = np.diff(offsets)
         name = f"trace({path.name}, {len(rows)} items, {b} tokens a block)"
     else:
         from .workload import generate

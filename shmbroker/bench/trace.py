@@ -39,6 +39,19 @@ def synthesise(hash_ids, hash_offsets, lengths, block_tokens, vocab, out, out_of
                                            + np.uint64(0x9E3779B97F4A7C15)) % np.uint64(vocab))
 
 
+def synthesise_items(lengths: list, ids: list, counts: list, block_tokens: int, vocab: int):
+    """(flat uint32 tokens, int64 offsets) of items of `lengths` tokens whose blocks are the hash ids
+    `ids` (item i has counts[i] of them, in order)."""
+    lengths_a = np.array(lengths, np.int64)
+    hash_offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=hash_offsets[1:])
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths_a, out=offsets[1:])
+    tokens = np.empty(int(offsets[-1]), np.uint32)
+    synthesise(np.array(ids, np.int64), hash_offsets, lengths_a, block_tokens, vocab, tokens, offsets)
+    return tokens, offsets
+
+
 def load(path: str | os.PathLike, *, limit: int | None = None, vocab: int = 32_000,
          block_tokens: int = TRACE_BLOCK_TOKENS) -> Workload:
     lengths, outs, times, ids, counts = [], [], [], [], []
@@ -64,13 +77,7 @@ def load(path: str | os.PathLike, *, limit: int | None = None, vocab: int = 32_0
             times.append(ts / 1000.0)
             ids.extend(h)
             counts.append(len(h))
-    lengths_a = np.array(lengths, np.int64)
-    hash_offsets = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(counts, out=hash_offsets[1:])
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths_a, out=offsets[1:])
-    tokens = np.empty(int(offsets[-1]), np.uint32)
-    synthesise(np.array(ids, np.int64), hash_offsets, lengths_a, block_tokens, vocab, tokens, offsets)
+    tokens, offsets = synthesise_items(lengths, ids, counts, block_tokens, vocab)
     count = len(lengths)
     return Workload(tokens, offsets, np.array(times, np.float64), np.array(outs, np.int64),
                     np.zeros(count, np.int64), np.zeros(count, np.int64), f"trace({os.path.basename(path)})")
