@@ -121,17 +121,18 @@ class HF:
             raise ValueError(f"{tokens.size} tokens + {max_new} new exceed the model's {self.max_positions} positions")
 
     def _prefix_cache(self, prefix: np.ndarray):
-        """(the prefix's KV cache at batch size 1, prefix tokens it took from the kept cache)."""
+        """(the prefix's KV cache at batch size 1, for this batch to expand; prefix tokens it took from
+        the kept cache). The kept cache is extended in place and kept again: one copy a batch."""
         cached = 0
         cache = None
-        kept = self._kept
+        kept, self._kept = self._kept, None
         if kept is not None and self.settings.keep_prefix:
             old, old_cache = kept
             m = min(old.size, prefix.size)
             diff = np.flatnonzero(old[:m] != prefix[:m])
             cached = int(diff[0]) if diff.size else m
             if cached:
-                cache = copy.deepcopy(old_cache)
+                cache = old_cache
                 if cached < old.size:
                     cache.crop(cached - old.size)  # negative: drop that many (every release takes it)
         if cache is None:
@@ -142,7 +143,8 @@ class HF:
             pos = torch.arange(cached, prefix.size, device=self.device)[None]
             self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._kv: cache}, **self._logits(1))
         if self.settings.keep_prefix:
-            self._kept = (prefix.copy(), copy.deepcopy(cache))
+            self._kept = (prefix.copy(), cache)
+            return copy.deepcopy(cache), cached
         return cache, cached
 
     def _generate(self, tokens, lengths, prefix: int, cache, max_new) -> list[list[int]]:
