@@ -70,6 +70,14 @@ def test_the_next_batch_of_the_family_reuses_the_kept_prefix(engine):
     assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(engine, t, 2) for t in other]
 
 
+def test_max_new_tokens_zero_is_prefill_only(engine):
+    rng = np.random.default_rng(13)
+    items = _family(rng, 20, (4, 6))
+    out = engine.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([0, 3])))
+    got = [r.tokens.tolist() for r in out.results.items()]
+    assert got[0] == [] and got[1] == unbatched(engine, items[1], 3)
+
+
 def test_without_reuse_it_is_a_plain_padded_batch(engine):
     plain = HF(dataclasses.replace(EXACT, reuse_prefix=False, keep_prefix=False), block_tokens=16)
     rng = np.random.default_rng(4)

@@ -82,7 +82,7 @@ class HF:
         t0 = time.perf_counter()
         tokens = [np.asarray(t) for t in batch.tokens]
         n = len(tokens)
-        max_new = [max(1, int(m)) for m in batch.max_new_tokens]
+        max_new = [int(m) for m in batch.max_new_tokens]  # 0: prefill only, no token generated
         for t, m in zip(tokens, max_new):
             self._check(t, m)
         lengths = [int(t.size) for t in tokens]
@@ -172,7 +172,7 @@ class HF:
         logits = out.logits[torch.arange(n, device=dev), torch.as_tensor(last, device=dev) - (width - kept)]
         ends = torch.as_tensor(lengths, device=dev)
         generated: list[list[int]] = [[] for _ in range(n)]
-        done = [False] * n
+        done = [m <= 0 for m in max_new]
         for step in range(max(max_new)):
             nxt = logits.float().argmax(-1).tolist()
             for i in range(n):
@@ -219,4 +219,4 @@ def unbatched(engine: HF, tokens: np.ndarray, max_new_tokens: int) -> list[int]:
     """One item alone, no prefix reuse, no kept cache: the reference a batch's outputs must equal."""
     cache = transformers.DynamicCache()
     with torch.inference_mode():
-        return engine._generate([np.asarray(tokens)], [int(tokens.size)], 0, cache, [max(1, int(max_new_tokens))])[0]
+        return engine._generate([np.asarray(tokens)], [int(tokens.size)], 0, cache, [int(max_new_tokens)])[0]
