@@ -40,6 +40,7 @@ bench: warm
 	$(VENV)/bin/shmbroker bench pack --json
 	$(VENV)/bin/shmbroker bench e2e --json
 	$(VENV)/bin/shmbroker bench restart --json
+	$(VENV)/bin/shmbroker bench gpu --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
