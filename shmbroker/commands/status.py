@@ -45,8 +45,15 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.4f}" if abs(value) < 10 else f"{value:,.1f}"
+        return f"{value:,.1f}"
     return f"{value:,}"
+
+
+RATIOS = ("padding_waste", "hit_rate")
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _bytes(n: int) -> str:
@@ -83,7 +90,8 @@ def _render(report: dict) -> None:
     rows = ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
             "padding_waste", "hit_rate", "shape_switches", "excess_shape_switches")
     for key in rows:
-        t.add_row(key, *(_fmt(report["consumers"][n].get(key)) for n in names))
+        fmt = _ratio if key in RATIOS else _fmt
+        t.add_row(key, *(fmt(report["consumers"][n].get(key)) for n in names))
     for key in ("items_per_second", "tokens_per_second"):
         t.add_row(key.replace("_per_second", "/s"), *(_fmt(report["rates"]["consumers"][n][key]) for n in names))
     console.print(t)
