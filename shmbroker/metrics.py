@@ -175,15 +175,6 @@ def _ring_metrics(f: _Families, snap: dict) -> None:
               labels, a["pushed"])
 
 
-def metric_names(collector: BrokerCollector) -> set[str]:
-    """Every sample name one scrape exposes (with `_total` on counters): what dashboards may use."""
-    names = set()
-    for fam in collector.collect():
-        for sample in fam.samples:
-            names.add(sample.name)
-    return names
-
-
 # -- the process --------------------------------------------------------------------------------
 
 class ExporterAddressError(BrokerError):

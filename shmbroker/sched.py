@@ -149,13 +149,8 @@ class Scheduler:
         n, tokens = locs.size, int(lengths.sum())
         v[S_PENDING_ITEMS] += sign * n
         v[S_PENDING_TOKENS] += sign * tokens
-        if len(self.models) == 1:
-            m = S_MODEL_ITEMS + 0
-            v[m] += sign * n
-            v[S_MODEL_TOKENS] += sign * tokens
-            return
         first = int(models[0])
-        if (models == first).all():
+        if len(self.models) == 1 or (models == first).all():  # one model (the usual case): no per-item work
             m = self.models[first]
             v[S_MODEL_ITEMS + m] += sign * n
             v[S_MODEL_TOKENS + m] += sign * tokens

@@ -32,6 +32,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from .watch import format_bytes
+
 INTERVAL_SECONDS_MAX = 0.5  # the "at least twice a second"
 RATE_WINDOW_SECONDS = 2.0
 HISTORY_MAX = 64  # snapshots kept for the rate window (a bound; below 2 s / 64 a refresh, the window is shorter)
@@ -61,14 +63,6 @@ def _num(value, digits: int = 0) -> str:
 
 def _pct(fraction) -> str:
     return "-" if fraction is None else f"{fraction * 100:.1f}%"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _duration(seconds) -> str:
@@ -121,7 +115,7 @@ def _backlog(b: dict) -> Panel:
     for model, m in b.get("models", {}).items():
         rows.append((f"  {model}", f"{m['items']:,} items, {m['tokens']:,} tokens"))
     rows += [("families", _num(b.get("families"))), ("oldest item", _duration(b.get("oldest_age_seconds"))),
-             ("segments", _num(b.get("segments"))), ("on disk", _bytes(b.get("disk_bytes", 0))),
+             ("segments", _num(b.get("segments"))), ("on disk", format_bytes(b.get("disk_bytes", 0))),
              ("overflow items", _num(b.get("overflow_items")))]
     return Panel(_pairs(rows), title="backlog", title_align="left")
 

@@ -246,6 +246,15 @@ class BrokerView:
             self.control = None
 
 
+def format_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB" (what `top` and `status` show)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def lower_priority() -> None:
     """Run as SCHED_IDLE where Linux has it, else at nice WATCHER_NICE (best effort; never raises the
     priority): a watcher takes a core only when the broker's processes leave one, and its wake-ups

@@ -48,6 +48,9 @@ TOKENS = 256
 CHUNK = 1024
 MAX_NEW_TOKENS = 1
 DISK_PROBE_BYTES = 256 << 20
+# what an observed run adds (`Observer.finish`); reported from the last observed run
+OBSERVER_FIELDS = ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
+                   "watch_cpu_seconds", "watch_cpu_share")
 
 def _producer(index: int, data_dir: str, items: int, conn) -> None:
     from ..client import Producer
@@ -138,9 +141,7 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
         out["observed_items_per_s"] = watched["items_per_s"]
         out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
         last = runs[True][-1]
-        for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
-                    "watch_cpu_seconds", "watch_cpu_share"):
-            out[key] = last[key]
+        out.update({key: last[key] for key in OBSERVER_FIELDS})
         out["disk_write_bytes_per_s"] = round(disk_bw, 1)
         per_item = record_bytes(TOKENS) + res_bytes(MAX_NEW_TOKENS)
         out["disk_bytes_per_item"] = per_item
@@ -158,8 +159,7 @@ def _median_run(runs: list[dict]) -> dict:
     out = dict(by_speed[(len(by_speed) - 1) // 2])
     out["items_per_s"] = round(statistics.median(r["items_per_s"] for r in runs), 1)
     out["tokens_per_s"] = round(out["items_per_s"] * TOKENS, 1)
-    for key in ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
-                "watch_cpu_seconds", "watch_cpu_share"):
+    for key in OBSERVER_FIELDS:
         out.pop(key, None)
     return out
 

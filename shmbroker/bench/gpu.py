@@ -132,45 +132,27 @@ def batches(feeder_cls, setup: Setup, wl: Workload, shapes) -> list:
 
 
 def _feed(core, wl: Workload, plan: list) -> dict:
-    from ..gpu.consumer import ConsumerStats
-
-    core.stats = ConsumerStats()
-    core._last_family, core._families = None, set()
+    """Every batch of `plan` through a fresh ConsumerCore; its stats hold the engine's own figures."""
     views = [wl.tokens[wl.offsets[i] : wl.offsets[i + 1]] for i in range(len(wl))]
     outputs = {}
-    reused = 0
-    engine_seconds = 0.0
     core_ns = 0
-    engine = core.engine
-    run = engine.run
-
-    def counting_run(batch):
-        nonlocal reused, engine_seconds
-        outcome = run(batch)
-        reused += outcome.reused_tokens
-        engine_seconds += outcome.engine_seconds
-        return outcome
-
-    engine.run = counting_run
-    try:
-        t0 = time.perf_counter()
-        for batch in plan:
-            rows = batch.keys.astype(np.int64)
-            c0 = time.perf_counter_ns()
-            res = core.process(batch, [views[r] for r in rows])
-            core_ns += time.perf_counter_ns() - c0
-            for k, r in enumerate(rows.tolist()):
-                outputs[r] = res.flat[res.offsets[k] : res.offsets[k + 1]].copy()
-            assert (res.status == 0).all(), res.errors
-        seconds = time.perf_counter() - t0
-    finally:
-        engine.run = run
+    t0 = time.perf_counter()
+    for batch in plan:
+        rows = batch.keys.astype(np.int64)
+        c0 = time.perf_counter_ns()
+        res = core.process(batch, [views[r] for r in rows])
+        core_ns += time.perf_counter_ns() - c0
+        for k, r in enumerate(rows.tolist()):
+            outputs[r] = res.flat[res.offsets[k] : res.offsets[k + 1]].copy()
+        assert (res.status == 0).all(), res.errors
+    seconds = time.perf_counter() - t0
     s = core.stats
+    engine_seconds = s.engine_seconds
     tokens = int(wl.lengths.sum())
     return {"batches": len(plan), "seconds": round(seconds, 4), "useful_tokens_per_s": round(tokens / seconds, 1),
             "padded_tokens": s.padded_tokens, "rect_tokens": s.rect_tokens,
             "padding_waste": round(s.padded_tokens / s.rect_tokens, 4) if s.rect_tokens else 0.0,
-            "prefix_tokens_reused": reused,
+            "prefix_tokens_reused": s.reused_tokens,
             "engine_seconds": round(engine_seconds, 4),
             "consumer_overhead": round(core_ns / 1e9 / engine_seconds - 1, 4) if engine_seconds else None,
             "_outputs": outputs}

@@ -56,18 +56,12 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _render(report: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
+    from ..watch import format_bytes
 
     console = Console()
     up = report["uptime_seconds"]
@@ -101,14 +95,14 @@ def _render(report: dict) -> None:
     ing, sch, res, bl = report["ingest"], report["scheduler"], report["results"], report["backlog"]
     rate = report["rates"]["ingest"]
     rows = [("ingest", "items", _fmt(ing.get("items"))), ("", "tokens", _fmt(ing.get("tokens"))),
-            ("", "bytes", _bytes(ing.get("bytes", 0))), ("", "items/s", _fmt(rate["items_per_second"])),
+            ("", "bytes", format_bytes(ing.get("bytes", 0))), ("", "items/s", _fmt(rate["items_per_second"])),
             ("", "tokens/s", _fmt(rate["tokens_per_second"])),
             ("scheduler", "batches", _fmt(sch.get("batches"))), ("", "items packed", _fmt(sch.get("items"))),
             ("results", "results", _fmt(res.get("results"))), ("", "delivered", _fmt(res.get("delivered"))),
             ("", "acked", _fmt(res.get("acked"))), ("", "parked", _fmt(res.get("parked"))),
             ("backlog", "pending items", _fmt(bl["pending_items"])), ("", "pending tokens", _fmt(bl["pending_tokens"])),
             ("", "families", _fmt(bl["families"])), ("", "oldest age s", _fmt(bl["oldest_age_seconds"])),
-            ("", "on disk", _bytes(bl["disk_bytes"])), ("", "segment files", _fmt(bl["segments"]))]
+            ("", "on disk", format_bytes(bl["disk_bytes"])), ("", "segment files", _fmt(bl["segments"]))]
     for row in rows:
         t.add_row(*row)
     console.print(t)
