@@ -23,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from .errors import PeerDead
+from .pack.feeding import AHEAD, queued_items
 from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
 from .ring import layout as L
@@ -33,7 +34,6 @@ from .spill.locate import recovered_locations
 from .spill.store import Backlog
 from .stats import MAX_MODELS, SCHED, slot_of
 
-AHEAD = 3  # batches queued or running per consumer
 POP_RECORDS = 64
 TOO_LONG = STATUS_CODES["too_long"]
 INVALID = STATUS_CODES["invalid"]
@@ -84,6 +84,11 @@ class Scheduler:
                      np.empty(POP_RECORDS + 1, np.int64), np.empty(POP_RECORDS, np.uint64),
                      np.empty((POP_RECORDS, L.META_WORDS), np.uint32))
         self.held: list = [None] * len(batch_rings)  # a packed batch its full ring could not take yet
+        # per consumer: the items of each record pushed and not yet released (the ring's counters say
+        # how many records were released), and the undone items the consumer's window needs queued
+        self.pushed_items: list[deque] = [deque() for _ in batch_rings]
+        self.undone_items = [0] * len(batch_rings)
+        self.queued_items = [queued_items(c.contract.max_batch_size, m) for c, m in zip(cfg.consumers, modes)]
         self.num_batches = 0
 
     # -- taking items in --------------------------------------------------------------------
@@ -225,7 +230,13 @@ class Scheduler:
         now = time.monotonic() - self.t0
         for c, ring in enumerate(self.batches):
             h = ring.header
-            while int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED]) < AHEAD:
+            sizes = self.pushed_items[c]
+            while True:
+                undone = int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED])
+                while len(sizes) > undone:  # released since: their items are done
+                    self.undone_items[c] -= sizes.popleft()
+                if undone >= AHEAD and self.undone_items[c] >= self.queued_items[c]:
+                    break
                 record = self.held[c]
                 if record is None:
                     record = self._next_record(c, now)
@@ -237,6 +248,8 @@ class Scheduler:
                     self.held[c] = record
                     break
                 self.held[c] = None
+                sizes.append(n_run + n_failed)
+                self.undone_items[c] += n_run + n_failed
                 self.num_batches += 1
                 pushed += 1
                 self.values[S_BATCHES] += 1

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 
 from . import config
 from .errors import BrokerError
+from .gpu.engines.options import SimSettings
+from .gpu.engines.registry import ENGINES as ENGINE_REGISTRY
 from .gpu.engines.sim import SimCost
 from .gpu.tiers import GIB, Card, Tier
 from .pack.contract import MODES, Contract
@@ -70,7 +72,7 @@ from .stats import MAX_MODELS
 
 DEFAULT_CONFIG_FILE = "shmbroker.toml"
 DEFAULT_MAX_WAIT_SECONDS = 30.0
-ENGINES = ("sim", "hf", "vllm", "trtllm", "openai")
+ENGINES = tuple(ENGINE_REGISTRY)
 INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 RING_BYTES_MIN = 1 << 16
@@ -82,15 +84,6 @@ DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more
 
 class ConfigError(BrokerError, ValueError):
     """The configuration names an unknown key or an impossible value; the message names the key."""
-
-
-@dataclass(frozen=True)
-class SimSettings:
-    """The simulated engine of one consumer: its mode, its cache, its cost model."""
-
-    mode: str = "packed"
-    cache_tokens: int = 2 << 20
-    cost: SimCost = SimCost()
 
 
 @dataclass(frozen=True)
@@ -129,8 +122,8 @@ class BrokerConfig:
 def default_consumers() -> tuple[ConsumerConfig, ...]:
     """`big` and `small` of the packing benchmark, both on the simulated engine."""
     return (
-        ConsumerConfig("big", Contract(256, 131072, 131072), None, "sim", SimSettings("packed", 2 << 20)),
-        ConsumerConfig("small", Contract(64, 16384, 16384), None, "sim", SimSettings("packed", 256 << 10)),
+        ConsumerConfig("big", Contract(256, 131072, 131072), None, "sim", SimSettings("packed", 2 << 20, pace_seconds=config.DEFAULT_SIM_PACE_SECONDS)),
+        ConsumerConfig("small", Contract(64, 16384, 16384), None, "sim", SimSettings("packed", 256 << 10, pace_seconds=config.DEFAULT_SIM_PACE_SECONDS)),
     )
 
 
@@ -313,7 +306,7 @@ def _contract_engine(v: _Validator, raw: dict, at: str):
 
 def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
     cost_keys = {f.name for f in dataclasses.fields(SimCost)}
-    v.no_unknown(raw, {"mode", "cache_tokens"} | cost_keys, at)
+    v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys, at)
     mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
     cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
     cost = {}
@@ -324,7 +317,8 @@ def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
             cost[key] = raw[key]
         else:
             cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
-    return SimSettings(mode, cache, SimCost(**cost))
+    pace = v.number(raw, "pace_seconds", 0.0, 3600.0, at=at) if "pace_seconds" in raw else config.DEFAULT_SIM_PACE_SECONDS
+    return SimSettings(mode, cache, SimCost(**cost), pace)
 
 
 class _Validator:

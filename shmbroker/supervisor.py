@@ -385,8 +385,10 @@ def _describe(status: int) -> str:
 
 
 def engine_modes(cfg) -> list[str]:
-    """Each consumer's engine mode, from its engine settings (the sim declares its mode there)."""
-    return [getattr(c.engine_settings, "mode", "packed") for c in cfg.consumers]
+    """Each consumer's engine mode, from the engine registry (the sim's from its settings)."""
+    from .gpu.engines.registry import engine_mode
+
+    return [engine_mode(c.engine, c.engine_settings) for c in cfg.consumers]
 
 
 def supervise(cfg) -> int:

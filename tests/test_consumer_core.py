@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from shmbroker.gpu.consumer import ConsumerCore
-from shmbroker.gpu.engines import base
-from shmbroker.gpu.engines.base import EngineOutcome, EngineUnavailable, ItemResult, load_engine
+from shmbroker.gpu.engines import base, registry
+from shmbroker.gpu.engines.base import EngineOutcome, EngineUnavailable, ItemResult
+from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.gpu.engines.sim import Sim, SimCost
 from shmbroker.pack.contract import Batch, Contract, Shape
 from shmbroker.pack.shapes import shape_items
@@ -134,6 +135,48 @@ def test_load_engine_by_name(monkeypatch):
     assert engine.mode == "padded" and engine.block_tokens == 64
     with pytest.raises(ValueError, match="unknown engine 'nope'"):
         load_engine("nope", None)
-    monkeypatch.setitem(base.ENGINES, "ghost", ("shmbroker_no_such_module", "Ghost", "ghost"))
+    monkeypatch.setitem(registry.ENGINES, "ghost", registry.EngineEntry(
+        "ghost", "shmbroker_no_such_module", "Ghost", "ghost", "shmbroker.gpu.engines.options:HFSettings", "packed",
+        True))
     with pytest.raises(EngineUnavailable, match=r"pip install 'shmbroker\[ghost\]'"):
         load_engine("ghost", None)
+
+
+class BatchOnly(PoisonEngine):
+    """Test double: a batch engine (run only) as the registry constructs it."""
+
+    mode = None
+
+    def __init__(self, settings=None, **_options):
+        super().__init__()
+
+
+class PaddedClaim(BatchOnly):
+    mode = "padded"
+
+
+def test_the_registry_refuses_an_engine_whose_class_and_entry_disagree_on_the_mode(monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("shmbroker_test_engines")
+    module.PaddedClaim = PaddedClaim
+    module.BatchOnly = BatchOnly
+    monkeypatch.setitem(sys.modules, "shmbroker_test_engines", module)
+    opts = "shmbroker.gpu.engines.options:HFSettings"
+    monkeypatch.setitem(registry.ENGINES, "claim", registry.EngineEntry(
+        "claim", "shmbroker_test_engines", "PaddedClaim", None, opts, "packed", False))
+    with pytest.raises(TypeError, match="says mode 'padded' but its registry entry says 'packed'"):
+        load_engine("claim", None)
+    # a batch engine behind an entry that says it streams is refused too
+    monkeypatch.setitem(registry.ENGINES, "liar", registry.EngineEntry(
+        "liar", "shmbroker_test_engines", "BatchOnly", None, opts, "packed", True))
+    with pytest.raises(TypeError, match="no add/poll"):
+        load_engine("liar", None)
+    # agreeing: loads, behind BatchStream, with the entry's mode
+    monkeypatch.setitem(registry.ENGINES, "fine", registry.EngineEntry(
+        "fine", "shmbroker_test_engines", "BatchOnly", None, opts, "packed", False))
+    engine = load_engine("fine", None)
+    assert engine.mode == "packed" and callable(engine.add) and callable(engine.poll)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        registry.EngineEntry("bad", "m", "C", None, opts, "rectangle", True)

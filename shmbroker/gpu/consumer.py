@@ -21,12 +21,14 @@ the result records to the results ring, release the batch.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import Full, PeerDead
 from ..pack.contract import BATCH_ROW, Batch, Contract, Shape
+from ..pack.feeding import PADDED_BATCHES_IN, window_items
 from ..pack.guard import Guard
 from ..ring import layout as L
 from ..ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
@@ -36,12 +38,14 @@ from ..spill.segment import SegmentFile
 from .engines.base import (
     ENGINE_ERROR,
     INVALID,
+    RUN_DEADLINE_SECONDS,
     STATUS_CODES,
     TOO_LONG,
     BatchResults,
+    BatchStream,
     EngineBatch,
-    EngineOutcome,
     ItemResult,
+    engine_error,
 )
 
 # Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
@@ -77,17 +81,30 @@ class ConsumerStats:
 
 
 class ConsumerCore:
+    """What a GPU process does with each batch record, around a streaming engine (`engines/base.py`):
+
+    - `take(batch, tokens)`: the guard and the per-batch accounting, the contract's failures
+      (`too_long`, `invalid`) as results at once, the rest handed to the engine (`add`);
+    - `poll(timeout_seconds)`: the results of the items the engine finished, checked and counted;
+    - `process(batch, tokens)`: both, one batch at a time, results in the batch's order.
+
+    An engine without add/poll (a batch engine with only `run`) is put behind `BatchStream`."""
+
     def __init__(self, contract: Contract, engine, *, tolerance: float | None = None):
         self.contract = contract
+        if not callable(getattr(engine, "add", None)):
+            engine = BatchStream(engine)
         self.engine = engine
         self.guard = Guard(tolerance if engine.mode == "padded" else None)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         self._families: set[int] = set()
+        self.in_flight: set[int] = set()  # item ids added to the engine and not answered yet
 
-    def process(self, batch: Batch, tokens) -> BatchResults:
-        """Results in the batch's order, one per item. tokens[i] holds item i's token ids (read only
-        when the engine asks for them)."""
+    def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
+        """Account for one batch record and fail what the contract cannot take; (those results or
+        None, the rows of the batch that may run). The caller adds those rows (`add`), all at once
+        or in parts."""
         n = len(batch)
         assert len(tokens) == n, "one token array per item"
         stats = self.stats
@@ -106,61 +123,111 @@ class ConsumerCore:
                 self._families.add(family)
                 stats.families += 1
             stats.input_tokens += int(batch.lengths.sum())
-        ids = batch.keys.astype(np.uint64)
         lengths = batch.lengths
         limit = self.contract.max_input_len
-        status = np.zeros(n, np.uint32)
-        status[lengths == 0] = CODE_INVALID
-        status[lengths > limit] = CODE_TOO_LONG
-        errors = {int(i): f"{int(lengths[i])} tokens > max_input_len {limit}" for i in np.flatnonzero(lengths > limit)}
-        errors.update({int(i): "no tokens" for i in np.flatnonzero(lengths == 0)})
-        runnable = np.flatnonzero(status == 0)
-        if runnable.size == n:
-            out = self._run(ids, tokens, batch.max_new_tokens.astype(np.int64))
-        else:
-            out = _empty(ids, status, errors)
-            if runnable.size:
-                sub = self._run(ids[runnable], _Pick(tokens, runnable), batch.max_new_tokens[runnable].astype(np.int64))
-                out = _merge(out, runnable, sub)
-        counts = np.bincount(out.status, minlength=4)
-        stats.ok += int(counts[CODE_OK])
-        stats.too_long += int(counts[CODE_TOO_LONG])
-        stats.invalid += int(counts[CODE_INVALID])
-        stats.engine_errors += int(counts[CODE_ENGINE_ERROR])
-        return out
+        bad = (lengths == 0) | (lengths > limit)
+        if not bad.any():
+            return None, np.arange(n)
+        rows = np.flatnonzero(bad)
+        status = np.where(lengths[rows] == 0, CODE_INVALID, CODE_TOO_LONG).astype(np.uint32)
+        errors = {k: ("no tokens" if lengths[r] == 0 else f"{int(lengths[r])} tokens > max_input_len {limit}")
+                  for k, r in enumerate(rows.tolist())}
+        failed = _empty(batch.keys[rows].astype(np.uint64), status, errors)
+        self._count(failed)
+        return failed, np.flatnonzero(~bad)
 
-    def _run(self, ids: np.ndarray, tokens, max_new: np.ndarray) -> BatchResults:
-        sub = EngineBatch(ids, tokens, max_new)
+    def add(self, ids: np.ndarray, tokens, max_new: np.ndarray) -> BatchResults | None:
+        """Hand items to the engine; those it refuses at admission come back as results (a group it
+        refuses is added item by item, so only the item that causes it fails)."""
+        ids = np.asarray(ids, np.uint64)
+        if not ids.size:
+            return None
         try:
-            return self._checked(sub, self.engine.run(sub))
+            self.engine.add(EngineBatch(ids, tokens, np.asarray(max_new, np.int64)))
+            self.in_flight.update(ids.tolist())
+            return None
         except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
-            if len(ids) == 1:
-                return BatchResults.of([_engine_error(ids[0], exc)])
-        out = []
-        for k in range(len(ids)):
-            one = EngineBatch(ids[k : k + 1], [tokens[k]], max_new[k : k + 1])
+            if ids.size == 1:
+                return self._count(BatchResults.of([engine_error(ids[0], exc)]))
+        refused = []
+        for k in range(ids.size):
             try:
-                out.extend(self._checked(one, self.engine.run(one)).items())
+                self.engine.add(EngineBatch(ids[k : k + 1], [tokens[k]], np.asarray(max_new[k : k + 1], np.int64)))
+                self.in_flight.add(int(ids[k]))
             except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
-                out.append(_engine_error(ids[k], exc))
-        return BatchResults.of(out)
+                refused.append(engine_error(ids[k], exc))
+        return self._count(BatchResults.of(refused)) if refused else None
 
-    def _checked(self, sub: EngineBatch, outcome: EngineOutcome) -> BatchResults:
-        self.stats.hit_blocks += outcome.hit_blocks
-        self.stats.queried_blocks += outcome.queried_blocks
-        self.stats.engine_seconds += outcome.engine_seconds
-        self.stats.padded_tokens += outcome.padded_tokens
-        self.stats.rect_tokens += outcome.rect_tokens
-        self.stats.reused_tokens += outcome.reused_tokens
+    def poll(self, timeout_seconds: float) -> BatchResults | None:
+        """Results of the items the engine finished (each once; a result for an item not in flight is
+        dropped). An engine whose poll raises fails every item in flight (engine_error)."""
+        if not self.in_flight:
+            return None
+        try:
+            outcome = self.engine.poll(timeout_seconds)
+        except Exception as exc:  # noqa: BLE001 - the engine broke: what it held fails, the process goes on
+            lost = sorted(self.in_flight)
+            self.in_flight.clear()
+            return self._count(BatchResults.of([engine_error(i, exc) for i in lost]))
+        s = self.stats
+        s.hit_blocks += outcome.hit_blocks
+        s.queried_blocks += outcome.queried_blocks
+        s.engine_seconds += outcome.engine_seconds
+        s.padded_tokens += outcome.padded_tokens
+        s.rect_tokens += outcome.rect_tokens
+        s.reused_tokens += outcome.reused_tokens
         res = outcome.results
         if isinstance(res, BatchResults):
-            if np.array_equal(res.item_ids, sub.item_ids):
-                return res
+            if not len(res):
+                return None
+            ids = res.item_ids.tolist()
+            if all(i in self.in_flight for i in ids) and len(set(ids)) == len(ids):
+                self.in_flight.difference_update(ids)
+                return self._count(res)
             res = res.items()
-        by_id = {r.item_id: r for r in res}
-        return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR,
-                                                                 error="the engine returned no result for it")
-                                for i in sub.item_ids])
+        mine = []
+        for r in res:
+            if r.item_id in self.in_flight:
+                self.in_flight.discard(r.item_id)
+                mine.append(r)
+        return self._count(BatchResults.of(mine)) if mine else None
+
+    def process(self, batch: Batch, tokens) -> BatchResults:
+        """One batch at a time: results in the batch's order, one per item."""
+        n = len(batch)
+        failed, runnable = self.take(batch, tokens)
+        parts = [p for p in (failed,) if p is not None]
+        if runnable.size:
+            sub = _Pick(tokens, runnable) if runnable.size < n else tokens
+            refused = self.add(batch.keys[runnable], sub, batch.max_new_tokens[runnable])
+            if refused is not None:
+                parts.append(refused)
+            want = set(batch.keys[runnable].astype(np.uint64).tolist()) & self.in_flight
+            deadline = time.monotonic() + RUN_DEADLINE_SECONDS
+            while want & self.in_flight and time.monotonic() < deadline:
+                got = self.poll(0.05)
+                if got is not None:
+                    parts.append(got)
+        return _in_order(batch.keys.astype(np.uint64), parts)
+
+    def _count(self, res: BatchResults) -> BatchResults:
+        counts = np.bincount(res.status, minlength=4)
+        s = self.stats
+        s.ok += int(counts[CODE_OK])
+        s.too_long += int(counts[CODE_TOO_LONG])
+        s.invalid += int(counts[CODE_INVALID])
+        s.engine_errors += int(counts[CODE_ENGINE_ERROR])
+        return res
+
+
+def _in_order(ids: np.ndarray, parts: list) -> BatchResults:
+    """The results of `parts` in the order of `ids`, one per id (a missing one: engine_error)."""
+    by_id = {}
+    for p in parts:
+        for r in p.items():
+            by_id[r.item_id] = r
+    return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
+                            for i in ids])
 
 
 class _Pick:
@@ -180,27 +247,6 @@ class _Pick:
 
 def _empty(ids, status, errors) -> BatchResults:
     return BatchResults(ids, status.copy(), np.zeros(0, np.uint32), np.zeros(ids.size + 1, np.int64), dict(errors))
-
-
-def _merge(out: BatchResults, rows: np.ndarray, sub: BatchResults) -> BatchResults:
-    """out with rows `rows` replaced by sub's results."""
-    n = len(out)
-    counts = np.diff(out.offsets)
-    counts[rows] = np.diff(sub.offsets)
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    flat = np.zeros(int(offsets[-1]), np.uint32)
-    for k, r in enumerate(rows.tolist()):
-        flat[offsets[r] : offsets[r + 1]] = sub.flat[sub.offsets[k] : sub.offsets[k + 1]]
-    status = out.status.copy()
-    status[rows] = sub.status
-    errors = dict(out.errors)
-    errors.update({int(rows[k]): text for k, text in sub.errors.items()})
-    return BatchResults(out.item_ids, status, flat, offsets, errors)
-
-
-def _engine_error(item_id, exc: Exception) -> ItemResult:
-    return ItemResult(int(item_id), ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
 
 
 # -- the process -----------------------------------------------------------------------------
@@ -301,8 +347,177 @@ class ResultWriter:
         return 0
 
 
+class Taken:
+    """A batch record in the window: its item locations, how many rows the engine was given, how
+    many still wait for a result. Released (in ring order) when that count is 0."""
+
+    __slots__ = ("locs", "run", "next_row", "open", "in_engine")
+
+    def __init__(self, locs: np.ndarray, run: np.ndarray):
+        self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
+        self.run = run  # the rows the engine may run, in the scheduler's order
+        self.next_row = 0  # run[:next_row] were added to the engine
+        self.open = locs.size  # rows without a result yet
+        self.in_engine = 0  # rows added to the engine and not answered yet
+
+
+class Window:
+    """The in-flight window of one GPU process over its batch ring: records are taken in ring order,
+    their items added to the engine up to `limit` at once (a record may go in in parts), results
+    written as items finish, and the oldest records released once all their items have results
+    (a crash redelivers what is not released; the client drops a result it has already seen)."""
+
+    PEEK_MAX = 4096  # records the window may hold
+
+    def __init__(self, core: ConsumerCore, ring, writer: ResultWriter, views, c: int, limit: int):
+        self.core, self.ring, self.writer, self.views, self.c = core, ring, writer, views, c
+        self.limit = limit
+        self.padded = core.engine.mode == "padded"
+        self.taken: deque[Taken] = deque()
+        self.where: dict[int, tuple[Taken, int]] = {}  # item id -> (its record, its row)
+        self.positions = np.empty(self.PEEK_MAX, np.int64)
+        self.num_admitted = 0  # items in the engine
+        self.num_batches_in = 0  # records with items in the engine (padded: at most 2)
+        self.taken_ns = 0  # when the oldest open record was taken (its wait is counted then)
+        self.wait_ns = 0  # batch-wait of the records taken, for the statistics
+
+    @property
+    def empty(self) -> bool:
+        return not self.taken
+
+    def take_more(self) -> int:
+        """Take records from the ring while the window has room; the number taken."""
+        got = 0
+        while len(self.taken) < self.PEEK_MAX and self._room():
+            k = len(self.taken)
+            n, _ = self.ring.peek_many(self.positions, k + 1)
+            if n <= k:
+                break
+            self._take(int(self.positions[k]))
+            got += 1
+            self.admit()
+        self.admit()
+        return got
+
+    def _room(self) -> bool:
+        if self.taken and self.taken[-1].next_row < self.taken[-1].run.size:
+            return False  # the newest record is not all in yet: admit it first
+        if self.padded:
+            return self.num_batches_in < PADDED_BATCHES_IN
+        return self.num_admitted < self.limit
+
+    def _take(self, pos: int) -> None:
+        data = self.ring.data_words
+        n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
+        packed_ns = int(data[pos + 6]) | int(data[pos + 7]) << 32
+        if packed_ns:
+            self.wait_ns += max(0, time.monotonic_ns() - packed_ns)
+        locs = data[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + (n_run + n_failed) * LOC_WORDS] \
+            .view(LOC_DTYPE)
+        run = locs[:n_run]
+        results = []
+        runnable = np.zeros(0, np.int64)
+        if n_run:
+            failed, runnable = self.core.take(_batch(self.c, run), BatchTokens(self.views, run))
+            if failed is not None:
+                results.append((failed, np.setdiff1d(np.arange(n_run), runnable)))
+        if n_failed:
+            results.append((_failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
+        t = Taken(locs, runnable)
+        self.taken.append(t)
+        for k in runnable.tolist():
+            self.where[int(locs["item_id"][k])] = (t, k)
+        for res, rows in results:
+            self._write(res, t, rows)
+
+    def admit(self) -> None:
+        """Add the taken records' items to the engine, in order, while the window has room."""
+        for t in self.taken:
+            left = t.run.size - t.next_row
+            if not left:
+                continue
+            if self.padded:
+                if self.num_batches_in >= PADDED_BATCHES_IN:
+                    return
+                count = left
+                self.num_batches_in += 1
+            else:
+                count = min(left, self.limit - self.num_admitted)
+                if count <= 0:
+                    return
+            rows = t.run[t.next_row : t.next_row + count]
+            t.next_row += count
+            t.in_engine += count
+            self.num_admitted += count
+            run = t.locs[rows]
+            refused = self.core.add(run["item_id"].astype(np.uint64), BatchTokens(self.views, run),
+                                    run["max_new"].astype(np.int64))
+            if refused is not None:
+                self.finished(refused)
+
+    def poll(self, timeout_seconds: float) -> int:
+        """Write the results of the items the engine finished; the number."""
+        res = self.core.poll(timeout_seconds)
+        if res is None:
+            return 0
+        self.finished(res)
+        return len(res)
+
+    def finished(self, res: BatchResults) -> None:
+        """Write results of admitted items and close their rows."""
+        ids = res.item_ids.tolist()
+        by_rec: dict[int, list] = {}
+        for k, i in enumerate(ids):
+            at = self.where.pop(i, None)
+            assert at is not None, "a result for an item the window does not hold"
+            t, row = at
+            by_rec.setdefault(id(t), [t, [], []])
+            by_rec[id(t)][1].append(k)
+            by_rec[id(t)][2].append(row)
+        self.num_admitted -= len(ids)
+        for t, ks, rows in by_rec.values():
+            part = res if len(ks) == len(ids) else _rows_of(res, np.array(ks, np.int64))
+            t.in_engine -= len(rows)
+            if self.padded and t.in_engine == 0 and t.next_row == t.run.size:
+                self.num_batches_in -= 1
+            self._write(part, t, np.array(rows, np.int64))
+
+    def _write(self, res: BatchResults, t: Taken, rows: np.ndarray) -> None:
+        self.writer.write(res, t.locs["seq"][rows], t.locs["writer"][rows])
+        t.open -= rows.size
+        assert t.open >= 0, "more results than rows"
+
+    def release_done(self) -> int:
+        """Release the oldest records whose items all have results; how many."""
+        k = 0
+        for t in self.taken:
+            if t.open:
+                break
+            k += 1
+        if k:
+            n, new_tail = self.ring.peek_many(self.positions, k)
+            assert n == k, "released records are still in the ring"
+            self.ring.release(new_tail, k)
+            for _ in range(k):
+                self.taken.popleft()
+        return k
+
+
+def _rows_of(res: BatchResults, ks: np.ndarray) -> BatchResults:
+    counts = np.diff(res.offsets)[ks]
+    offsets = np.zeros(ks.size + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat = np.concatenate([res.flat[res.offsets[k] : res.offsets[k + 1]] for k in ks.tolist()]) if ks.size \
+        else np.zeros(0, np.uint32)
+    errors = {j: res.errors[k] for j, k in enumerate(ks.tolist()) if k in res.errors}
+    return BatchResults(res.item_ids[ks], res.status[ks], flat.astype(np.uint32), offsets, errors)
+
+
+POLL_SHORT_SECONDS = 0.002  # the engine's poll while the window has room and the ring may bring more
+
+
 def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
-    """GPU process c: run consumer c's batches through its engine and write every item's result."""
+    """GPU process c: keep consumer c's engine full from its batch ring and write every item's result."""
     if cfg.consumers[c].device is not None:  # pinned to its card (tiers.py) before any engine import
         import os
 
@@ -311,7 +526,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
 
     from ..spill.store import BACKLOG_DIR
     from ..stats import StatsWriter
-    from .engines.base import load_engine
+    from .engines.registry import load_engine
 
     consumer = cfg.consumers[c]
     role = control.roles.index(f"gpu-{consumer.name}")
@@ -324,15 +539,16 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     ring = batch_ring.attach(CONSUMER)
     out = results_ring.attach(PRODUCER)
     views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
-    writer = ResultWriter(out, stopping)
-    positions = np.empty(1, np.int64)
-    data = ring.data_words
-    idle_from = time.monotonic_ns()
+    window = Window(core, ring, ResultWriter(out, stopping), views, c,
+                    window_items(consumer.contract.max_batch_size, engine.mode))
+    mark = time.monotonic_ns()  # busy (window not empty) or idle time is counted from here
+    idle_from = mark
     try:
         while True:
             slot[2] = time.monotonic_ns()
-            n, new_tail = ring.peek_many(positions, 1)
-            if n == 0:
+            was_empty = window.empty
+            window.take_more()
+            if window.empty:
                 if stopping():
                     break
                 try:
@@ -342,26 +558,25 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 now = time.monotonic_ns()
                 if now - idle_from >= IDLE_PUBLISH_NS:  # a long idle shows as it happens, not at the next batch
                     counting.idle(now - idle_from)
-                    idle_from = now
+                    idle_from = mark = now
                 continue
-            taken_ns = time.monotonic_ns()
-            pos = int(positions[0])
-            n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
-            packed_ns = int(data[pos + 6]) | int(data[pos + 7]) << 32
-            locs = data[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + (n_run + n_failed) * LOC_WORDS] \
-                .view(LOC_DTYPE)
-            run, failed = locs[:n_run], locs[n_run:]
-            res = core.process(_batch(c, run), BatchTokens(views, run)) if n_run else None
-            if n_failed:
-                fail = _failed_results(failed)
-                res = fail if res is None else _concat(res, fail)
-            writer.write(res, locs["seq"], locs["writer"])
-            # counted before the release: a crash in between re-runs the batch and counts it again (the
-            # engine did run it twice), but a batch is never released uncounted
-            busy_ns = time.monotonic_ns() - taken_ns  # the whole batch: tokens, guard, engine, results
-            counting.batch(busy_ns, taken_ns - idle_from, max(0, taken_ns - packed_ns) if packed_ns else 0)
-            ring.release(new_tail, 1)
-            idle_from = time.monotonic_ns()
+            if was_empty:  # the window just filled: what went before was idle
+                now = time.monotonic_ns()
+                counting.idle(now - idle_from)
+                mark = now
+            room = window.num_admitted < window.limit and not window.padded
+            done = window.poll(POLL_SHORT_SECONDS if room else SLEEP_SLICE_SECONDS)
+            if done or window.taken[0].open == 0:
+                window.admit()
+                now = time.monotonic_ns()
+                # counted before the release: a crash in between re-runs those items and counts them
+                # again (the engine did run them twice), but a record is never released uncounted
+                counting.batch(now - mark, 0, window.wait_ns)
+                window.wait_ns = 0
+                mark = now
+                window.release_done()
+                if window.empty:
+                    idle_from = time.monotonic_ns()
     finally:
         views.close()
         ring.close()

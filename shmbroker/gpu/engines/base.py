@@ -1,19 +1,38 @@
-"""The engine interface: what a GPU process hands an engine and what it gets back.
+"""The engine interface: a stream of items in, each item's result out when it finishes.
 
-An engine receives one shape-pure `EngineBatch` (each item's token ids, zero-copy
-where the caller can, the batch's shared prefix length, max_new_tokens and item
-ids) and returns an `EngineOutcome`: one `ItemResult` per item (token ids, a
-status, error text) plus what it knows of its cache. Each engine declares its
-`mode`, `padded` or `packed` (DESIGN.md "Words"), so the scheduler serves it
-the order its physics rewards. Engines never see rings, segments or the index.
+A GPU process keeps an in-flight window in its engine (DESIGN.md "Feeding an engine"):
 
-`load_engine(name, settings)` imports an engine lazily by name, so the broker
-imports no torch, vllm or tensorrt_llm unless a consumer uses them.
+    engine.add(batch)              # non-blocking: these items start now, or queue inside the engine
+    outcome = engine.poll(0.05)    # results of items finished since the last poll, in any order
+
+`add` takes an `EngineBatch` (item ids, token ids as zero-copy views where the caller can,
+max_new_tokens; the items of one add are one shape-pure group, in the scheduler's order) and
+returns at once; an item the engine refuses at admission may raise (the caller then adds the
+group's items one by one, so only that item fails). `poll(timeout_seconds)` waits at most that
+long for at least one item to finish and returns an `EngineOutcome`: one `ItemResult` per
+finished item (token ids, a status, error text) plus what the engine knows of its cache and its
+own busy seconds since the last poll. An item is in flight from its `add` until a poll returns
+its result; `pending()` is how many are.
+
+Two kinds of engine sit behind it:
+- streaming engines (`packed` ones: vLLM, TensorRT-LLM, an OpenAI-compatible server, the
+  simulated engine) batch continuously: they keep up to `max_batch_size` sequences running and
+  admit the next the moment one finishes. `StreamingRun` gives them `run(batch)` (add, then
+  poll until every item is back) for callers that want one batch at a time;
+- batch engines (`padded` ones: transformers) compute a whole rectangle per call: they define
+  `run(batch)`, and `BatchStream` runs those calls on a worker thread in order, so the GPU
+  process takes and prepares its next batch while one runs (and a batch that raises is run
+  item by item, so an engine error fails only the items that cause it).
+
+Engines never see rings, segments or the index. The registry (`registry.py`) declares each
+engine once: name, module, class, extra, settings class and mode.
 """
 
 from __future__ import annotations
 
-import importlib
+import queue
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,20 +40,13 @@ import numpy as np
 
 from ...errors import BrokerError
 
+
 OK = "ok"
 TOO_LONG = "too_long"
 INVALID = "invalid"
 ENGINE_ERROR = "engine_error"
 STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR)
 
-# name -> (module, class, the extra that installs its packages)
-ENGINES = {
-    "sim": ("shmbroker.gpu.engines.sim", "Sim", None),
-    "hf": ("shmbroker.gpu.engines.hf", "HF", "hf"),
-    "vllm": ("shmbroker.gpu.engines.vllm", "VLLM", "vllm"),
-    "trtllm": ("shmbroker.gpu.engines.trtllm", "TRTLLM", "trtllm"),
-    "openai": ("shmbroker.gpu.engines.openai", "OpenAICompatible", "openai"),
-}
 
 
 class EngineBatch:
@@ -130,27 +142,146 @@ class EngineOutcome:
 
 
 class Engine(Protocol):
-    mode: str
+    mode: str  # from the registry entry (registry.py)
 
-    def run(self, batch: EngineBatch) -> EngineOutcome: ...
+    def add(self, batch: EngineBatch) -> None: ...
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome: ...
+
+    def pending(self) -> int: ...
 
     def close(self) -> None: ...
 
 
+def merge_outcomes(outcomes: list[EngineOutcome]) -> EngineOutcome:
+    """Several outcomes as one: results concatenated, figures summed."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    results: list = []
+    for o in outcomes:
+        results.extend(o.results.items() if isinstance(o.results, BatchResults) else o.results)
+    return EngineOutcome(results, sum(o.hit_blocks for o in outcomes), sum(o.queried_blocks for o in outcomes),
+                         sum(o.engine_seconds for o in outcomes), sum(o.padded_tokens for o in outcomes),
+                         sum(o.rect_tokens for o in outcomes), sum(o.reused_tokens for o in outcomes))
+
+
+def outcome_len(outcome: EngineOutcome) -> int:
+    return len(outcome.results)
+
+
+RUN_DEADLINE_SECONDS = 24 * 3600.0  # run(): the longest one batch may take before it is given up
+
+
+class StreamingRun:
+    """`run(batch)` for a streaming engine: add the batch, poll until every item has a result; the
+    results in the batch's order (an item the engine never answered: engine_error)."""
+
+    def run(self, batch: EngineBatch) -> EngineOutcome:
+        self.add(batch)
+        want = {int(i) for i in batch.item_ids}
+        got: dict[int, ItemResult] = {}
+        parts: list[EngineOutcome] = []
+        deadline = time.monotonic() + RUN_DEADLINE_SECONDS
+        while len(got) < len(want) and time.monotonic() < deadline:
+            out = self.poll(0.05)
+            parts.append(out)
+            rs = out.results.items() if isinstance(out.results, BatchResults) else out.results
+            got.update((r.item_id, r) for r in rs if r.item_id in want)
+        total = merge_outcomes(parts) if parts else EngineOutcome([])
+        total.results = [got.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
+                         for i in batch.item_ids]
+        return total
+
+
+class BatchStream:
+    """A batch engine (one that defines `run(batch)`) behind the streaming interface: each added
+    batch runs whole on a worker thread, in order, while the caller prepares the next; `poll`
+    hands back the outcomes of the batches finished meanwhile. A batch that raises runs item by
+    item, so an engine error fails only the items that cause it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.mode = engine.mode
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, batch: EngineBatch) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+            self._thread.start()
+        self._pending += len(batch)
+        self._todo.put(batch)
+
+    def pending(self) -> int:
+        return self._pending
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        outs = []
+        try:
+            outs.append(self._done.get(timeout=timeout_seconds) if self._pending and timeout_seconds > 0
+                        else self._done.get_nowait())
+            while True:
+                outs.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        if not outs:
+            return EngineOutcome([])
+        out = merge_outcomes(outs)
+        self._pending -= outcome_len(out)
+        return out
+
+    def run(self, batch: EngineBatch) -> EngineOutcome:
+        return run_isolated(self.engine, batch)
+
+    def _work(self) -> None:
+        while True:
+            batch = self._todo.get()
+            if batch is None:
+                return
+            self._done.put(answered(batch, run_isolated(self.engine, batch)))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join(timeout=60)
+        self.engine.close()
+
+
+def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
+    """engine.run(batch); if it raises, each item alone, so an error fails only its own item."""
+    try:
+        return engine.run(batch)
+    except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
+        if len(batch) == 1:
+            return EngineOutcome([engine_error(batch.item_ids[0], exc)])
+    parts = []
+    for k in range(len(batch)):
+        one = EngineBatch(batch.item_ids[k : k + 1], [batch.tokens[k]], batch.max_new_tokens[k : k + 1])
+        try:
+            parts.append(engine.run(one))
+        except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
+            parts.append(EngineOutcome([engine_error(batch.item_ids[k], exc)]))
+    return merge_outcomes(parts)
+
+
+def answered(batch: EngineBatch, outcome: EngineOutcome) -> EngineOutcome:
+    """The outcome with exactly one result per item of the batch, in its order: an item the engine
+    gave no result for is an engine_error, a result for an item it was not given is dropped."""
+    res = outcome.results
+    if isinstance(res, BatchResults) and np.array_equal(res.item_ids, batch.item_ids):
+        return outcome
+    rs = res.items() if isinstance(res, BatchResults) else res
+    by_id = {r.item_id: r for r in rs}
+    outcome.results = [by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result for it")
+                       for i in batch.item_ids]
+    return outcome
+
+
+def engine_error(item_id, exc: Exception) -> ItemResult:
+    return ItemResult(int(item_id), ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
+
+
 class EngineUnavailable(BrokerError):
     """The engine's packages are not installed (the message names the extra to install)."""
-
-
-def load_engine(name: str, settings, **options) -> Engine:
-    """An engine instance by name (settings: its engine_settings; options: broker-wide ones such as
-    block_tokens, and the consumer's contract); imported only now."""
-    try:
-        module, cls, extra = ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
-    try:
-        impl = getattr(importlib.import_module(module), cls)
-    except ImportError as exc:
-        hint = f": pip install 'shmbroker[{extra}]'" if extra else ""
-        raise EngineUnavailable(f"engine {name!r} needs packages that are not installed ({exc}){hint}") from exc
-    return impl(settings, **options)

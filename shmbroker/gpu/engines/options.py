@@ -5,8 +5,8 @@ This module imports nothing heavy: the configuration is checked by `settings.py`
 (`hf.py`, `vllm.py`, `trtllm.py`, `openai.py`) import their packages only when a GPU process
 loads them (`base.load_engine`).
 
-An engine's mode is not a setting: it belongs to the engine (DESIGN.md "Words"). `hf` computes a
-padded rectangle (`padded`); `vllm`, `trtllm` and `openai` page their KV cache (`packed`).
+An engine's mode is not a setting: its registry entry declares it (`registry.py`), except for the
+simulated engine, which models either and takes its mode from `SimSettings.mode`.
 
 `parse(engine, raw, at)` returns the settings dataclass or raises ValueError naming the key
 (`settings.py` turns that into a ConfigError with the file's name).
@@ -18,7 +18,22 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .sim import SimCost
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The simulated engine of one consumer: its mode, its cache, its cost model, and its pace:
+    `pace_seconds` wall seconds per modeled second (0: as fast as the CPU runs it, the modeled
+    seconds reported, not spent). A paced engine finishes each item when the modeled clock says,
+    so consumers of different sizes split a backlog as real cards would (supervise, demo)."""
+
+    mode: str = "packed"
+    cache_tokens: int = 2 << 20
+    cost: SimCost = SimCost()
+    pace_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -37,8 +52,6 @@ class HFSettings:
     keep_prefix: bool = True  # keep the last prefix's KV for the next batch of the same family
     threads: int = 0  # torch CPU threads (0: torch's default)
 
-    mode = "padded"
-
 
 @dataclass(frozen=True)
 class VLLMSettings:
@@ -53,8 +66,6 @@ class VLLMSettings:
     seed: int = 0
     extra: dict = field(default_factory=dict)  # more `LLM(...)` keyword arguments, passed as given
 
-    mode = "packed"
-
 
 @dataclass(frozen=True)
 class TRTLLMSettings:
@@ -66,8 +77,6 @@ class TRTLLMSettings:
     free_gpu_memory_fraction: float = 0.9
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
-
-    mode = "packed"
 
 
 @dataclass(frozen=True)
@@ -83,16 +92,15 @@ class OpenAISettings:
     retries: int = 3
     backoff_seconds: float = 0.5  # doubled after each failed try
 
-    mode = "packed"
 
-
-SETTINGS = {"hf": HFSettings, "vllm": VLLMSettings, "trtllm": TRTLLMSettings, "openai": OpenAISettings}
 REQUIRED = {"vllm": ("model",), "trtllm": ("model",), "openai": ("model",)}
 
 
 def parse(engine: str, raw: dict, at: str):
     """engine_settings of a real engine: known keys, right types, sane values."""
-    cls = SETTINGS[engine]
+    from .registry import entry
+
+    cls = entry(engine).settings_class()
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:

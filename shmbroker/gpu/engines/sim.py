@@ -36,14 +36,15 @@ process: token ids in, generated token ids and cache figures out.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...pack.contract import MODES
 from ...pack.shapes import shape_items
-from .base import OK, BatchResults, EngineOutcome, ItemResult
+from .base import BatchResults, EngineOutcome, StreamingRun
 
 
 @dataclass(frozen=True)
@@ -165,33 +166,132 @@ class SimEngine:
                          queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
 
 
-class Sim:
-    """The simulated engine behind the engine interface (`base.Engine`): it hashes each batch's
-    tokens into blocks, runs the cost model, and "generates" max_new_tokens deterministic token
-    ids per item (a function of the item's id), so results can be checked end to end. It does not
-    sleep: its modeled seconds are reported, not spent."""
+class Sim(StreamingRun):
+    """The simulated engine behind the streaming interface (`base.py`): it hashes each added group's
+    tokens into blocks and "generates" max_new_tokens deterministic token ids per item (a function
+    of the item's id), so results can be checked end to end.
+
+    - `packed`: a continuous-batching engine (`continuous.ContinuousSim`): up to max_batch_size
+      sequences run, each step decodes one token of each and prefills new items within
+      max_batch_tokens; an item's result is ready at the step it finishes.
+    - `padded`: each added group is one rectangle (`SimEngine.run`), run in order; every item of
+      it is ready when the rectangle is.
+
+    Time: modeled seconds. Unpaced (`pace_seconds` 0) a poll computes until an item is ready and
+    reports the modeled seconds, spending none. Paced, an item is handed back only when the wall
+    clock reaches its modeled finish x pace_seconds (counted from when the engine last became busy),
+    so consumers of different sizes split the work as real cards would; a poll sleeps until then or
+    its timeout. `zero_cost` hands everything back at once (a benchmark of the broker reads no tokens)."""
 
     VOCAB = 32_000
 
-    def __init__(self, settings, *, block_tokens: int = 512, **_options):
+    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
         self.mode = settings.mode
         self.block_tokens = block_tokens
+        self.pace = float(getattr(settings, "pace_seconds", 0.0))
+        self.cost = settings.cost
         self.model = SimEngine(settings.mode, cache_tokens=settings.cache_tokens, block_tokens=self.block_tokens,
                                cost=settings.cost)
+        self.contract = contract
+        self.stream = None
+        if self.mode == "packed" and not self.cost.zero_cost:
+            from .continuous import ContinuousSim
 
-    def run(self, batch):
-        if self.model.cost.zero_cost:  # returns at once: a benchmark of the broker reads no tokens
-            return EngineOutcome(self.generated_many(batch.item_ids, batch.max_new_tokens))
+            bs = contract.max_batch_size if contract is not None else 1 << 20
+            bt = contract.max_batch_tokens if contract is not None else 1 << 40
+            self.stream = ContinuousSim(max_batch_size=bs, max_batch_tokens=bt, cache_tokens=settings.cache_tokens,
+                                        block_tokens=block_tokens, cost=settings.cost)
+        self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
+        self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
+        self._max_new: dict[int, int] = {}  # packed: item id -> its max_new_tokens
+        self._pending = 0
+        self.clock = 0.0  # modeled seconds computed
+        self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
+        self._figures = [0, 0, 0, 0]  # hit, queried, padded, rect since the last poll
+
+    def pending(self) -> int:
+        return self._pending
+
+    def add(self, batch) -> None:
+        n = len(batch)
+        if not n:
+            return
+        ids = np.asarray(batch.item_ids, np.uint64)
+        max_new = np.asarray(batch.max_new_tokens, np.int64)
+        if self._pending == 0 and not self._ready:
+            # idle until now: the modeled clock resumes at the wall clock
+            self._origin = time.monotonic() - self.clock * self.pace
+        self._pending += n
+        if self.cost.zero_cost:
+            self._ready.append((self.clock, ids, max_new))
+            return
         lengths = np.array([t.size for t in batch.tokens], np.int64)
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        flat = np.concatenate(batch.tokens) if batch.tokens else np.zeros(0, np.uint32)
+        flat = np.concatenate(batch.tokens) if n else np.zeros(0, np.uint32)
         shapes = shape_items(flat, offsets, block_tokens=self.block_tokens)
-        cost = self.model.run(shapes, np.arange(lengths.size), batch.max_new_tokens)
-        results = [ItemResult(int(i), OK, self.generated(int(i), int(m)))
-                   for i, m in zip(batch.item_ids, batch.max_new_tokens)]
-        return EngineOutcome(results, cost.hit_blocks, cost.queried_blocks, cost.seconds, cost.padded_tokens,
-                             cost.rect_tokens)
+        if self.stream is None:
+            self._groups.append((ids, max_new, shapes))
+            return
+        for k in range(n):
+            i = int(ids[k])
+            self._max_new[i] = int(max_new[k])
+            self.stream.add(i, shapes.sized_blocks(k), int(lengths[k]), max(1, int(max_new[k])))
+
+    def _compute_one(self) -> bool:
+        """Compute the next step (packed) or rectangle (padded); False when nothing is left."""
+        if self.stream is not None:
+            if self.stream.idle:
+                return False
+            h0, q0 = self.stream.hit_blocks, self.stream.queried_blocks
+            seconds, keys = self.stream.step()
+            self.clock += seconds
+            self._figures[0] += self.stream.hit_blocks - h0
+            self._figures[1] += self.stream.queried_blocks - q0
+            if keys:
+                ids = np.array(keys, np.uint64)
+                self._ready.append((self.clock, ids, np.array([self._max_new.pop(k) for k in keys], np.int64)))
+            return True
+        if not self._groups:
+            return False
+        ids, max_new, shapes = self._groups.popleft()
+        cost = self.model.run(shapes, np.arange(len(ids)), max_new)
+        self.clock += cost.seconds
+        f = self._figures
+        f[0] += cost.hit_blocks
+        f[1] += cost.queried_blocks
+        f[2] += cost.padded_tokens
+        f[3] += cost.rect_tokens
+        self._ready.append((self.clock, ids, max_new))
+        return True
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        deadline = time.monotonic() + max(0.0, timeout_seconds)
+        start_clock = self.clock
+        while not self._ready and self._compute_one():
+            pass
+        out = []
+        while True:
+            while self._ready and self._due(self._ready[0][0]) <= time.monotonic():
+                out.append(self._ready.pop(0))
+            if out or not self._ready:
+                break
+            wait = min(self._due(self._ready[0][0]), deadline) - time.monotonic()
+            if wait <= 0:
+                break
+            time.sleep(wait)
+        hit, queried, padded, rect = self._figures
+        self._figures = [0, 0, 0, 0]
+        seconds = self.clock - start_clock
+        if not out:
+            return EngineOutcome([], hit, queried, seconds, padded, rect)
+        ids = np.concatenate([o[1] for o in out])
+        max_new = np.concatenate([o[2] for o in out])
+        self._pending -= ids.size
+        return EngineOutcome(self.generated_many(ids, max_new), hit, queried, seconds, padded, rect)
+
+    def _due(self, clock: float) -> float:
+        return self._origin + clock * self.pace if self.pace else 0.0
 
     @classmethod
     def generated(cls, item_id: int, count: int) -> np.ndarray:
