@@ -24,4 +24,4 @@ DEFAULT_FSYNC_INTERVAL_MS = 5.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"  # the Prometheus exporter; loopback unless configured otherwise
 # the simulated engine's pace in `supervise` and `demo`: wall seconds per modeled second, so that
 # consumers of different sizes split the work as real cards would (0: unpaced, as fast as the CPU)
-DEFAULT_SIM_PACE_SECONDS = 0.01
+DEFAULT_SIM_PACE_SECONDS = 0.04

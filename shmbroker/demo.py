@@ -466,8 +466,9 @@ def print_summary(report: dict, console=None) -> None:
     for label, fmt in rows:
         t.add_row(label, *[fmt(report["consumers"][n]) for n in names], fmt(report["total"]))
     console.print(t)
-    console.print("  total tokens/s: over the modeled makespan (the slowest consumer's seconds). The modeled cost "
-                  "is not spent, so how work split between the consumers follows their CPU speed here.")
+    console.print("  total tokens/s: over the modeled makespan (the slowest consumer's seconds). Each simulated "
+                  "engine paces itself (pace_seconds wall seconds per modeled second), so the work splits between "
+                  "the consumers by their modeled speed, as between two real cards, where the CPU keeps up.")
 
     b, f, tot = report["vs_fifo"], report["fifo"], report["total"]
     t = Table(title="broker vs FIFO: same workload and consumers, FIFO simulated in virtual time",

@@ -162,3 +162,54 @@ def test_a_finished_slot_is_refilled_from_the_ring_before_the_next_poll(owner):
     finally:
         prod.close()
         cons.close()
+
+
+# -- through a running broker --------------------------------------------------------------------
+
+PACED_ONE_CONSUMER = """
+ingest_ring_bytes = 1048576
+result_ring_bytes = 1048576
+segment_bytes = 4194304
+index_items = 65536
+
+[[consumers]]
+name = "big"
+max_batch_size = 16
+max_batch_tokens = 8192
+max_input_len = 2048
+engine_settings = { mode = "packed", cache_tokens = 65536, pace_seconds = 1.0 }
+"""
+
+
+def test_kill_9_of_the_gpu_process_with_items_in_flight_loses_none_and_duplicates_none(tmp_path):
+    import time
+
+    from brokerproc import BrokerProc
+
+    from shmbroker.client import Producer
+    from shmbroker.gpu.engines.sim import Sim
+
+    rng = np.random.default_rng(5)
+    with BrokerProc(tmp_path, PACED_ONE_CONSUMER) as broker, Producer("k9", data_dir=broker.data_dir) as p:
+        want = {}
+        for _ in range(120):
+            m = int(rng.integers(20, 200))
+            want[p.submit(rng.integers(0, 500, int(rng.integers(20, 400)), dtype=np.uint32), max_new_tokens=m)] = m
+        seen: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 10:
+            assert time.monotonic() < deadline, broker.log()
+            seen += [r.item_id for r in p.results(0.05)]
+        old = broker.kill_role("gpu-big")  # with a window of items in flight, none of them answered
+        assert len(seen) < len(want)
+        deadline = time.monotonic() + 90
+        results = {}
+        while len(seen) < len(want):
+            assert time.monotonic() < deadline, (len(seen), broker.log())
+            for r in p.results(0.2):
+                seen.append(r.item_id)
+                results[r.item_id] = r
+        assert broker.role_pids()["gpu-big"] not in (0, old)
+        assert sorted(seen) == sorted(want)  # every item once: none lost, none yielded twice
+        for i, r in results.items():
+            assert r.status == "ok" and np.array_equal(r.tokens, Sim.generated(i, want[i]))

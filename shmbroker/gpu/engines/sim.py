@@ -199,8 +199,7 @@ class Sim(StreamingRun):
 
             bs = contract.max_batch_size if contract is not None else 1 << 20
             bt = contract.max_batch_tokens if contract is not None else 1 << 40
-            self.stream = ContinuousSim(max_batch_size=bs, max_batch_tokens=bt, cache_tokens=settings.cache_tokens,
-                                        block_tokens=block_tokens, cost=settings.cost)
+            self.stream = ContinuousSim(bs, bt, settings.cache_tokens, settings.cost)
         self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
         self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
         self._max_new: dict[int, int] = {}  # packed: item id -> its max_new_tokens
