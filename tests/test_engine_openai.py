@@ -18,14 +18,16 @@ import socket
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
 from shmbroker.gpu.consumer import ConsumerCore
-from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable, load_engine
-from shmbroker.gpu.engines.openai import NO_TOKEN_IDS, OpenAICompatible
+from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable
+from shmbroker.gpu.engines.openai import ITEMS_PER_REQUEST_AUTO_MAX, NO_TOKEN_IDS, OpenAICompatible, default_items_per_request
+from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.gpu.engines.options import OpenAISettings
 from shmbroker.pack.contract import Batch, Contract, Shape
 
@@ -52,14 +54,19 @@ class FakeCompletionsServer:
 
     Knobs: `fail_first` requests answer `fail_status` (500, 429); a prompt holding REJECTED makes
     its request a 400; a prompt holding SLOW makes its request wait `slow_seconds`; `latency_seconds`
-    delays every answer; `style` "vllm" (the above), "old_vllm" (ignores return_token_ids),
+    delays every answer; `held=True` holds every answer until `release()`; `refuse_field`: a strict
+    server refusing (400) a request carrying that field; `retry_after`: a Retry-After header (seconds)
+    on the failures; `style` "vllm" (the above), "old_vllm" (ignores return_token_ids),
     "sglang_output_ids" (answers `output_ids` only), "text_only" (no token ids at all).
     It counts requests in flight at once (`in_flight_max`) and keeps every request body and time."""
 
     def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm",
-                 refuse_field=None, retry_after=None):
+                 refuse_field=None, retry_after=None, held=False):
         self.refuse_field = refuse_field
-        self.retry_after = retry_after  # a Retry-After header (seconds) on the failures  # a strict server: a request carrying this field is refused (400)
+        self.gate = threading.Event()  # answers wait for it (open unless held)
+        if not held:
+            self.gate.set()
+        self.retry_after = retry_after
         self.fail_first = fail_first
         self.fail_status = fail_status
         self.slow_seconds = slow_seconds
@@ -139,6 +146,7 @@ class FakeCompletionsServer:
             return 400, error("prompt must be a non-empty list of non-empty token id lists", 400)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return 400, error("max_tokens must be at least 1", 400)
+        self.gate.wait()
         if self.latency_seconds:
             self.stopping.wait(self.latency_seconds)
         if any(SLOW in p for p in prompts):
@@ -183,7 +191,11 @@ class FakeCompletionsServer:
                     self.cache.add(key)
             return cached
 
+    def release(self):
+        self.gate.set()
+
     def close(self):
+        self.gate.set()
         self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
@@ -214,9 +226,11 @@ def engines():
 
     def make(server_or_url, **settings):
         url = server_or_url if isinstance(server_or_url, str) else server_or_url.url
-        options = {"timeout_seconds": 2.0, "retries": 2, "backoff_seconds": 0.01, **settings}
-        made.append(OpenAICompatible(OpenAISettings(base_url=url, model=options.pop("model", MODEL), **options),
-                                     block_tokens=BLOCK_TOKENS, contract=CONTRACT))
+        # 4 in flight, as the tests' request counts assume (the default is sized for a real server)
+        options = {"timeout_seconds": 2.0, "retries": 2, "backoff_seconds": 0.01, "max_in_flight": 4, **settings}
+        contract = options.pop("contract", CONTRACT)
+        made.append(load_engine("openai", OpenAISettings(base_url=url, model=options.pop("model", MODEL), **options),
+                                block_tokens=BLOCK_TOKENS, contract=contract))
         return made[-1]
 
     yield make
@@ -244,7 +258,7 @@ def assert_ok(result, prompt, count):
 
 def test_results_per_item_one_request_per_max_new_tokens(server_factory, engines):
     server = server_factory()
-    engine = engines(server)
+    engine = engines(server, max_items_per_request=8)
     tokens = prompts(5)
     max_new = [3, 5, 3, 5, 3]
     out = engine.run(batch(tokens, max_new))
@@ -309,34 +323,49 @@ def test_a_response_without_token_ids_fails_its_items_with_a_clear_error(server_
     assert len(server.bodies) == 1  # a malformed answer is not retried
 
 
-def test_500_on_the_first_tries_is_retried_with_doubling_back_off(server_factory, engines):
+@pytest.fixture
+def waits(monkeypatch):
+    """The engine's waits between tries, in seconds (they are still waited): measured at the client, as
+    the server's clock would count a handler thread's scheduling delay too."""
+    import shmbroker.gpu.engines.openai as module
+
+    got = []
+
+    def sleep(seconds):
+        got.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(sleep=sleep))
+    return got
+
+
+def test_500_on_the_first_tries_is_retried_with_doubling_back_off(server_factory, engines, waits):
     server = server_factory(fail_first=2, fail_status=500)
     tokens = prompts(3)
     out = engines(server, retries=3, backoff_seconds=0.05).run(batch(tokens, 2))
     for r, t in zip(out.results, tokens):
         assert_ok(r, t, 2)
     assert server.statuses == [500, 500, 200]
-    gaps = np.diff(server.times)
-    assert gaps[0] >= 0.05 and gaps[1] >= 0.1
+    assert waits == [0.05, 0.1]
 
 
-def test_429_backs_off_then_succeeds(server_factory, engines):
+def test_429_backs_off_then_succeeds(server_factory, engines, waits):
     server = server_factory(fail_first=1, fail_status=429)
     tokens = prompts(2)
     out = engines(server, backoff_seconds=0.05).run(batch(tokens, 2))
     for r, t in zip(out.results, tokens):
         assert_ok(r, t, 2)
     assert server.statuses == [429, 200]
-    assert server.times[1] - server.times[0] >= 0.05
+    assert waits == [0.05]
 
 
-def test_429_honours_retry_after(server_factory, engines):
+def test_429_honours_retry_after(server_factory, engines, waits):
     server = server_factory(fail_first=1, fail_status=429, retry_after=0.4)
     tokens = prompts(2)
     out = engines(server, backoff_seconds=0.01).run(batch(tokens, 2))
     assert [r.status for r in out.results] == ["ok", "ok"]
     assert server.statuses == [429, 200]
-    assert server.times[1] - server.times[0] >= 0.4  # the server's delay, not the 0.01 s back-off
+    assert waits == [0.4]  # the server's delay, not the 0.01 s back-off
 
 
 def test_a_500_that_persists_fails_its_items_after_the_retries(server_factory, engines):
@@ -351,7 +380,7 @@ def test_a_400_fails_only_the_refused_prompt_with_the_servers_message(server_fac
     server = server_factory()
     tokens = prompts(6)
     tokens[4] = np.concatenate([tokens[4], [REJECTED]]).astype(np.uint32)
-    out = engines(server).run(batch(tokens, 3))
+    out = engines(server, max_items_per_request=6).run(batch(tokens, 3))
     assert [r.status for r in out.results] == ["ok"] * 4 + ["engine_error", "ok"]
     assert out.results[4].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
     for i in (0, 1, 2, 3, 5):
@@ -367,7 +396,7 @@ def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_facto
     """A strict server refusing a field the engine sends refuses every request alike: two requests
     (the batch, one prompt alone), not 2n - 1."""
     server = server_factory(refuse_field="return_token_ids")
-    out = engines(server).run(batch(prompts(16), 2))
+    out = engines(server, max_items_per_request=16).run(batch(prompts(16), 2))
     assert [r.status for r in out.results] == ["engine_error"] * 16
     assert out.results[0].error == "HTTP 400: unknown field 'return_token_ids'"
     assert [len(b["prompt"]) for b in server.bodies] == [16, 1]
@@ -375,7 +404,7 @@ def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_facto
 
 def test_an_unknown_model_fails_at_once_without_retries_or_splits(server_factory, engines):
     server = server_factory()
-    out = engines(server, model="other-model").run(batch(prompts(4), 2))
+    out = engines(server, model="other-model", max_items_per_request=4).run(batch(prompts(4), 2))
     assert [r.status for r in out.results] == ["engine_error"] * 4
     assert out.results[0].error == "HTTP 404: The model `other-model` does not exist."
     assert server.statuses == [404]
@@ -415,9 +444,135 @@ def test_max_in_flight_bounds_the_requests_at_once(server_factory, engines):
         assert_ok(r, t, m)
 
 
+def added_without_answers(server, add, seconds=10.0):
+    """Run `add` while the server holds every answer, then let it answer: add must return without one
+    (an add that waited for the server would not return at all)."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (add(), done.set()), daemon=True)
+    thread.start()
+    returned = done.wait(seconds)
+    answered = list(server.statuses)
+    server.release()
+    thread.join(seconds)
+    assert returned, "add waited for the server"
+    assert answered == []
+
+
+def poll_until(engine, count, deadline_seconds=10.0):
+    """Poll until `count` results came back; [(seconds since the call, ItemResult)] in arrival order."""
+    started = time.monotonic()
+    got = []
+    while len(got) < count and time.monotonic() - started < deadline_seconds:
+        out = engine.poll(0.5)
+        got.extend((time.monotonic() - started, r) for r in out.results)
+    return got
+
+
+def test_results_come_back_as_each_request_returns_fast_ones_first(server_factory, engines):
+    """Streaming: a slow request holds back only its own item; the items added after it, and in a
+    later add, come back first, each as its request returns, not when the batch is done."""
+    server = server_factory(slow_seconds=1.5, held=True)
+    engine = engines(server, max_items_per_request=1, max_in_flight=8)
+    tokens = prompts(6, seed=3)
+    tokens[0] = np.concatenate([tokens[0], [SLOW]]).astype(np.uint32)  # the first item added is the slow one
+    first = batch(tokens[:4], 3)
+    second = EngineBatch(np.arange(200, 202, dtype=np.uint64), tokens[4:], np.full(2, 3, np.int64))
+    added_without_answers(server, lambda: (engine.add(first), engine.add(second)))
+    assert engine.pending() == 6
+    fast = poll_until(engine, 5)
+    assert sorted(r.item_id for _, r in fast) == [101, 102, 103, 200, 201]  # everything but the slow item
+    assert all(seconds < 1.2 for seconds, _ in fast)  # came back before the slow request did
+    by_id = {r.item_id: r for _, r in fast}
+    for item_id, t in zip([101, 102, 103, 200, 201], tokens[1:]):
+        assert_ok(by_id[item_id], t, 3)
+    assert engine.pending() == 1
+    ((seconds, slow),) = poll_until(engine, 1)
+    assert slow.item_id == 100
+    assert_ok(slow, tokens[0], 3)
+    assert engine.pending() == 0
+    assert engine.poll(0.0).results == []
+
+
+def test_poll_with_nothing_in_flight_returns_at_once(server_factory, engines):
+    engine = engines(server_factory())
+    started = time.monotonic()
+    out = engine.poll(2.0)
+    assert out.results == [] and engine.pending() == 0
+    assert time.monotonic() - started < 0.5
+
+
+def test_never_more_than_max_in_flight_requests_at_the_server(server_factory, engines):
+    """Twelve one-item requests, three at a time: the server never sees more than three, the rest wait
+    inside the engine and start in the order they were added, three after three."""
+    server = server_factory(latency_seconds=0.3, held=True)
+    engine = engines(server, max_items_per_request=1, max_in_flight=3)
+    tokens = prompts(12, seed=5)
+    added_without_answers(server, lambda: engine.add(batch(tokens, 2)))
+    got = poll_until(engine, 12)
+    assert len(got) == 12 and engine.pending() == 0
+    assert server.in_flight_max == 3
+    assert len(server.bodies) == 12
+    order = [next(k for k, t in enumerate(tokens) if t.tolist() == b["prompt"][0]) for b in server.bodies]
+    assert [sorted(order[k : k + 3]) for k in range(0, 12, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    by_id = {r.item_id: r for _, r in got}
+    for k, t in enumerate(tokens):
+        assert_ok(by_id[100 + k], t, 2)
+    # the first results came back with the first wave, long before the last wave was answered
+    assert got[0][0] < got[-1][0] - 0.4
+
+
+def test_failures_in_the_stream_stay_with_their_items(server_factory, engines):
+    server = server_factory(slow_seconds=5.0)
+    tokens = prompts(5, seed=7)
+    tokens[1] = np.concatenate([tokens[1], [REJECTED]]).astype(np.uint32)
+    tokens[3] = np.concatenate([tokens[3], [SLOW]]).astype(np.uint32)
+    engine = engines(server, max_items_per_request=1, max_in_flight=5, timeout_seconds=0.3, retries=0)
+    engine.add(batch(tokens, 2))
+    by_id = {r.item_id: r for _, r in poll_until(engine, 5)}
+    assert by_id[101].status == "engine_error" and by_id[101].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
+    assert by_id[103].status == "engine_error" and by_id[103].error == "timed out after 0.3 s"
+    for k in (0, 2, 4):
+        assert_ok(by_id[100 + k], tokens[k], 2)
+    assert engine.pending() == 0
+
+
+def test_engine_seconds_are_the_time_a_request_was_at_the_server(server_factory, engines):
+    server = server_factory(latency_seconds=0.3)
+    engine = engines(server, max_items_per_request=1)
+    started = time.monotonic()
+    out = engine.run(batch(prompts(2), 2))  # two requests at once: 0.3 s busy, not 0.6
+    wall = time.monotonic() - started
+    assert [r.status for r in out.results] == ["ok", "ok"]
+    assert 0.3 <= out.engine_seconds <= wall + 0.01
+    time.sleep(0.2)
+    assert engine.poll(0.0).engine_seconds == 0.0  # idle since: no busy seconds
+
+
+def test_default_request_size_is_small_and_fills_the_contract():
+    def size(max_in_flight, max_batch_size, explicit=0):
+        return default_items_per_request(OpenAISettings(model=MODEL, max_in_flight=max_in_flight,
+                                                        max_items_per_request=explicit),
+                                         Contract(max_batch_size, 8192, 1000) if max_batch_size else None)
+
+    assert size(64, 64) == 1  # enough requests in flight: one item each
+    assert size(256, 64) == 1
+    assert size(16, 64) == 4  # 16 requests x 4 items fill 64 sequences
+    assert size(20, 64) == 4
+    assert size(4, 256) == ITEMS_PER_REQUEST_AUTO_MAX  # capped: a request's tail wait stays short
+    assert size(4, 0) == 1  # no contract: one item per request
+    assert size(4, 64, explicit=10) == 10  # a setting wins
+
+
+def test_add_after_close_is_refused(server_factory, engines):
+    engine = engines(server_factory())
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add(batch(prompts(1), 1))
+
+
 def test_cached_tokens_become_hit_blocks(server_factory, engines):
     server = server_factory()
-    engine = engines(server)
+    engine = engines(server, max_items_per_request=4)
     tokens = prompts(4, prefix=48)
     first = engine.run(batch(tokens, 2))
     prompt_tokens = sum(t.size for t in tokens)

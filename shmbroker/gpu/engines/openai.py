@@ -1,25 +1,42 @@
-"""The `openai` engine: a batch sent to any OpenAI-compatible completions server (vLLM, SGLang, ...).
+"""The `openai` engine: items streamed to any OpenAI-compatible completions server (vLLM, SGLang, ...).
 
 Why an HTTP engine at all: a card whose inference server already runs (`vllm serve`, SGLang,
-trtllm-serve) is fed without loading a model into the GPU process. The server pages its KV cache,
-so the mode is `packed` (DESIGN.md "Words"): the server batches continuously, and what the broker
-still gives it is shape-pure batches whose shared prefixes hit the server's prefix cache.
+trtllm-serve) is fed without loading a model into the GPU process. The server pages its KV cache
+and batches continuously, so the mode is `packed` (DESIGN.md "Words", "Feeding an engine"): what
+the broker gives it is the order (families together, parents first), and what this engine must do
+is keep the server full, handing each item's result back the moment its request returns.
 
-One batch becomes a few requests to `POST {base_url}/completions` with token-id prompts
-(`"prompt": [[ids], ...]`, one choice per prompt, `choices[i].index` naming it). `max_tokens` is
-per request, so items are grouped by max_new_tokens, one request per group, split further by
-`max_items_per_request`. At most `max_in_flight` requests run at once (a small blocking thread
-pool: no asyncio on the hot path, DESIGN.md), each with `timeout_seconds` (httpx's connect, write
-and read timeout: a non-streaming completion sends nothing until it is done).
+The streaming interface (`base.py`): `add(batch)` cuts the items into small requests to
+`POST {base_url}/completions` with token-id prompts (`"prompt": [[ids], ...]`, one choice per prompt,
+`choices[i].index` naming it) and queues them, in the batch's order, on a pool of `max_in_flight`
+threads (a small blocking pool: no asyncio on the hot path, DESIGN.md), so at most `max_in_flight`
+requests are at the server at once and the rest wait inside the engine; it returns at once.
+`poll(timeout)` waits (at most the timeout) for at least one request to return and hands back the
+results of every request returned since the last poll (in any order): a slow request holds back
+only its own items. `StreamingRun.run` gives the one-batch-at-a-time call on top.
+
+Request size. `max_tokens` is per request, so a request's items share max_new_tokens (items of an
+add are grouped by it, the groups kept in the add's order); then each group is cut to
+`max_items_per_request`. Its default (0: `default_items_per_request`) is small, 1 to 4: one item per
+request is best for a continuously batching server, since each request returns (and its slot is
+refilled) the moment its one sequence ends, with no wait for the longest of a group, and the server
+still batches across requests; more than one item per request is used only where `max_in_flight`
+requests of one item would leave the consumer's `max_batch_size` sequences unfilled (it is
+ceil(max_batch_size / max_in_flight), capped at ITEMS_PER_REQUEST_AUTO_MAX = 4, so a request's tail
+wait stays short). So set `max_in_flight` to about the server's batch size (its `max_num_seqs`): an
+HTTP request costs the server well under a millisecond, against tens of milliseconds per decode step.
+Each request has `timeout_seconds` (httpx's connect, write and read timeout: a non-streaming
+completion sends nothing until it is done).
 
 Failures stay with their items (the consumer's rule: an error fails its items, never the batch or
-the process): `run` returns an `engine_error` result per failed item and does not raise.
+the process): a failed request comes back as an `engine_error` result per item and nothing raises.
 Connection errors, timeouts, 408, 429 and 5xx are retried with exponential back-off
-(`backoff_seconds`, doubled per try, at most `retries` retries); then that request's items fail
-with the reason. A 400/413/422 (the server refused the request's content, often one prompt: too
-long, a token id out of vocabulary) is not retried as is: a request of several prompts is split in
-halves and each half sent again, so only the prompts the server refuses fail, with its message.
-Other 4xx (auth, unknown model) fail the request's items at once.
+(`backoff_seconds`, doubled per try, at most `retries` retries; a 429/503's Retry-After in seconds is
+honoured, every wait capped at BACKOFF_MAX_SECONDS); then that request's items fail with the reason.
+A 400/413/422 (the server refused the request's content, often one prompt: too long, a token id out
+of vocabulary) is not retried as is: a request of several prompts is split in halves and each half
+sent again, so only the prompts the server refuses fail, with its message. Other 4xx (auth, unknown
+model) fail the request's items at once.
 
 The broker deals in token ids, so they are asked for and read back in this order:
 
@@ -37,21 +54,25 @@ that names what was asked.
 Cache figures: `usage.prompt_tokens_details.cached_tokens` (vLLM with
 `--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`) is reported as
 `reused_tokens`, with hit blocks = cached // block_tokens and queried blocks = prompt tokens //
-block_tokens; a server that does not report it counts 0 for both.
+block_tokens; a server that does not report it counts 0 for both. Each poll reports the requests
+it returns. Its `engine_seconds` are the wall seconds since the last poll during which at least one
+request was at the server (`BusyClock`): the server's busy time as far as this consumer can see it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 
-from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult
+from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult, StreamingRun
+from .packed_args import BusyClock
 
 TOKEN_ID_PREFIX = "token_id:"
 ASKED_FIELDS = '"return_token_ids": true, and "return_tokens_as_token_ids": true with "logprobs": 0'
@@ -64,6 +85,19 @@ MESSAGE_CHARS_MAX = 500  # of a server's error text kept in an item's error
 
 
 BACKOFF_MAX_SECONDS = 30.0  # no single wait between tries is longer (a server's Retry-After included)
+ITEMS_PER_REQUEST_AUTO_MAX = 4  # the default request size never exceeds this (module docstring)
+
+
+def default_items_per_request(settings, contract) -> int:
+    """Items per request: `max_items_per_request` when set (> 0), else the fewest (1 to
+    ITEMS_PER_REQUEST_AUTO_MAX) with which `max_in_flight` requests hold the contract's
+    max_batch_size sequences (module docstring)."""
+    if int(settings.max_items_per_request) > 0:
+        return int(settings.max_items_per_request)
+    if contract is None:
+        return 1
+    in_flight = max(1, int(settings.max_in_flight))
+    return max(1, min(ITEMS_PER_REQUEST_AUTO_MAX, math.ceil(int(contract.max_batch_size) / in_flight)))
 
 
 def retry_after(resp) -> float | None:
@@ -94,10 +128,8 @@ class Reply:
     sub_replies: list = field(default_factory=list)  # a split request's halves, in order
 
 
-class OpenAICompatible:
-    """The engine interface (`base.Engine`) over an OpenAI-compatible completions server."""
-
-    mode = "packed"
+class OpenAICompatible(StreamingRun):
+    """The streaming engine interface (`base.Engine`) over an OpenAI-compatible completions server."""
 
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
         if not settings.model:
@@ -109,6 +141,7 @@ class OpenAICompatible:
         self.contract = contract
         self.url = settings.base_url.rstrip("/") + "/completions"
         self.in_flight_max = max(1, int(settings.max_in_flight))
+        self.items_per_request = default_items_per_request(settings, contract)
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
         if key:
@@ -116,57 +149,82 @@ class OpenAICompatible:
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(settings.timeout_seconds),
                                    limits=httpx.Limits(max_connections=self.in_flight_max,
                                                        max_keepalive_connections=self.in_flight_max))
+        # FIFO: requests start in the order they were added, at most in_flight_max at once
         self.pool = ThreadPoolExecutor(max_workers=self.in_flight_max, thread_name_prefix="openai-engine")
         self.ask_logprobs = True  # until a response carries choices[].token_ids
         self.closed = False
+        self.busy = BusyClock()
+        self._requests: dict = {}  # future -> the item ids of its request, in its prompts' order
+        self._pending = 0
 
-    # -- one batch --------------------------------------------------------------------------
+    # -- the stream ---------------------------------------------------------------------------
 
-    def run(self, batch) -> EngineOutcome:
-        assert not self.closed, "run after close"
-        started = time.perf_counter()
+    def add(self, batch) -> None:
+        """Queue the batch's items as requests (module docstring) and return at once."""
+        if self.closed:
+            raise RuntimeError("engine 'openai' is closed")
         n = len(batch)
         if n == 0:
-            return EngineOutcome([])
+            return
         ids = [int(i) for i in batch.item_ids]
         max_new = [max(1, int(m)) for m in batch.max_new_tokens]
-        parts = self.parts(max_new)
-        # tokens are read here, in the caller's thread (they may be views into the caller's mappings)
-        futures = [self.pool.submit(self.request, [batch.tokens[i].tolist() for i in part], max_new[part[0]])
-                   for part in parts]
-        results: list = [None] * n
+        for part in self.parts(max_new):
+            # tokens are read here, in the caller's thread (they may be views into the caller's mappings)
+            prompts = [batch.tokens[i].tolist() for i in part]
+            future = self.pool.submit(self._timed_request, prompts, max_new[part[0]])
+            self._requests[future] = [ids[i] for i in part]
+        self._pending += n
+
+    def pending(self) -> int:
+        return self._pending
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        """The results of the requests returned since the last poll, waiting at most timeout_seconds
+        for one when none has."""
+        if self._requests:
+            done, _ = wait(list(self._requests), timeout=max(0.0, timeout_seconds), return_when=FIRST_COMPLETED)
+        else:
+            done = ()
+        results: list = []
         hit_blocks = queried_blocks = reused_tokens = 0
-        for part, future in zip(parts, futures):
+        for future in done:
+            ids = self._requests.pop(future)
             try:
                 reply = future.result()
             except RequestFailed as exc:
-                for i in part:
-                    results[i] = ItemResult(ids[i], ENGINE_ERROR, error=str(exc))
+                results.extend(ItemResult(i, ENGINE_ERROR, error=str(exc)) for i in ids)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only
-                for i in part:
-                    results[i] = ItemResult(ids[i], ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
+                results.extend(ItemResult(i, ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}") for i in ids)
                 continue
-            for k, i in enumerate(part):
+            for k, i in enumerate(ids):
                 tokens, error = reply.tokens[k], reply.errors[k]
-                results[i] = (ItemResult(ids[i], OK, tokens) if error is None
-                              else ItemResult(ids[i], ENGINE_ERROR, error=error))
+                results.append(ItemResult(i, OK, tokens) if error is None else ItemResult(i, ENGINE_ERROR, error=error))
             for r in reply.sub_replies or [reply]:
                 if r.cached_tokens is not None:
                     reused_tokens += r.cached_tokens
                     hit_blocks += r.cached_tokens // self.block_tokens
                     queried_blocks += r.prompt_tokens // self.block_tokens
+        self._pending -= len(results)
         return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=queried_blocks,
-                             engine_seconds=time.perf_counter() - started, reused_tokens=reused_tokens)
+                             engine_seconds=self.busy.take(), reused_tokens=reused_tokens)
 
     def parts(self, max_new: list) -> list:
-        """Item rows grouped by max_new_tokens (first appearance first), then cut to
-        max_items_per_request: one request each."""
+        """Item rows grouped by max_new_tokens, cut to `items_per_request`: one request each, in the
+        order of their first rows (so requests start in the order the items were added)."""
         groups: dict = {}
         for i, m in enumerate(max_new):
             groups.setdefault(m, []).append(i)
-        size = int(self.settings.max_items_per_request) or len(max_new)
-        return [rows[k : k + size] for rows in groups.values() for k in range(0, len(rows), size)]
+        size = self.items_per_request
+        parts = [rows[k : k + size] for rows in groups.values() for k in range(0, len(rows), size)]
+        return sorted(parts, key=lambda part: part[0])
+
+    def _timed_request(self, prompts: list, max_tokens: int) -> Reply:
+        self.busy.begin()
+        try:
+            return self.request(prompts, max_tokens)
+        finally:
+            self.busy.end()
 
     # -- one request ------------------------------------------------------------------------
 
@@ -262,11 +320,14 @@ class OpenAICompatible:
         return Reply(tokens, errors, prompt_tokens, cached if isinstance(cached, int) and cached >= 0 else None)
 
     def close(self) -> None:
+        """Requests not started are dropped, those at the server waited for (at most their timeout)."""
         if self.closed:
             return
         self.closed = True
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
+        self._requests.clear()
+        self._pending = 0
 
 
 def choice_tokens(choice: dict) -> tuple:

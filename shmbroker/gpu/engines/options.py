@@ -86,8 +86,8 @@ class OpenAISettings:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = ""
     api_key_env: str = ""  # the environment variable holding the API key ("" = none)
-    max_in_flight: int = 4  # requests (one per batch part) in flight at once
-    max_items_per_request: int = 0  # 0: a whole batch in one request
+    max_in_flight: int = 64  # requests in flight at once: about the server's batch size (its max_num_seqs)
+    max_items_per_request: int = 0  # 0: automatic, 1 to 4 (openai.default_items_per_request)
     timeout_seconds: float = 120.0
     retries: int = 3
     backoff_seconds: float = 0.5  # doubled after each failed try

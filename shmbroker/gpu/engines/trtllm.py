@@ -1,27 +1,61 @@
-"""TensorRT-LLM's `LLM` API behind the engine interface (`base.py`): token ids in, greedy token ids out.
+"""TensorRT-LLM's `LLM` API behind the streaming engine interface (`base.py`): token ids in, greedy
+token ids out, one request per item, many outstanding, each result handed back when it finishes.
 
-TensorRT-LLM pages its KV cache and, with block reuse on, computes per item only the blocks its radix
-tree does not already hold, so the engine is `packed` (DESIGN.md "Words").
+TensorRT-LLM pages its KV cache, batches in flight (it keeps up to `max_batch_size` sequences running
+and admits the next request the moment one finishes) and, with block reuse on, computes per item only
+the blocks its radix tree does not already hold, so the engine is `packed` (DESIGN.md "Words",
+"Feeding an engine"). The GPU process keeps a window of items added and not yet returned a little
+larger than `max_batch_size`, so TensorRT-LLM never waits for its next request.
 
-APIs followed (TensorRT-LLM 1.x LLM API, nvidia.github.io/TensorRT-LLM "API Reference" (LLM,
-TorchLlmArgs, KvCacheConfig, SamplingParams) and the NVIDIA/TensorRT-LLM sources):
+APIs followed (TensorRT-LLM LLM API: nvidia.github.io/TensorRT-LLM "API Reference" (LLM, RequestOutput,
+SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
+(examples/llm-api/llm_inference_async.py), and the NVIDIA/TensorRT-LLM sources named below):
 - `tensorrt_llm.LLM(model, skip_tokenizer_init=True, tensor_parallel_size, dtype, max_batch_size,
   max_num_tokens, max_input_len, max_seq_len, kv_cache_config, enable_iter_perf_stats, **kwargs)`;
 - `tensorrt_llm.llmapi.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=...)`;
-- `LLM.generate(inputs, sampling_params, use_tqdm=False)`: a list of token-id lists is a batch of
-  prompts, one `RequestOutput` back per prompt in order, its `outputs[0].token_ids` the generated ids;
+- `LLM.generate_async(inputs, sampling_params=..., streaming=False) -> RequestOutput`
+  (tensorrt_llm/llmapi/llm.py): one prompt (a token-id list) per call; it submits the request to the
+  executor and returns its future. `LLM.generate` itself is generate_async per prompt, then `.result()`
+  on each in order; here the futures are collected as they complete instead;
+- `RequestOutput` (a `GenerationResult`, tensorrt_llm/executor/result.py): `aresult()` waits for the
+  request and returns it (`await llm.generate_async(...)` in the example, `await promise.aresult()`
+  in trtllm-serve, tensorrt_llm/serve/openai_server.py); then `outputs[0].token_ids` are the generated
+  ids and `outputs[0].finish_reason` one of 'stop', 'length', 'timeout', 'cancelled';
 - `tensorrt_llm.SamplingParams(max_tokens, top_k=1, detokenize=False, end_id, pad_id, ...)`: without a
   tokenizer `LLM._prepare_sampling_params` raises unless `end_id` is given, so the engine reads the
   end-of-sequence ids from the model directory (`packed_args.eos_token_ids`);
-- `LLM.get_stats(timeout)` (beta): the iteration stats queued since the last call (dicts, JSON text in
-  older versions), collected only with `enable_iter_perf_stats=True`; each holds `kvCacheStats` with
-  `reusedBlocks`, `missedBlocks` (counted since the engine started) and `tokensPerBlock`.
-The arguments themselves are computed in `packed_args.py`, importable without tensorrt_llm.
+- `LLM.get_stats_async(timeout) -> IterationResult` (beta): an async iterator over the iteration stats
+  queued since the last read (dicts; JSON text in older versions), ending after `timeout` seconds
+  without one; collected only with `enable_iter_perf_stats=True`. Each holds `kvCacheStats` with
+  `reusedBlocks`, `missedBlocks` (counted since the engine started) and `tokensPerBlock`;
+- `LLM.shutdown()`: aborts what is in flight and stops the executor.
 
-Cache figures: the engine keeps the counters of the latest stats entry seen and reports each batch's
-growth, converted from TensorRT-LLM's blocks to the broker's `block_tokens`. Stats of a batch's last
-iterations that arrive after `generate` returns are counted with the next batch (the counters are
-cumulative, so nothing is lost). No stats (an engine without them): zeros.
+How futures are collected without blocking, and why on an event loop. A `GenerationResult` takes in
+its responses only when its owner waits on it: `result(timeout)` / `aresult()` read its queue, and
+`finished` is set only there; the executor's dispatch thread just puts responses in that queue. So a
+non-blocking test of one future is `result(timeout=0)` (queue.Empty when not done), and a poll over a
+window of hundreds would call it on every outstanding future, every few milliseconds, against the GIL
+the executor's threads need. A result made inside a running asyncio event loop gets an AsyncQueue
+instead, which the dispatch thread wakes with `call_soon_threadsafe` (`_SyncQueue.notify_many` in
+tensorrt_llm/llmapi/utils.py and executor/proxy.py). So the engine runs one event loop on a thread of
+its own: `add` hands the items to it and returns at once; on the loop each item's `generate_async` is
+called, in the order added (so TensorRT-LLM's FIFO admission keeps the scheduler's order), and a task
+awaits its `aresult()` and puts the item's result on a thread-safe queue; `poll(timeout)` waits on
+that queue. Nothing runs until a request finishes. (The executor makes its iteration-stats queue at
+the first `generate_async`, in the calling thread's mode, so the stats are read on the loop too, with
+`get_stats_async`.)
+
+Failures stay with their items: a `generate_async` that raises (the prompt refused at submission) or
+an `aresult()` that raises (a per-request error, `RequestError`) or a request that ends 'cancelled' or
+'timeout' gives that item an `engine_error`; `plan_batch` answers items without tokens (`invalid`),
+longer than max_input_len (`too_long`), asking more than the engine's max_new_tokens, or none, at add.
+
+Cache figures: a task on the loop keeps the counters of the latest stats entry; each poll reports their
+growth since the previous poll, converted from TensorRT-LLM's blocks to the broker's `block_tokens`.
+Stats arrive in batches (the executor forwards them every 0.2 s or so), so a poll may report an item's
+blocks a little after its result; the counters are cumulative, so nothing is lost. No stats: zeros.
+`engine_seconds` are the wall seconds during which at least one request was in TensorRT-LLM
+(`BusyClock`).
 
 `TRTLLM(settings, contract=..., llm=fake)` runs the same code over an injected LLM object (tests use a
 test double); without `llm` it builds the real one.
@@ -29,16 +63,19 @@ test double); without `llm` it builds the real one.
 
 from __future__ import annotations
 
-import time
+import asyncio
+import queue
+import threading
 
+import numpy as np
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
-from .base import EngineOutcome
+from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import (
+    BusyClock,
     as_token_ids,
     eos_token_ids,
-    finish,
     hits_between,
     plan_batch,
     trtllm_cache_tokens,
@@ -46,12 +83,14 @@ from .packed_args import (
     trtllm_sampling,
 )
 
-STATS_TIMEOUT_SECONDS = 0.05  # LLM.get_stats waits this long for queued stats after a batch
+STATS_TIMEOUT_SECONDS = 1.0  # get_stats_async ends a read after this long without a stats entry
+STATS_IDLE_SECONDS = 0.2  # then the next read starts this much later
+CLOSE_SECONDS = 30.0  # close waits at most this long for the loop to run what it was given and stop
+CANCEL_ROUNDS, CANCEL_WAIT_SECONDS = 10, 0.2  # close cancels the loop's tasks this often, this far apart
+ENDED = ("cancelled", "timeout")  # finish reasons that are not a completion
 
 
-class TRTLLM:
-    mode = "packed"
-
+class TRTLLM(StreamingRun):
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, llm=None, **_options):
         if contract is None:
             raise ValueError("engine 'trtllm' needs the consumer's contract (max_seq_len is derived from it)")
@@ -67,40 +106,164 @@ class TRTLLM:
             llm = LLM(**kwargs)
         self.llm = llm
         self.eos_ids = eos_token_ids(settings.model) or _configured_eos(llm)
-        self._seen = self._counters()  # the block-reuse counters after the last batch (None: not known)
+        self.busy = BusyClock()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # ItemResult of each finished item
+        self._pending = 0
+        self._stats_lock = threading.Lock()
+        self._latest = None  # CacheTokens of the newest stats entry (None: none seen)
+        self._seen = None  # ... as of the last poll
+        self._stats_task = None
+        self._closing = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="trtllm-engine", daemon=True)
+        self._thread.start()
 
-    def _counters(self):
-        get = getattr(self.llm, "get_stats", None)
-        if get is None:
-            return None
-        try:
-            return trtllm_cache_tokens(get(timeout=STATS_TIMEOUT_SECONDS))
-        except Exception:  # noqa: BLE001 - no stats queued, or stats not collected: no figures
-            return None
+    # -- the caller's side ----------------------------------------------------------------------
 
-    def run(self, batch) -> EngineOutcome:
+    def add(self, batch) -> None:
+        """Hand the batch's items to the loop, which submits them in this order; returns at once."""
         if self.llm is None:
             raise RuntimeError("engine 'trtllm' is closed")
+        n = len(batch)
+        if n == 0:
+            return
         plan = plan_batch(batch, max_new_tokens_max=self.settings.max_new_tokens,
                           max_input_len=self.contract.max_input_len)
-        if not plan.rows:
-            return EngineOutcome(finish(plan, batch, []))
-        params = [SamplingParams(**trtllm_sampling(m, self.eos_ids)) for m in plan.max_new_tokens]
-        start = time.perf_counter()
-        outputs = self.llm.generate(plan.prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        results = finish(plan, batch, [out.outputs[0].token_ids for out in outputs])
-        now = self._counters()
-        hits = hits_between(self._seen, now, self.block_tokens)
-        if now is not None:
-            self._seen = now
-        return EngineOutcome(results, hits.hit_blocks, hits.queried_blocks, seconds, reused_tokens=hits.reused_tokens)
+        jobs = [(int(batch.item_ids[row]), prompt, SamplingParams(**trtllm_sampling(m, self.eos_ids)))
+                for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens)]
+        self._pending += n
+        for result in plan.results:
+            if result is not None:
+                self._done.put(result)
+        if jobs:
+            self._loop.call_soon_threadsafe(self._submit, jobs)
+
+    def pending(self) -> int:
+        return self._pending
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        """The results of the items finished since the last poll (waiting at most timeout_seconds for
+        one when none has and some are in flight) and the cache counters' growth meanwhile."""
+        results = []
+        if self._pending:
+            try:
+                results.append(self._done.get(timeout=timeout_seconds) if timeout_seconds > 0
+                               else self._done.get_nowait())
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                results.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self._pending -= len(results)
+        with self._stats_lock:
+            now = self._latest
+            hits = hits_between(self._seen, now, self.block_tokens)
+            if now is not None:
+                self._seen = now
+        return EngineOutcome(results, hits.hit_blocks, hits.queried_blocks, self.busy.take(),
+                             reused_tokens=hits.reused_tokens)
 
     def close(self) -> None:
+        """Stop submitting (items not yet submitted fail), shut TensorRT-LLM down (it aborts what is in
+        flight), then stop the loop."""
         llm, self.llm = self.llm, None
-        shutdown = getattr(llm, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        if llm is None:
+            return
+        self._closing = True
+        try:
+            # the loop runs what add queued before this: no generate_async runs during the shutdown
+            self._on_loop(_nothing())
+            shutdown = getattr(llm, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+        finally:
+            self._on_loop(_cancel_tasks())
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=CLOSE_SECONDS)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def _on_loop(self, coroutine) -> None:
+        """Run a coroutine on the loop and wait for it (at most CLOSE_SECONDS)."""
+        if not self._loop.is_running():
+            coroutine.close()
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=CLOSE_SECONDS)
+        except Exception:  # noqa: BLE001 - closing: a task that will not stop is left to the daemon thread
+            pass
+
+    # -- the loop's side ------------------------------------------------------------------------
+
+    def _submit(self, jobs) -> None:
+        """On the loop: one generate_async per item, in order; a task awaits each future."""
+        llm = self.llm
+        for item_id, prompt, params in jobs:
+            if llm is None:
+                self._done.put(ItemResult(item_id, ENGINE_ERROR, error="engine 'trtllm' was closed"))
+                continue
+            self.busy.begin()
+            try:
+                future = llm.generate_async(prompt, sampling_params=params)
+            except Exception as exc:  # noqa: BLE001 - a refused prompt fails its item only
+                self.busy.end()
+                self._done.put(engine_error(item_id, exc))
+                continue
+            self._loop.create_task(self._collect(item_id, future))
+        if self._stats_task is None and llm is not None and callable(getattr(llm, "get_stats_async", None)):
+            self._stats_task = self._loop.create_task(self._collect_stats(llm))
+
+    async def _collect(self, item_id: int, future) -> None:
+        try:
+            out = await future.aresult()
+            completion = out.outputs[0]
+            reason = getattr(completion, "finish_reason", None)
+            if reason in ENDED:
+                result = ItemResult(item_id, ENGINE_ERROR, error=f"TensorRT-LLM ended the request ({reason})")
+            else:
+                result = ItemResult(item_id, OK, np.asarray(completion.token_ids, dtype=np.uint32).reshape(-1))
+        except Exception as exc:  # noqa: BLE001 - a per-request error fails its item only
+            result = engine_error(item_id, exc)
+        finally:
+            self.busy.end()
+        self._done.put(result)
+
+    async def _collect_stats(self, llm) -> None:
+        """Keep the newest block-reuse counters; ends when the LLM has no stats to give."""
+        while not self._closing:
+            got = False
+            try:
+                async for entry in llm.get_stats_async(timeout=STATS_TIMEOUT_SECONDS):
+                    got = True
+                    counters = trtllm_cache_tokens([entry])
+                    if counters is not None:
+                        with self._stats_lock:
+                            self._latest = counters
+            except Exception:  # noqa: BLE001 - stats not collected (or not in this version): no figures
+                return
+            if not got:
+                await asyncio.sleep(STATS_IDLE_SECONDS)
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every other task on the running loop and wait (a little) for them to end. Cancelled again
+    while any is left: `asyncio.wait_for`, which the LLM API's AsyncQueue.get uses, can swallow a
+    cancellation that meets its inner wait's completion (CPython gh-86296)."""
+    me = asyncio.current_task()
+    tasks = {t for t in asyncio.all_tasks() if t is not me}
+    for _ in range(CANCEL_ROUNDS):
+        if not tasks:
+            return
+        for t in tasks:
+            t.cancel()
+        _, tasks = await asyncio.wait(tasks, timeout=CANCEL_WAIT_SECONDS)
 
 
 def _configured_eos(llm) -> list[int]:
