@@ -162,6 +162,19 @@ def test_guard_counts_every_refusal_and_passes_pure_batches():
     assert guard.num_refusals == len(GUARD_CASES)
 
 
+def test_guard_of_a_packed_engine_does_not_bound_count_x_longest():
+    rect = ("tokens", _cols([260, 250, 255, 251]), Shape(7, F, 250, 300))  # 4 x 260 > 1000
+    assert Guard(None).check(*rect[1], rect[2], GUARD_CONTRACT) is None  # a packed consumer's guard
+    assert Guard(None, "packed").check(*rect[1], rect[2], GUARD_CONTRACT) is None
+    assert Guard(None, "padded").check(*rect[1], rect[2], GUARD_CONTRACT) == "tokens"
+    assert Guard(TOL).check(*rect[1], rect[2], GUARD_CONTRACT) == "tokens"
+    packed = Guard(None)
+    assert packed.check(*_cols([100] * 5), GUARD_SHAPE, GUARD_CONTRACT) == "count"  # count still bounds it
+    assert packed.check(*_cols([301]), Shape(7, F, 1, 400), GUARD_CONTRACT) == "too_long"
+    with pytest.raises(ValueError, match="mode"):
+        Guard(None, "rectangle")
+
+
 def test_guard_without_tolerance_takes_any_spread_and_checks_in_order():
     packed = Guard(None)  # a packed engine: no padding bound
     assert packed.check(*_cols([1, 300]), Shape(7, F, 1, 300), GUARD_CONTRACT) is None
@@ -388,7 +401,8 @@ def check_drain(specs, ws: Workload, batches, packer: Packer, tol: float) -> Non
         assert np.array_equal(batch.lengths, lengths)
         assert np.array_equal(batch.arrivals, ws.arrivals[keys])
         assert len(keys) <= con.max_batch_size
-        assert len(keys) * lengths.max() <= con.max_batch_tokens
+        if specs[c].mode == "padded":  # a rectangle; a packed engine's group is bounded by its count only
+            assert len(keys) * lengths.max() <= con.max_batch_tokens
         assert lengths.max() <= con.max_input_len
         # shape-pure: one model (the consumer's), one family (by shape_items), one band
         assert set(ws.models[keys].tolist()) == {con.model}
@@ -580,6 +594,55 @@ def test_one_consumer_serves_each_family_in_one_run():
         check_drain([packer.consumers[0]], ws, batches, packer, TOL)
         runs = family_runs(batches, 0)
         assert len(set(runs)) == 5 and excess_switches(runs) == 0, runs
+
+
+def one_branch_family(rng, n: int, long_every: int = 0):
+    """n items sharing a 40-token prompt (more than two 16-token blocks: the whole family is one
+    branch), each with its own tail; every long_every-th item is 150 tokens long."""
+    system = list(rng.integers(0, 1000, 40))
+    items = []
+    for i in range(n):
+        size = 150 - 40 if long_every and i % long_every == long_every - 1 else int(rng.integers(1, 30))
+        items.append((system + list(rng.integers(0, 1000, size)), 0, 0))
+    return make_workload(items, 16)
+
+
+def test_a_packed_consumer_takes_over_part_of_a_family_that_is_one_branch():
+    """Rather than idle, the small consumer takes over the last children of the branch the big one
+    holds; each item still comes out exactly once, the long ones only to the big consumer."""
+    rng = np.random.default_rng(11)
+    ws = one_branch_family(rng, 60, long_every=7)
+    specs = [ConsumerSpec("big", Contract(4, 1024, 160, 0), "packed"),
+             ConsumerSpec("small", Contract(4, 512, 100, 0), "packed")]
+    packer = roomy_packer(specs, len(ws))
+    for i in range(len(ws)):
+        ws.add(packer, i)
+    first = packer.next_batch(0, 0.0)  # big claims the family and its one branch
+    assert first is not None and len(first) == 4
+    batches = [(0, first)] + drain(packer)
+    check_drain(specs, ws, batches, packer, TOL)
+    small = [int(k) for c, b in batches if c == 1 for k in b.keys]
+    assert len(small) >= 10, "the small consumer took part of the branch"
+    assert all(ws.lengths[k] <= 100 for k in small)
+    assert {k for k in range(len(ws)) if ws.lengths[k] > 100} <= {int(k) for c, b in batches if c == 0 for k in b.keys}
+
+
+def test_taking_over_leaves_nothing_behind_while_items_stream_in():
+    rng = np.random.default_rng(12)
+    ws = one_branch_family(rng, 80, long_every=5)
+    specs = [ConsumerSpec("big", Contract(3, 1024, 160, 0), "packed"),
+             ConsumerSpec("small", Contract(2, 512, 100, 0), "packed")]
+    packer = roomy_packer(specs, len(ws))
+    batches = []
+    for lo in range(0, len(ws), 10):  # arrivals between decisions: parts die and come back
+        for i in range(lo, lo + 10):
+            ws.add(packer, i)
+        for c in (1, 0, 1):
+            batch = packer.next_batch(c, 0.0)
+            if batch is not None:
+                batches.append((c, batch))
+    batches += drain(packer)
+    check_drain(specs, ws, batches, packer, TOL)
 
 
 # ---- 7. capacity ---------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class Twin:
                              families=max(capacity, 16), tolerance=tol)
         self.ref = ReferencePacker(contract, mode, capacity=capacity, tolerance=tol)
         self.batches: list = []  # (keys, failed keys) of each decision, from the packer
+        self.max_new = lambda key: 8  # max_new_tokens of each key (the order of generations)
 
     def add_items(self, items, first_key: int = 0) -> list:
         """items: (tokens, prefix_len, model); keys first_key, first_key + 1...; returns the keys."""
@@ -77,8 +78,9 @@ class Twin:
         for i in range(len(items)):
             key = first_key + i
             fam, hashes, n, model = int(sh.families[i]), sh.blocks(i), int(lengths[i]), int(models[i])
-            self.packer.add(key, 0.0, n, 8, model, fam, hashes)
-            self.ref.add(key, n, fam, hashes, model)
+            max_new = self.max_new(key)
+            self.packer.add(key, 0.0, n, max_new, model, fam, hashes)
+            self.ref.add(key, n, fam, hashes, model, max_new)
             assert len(self.packer) == len(self.ref)
             keys.append(key)
         return keys
@@ -152,9 +154,11 @@ def scenarios(draw):
     return Contract(bs, bt, max_in, model), tol, block_tokens, items, schedule
 
 
-def run_scenario(mode: str, scenario) -> Twin:
+def run_scenario(mode: str, scenario, spread: int = 1) -> Twin:
+    """spread: the keys' max_new_tokens take `spread` values (1: all equal)."""
     contract, tol, block_tokens, items, schedule = scenario
     twin = Twin(contract, mode, max(len(items), 1), tol, block_tokens)
+    twin.max_new = lambda key: 1 + (key * 7919) % spread * 3
     done = 0
     for hi, decisions in schedule:  # streaming: adds in chunks, decisions between them
         twin.add_items(items[done:hi], done)
@@ -173,15 +177,15 @@ def run_scenario(mode: str, scenario) -> Twin:
 
 
 @SETTINGS
-@given(scenario=scenarios())
-def test_padded_kernels_match_the_reference(scenario):
-    run_scenario("padded", scenario)
+@given(scenario=scenarios(), spread=st.sampled_from([1, 2, 7]))
+def test_padded_kernels_match_the_reference(scenario, spread):
+    run_scenario("padded", scenario, spread)
 
 
 @SETTINGS
-@given(scenario=scenarios())
-def test_packed_kernels_match_the_reference(scenario):
-    run_scenario("packed", scenario)
+@given(scenario=scenarios(), spread=st.sampled_from([1, 2, 7]))
+def test_packed_kernels_match_the_reference(scenario, spread):
+    run_scenario("packed", scenario, spread)
 
 
 # ---- the model's own pieces ---------------------------------------------------------------

@@ -1,12 +1,44 @@
-"""`shmbroker bench pack`: shape-pure packing against FIFO feeding, on the simulated engine.
+"""`shmbroker bench pack`: shape-pure packing against FIFO feeding and the engine alone, on the simulated engine.
 
 Two consumers of one model (the issue's `big` and `small`), each with its own
 simulated engine; the workload is the seeded generator's or a Mooncake-format
 trace (`--trace`). For each engine mode (`padded`, `packed`) the broker's
-figures sit at the top level and FIFO feeding's, measured in the same run,
-under "fifo". Offline: the whole workload is the backlog. Streaming: items
-arrive by their timestamps, rescaled so they arrive at twice the rate the
-consumers serve them (measured by the offline run), so a backlog forms.
+figures sit at the top level; measured in the same run, FIFO feeding's under
+"fifo" (arrival-order batches, one at a time) and the engine alone's under
+"engine_alone" (no broker: packed, every item in arrival order through one
+shared queue to whichever engine has room, each batching continuously;
+padded, arrival-order rectangle batches; `packsim.py` says exactly). A packed
+consumer fed by the broker keeps an in-flight window in its engine, topped up
+from the packer's batch records in order (`packsim.py`). Offline: the whole
+workload is the backlog. Streaming: items arrive by their timestamps,
+rescaled so they arrive at twice the rate the consumers serve them (measured
+by the offline run), so a backlog forms.
+
+`lower_bound_seconds` is the modeled seconds (the consumers' engine seconds
+summed, as `modeled_seconds`) of the ideal feeding at full concurrency. With P
+the tokens of the workload's distinct blocks (every distinct prefill token
+computed once), D = sum(max(max_new_tokens, 1) - 1) the tokens decoded after
+each item's first (which comes out of its prefill), N consumers with
+max_batch_size S_1..S_N, and T the largest max_batch_tokens:
+
+    decode_steps = ceil(D / (S_1 + ... + S_N))   every output token decoded with all
+                                                 the consumers' slots busy, each
+                                                 consumer stepping decode_steps times
+    prefill_only = max(0, ceil(P / T) - N x decode_steps)   full steps of prefill
+                                                 the decode steps cannot carry
+    lower_bound  = prefill_token_seconds x P + decode_token_seconds x D
+                 + decode_step_seconds x N x decode_steps
+                 + batch_overhead_seconds x prefill_only
+
+(a step that decodes costs decode_step_seconds, any other batch_overhead_seconds,
+plus its tokens: `gpu/engines/continuous.py`; a padded batch pays the same per
+step). Prefill only (D = 0) it is ceil(P / T) full batches of prefill, a bound
+on any feeding. With decode it bounds the feedings that keep every consumer
+decoding, all slots busy, as long as the others (the split that finishes
+first); one that leaves a small card's slots idler can spend fewer summed
+seconds, never fewer than `lower_bound_strict_seconds`: the same with every
+decode step on the consumer of the most slots (decode_steps = ceil(D /
+max S), steps >= ceil((P + D) / T)).
 
 The decision latency is measured twice: with the whole workload as the
 backlog and with 1 % of it, so the JSON shows a 100x larger backlog beside.
@@ -23,7 +55,7 @@ from ..gpu.engines.sim import SimCost
 from ..pack.contract import Contract
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
-from .packsim import FifoFeeder, PackerFeeder, SimConsumer, simulate
+from .packsim import EngineAloneFeeder, FifoFeeder, PackerFeeder, SimConsumer, simulate
 
 CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
@@ -58,11 +90,25 @@ def distinct_blocks(shapes) -> tuple[int, int, int]:
 
 
 def lower_bound_seconds(distinct_tokens: int, max_new: np.ndarray, cost: SimCost) -> float:
-    """Every distinct block's tokens computed once, no padding, full batches of the biggest contract."""
+    """The module docstring's bound: every distinct token prefilled once, decode with every slot busy."""
+    slots = sum(c.contract.max_batch_size for c in CONSUMERS)
     bt = max(c.contract.max_batch_tokens for c in CONSUMERS)
-    batches = math.ceil(distinct_tokens / bt)
-    decode = cost.decode_token_seconds * float(np.sum(max_new - 1)) + cost.decode_step_seconds * float(max_new.max() - 1)
-    return batches * cost.batch_overhead_seconds + cost.prefill_token_seconds * distinct_tokens + decode
+    decoded = int(np.sum(np.maximum(max_new, 1) - 1))
+    decode_steps = len(CONSUMERS) * math.ceil(decoded / slots)
+    prefill_only = max(0, math.ceil(distinct_tokens / bt) - decode_steps)
+    return (cost.prefill_token_seconds * distinct_tokens + cost.decode_token_seconds * decoded
+            + cost.decode_step_seconds * decode_steps + cost.batch_overhead_seconds * prefill_only)
+
+
+def lower_bound_strict_seconds(distinct_tokens: int, max_new: np.ndarray, cost: SimCost) -> float:
+    """A bound on any feeding's modeled seconds: every decode step on the card of the most slots."""
+    slots = max(c.contract.max_batch_size for c in CONSUMERS)
+    bt = max(c.contract.max_batch_tokens for c in CONSUMERS)
+    decoded = int(np.sum(np.maximum(max_new, 1) - 1))
+    decode_steps = math.ceil(decoded / slots)
+    steps = max(decode_steps, math.ceil((distinct_tokens + decoded) / bt))
+    return (cost.prefill_token_seconds * distinct_tokens + cost.decode_token_seconds * decoded
+            + cost.decode_step_seconds * decode_steps + cost.batch_overhead_seconds * (steps - decode_steps))
 
 
 def _percentiles(ns: list[int]) -> tuple[float, float]:
@@ -90,6 +136,7 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
     cost = SimCost()
     total_blocks, distinct, distinct_tokens = distinct_blocks(shapes)
     lb = lower_bound_seconds(distinct_tokens, wl.max_new_tokens, cost)
+    strict = lower_bound_strict_seconds(distinct_tokens, wl.max_new_tokens, cost)
     out: dict = {"workload": wl.name, "mode": mode, "items": len(wl), "input_tokens": int(wl.lengths.sum()),
                  "block_tokens": DEFAULT_BLOCK_TOKENS, "max_new_tokens": max_new_tokens or "workload",
                  "consumers": {c.name: {"max_batch_size": c.contract.max_batch_size,
@@ -101,13 +148,14 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
     gc.collect()
     gc.freeze()  # the workload's objects are permanent: keep the collector's pauses out of the timings
     try:
-        _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds)
+        _modes(out, wl, shapes, mode, cost, (lb, strict), hit_max, tol, max_wait_seconds)
     finally:
         gc.unfreeze()
     return out
 
 
-def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> None:
+def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) -> None:
+    lb, strict = bounds
     for engine_mode in MODES:
         offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol)
         res = simulate(offline_packer, CONSUMERS, engine_mode, shapes, wl, cost=cost)
@@ -126,6 +174,8 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
             decisions, sizes = offline_packer.decision_timings()
         fifo = simulate(FifoFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol), CONSUMERS, engine_mode, shapes, wl,
                         arrivals=arrivals, cost=cost)
+        alone = simulate(EngineAloneFeeder(CONSUMERS, engine_mode, shapes, wl), CONSUMERS, engine_mode, shapes, wl,
+                         arrivals=arrivals, cost=cost)
         small = wl.head(max(1, len(wl) // 100))
         small_shapes = shape_items(small.tokens, small.offsets, small.prefix_lens, small.models,
                                    block_tokens=DEFAULT_BLOCK_TOKENS)
@@ -134,9 +184,10 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
         p50, p99 = _percentiles(decisions)
         small_decisions, small_sizes = small_feeder.decision_timings(min_samples=len(decisions))
         s50, s99 = _percentiles(small_decisions)
-        for figures in (res, fifo):
+        for figures in (res, fifo, alone):
             figures["cache_hit_rate_max"] = hit_max
             figures["lower_bound_seconds"] = round(lb, 3)
+            figures["lower_bound_strict_seconds"] = round(strict, 3)
         res.update({
             "decision_us_p50": p50, "decision_us_p99": p99, "decision_backlog_items": len(wl),
             "decision_us_p50_backlog_1pct": s50, "decision_us_p99_backlog_1pct": s99,
@@ -150,6 +201,8 @@ def _modes(out, wl, shapes, mode, cost, lb, hit_max, tol, max_wait_seconds) -> N
             "modeled_vs_fifo": round(res["modeled_seconds"] / fifo["modeled_seconds"], 4),
             "modeled_vs_lower_bound": round(res["modeled_seconds"] / lb, 4),
             "hit_rate_vs_max": round(res["cache_hit_rate"] / hit_max, 4) if hit_max else 0.0,
+            "makespan_vs_engine_alone": round(res["makespan_seconds"] / alone["makespan_seconds"], 4),
             "fifo": fifo,
+            "engine_alone": alone,
         })
         out[engine_mode] = res

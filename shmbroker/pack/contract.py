@@ -20,8 +20,9 @@ MODES = ("padded", "packed")
 class Contract:
     """What one consumer (one GPU process) accepts.
 
-    - max_batch_size: items per batch;
-    - max_batch_tokens: bound on count x longest input of a batch;
+    - max_batch_size: items per batch (a packed engine: sequences running at once);
+    - max_batch_tokens: bound on count x longest input of a padded engine's batch (a packed
+      engine: tokens one engine step computes, prefill chunks plus one per decoding sequence);
     - max_input_len: bound on each item's input tokens;
     - model: the model id the consumer serves.
     """
@@ -49,6 +50,7 @@ class Contract:
             raise ValueError(f"Contract.max_input_len must be <= {LENGTH_MAX}, got {self.max_input_len}")
 
     def fits(self, count: int, longest: int) -> bool:
+        """A padded engine's rectangle of count items, the longest `longest` tokens, fits."""
         return 0 < count <= self.max_batch_size and longest <= self.max_input_len \
             and count * longest <= self.max_batch_tokens
 

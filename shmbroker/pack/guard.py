@@ -4,11 +4,17 @@ The packer runs it on every batch it builds before committing it; the GPU
 process runs it again on what it receives. A refusal is counted by reason and
 nothing is dispatched (the packer's items stay in the index).
 
+A padded engine's batch is a rectangle, so its contract bounds count x
+longest; a packed engine's is an ordered group whose count bounds only the
+records' overhead (DESIGN.md "Feeding an engine": the contract is its
+admission limit, max_batch_tokens a step's token budget, which the engine
+enforces itself), so it is not checked against count x longest.
+
 Checks, in order (the first failure is the reason):
   empty      no items
   count      count > max_batch_size
   too_long   an item longer than max_input_len
-  tokens     count x longest > max_batch_tokens
+  tokens     (padded engines) count x longest > max_batch_tokens
   model      an item of another model than the contract's
   family     an item of another family than the batch's shape
   band       an item outside the shape's length band, or (padded engines) a
@@ -22,7 +28,7 @@ from collections import Counter
 import numpy as np
 
 from ..jit import kernel
-from .contract import Batch, Contract, Shape
+from .contract import MODES, Batch, Contract, Shape
 
 OK, EMPTY, COUNT, TOO_LONG, TOKENS, MODEL, FAMILY, BAND = range(8)
 REASONS = ("ok", "empty", "count", "too_long", "tokens", "model", "family", "band")
@@ -30,8 +36,9 @@ REASONS = ("ok", "empty", "count", "too_long", "tokens", "model", "family", "ban
 
 @kernel
 def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_size, max_batch_tokens,
-               max_input_len):
-    """The guard over rows[:n] (BATCH_ROW records); OK or the first failing check's code."""
+               max_input_len, rectangle):
+    """The guard over rows[:n] (BATCH_ROW records); OK or the first failing check's code.
+    rectangle: the batch is a padded engine's (count x longest <= max_batch_tokens)."""
     if n == 0:
         return EMPTY
     if n > max_batch_size:
@@ -43,7 +50,7 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
             return TOO_LONG
         lo = min(lo, rows[i].length)
         hi = max(hi, rows[i].length)
-    if n * hi > max_batch_tokens:
+    if rectangle and n * hi > max_batch_tokens:
         return TOKENS
     for i in range(n):
         if rows[i].model != model:
@@ -57,10 +64,17 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
 
 
 class Guard:
-    """Counts refusals by reason; `check` returns None or the reason."""
+    """Counts refusals by reason; `check` returns None or the reason.
 
-    def __init__(self, tolerance: float | None):
+    tolerance: the padding tolerance of a padded engine; None for a packed one (any spread).
+    mode: "padded" checks count x longest, "packed" does not; by default the tolerance says
+    which (a number: padded; None: packed, which is what a packed consumer passes)."""
+
+    def __init__(self, tolerance: float | None, mode: str | None = None):
+        if mode not in (None, *MODES):
+            raise ValueError(f"guard mode must be one of {MODES}, got {mode!r}")
         self.tolerance = float("inf") if tolerance is None else float(tolerance)
+        self.rectangle = (tolerance is not None) if mode is None else mode == "padded"
         self.refusals: Counter = Counter()
 
     @property
@@ -79,7 +93,7 @@ class Guard:
         s = batch.shape
         return self.count(check_rows(batch.rows, len(batch), np.uint64(s.family), s.model, s.length_min,
                                      s.length_max, self.tolerance, contract.max_batch_size,
-                                     contract.max_batch_tokens, contract.max_input_len))
+                                     contract.max_batch_tokens, contract.max_input_len, self.rectangle))
 
     def check(self, families, models, lengths, shape: Shape, contract: Contract) -> str | None:
         """Check a proposed batch given as columns."""

@@ -16,15 +16,19 @@ ITEM (64 bytes)                          NODE (88 bytes): one trie node
   gen      i32  bumped when the slot frees  maxlen i32  claimed i32 (consumer+1) cls i32
   pad      i32 x2                          cprev/cnext i32  the branch list it is in (cls)
                                            affine  i32  consumer that served the branch last
+                                           maxnew  i32  longest max_new under a branch
 
-FAMILY (48 bytes)                        BUCKET (24 bytes): one (family, band)
+FAMILY (56 bytes)                        BUCKET (24 bytes): one (family, band)
   key u64  model i32  root i32             key u64  head/tail i32  count i32  band i32
-  pending i32  tokens i64
-  claimed i32  gcls i32  gprev/gnext i32
+  pending i32  maxnew i32 (longest max_new while it lived)  tokens i64
+  claimed i32  gcls i32  gprev/gnext i32  generate i64 (pending max_new summed)
 
 - A **branch** is a depth-1 node (the first block after the family root). A
   packed consumer claims a branch and drains it depth-first (parents before
   children), so a conversation is served on one card, turn after turn.
+  A consumer with no branch left to claim may take over a child of another's
+  branch (`select._take_over`): that node's `claimed` marks it (other walks
+  leave it out) and its `maxlen` the longest item a taker met there and left.
 - Bands of a family are a two-level bitmap (`bands.py`), so the next
   non-empty band either side of a cursor is found in O(1) words; the lists
   linking records are in `links.py`.
@@ -62,10 +66,10 @@ NODE_REC = np.dtype([
     ("chead", "i4"), ("ctail", "i4"), ("sprev", "i4"), ("snext", "i4"),
     ("ihead", "i4"), ("itail", "i4"), ("nitems", "i4"), ("live", "i4"),
     ("maxlen", "i4"), ("claimed", "i4"), ("cls", "i4"), ("cprev", "i4"), ("cnext", "i4"), ("affine", "i4"),
-    ("pad", "i4")])
+    ("maxnew", "i4")])
 FAM_REC = np.dtype([
-    ("key", "u8"), ("model", "i4"), ("root", "i4"), ("pending", "i4"), ("pad", "i4"), ("tokens", "i8"),
-    ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4")])
+    ("key", "u8"), ("model", "i4"), ("root", "i4"), ("pending", "i4"), ("maxnew", "i4"), ("tokens", "i8"),
+    ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4"), ("generate", "i8")])
 BUCKET_REC = np.dtype([("key", "u8"), ("head", "i4"), ("tail", "i4"), ("count", "i4"), ("band", "i4")])
 
 
@@ -199,6 +203,7 @@ def _new_node(S, key, parent, depth, f):
     nd[x].nitems = 0
     nd[x].live = 0
     nd[x].maxlen = 0
+    nd[x].maxnew = 0
     nd[x].claimed = 0
     nd[x].cls = -1
     nd[x].cprev = -1
@@ -236,6 +241,8 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
         fm[f].root = -1
         fm[f].pending = 0
         fm[f].tokens = 0
+        fm[f].generate = 0
+        fm[f].maxnew = 0
         fm[f].claimed = 0
         fm[f].gcls = -1
         fm[f].gprev = -1
@@ -284,6 +291,8 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     if br != -1:
         if length > nd[br].maxlen:
             nd[br].maxlen = length
+        if max_new > nd[br].maxnew:
+            nd[br].maxnew = max_new
         branch_reclass(S, br)
     # the band
     band = band_of(length)
@@ -301,6 +310,9 @@ def insert(S, key, arrival, length, max_new, model, famkey, hashes):
     _bucket_append(it, bk, b, s)
     fm[f].pending += 1
     fm[f].tokens += length
+    fm[f].generate += max_new
+    if max_new > fm[f].maxnew:
+        fm[f].maxnew = max_new
     family_reclass(S, f)
     age_push(S, class_of(S[S_CLS], model, length), s)
     meta[M_ITEMS] += 1
@@ -356,17 +368,17 @@ def remove_quiet(S, s):
                 h = np.int64(nd[x].key & np.uint64(S[S_HKEYS].size - 1))
                 S[S_HKEYS][h] = nd[x].key
                 S[S_HCONS][h] = served
-            if nd[x].claimed != 0 and cons[nd[x].claimed - 1, C_BRANCH] == x:
-                cons[nd[x].claimed - 1, C_BRANCH] = -1
-        else:
-            if nd[x].depth == 0:
-                fm[f].root = -1
+        elif nd[x].depth == 0:
+            fm[f].root = -1
+        if nd[x].claimed != 0 and cons[nd[x].claimed - 1, C_BRANCH] == x:  # a branch, or a part taken over
+            cons[nd[x].claimed - 1, C_BRANCH] = -1
         ht_delete(S[S_NKEYS], S[S_NVALS], nd[x].key)
         _push_free(S[S_NFREE], meta, M_NODES_FREE, x)
         x = p
     it[s].gen += 1  # its age-queue entry is stale from now on
     fm[f].pending -= 1
     fm[f].tokens -= it[s].length
+    fm[f].generate -= it[s].max_new
     meta[M_ITEMS] -= 1
     meta[M_TOKENS] -= it[s].length
     if fm[f].pending == 0:

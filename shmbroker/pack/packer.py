@@ -61,7 +61,7 @@ class Packer:
             policy = POLICIES[c.mode](self.index, i, c.contract, model_max[c.contract.model],
                                       max_wait_seconds, **kw)
             self.policies.append(policy)
-            self.guards.append(Guard(policy.tol))
+            self.guards.append(Guard(policy.tol, c.mode))
         size = max(c.contract.max_batch_size for c in consumers)
         self._out = np.empty(size, np.int32)
         self._failed = np.empty(FAILED_MAX, np.int32)

@@ -13,17 +13,43 @@ Shared by both modes (`choose_family`):
 3. A new family comes from the class lists: first the classes only this
    consumer (or a bigger one) can take, so the big card takes the long work
    and the small card keeps what it can do; a claimed family is off the other
-   consumers' lists (a prefix is cached on one card).
+   consumers' lists (a prefix is cached on one card). Of the first
+   max_batch_size families of that list, the one that takes the most engine
+   steps goes first (longest processing time first, so a drain does not end on
+   a long generation or on a family one card drains alone): at least its
+   longest generation, its pending tokens over max_batch_tokens, its pending
+   generations over max_batch_size (`select.family_steps`; ties keep the
+   list's order). Every consumer takes the longest first (the smaller cards
+   taking the shortest measured worse: they end on the long ones). Packed
+   consumers only: a padded one takes the head of the list (it runs batches
+   one at a time, so it has no tail of running sequences to shorten, and the
+   order measured worse there).
 4. With no unclaimed family left, a consumer shares another's family (packed:
-   branches stay apart; padded: the sweeps run in opposite directions).
+   branches stay apart, and with no branch left a consumer takes over the last
+   children of another's, so a family that is one branch is shared too;
+   padded: the sweeps run in opposite directions).
 
 `PaddedPolicy` (rectangle engines) sweeps a family's length bands: the largest
 consumer of a model from the top down, the others from the bottom up, so
 batches are as long as the contract allows and padding stays within the
-tolerance (longest <= (1 + tol) x shortest).
+tolerance (longest <= (1 + tol) x shortest). A rectangle engine decodes every
+row until the batch's longest max_new_tokens, so the decode rectangle is
+padding too: of the items the sweep meets within the tolerance (up to
+CANDIDATES_PER_SLOT x max_batch_size of them) a batch takes the longest
+generations first, and the rest wait for the next batch, among items of
+output lengths like theirs.
 
 `PackedPolicy` (paged-KV engines) drains branches depth-first, so each turn
-of a conversation follows its parent while the parent's blocks are cached.
+of a conversation follows its parent while the parent's blocks are cached,
+and its batch records are ordered groups of up to max_batch_size items (the
+engine keeps them in flight: no count x longest bound). Longer generations
+start first: a new branch is, of the first max_batch_size listed (about what
+the engine starts while one generation runs), the one with the longest
+max_new_tokens, so a drain does not end with one sequence decoding alone.
+What is in flight stays within one family per consumer: a consumer keeps its
+family until it is drained (stickiness, above) and claims its branches one at
+a time, so the prefixes in flight are those of the few conversations its
+window holds, whose blocks the engine keeps while they run.
 """
 
 from __future__ import annotations
@@ -37,11 +63,12 @@ from .shapes import NUM_BANDS, band_of
 
 DEFAULT_PADDING_TOLERANCE = 1 / 16
 FAMILY_ATTEMPTS = 8
+CANDIDATES_PER_SLOT = 4  # padded: a batch picks its items among up to 4 x max_batch_size candidates
 NO_AGING = -1.0
 
 
 @kernel(_nrt=False)
-def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model):
+def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model, scan, longest, bs, bt):
     """(family or -1, aged item slot or -1).
 
     Aging looks first at the classes no smaller consumer can take (age_own), then at all of c's."""
@@ -63,7 +90,7 @@ def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
     f = cons[c, C_FAM]
     if f != -1:
         return f, -1
-    f = take_family(S, c, cls_order, skip, attempt)
+    f = take_family(S, c, cls_order, skip, attempt, scan, longest, bs, bt)
     if f == -1:
         for d in range(cons.shape[0]):
             g = cons[d, C_FAM]
@@ -77,7 +104,7 @@ def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model)
 
 
 # decide kernels' parameter words (ints) and floats
-P_C, P_MODEL, P_BS, P_BT, P_MAXIN, P_MODELMAX, P_DESC = range(7)
+P_C, P_MODEL, P_BS, P_BT, P_MAXIN, P_MODELMAX, P_DESC, P_SCAN = range(8)
 F_MAXWAIT, F_TOL = range(2)
 
 
@@ -94,20 +121,21 @@ def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys):
     f = S[S_IT][s].fam
     n = np.int64(S[S_IT][s].length)
     key = S[S_FM][f].key
-    code = finish(S, out, 1, failed, 0, key, ip[P_MODEL], n, n, 0.0, ip[P_BS], ip[P_BT], ip[P_MAXIN], rows,
+    code = finish(S, out, 1, failed, 0, key, ip[P_MODEL], n, n, 0.0, ip[P_BS], ip[P_BT], ip[P_MAXIN], True, rows,
                   fail_keys)
     return 1, 0, f, code, n, n, key
 
 
 @kernel(_nrt=False)
-def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
+def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys, cand, keys):
     """(items, failed, family slot, guard code, shortest, longest, family key)."""
     cons = S[S_CONS]
     c = ip[P_C]
     descending = ip[P_DESC] != 0
     far = NUM_BANDS - 1 if descending else 0
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL])
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL],
+                                 ip[P_SCAN], True, ip[P_BS], ip[P_BT])
         if f == -1:
             break
         if aged != -1:
@@ -116,31 +144,33 @@ def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
         if start == -1:
             start = far
         n, nf, band, lo, hi = select_padded(S, f, start, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN],
-                                            ip[P_MODELMAX], fp[F_TOL], out, failed)
+                                            ip[P_MODELMAX], fp[F_TOL], out, failed, cand, keys)
         cons[c, C_BAND] = far if band == -1 else band
         if n or nf:
             key = S[S_FM][f].key
             code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, fp[F_TOL], ip[P_BS], ip[P_BT],
-                          ip[P_MAXIN], rows, fail_keys)
+                          ip[P_MAXIN], True, rows, fail_keys)
             return n, nf, f, code, lo, hi, key
     return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
 
 
 @kernel(_nrt=False)
-def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys):
+def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys, cand, keys):
     """(items, failed, family slot, guard code, 1, max_input_len, family key)."""
     c = ip[P_C]
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL])
+        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL],
+                                 ip[P_SCAN], True, ip[P_BS], ip[P_BT])
         if f == -1:
             break
         if aged != -1:
             claim_item_branch(S, c, aged, ip[P_MAXIN])
-        n, nf = select_packed(S, f, c, ip[P_BS], ip[P_BT], ip[P_MAXIN], ip[P_MODELMAX], cls_order, out, failed)
+        n, nf = select_packed(S, f, c, ip[P_BS], ip[P_MAXIN], ip[P_MODELMAX], cls_order, ip[P_SCAN], True,
+                              out, failed)
         if n or nf:
             key = S[S_FM][f].key
             code = finish(S, out, n, failed, nf, key, ip[P_MODEL], 1, ip[P_MAXIN], np.inf, ip[P_BS], ip[P_BT],
-                          ip[P_MAXIN], rows, fail_keys)
+                          ip[P_MAXIN], False, rows, fail_keys)
             return n, nf, f, code, np.int64(1), ip[P_MAXIN], key
     return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
 
@@ -169,13 +199,16 @@ class Policy:
         self.skip = np.full(FAMILY_ATTEMPTS, -1, np.int64)
         index.cons[c, C_MAXIN] = contract.max_input_len
         self.ip = np.array([c, contract.model, contract.max_batch_size, contract.max_batch_tokens,
-                            contract.max_input_len, model_max, int(largest)], np.int64)
+                            contract.max_input_len, model_max, int(largest), contract.max_batch_size], np.int64)
+        # padded: the candidates a batch's items are chosen from (select_padded)
+        self.cand = np.empty(CANDIDATES_PER_SLOT * contract.max_batch_size, np.int64)
+        self.keys = np.empty(self.cand.size, np.int64)
         self.fp = np.array([self.max_wait, 0.0], np.float64)
 
     def decide(self, now: float, out, failed, rows, fail_keys) -> tuple:
         """(items, failed, family slot, guard code, shortest, longest, family key)."""
         return self.kernel(self.index.S, now, self.ip, self.fp, self.cls_order, self.age_own, self.skip, out,
-                           failed, rows, fail_keys)
+                           failed, rows, fail_keys, self.cand, self.keys)
 
 
 class PaddedPolicy(Policy):
@@ -187,6 +220,7 @@ class PaddedPolicy(Policy):
             raise ValueError(f"padding tolerance must be >= 0, got {tol}")
         self.tol = float(tol)
         self.fp[F_TOL] = self.tol
+        self.ip[P_SCAN] = 1  # families in list order: batches run one at a time, there is no tail to shorten
 
 
 

@@ -15,27 +15,36 @@ tolerance=tol)`:
   non-empty band starts above `max_input_len` (`band_floor`, so at band resolution), else in the
   "fits" list. Listing appends at the tail; a family re-listed into the list it is in keeps its
   place. A family created again after it drained is a new family (at the tail).
-- **Stickiness.** The consumer takes the head of "overflow", else of "fits", and keeps that family
-  until it has no items left. (With one consumer and no aging a select never comes back empty from
-  a family with items, so the packer's other tries, `FAMILY_ATTEMPTS`, never happen; the model
+- **Stickiness.** The consumer takes, of the first `max_batch_size` families (packed; padded: the
+  first) of "overflow", else of "fits", the one of the most steps (the first among equals): the
+  largest of the max_new ever inserted in it while it lived, its pending tokens //
+  max_batch_tokens and its pending max_new summed // max_batch_size; and keeps that family until
+  it has no items left. (With one consumer and no aging a select never comes back empty from a
+  family with items, so the packer's other tries, `FAMILY_ATTEMPTS`, never happen; the model
   asserts this.)
 - **padded**: a descending sweep of the family's bands from a cursor (the band where the previous
   batch stopped; the top when the family was just taken or the last sweep ran off the bottom).
   Pass 1 visits the non-empty bands at or below the cursor, top down; pass 2, only when pass 1
-  took nothing and the cursor is not the top, those above it. Within a band items come oldest
-  insert first. An item is failed (when it is too long), else taken, unless taking it would break
-  count <= max_batch_size, count x longest <= max_batch_tokens, or longest <= (1 + tol) x shortest:
-  then the batch stops there and the cursor stays on that band. Shape bounds: (shortest, longest)
-  of the items taken, (0, 0) for a batch of failures only.
+  found nothing and the cursor is not the top, those above it. Within a band items come oldest
+  insert first. An item is failed (when it is too long), else it is a candidate, until the walk
+  stops: at the `FAILED_MAX`+1-th failure, at the first item that would break longest <= (1 + tol)
+  x shortest among the candidates, or once it holds `CANDIDATES_PER_SLOT` x max_batch_size
+  candidates. The batch takes the candidates longest max_new first (walk order among equals),
+  stopping at the first that would break count <= max_batch_size or count x longest <=
+  max_batch_tokens. The cursor: the band of the first candidate in walk order not taken, else the
+  band where the walk stopped, else (it ran off the bottom) the top. Shape bounds: (shortest,
+  longest) of the items taken, (0, 0) for a batch of failures only.
 - **packed**: the family root's own items (items of no block past the family key) first, then the
   claimed branch (a depth-1 trie node: the first block hash after the family key) depth-first:
   a node's items in insert order, then its live children in the order they became live. When a
   branch is walked to its end the next one is claimed (before its first item is tried, so a batch
-  may stop holding a branch it took nothing from yet): first the consumer's "affine" list
-  (branches re-created after it drained one of that key), then "overflow" (branches whose longest
-  item is too long), then "fits"; branch lists keep append order like family lists, and a branch
-  moves list (to the tail) when its longest item grows past `max_input_len`. The batch stops at the
-  first item that would break count or count x longest, or at the `FAILED_MAX`+1-th failure; a
+  may stop holding a branch it took nothing from yet): the head of the consumer's "affine" list
+  (branches re-created after it drained one of that key), else of the first `max_batch_size` of
+  "overflow" (branches whose longest item is too long), else of "fits", the one with the largest
+  max_new ever inserted under it while it lived (the first among equals); branch lists keep
+  append order like family lists, and a branch
+  moves list (to the tail) when its longest item grows past `max_input_len`. The batch (an ordered
+  group: no count x longest bound) stops at the first item past count, or at the `FAILED_MAX`+1-th failure; a
   branch left part-way stays claimed for the next decision. Shape bounds: (1, max_input_len).
 - **The trie** is path-compressed as in the index: an item's node is its last block hash, created
   under its deepest existing ancestor among its block hashes (else under its branch) when absent;
@@ -49,7 +58,8 @@ tolerance=tol)`:
   no consumer for them).
 
 What it does not model: several consumers (ascending sweeps, shared families, other consumers'
-affine lists, smaller consumers turning back from longer items), aging (`max_wait_seconds`, the
+affine lists, smaller consumers turning back from longer items, parts of another's branch taken
+over), aging (`max_wait_seconds`, the
 age queues, `overdue_alone`), guard refusals and `unclaim` (the model assumes every batch passes),
 and the index's capacity limits (`IndexFull`). Block hashes are taken as given (`shapes.py` makes
 them); a family key colliding with a block hash is assumed not to happen.
@@ -62,6 +72,7 @@ from dataclasses import dataclass, field
 from .contract import Contract
 
 FAILED_MAX = 64  # failures collected per decision
+CANDIDATES_PER_SLOT = 4  # padded: candidates a decision chooses from, per max_batch_size
 BAND_SUB_BITS = 8  # 256 bands per octave above 256 tokens, exact below
 BAND_SUB = 1 << BAND_SUB_BITS
 LENGTH_BITS = 24
@@ -100,6 +111,7 @@ class _Item:
     length: int
     family: _Family
     node: _Node | None = None
+    max_new: int = 1
 
 
 @dataclass(eq=False)
@@ -112,6 +124,7 @@ class _Node:
     children: list = field(default_factory=list)  # live children, in the order they became live
     # branches only
     maxlen: int = 0  # longest item ever inserted under it while it lived
+    maxnew: int = 0  # largest max_new ever inserted under it while it lived
     claimed: bool = False
     affine: bool = False  # created while the hint table held its key: the consumer drained it before
     listed: str | None = None  # the family's branch list it is in
@@ -125,6 +138,7 @@ class _Family:
     root: _Node | None = None
     claimed: bool = False
     listed: str | None = None  # the family list it is in
+    maxnew: int = 0  # largest max_new ever inserted while it lived
     branch_lists: dict = field(default_factory=lambda: {name: [] for name in BRANCH_CLAIM_ORDER})
 
     @property
@@ -179,13 +193,14 @@ class ReferencePacker:
 
     # ---- the index ----------------------------------------------------------------------------
 
-    def add(self, key: int, length: int, family: int, hashes, model: int = 0) -> None:
+    def add(self, key: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1) -> None:
         """Index one item: its family key and block hashes as `shape_items` gives them."""
         hashes = [int(h) for h in hashes]
         fam = self.families.get(family)
         if fam is None:
             fam = self.families[family] = _Family(family, model)
-        item = _Item(key, length, fam)
+        item = _Item(key, length, fam, max_new=max_new)
+        fam.maxnew = max(fam.maxnew, max_new)
         if fam.root is None:
             fam.root = _Node(family, None, 0, fam)
         node = fam.root
@@ -207,6 +222,7 @@ class ReferencePacker:
         branch = self._branch_of(node)
         if branch is not None:
             branch.maxlen = max(branch.maxlen, length)
+            branch.maxnew = max(branch.maxnew, max_new)
             self._relist_branch(branch)
         fam.bands.setdefault(band_of(length), []).append(item)
         self.num_items += 1
@@ -279,6 +295,10 @@ class ReferencePacker:
             for name in FAMILY_TAKE_ORDER:
                 if self.family_lists[name]:
                     self.family = self.family_lists[name][0]
+                    scan = self.contract.max_batch_size if self.mode == "packed" else 1
+                    for other in self.family_lists[name][:scan]:
+                        if self._steps(other) > self._steps(self.family):
+                            self.family = other
                     break
             else:
                 return None
@@ -298,32 +318,56 @@ class ReferencePacker:
             self._remove(item)
         return RefBatch(tuple(i.key for i in taken), tuple(i.key for i in failed), fam.key, *bounds)
 
+    def _steps(self, fam: _Family) -> int:
+        items = [i for band in fam.bands.values() for i in band]
+        return max(fam.maxnew, sum(i.length for i in items) // self.contract.max_batch_tokens,
+                   sum(i.max_new for i in items) // self.contract.max_batch_size)
+
     def _select_padded(self, fam: _Family) -> tuple[list, list]:
         con = self.contract
         start = self.band
         below = [b for b in sorted(fam.bands, reverse=True) if b <= start]
         above = [b for b in sorted(fam.bands, reverse=True) if b > start]
-        taken: list = []
+        cands: list = []  # (band, item) in walk order
         failed: list = []
-        for sweep in (below, above):
-            if sweep is above and (taken or start == TOP_BAND):
+        stop = None  # the band where the walk stopped; None: it ran off the bottom
+
+        def walk() -> bool:
+            """Collect from below, then above; False once the walk stops."""
+            nonlocal stop
+            for sweep in (below, above):
+                if sweep is above and (cands or start == TOP_BAND):
+                    return True
+                for band in sweep:
+                    for item in fam.bands[band]:
+                        if item.length > con.max_input_len:
+                            if len(failed) == FAILED_MAX:
+                                stop = band
+                                return False
+                            failed.append(item)
+                            continue
+                        lengths = [i.length for _, i in cands] + [item.length]
+                        if len(cands) == CANDIDATES_PER_SLOT * con.max_batch_size \
+                                or max(lengths) > min(lengths) * (1.0 + self.tol):
+                            stop = band
+                            return False
+                        cands.append((band, item))
+            return True
+
+        walk()
+        order = sorted(range(len(cands)), key=lambda i: (-cands[i][1].max_new, i))
+        taken: list = []
+        chosen: set = set()
+        for i in order:
+            item = cands[i][1]
+            count = len(taken) + 1
+            if count > con.max_batch_size or count * max([t.length for t in taken] + [item.length]) \
+                    > con.max_batch_tokens:
                 break
-            for band in sweep:
-                for item in fam.bands[band]:
-                    if item.length > con.max_input_len:
-                        if len(failed) == FAILED_MAX:
-                            self.band = band
-                            return taken, failed
-                        failed.append(item)
-                        continue
-                    lengths = [i.length for i in taken] + [item.length]
-                    lo, hi = min(lengths), max(lengths)
-                    if len(lengths) > con.max_batch_size or len(lengths) * hi > con.max_batch_tokens \
-                            or hi > lo * (1.0 + self.tol):
-                        self.band = band
-                        return taken, failed
-                    taken.append(item)
-        self.band = TOP_BAND  # ran off the bottom: the next sweep starts at the top
+            taken.append(item)
+            chosen.add(i)
+        left = [band for i, (band, _) in enumerate(cands) if i not in chosen]
+        self.band = left[0] if left else (TOP_BAND if stop is None else stop)
         return taken, failed
 
     def _select_packed(self, fam: _Family) -> tuple[list, list]:
@@ -338,8 +382,7 @@ class ReferencePacker:
                     return False
                 failed.append(item)
                 return True
-            longest = max([i.length for i in taken] + [item.length])
-            if len(taken) + 1 > con.max_batch_size or (len(taken) + 1) * longest > con.max_batch_tokens:
+            if len(taken) + 1 > con.max_batch_size:
                 return False
             taken.append(item)
             return True
@@ -362,6 +405,10 @@ class ReferencePacker:
         for name in BRANCH_CLAIM_ORDER:
             if fam.branch_lists[name]:
                 branch = fam.branch_lists[name][0]
+                if name != "affine":  # the longest generation of the first max_batch_size
+                    for other in fam.branch_lists[name][:self.contract.max_batch_size]:
+                        if other.maxnew > branch.maxnew:
+                            branch = other
                 _move(fam.branch_lists, branch, None)
                 branch.claimed = True
                 return branch
