@@ -415,6 +415,12 @@ def _waste(f: dict) -> str:
     return "n/a (packed)" if f.get("packed", f.get("mode") == "packed") else _pct(f["padding_waste"])
 
 
+def _fill(f: dict) -> str:
+    """Batch fill is a rectangle's (count x longest within max_batch_tokens): a packed consumer's batch
+    records are ordered groups fed into a continuous engine, so it has none."""
+    return "n/a (packed)" if f.get("packed", f.get("mode") == "packed") else _pct(f["batch_fill"])
+
+
 def print_summary(report: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -454,7 +460,7 @@ def print_summary(report: dict, console=None) -> None:
         ("batches", lambda f: f"{f['batches']:,}"),
         ("items", lambda f: f"{f['items']:,}"),
         ("input tokens", lambda f: f"{f['tokens']:,}"),
-        ("batch fill", lambda f: _pct(f["batch_fill"])),
+        ("batch fill", _fill),
         ("padding waste", _waste),
         ("cache hit rate", lambda f: _pct(f["cache_hit_rate"])),
         ("shape switches (excess)", lambda f: f"{f['shape_switches']:,} ({f['excess_shape_switches']:,})"),
@@ -479,7 +485,7 @@ def print_summary(report: dict, console=None) -> None:
     t.add_row("cache hit rate", _pct(tot["cache_hit_rate"]), _pct(f["cache_hit_rate"]), "")
     t.add_row("  possible (each block once)", _pct(f["cache_hit_rate_max"]), _pct(f["cache_hit_rate_max"]), "")
     t.add_row("batches", f"{tot['batches']:,}", f"{f['batches']:,}", "")
-    t.add_row("batch fill", _pct(tot["batch_fill"]), _pct(f["batch_fill"]), "")
+    t.add_row("batch fill", _fill(tot), _fill({"packed": tot["packed"], **f}), "")
     t.add_row("modeled seconds (sum)", f"{tot['modeled_seconds']:,.1f}", f"{f['modeled_seconds']:,.1f}",
               f"{b['modeled_seconds_speedup']:.2f}x")
     t.add_row("modeled makespan (max)", f"{tot['makespan_seconds']:,.1f}", f"{f['makespan_seconds']:,.1f}",
