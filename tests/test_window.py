@@ -213,3 +213,23 @@ def test_kill_9_of_the_gpu_process_with_items_in_flight_loses_none_and_duplicate
         assert sorted(seen) == sorted(want)  # every item once: none lost, none yielded twice
         for i, r in results.items():
             assert r.status == "ok" and np.array_equal(r.tokens, Sim.generated(i, want[i]))
+
+
+def test_an_item_dispatched_again_while_in_flight_runs_once_and_both_rows_get_its_result(owner):
+    """A restarted scheduler re-dispatches what it had not seen acked; the first copy may still be in
+    the engine (an engine such as vLLM refuses a request id it already runs)."""
+    contract = Contract(8, 1 << 16, 4096)
+    engine = ScriptedEngine("packed", per_poll=1, pick=lambda held: held)
+    prod, cons, writes, window = make(owner, contract, engine)
+    try:
+        push_records(prod, [3])  # ids 1, 2, 3
+        window.take_more()
+        push_records(prod, [3], first_id=2)  # ids 2, 3, 4: 2 and 3 are in flight
+        drain(window)
+        assert engine.adds == [3, 1]  # only 4 was added again
+        got = sorted(i for call in writes.calls for i in call)
+        assert got == [1, 2, 2, 3, 3, 4]  # a result for every row (the client keeps the first)
+        assert cons.used_words() == 0
+    finally:
+        prod.close()
+        cons.close()

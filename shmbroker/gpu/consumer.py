@@ -375,6 +375,7 @@ class Window:
         self.padded = core.engine.mode == "padded"
         self.taken: deque[Taken] = deque()
         self.where: dict[int, tuple[Taken, int]] = {}  # item id -> (its record, its row)
+        self.followers: dict[int, list] = {}  # item id in flight -> [(record, row)] of later copies of it
         self.positions = np.empty(self.PEEK_MAX, np.int64)
         self.num_admitted = 0  # items in the engine
         self.num_batches_in = 0  # records with items in the engine (padded: at most 2)
@@ -423,10 +424,19 @@ class Window:
                 results.append((failed, np.setdiff1d(np.arange(n_run), runnable)))
         if n_failed:
             results.append((_failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
-        t = Taken(locs, runnable)
+        ids = locs["item_id"]
+        dup = None
+        if self.where and any(int(ids[k]) in self.where for k in runnable.tolist()):
+            # an item already in flight (a restarted scheduler dispatched it again): it runs once, and
+            # this row gets the same result when it finishes
+            dup = np.array([int(ids[k]) in self.where for k in runnable.tolist()], bool)
+        t = Taken(locs, runnable if dup is None else runnable[~dup])
+        if dup is not None:
+            for k in runnable[dup].tolist():
+                self.followers.setdefault(int(ids[k]), []).append((t, k))
         self.taken.append(t)
-        for k in runnable.tolist():
-            self.where[int(locs["item_id"][k])] = (t, k)
+        for k in t.run.tolist():
+            self.where[int(ids[k])] = (t, k)
         for res, rows in results:
             self._write(res, t, rows)
 
@@ -475,6 +485,10 @@ class Window:
             by_rec[id(t)][1].append(k)
             by_rec[id(t)][2].append(row)
         self.num_admitted -= len(ids)
+        if self.followers:
+            for k, i in enumerate(ids):
+                for t, row in self.followers.pop(i, ()):
+                    self._write(_rows_of(res, np.array([k], np.int64)), t, np.array([row], np.int64))
         for t, ks, rows in by_rec.values():
             part = res if len(ks) == len(ids) else _rows_of(res, np.array(ks, np.int64))
             t.in_engine -= len(rows)

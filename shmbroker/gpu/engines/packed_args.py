@@ -10,7 +10,9 @@ extra to install). Everything they pass those packages is computed here and test
   `eos_token_ids` finds in the model directory, as no tokenizer is loaded);
 - the engines' cumulative prefix-cache counters turned into one batch's hit and queried blocks in the
   broker's block size: `vllm_cache_tokens`, `trtllm_cache_tokens`, `hits_between`, `hits_from_metrics`;
-- which items of a batch an engine runs and which it answers itself: `plan_batch`, `finish`.
+- which items of a batch an engine runs and which it answers itself: `plan_batch`, `finish`;
+- vLLM's per-request `num_cached_tokens` turned into blocks: `hits_from_requests`;
+- a streaming engine's busy seconds while requests are outstanding: `BusyClock` (trtllm, openai).
 
 Why the step token budget (vLLM `max_num_batched_tokens`, TensorRT-LLM `max_num_tokens`) is what it is:
 a batch's input tokens are at most count x longest input <= `max_batch_tokens`, so that budget prefills a
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,8 +58,9 @@ def step_tokens(settings, contract, *, chunked_prefill: bool) -> int:
 
 
 def vllm_llm_kwargs(settings, contract) -> dict:
-    """Keyword arguments of `vllm.LLM(...)` for a consumer's contract; `settings.extra` is passed as
-    given and wins over what is derived here."""
+    """Keyword arguments of `vllm.EngineArgs(...)` (the engine is `LLMEngine.from_engine_args`; `vllm.LLM`
+    takes the same) for a consumer's contract; `settings.extra` is passed as given and wins over what
+    is derived here."""
     kwargs = {
         "model": settings.model,
         "enable_prefix_caching": True,
@@ -69,7 +74,7 @@ def vllm_llm_kwargs(settings, contract) -> dict:
         "enforce_eager": bool(settings.enforce_eager),
         "seed": int(settings.seed),
         "skip_tokenizer_init": True,  # token ids in, token ids out
-        "disable_log_stats": False,  # LLM.get_metrics() asserts stat logging is on; the offline LLM turns it off
+        "disable_log_stats": False,  # get_metrics() asserts stat logging is on (bench gen reads the counters)
     }
     kwargs.update(settings.extra)
     return kwargs
@@ -276,3 +281,37 @@ def finish(plan: Plan, batch, generated) -> list:
     for row, ids in zip(plan.rows, generated):
         results[row] = ItemResult(int(batch.item_ids[row]), OK, np.asarray(ids, dtype=np.uint32).reshape(-1))
     return results
+
+
+class BusyClock:
+    """A streaming engine's busy seconds (`EngineOutcome.engine_seconds`): the wall seconds during which
+    at least one of its requests is outstanding, taken (and reset) by each poll; thread-safe (requests
+    begin and end on other threads: the `openai` engine's pool, the `trtllm` engine's event loop)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._since = 0.0  # when the current busy stretch began (or was last taken)
+        self._seconds = 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._since = time.perf_counter()
+            self._running += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._seconds += time.perf_counter() - self._since
+
+    def take(self) -> float:
+        with self._lock:
+            seconds = self._seconds
+            if self._running:
+                now = time.perf_counter()
+                seconds += now - self._since
+                self._since = now
+            self._seconds = 0.0
+            return seconds

