@@ -237,6 +237,7 @@ def test_padded_sweeps_down_from_the_top_band_with_a_tolerance_cut():
     kept on the band where a batch stopped; an item added above the cursor waits until the sweep has
     run off the bottom and starts again at the top."""
     twin = Twin(Contract(3, 1000, 150), "padded", 16)
+    twin.max_new = lambda key: 1  # prefill only: the tolerance cuts the band (generating: see below)
     lengths = [50, 100, 52, 98, 60, 94, 200, 100, 53]
     twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate(lengths)])
     # top first: 200 is failed; 100, 100 (key 1 before key 7), 98; 94 would be a 4th item
@@ -260,8 +261,40 @@ def test_padded_batch_is_cut_by_count_x_longest():
 
 def test_padded_tolerance_bound_is_inclusive():
     twin = Twin(Contract(8, 10_000, 200), "padded", 8)
+    twin.max_new = lambda key: 1  # prefill only
     twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate([63, 64, 68])])
     assert twin.drain() == [([2, 1], []), ([0], [])]  # 68 == 1.0625 x 64 goes; 68 > 1.0625 x 63 does not
+
+
+def test_padded_generating_batches_group_by_max_new_within_the_contract_not_the_tolerance():
+    """Items that generate (max_new > 1), whose tolerance band cannot fill the rectangle: the band
+    widens past the tolerance, as far as count x longest allows; of the caps on input length (from
+    the shortest candidate up, x (1 + tol) each), the batch is the one that keeps the most rows
+    decoding (decode work over its longest max_new), taken longest max_new first, skipping items
+    that do not fit."""
+    twin = Twin(Contract(4, 400, 200), "padded", 16)
+    lengths = [40, 100, 60, 95, 45, 180]
+    max_new = [100, 100, 98, 10, 99, 100]
+    twin.max_new = lambda key: max_new[key]
+    twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate(lengths)])
+    # the band of 180 alone leaves room for another 180: widen.
+    # longest max_new first, walk order (top down) among equals: 180, 100, 40, then 45, 60, 95.
+    # caps 40: [0] (1 row); 45: [0, 4] (1.99); 60: [0, 4, 2] (2.97); 95: [0, 4, 2, 3] (3.07);
+    # 100: [1, 0, 4, 2] (3.97, the best; 95 would be a 5th); 180: [5, 1] (2; 3 x 180 > 400)
+    assert twin.decide() == ([1, 0, 4, 2], [])
+    assert twin.drain() == [([5, 3], [])]  # 180 and 95: 2 x 180 <= 400
+    # a band that fills the rectangle is not widened: 100, 100, 99 are more than 200 tokens hold,
+    # so the batch is two of them, longest max_new first (99, then key 3's 100); the 100 left alone
+    # could take another 100: widened, it shares a batch with 20 (whose max_new is the longest)
+    twin = Twin(Contract(4, 200, 200), "padded", 16)
+    twin.max_new = lambda key: [5, 9, 100, 7][key]
+    twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate([100, 99, 20, 100])])
+    assert twin.drain() == [([1, 3], []), ([2, 0], [])]
+    # the same lengths prefill only: bands within 1/16, top down
+    twin = Twin(Contract(4, 400, 200), "padded", 16)
+    twin.max_new = lambda key: 1
+    twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate(lengths)])
+    assert twin.drain() == [([5], []), ([1, 3], []), ([2], []), ([4], []), ([0], [])]
 
 
 @pytest.mark.parametrize("mode", ["padded", "packed"])
@@ -361,6 +394,7 @@ def test_families_overflow_first_then_in_listing_order_each_until_empty(mode, ex
     """Families are taken from the overflow list (shortest item too long) first, then from the fits
     list in listing order; the consumer keeps a family until it is empty, even as others arrive."""
     twin = Twin(Contract(2, 1000, 100), mode, 32)
+    twin.max_new = lambda key: 1  # prefill only: padded batches are cut by the tolerance
     fam = [list(range(200 + 16 * k, 216 + 16 * k)) for k in range(3)]  # a first block per family
     twin.add_items([(fam[0] + filler(10, 1), 0, 0), (fam[1] + filler(150, 2), 0, 0),  # 26 and 166 tokens
                     (fam[0] + filler(20, 3), 0, 0), (fam[2] + filler(4, 4), 0, 0),  # 36, 20

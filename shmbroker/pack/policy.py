@@ -37,7 +37,17 @@ row until the batch's longest max_new_tokens, so the decode rectangle is
 padding too: of the items the sweep meets within the tolerance (up to
 CANDIDATES_PER_SLOT x max_batch_size of them) a batch takes the longest
 generations first, and the rest wait for the next batch, among items of
-output lengths like theirs.
+output lengths like theirs. When a family generates (max_new_tokens > 1),
+the decode rectangle is the bigger cost (a decode step costs about the same
+for one row or the whole batch), so when its band within the tolerance
+cannot fill the rectangle, its batches are grouped by generation first and
+the tolerance no longer cuts the input band: the contract does
+(count x longest <= max_batch_tokens), the tolerance only spacing the input
+caps tried (select.py `generation_cap`). Measured (bench pack, the trace's own
+output lengths): a 1/16 input band on the generator's small families made
+batches of 4.6 items and lost to FIFO (1.11x); so did a cap on the padded
+share of the whole rectangle counted in token cells (1.37x at 1/16).
+Prefill-only work (max_new_tokens 1) keeps the tolerance band.
 
 `PackedPolicy` (paged-KV engines) drains branches depth-first, so each turn
 of a conversation follows its parent while the parent's blocks are cached,
@@ -58,7 +68,7 @@ import numpy as np
 
 from ..jit import kernel
 from .index import C_BAND, C_FAM, C_MAXIN, S_CONS, S_FM, S_IT
-from .select import claim_item_branch, contains, finish, oldest, release_family, select_packed, select_padded, take_family
+from .select import claim_item_branch, contains, finish, generates, oldest, release_family, select_packed, select_padded, take_family
 from .shapes import NUM_BANDS, band_of
 
 DEFAULT_PADDING_TOLERANCE = 1 / 16
@@ -148,7 +158,9 @@ def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
         cons[c, C_BAND] = far if band == -1 else band
         if n or nf:
             key = S[S_FM][f].key
-            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, fp[F_TOL], ip[P_BS], ip[P_BT],
+            # a generating batch's input band is bounded by the contract, not the tolerance (select.py)
+            tol = np.inf if generates(S[S_FM], f, fp[F_TOL]) else fp[F_TOL]
+            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, tol, ip[P_BS], ip[P_BT],
                           ip[P_MAXIN], True, rows, fail_keys)
             return n, nf, f, code, lo, hi, key
     return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)

@@ -31,8 +31,16 @@ tolerance=tol)`:
   x shortest among the candidates, or once it holds `CANDIDATES_PER_SLOT` x max_batch_size
   candidates. The batch takes the candidates longest max_new first (walk order among equals),
   stopping at the first that would break count <= max_batch_size or count x longest <=
-  max_batch_tokens. The cursor: the band of the first candidate in walk order not taken, else the
-  band where the walk stopped, else (it ran off the bottom) the top. Shape bounds: (shortest,
+  max_batch_tokens. A generating family (tol > 0 and the largest max_new ever inserted in it while
+  it lived > 1) whose candidates could not fill the rectangle (fewer than max_batch_size, and one
+  more of the longest's length would fit max_batch_tokens) is walked again, from the same cursor,
+  without the tolerance cut (its failures collected again); then, for each cap on input length, from the shortest
+  candidate's length up, the next being the larger of (1 + tol) x the cap (truncated) and the
+  shortest candidate length above it, the batch would be the candidates of length <= cap taken
+  longest max_new first, skipping (not stopping at) those that would break count or count x
+  longest; the cap whose batch has the largest sum of max(1, max_new) over its first item's
+  max(1, max_new) wins (the smallest among equals), and that is the batch. The cursor: the band
+  of the first candidate in walk order not taken, else the band where the walk stopped, else (it ran off the bottom) the top. Shape bounds: (shortest,
   longest) of the items taken, (0, 0) for a batch of failures only.
 - **packed**: the family root's own items (items of no block past the family key) first, then the
   claimed branch (a depth-1 trie node: the first block hash after the family key) depth-first:
@@ -325,6 +333,7 @@ class ReferencePacker:
 
     def _select_padded(self, fam: _Family) -> tuple[list, list]:
         con = self.contract
+        generating = False  # widened: a generating family's band that cannot fill the rectangle
         start = self.band
         below = [b for b in sorted(fam.bands, reverse=True) if b <= start]
         above = [b for b in sorted(fam.bands, reverse=True) if b > start]
@@ -348,24 +357,54 @@ class ReferencePacker:
                             continue
                         lengths = [i.length for _, i in cands] + [item.length]
                         if len(cands) == CANDIDATES_PER_SLOT * con.max_batch_size \
-                                or max(lengths) > min(lengths) * (1.0 + self.tol):
+                                or (not generating and max(lengths) > min(lengths) * (1.0 + self.tol)):
                             stop = band
                             return False
                         cands.append((band, item))
             return True
 
         walk()
+        if self.tol > 0 and fam.maxnew > 1 and len(cands) < con.max_batch_size and \
+                (len(cands) + 1) * max([i.length for _, i in cands], default=0) <= con.max_batch_tokens:
+            generating = True
+            cands.clear()
+            failed.clear()
+            stop = None
+            walk()
         order = sorted(range(len(cands)), key=lambda i: (-cands[i][1].max_new, i))
-        taken: list = []
-        chosen: set = set()
-        for i in order:
-            item = cands[i][1]
-            count = len(taken) + 1
-            if count > con.max_batch_size or count * max([t.length for t in taken] + [item.length]) \
-                    > con.max_batch_tokens:
-                break
-            taken.append(item)
-            chosen.add(i)
+
+        def fill(cap: float) -> list:
+            """Indices taken, longest max_new first, of the candidates of length <= cap; a generating
+            batch skips those that do not fit, a prefill batch stops at the first."""
+            got: list = []
+            for i in order:
+                item = cands[i][1]
+                count = len(got) + 1
+                if item.length > cap or count > con.max_batch_size or count * max(
+                        [cands[t][1].length for t in got] + [item.length]) > con.max_batch_tokens:
+                    if generating:
+                        continue
+                    break
+                got.append(i)
+            return got
+
+        cap = float("inf")
+        if generating and cands:
+            lengths = sorted({item.length for _, item in cands})
+            c = lengths[0]
+            best, most = c, -1.0
+            while True:
+                got = fill(c)
+                steps = [max(1, cands[i][1].max_new) for i in got]
+                if got and sum(steps) / steps[0] > most:
+                    best, most = c, sum(steps) / steps[0]
+                above = [n for n in lengths if n > c]
+                if not above:
+                    break
+                c = max(above[0], int(c * (1.0 + self.tol)))
+            cap = best
+        chosen = fill(cap)
+        taken = [cands[i][1] for i in chosen]
         left = [band for i, (band, _) in enumerate(cands) if i not in chosen]
         self.band = left[0] if left else (TOP_BAND if stop is None else stop)
         return taken, failed

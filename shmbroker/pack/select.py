@@ -13,6 +13,19 @@ are collected in `failed` when the walk meets them.
   batch's longest item is at most (1 + tol) x its shortest. Of the items the
   sweep meets within the tolerance (a bounded number), the batch takes the
   longest generations first, so outputs of similar length share a batch.
+  A family that generates (an item of max_new > 1; tol > 0), when the items
+  within the tolerance cannot fill the rectangle (fewer than max_batch_size,
+  and one more of the longest's length would fit max_batch_tokens: a small
+  family's thin band), is batched by its generations instead: a rectangle
+  engine decodes every row until the batch's longest max_new, each decode
+  step costing about the same for one row or a full batch, so the batch's
+  longest generation and how many rows decode under it set its cost, and the
+  prefill padding is the smaller share. The
+  walk then collects candidates of any length (still a bounded number), and
+  the input band is bounded by the contract (count x longest <=
+  max_batch_tokens), not by the tolerance: of the caps on input length from
+  the shortest candidate up, each (1 + tol) x the last (`generation_cap`),
+  the batch is the one that keeps the most rows decoding on average.
 - `select_packed` takes the family root's own items, then walks the
   consumer's claimed branch depth-first (or, with no branch left to claim, a
   part of another consumer's branch it takes over: `_take_over`) (a node before its children; children in the order
@@ -52,7 +65,7 @@ from .index import (
     remove_quiet,
 )
 from .links import _branch_list_set, _family_list_set
-from .shapes import NUM_BANDS
+from .shapes import LENGTH_MAX, NUM_BANDS
 from .tables import ht_find
 
 
@@ -93,8 +106,8 @@ def sort_descending(keys, m):
 @kernel(_nrt=False)
 def _collect_padded(S, f, start, descending, max_in, model_max, tol, cand, failed):
     """Walk the bands from `start` and collect candidates (items within the padding tolerance of
-    each other, at most cand.size) and failures. Returns (candidates, failures, band where the walk
-    stopped or -1 when it ran to the far end, shortest, longest)."""
+    each other, of any lengths when tol is inf; at most cand.size) and failures. Returns (candidates,
+    failures, band where the walk stopped or -1 when it ran to the far end, shortest, longest)."""
     it = S[S_IT]
     bk = S[S_BK]
     bits = S[S_BITS]
@@ -148,6 +161,55 @@ def _collect_padded(S, f, start, descending, max_in, model_max, tol, cand, faile
 
 
 @kernel(_nrt=False)
+def _fill(it, cand, keys, m, bs, bt, cap):
+    """The batch of the candidates of length <= cap, longest max_new first, skipping those that do
+    not fit (count <= bs, count x longest <= bt): (its decode work, max_new summed with at least one
+    step a row; its longest max_new; the shortest candidate length above cap, or -1)."""
+    n = 0
+    longest = 0
+    work = 0
+    lead = 0
+    above = -1
+    for j in range(m):
+        length = np.int64(it[cand[CANDIDATE_INDEX_MASK - (keys[j] & CANDIDATE_INDEX_MASK)]].length)
+        if length > cap:
+            if above == -1 or length < above:
+                above = length
+            continue
+        if n == bs or not _fits(n, longest, length, bs, bt):
+            continue
+        steps = max(1, np.int64(it[cand[CANDIDATE_INDEX_MASK - (keys[j] & CANDIDATE_INDEX_MASK)]].max_new))
+        if n == 0:
+            lead = steps
+        n += 1
+        longest = max(longest, length)
+        work += steps
+    return work, lead, above
+
+
+@kernel(_nrt=False)
+def generation_cap(it, cand, keys, m, bs, bt, tol):
+    """The input-length cap of a generating batch: of the caps from the shortest candidate's length
+    up, each (1 + tol) x the last (at least the next candidate length), the one whose batch
+    (`_fill`) keeps the most rows decoding on average (decode work over its longest max_new: a
+    rectangle decodes every row until then), the smallest among equals."""
+    cap = np.int64(it[cand[0]].length)
+    for j in range(m):
+        cap = min(cap, np.int64(it[cand[j]].length))
+    best = cap
+    most = -1.0
+    while cap != -1:
+        work, lead, above = _fill(it, cand, keys, m, bs, bt, cap)
+        if work > 0 and work / lead > most:
+            most = work / lead
+            best = cap
+        if above == -1:
+            break
+        cap = max(above, np.int64(cap * (1.0 + tol)))
+    return best
+
+
+@kernel(_nrt=False)
 def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, failed, cand, keys):
     """Returns (items, failed, band to resume from or -1 for the far end, shortest, longest).
 
@@ -156,22 +218,32 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
     its max_input_len); it collects up to cand.size candidates within the padding tolerance. The
     batch takes them longest max_new first (walk order among equals), so items of similar output
     length share a batch (a padded engine decodes every row for its longest), and stops at the first
-    that would break count <= bs or count x longest <= bt. The sweep resumes at the band of the
-    first candidate (in walk order) not taken, else where the walk stopped."""
+    that would break count <= bs or count x longest <= bt. A generating family (`generates`) whose
+    candidates could not fill the rectangle (m < bs and (m + 1) x longest <= bt): the walk is run
+    again, collecting candidates of any length, and the batch takes, longest max_new first, those of
+    length <= `generation_cap`, skipping (not stopping at) those that do not fit. The sweep resumes
+    at the band of the first candidate (in walk order) not taken, else where the walk stopped."""
     it = S[S_IT]
     m, nf, stop, lo, hi = _collect_padded(S, f, start, descending, max_in, model_max, tol, cand, failed)
+    # a generating family whose band cannot fill the rectangle: widen the band
+    generating = generates(S[S_FM], f, tol) and m < bs and (m + 1) * hi <= bt
+    if generating:
+        m, nf, stop, lo, hi = _collect_padded(S, f, start, descending, max_in, model_max, np.inf, cand, failed)
     if m == 0:
         return 0, nf, stop, 0, 0
     for i in range(m):
         keys[i] = (np.int64(it[cand[i]].max_new) << CANDIDATE_INDEX_BITS) | (CANDIDATE_INDEX_MASK - i)
     sort_descending(keys, m)
+    cap = generation_cap(it, cand, keys, m, bs, bt, tol) if generating else np.int64(LENGTH_MAX)
     n = 0
     longest = 0
     for j in range(m):
         i = CANDIDATE_INDEX_MASK - (keys[j] & CANDIDATE_INDEX_MASK)
         s = cand[i]
         length = it[s].length
-        if not _fits(n, longest, length, bs, bt):
+        if length > cap or n == bs or not _fits(n, longest, length, bs, bt):
+            if generating:
+                continue
             break
         out[n] = s
         n += 1
@@ -186,6 +258,13 @@ def select_padded(S, f, start, descending, bs, bt, max_in, model_max, tol, out, 
         if cand[i] != -1:
             return n, nf, S[S_BK][it[cand[i]].bucket].band, lo, hi
     return n, nf, stop, lo, hi
+
+
+@kernel(inline="always", _nrt=False)
+def generates(fm, f, tol):
+    """Family f's batches are shaped by their generations (`select_padded`): it has an item of
+    max_new > 1 and padding is tolerated at all."""
+    return fm[f].maxnew > 1 and tol > 0.0
 
 
 @kernel(_nrt=False)
