@@ -99,7 +99,7 @@ class ConsumerCore:
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         self._families: set[int] = set()
-        self.in_flight: set[int] = set()  # item ids added to the engine and not answered yet
+        self.in_flight = np.zeros(0, np.uint64)  # item ids added to the engine and not answered yet
 
     def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
         """Account for one batch record and fail what the contract cannot take; (those results or
@@ -144,7 +144,7 @@ class ConsumerCore:
             return None
         try:
             self.engine.add(EngineBatch(ids, tokens, np.asarray(max_new, np.int64)))
-            self.in_flight.update(ids.tolist())
+            self.in_flight = np.concatenate([self.in_flight, ids])
             return None
         except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
             if ids.size == 1:
@@ -153,7 +153,7 @@ class ConsumerCore:
         for k in range(ids.size):
             try:
                 self.engine.add(EngineBatch(ids[k : k + 1], [tokens[k]], np.asarray(max_new[k : k + 1], np.int64)))
-                self.in_flight.add(int(ids[k]))
+                self.in_flight = np.concatenate([self.in_flight, ids[k : k + 1]])
             except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
                 refused.append(engine_error(ids[k], exc))
         return self._count(BatchResults.of(refused)) if refused else None
@@ -161,13 +161,13 @@ class ConsumerCore:
     def poll(self, timeout_seconds: float) -> BatchResults | None:
         """Results of the items the engine finished (each once; a result for an item not in flight is
         dropped). An engine whose poll raises fails every item in flight (engine_error)."""
-        if not self.in_flight:
+        if not self.in_flight.size:
             return None
         try:
             outcome = self.engine.poll(timeout_seconds)
         except Exception as exc:  # noqa: BLE001 - the engine broke: what it held fails, the process goes on
-            lost = sorted(self.in_flight)
-            self.in_flight.clear()
+            lost = self.in_flight.tolist()
+            self.in_flight = np.zeros(0, np.uint64)
             return self._count(BatchResults.of([engine_error(i, exc) for i in lost]))
         s = self.stats
         s.hit_blocks += outcome.hit_blocks
@@ -177,20 +177,28 @@ class ConsumerCore:
         s.rect_tokens += outcome.rect_tokens
         s.reused_tokens += outcome.reused_tokens
         res = outcome.results
-        if isinstance(res, BatchResults):
-            if not len(res):
+        if not isinstance(res, BatchResults):
+            res = BatchResults.of(res)
+        if not len(res):
+            return None
+        ids = res.item_ids.astype(np.uint64)
+        n = ids.size
+        if n <= self.in_flight.size and np.array_equal(self.in_flight[:n], ids):  # the oldest, in order
+            self.in_flight = self.in_flight[n:]
+            return self._count(res)
+        mine = np.isin(ids, self.in_flight)
+        _, first = np.unique(ids, return_index=True)
+        if first.size < ids.size:  # an item answered twice: the first answer counts
+            once = np.zeros(ids.size, bool)
+            once[first] = True
+            mine &= once
+        if not mine.all():
+            if not mine.any():
                 return None
-            ids = res.item_ids.tolist()
-            if all(i in self.in_flight for i in ids) and len(set(ids)) == len(ids):
-                self.in_flight.difference_update(ids)
-                return self._count(res)
-            res = res.items()
-        mine = []
-        for r in res:
-            if r.item_id in self.in_flight:
-                self.in_flight.discard(r.item_id)
-                mine.append(r)
-        return self._count(BatchResults.of(mine)) if mine else None
+            res = rows_of(res, np.flatnonzero(mine))
+            ids = res.item_ids
+        self.in_flight = self.in_flight[~np.isin(self.in_flight, ids)]
+        return self._count(res)
 
     def process(self, batch: Batch, tokens) -> BatchResults:
         """One batch at a time: results in the batch's order, one per item."""
@@ -202,9 +210,9 @@ class ConsumerCore:
             refused = self.add(batch.keys[runnable], sub, batch.max_new_tokens[runnable])
             if refused is not None:
                 parts.append(refused)
-            want = set(batch.keys[runnable].astype(np.uint64).tolist()) & self.in_flight
+            want = batch.keys[runnable].astype(np.uint64)
             deadline = time.monotonic() + RUN_DEADLINE_SECONDS
-            while want & self.in_flight and time.monotonic() < deadline:
+            while np.isin(want, self.in_flight).any() and time.monotonic() < deadline:
                 got = self.poll(0.05)
                 if got is not None:
                     parts.append(got)
@@ -351,9 +359,10 @@ class Taken:
     """A batch record in the window: its item locations, how many rows the engine was given, how
     many still wait for a result. Released (in ring order) when that count is 0."""
 
-    __slots__ = ("locs", "run", "next_row", "open", "in_engine")
+    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine")
 
-    def __init__(self, locs: np.ndarray, run: np.ndarray):
+    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray):
+        self.serial = serial  # the how-manyth record this window took
         self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
         self.run = run  # the rows the engine may run, in the scheduler's order
         self.next_row = 0  # run[:next_row] were added to the engine
@@ -374,7 +383,16 @@ class Window:
         self.limit = limit
         self.padded = core.engine.mode == "padded"
         self.taken: deque[Taken] = deque()
-        self.where: dict[int, tuple[Taken, int]] = {}  # item id -> (its record, its row)
+        # the runnable items of the records taken, as columns (no Python object per item): id, the
+        # serial of its record, its row there; `_order` sorts them by id (None: to be sorted again)
+        self.ids = np.zeros(0, np.uint64)
+        self.recs = np.zeros(0, np.int64)
+        self.rows = np.zeros(0, np.int64)
+        self._order: np.ndarray | None = None
+        self.id_set: set[int] = set()  # the same ids, to find a record's item already in flight at once
+        self.num_taken = 0  # records taken so far (the next one's serial)
+        self.num_released = 0  # records released so far (taken[0] is the num_released-th)
+        self.admit_at = 0  # serial of the first record not all in the engine
         self.followers: dict[int, list] = {}  # item id in flight -> [(record, row)] of later copies of it
         self.positions = np.empty(self.PEEK_MAX, np.int64)
         self.num_admitted = 0  # items in the engine
@@ -424,27 +442,37 @@ class Window:
                 results.append((failed, np.setdiff1d(np.arange(n_run), runnable)))
         if n_failed:
             results.append((_failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
-        ids = locs["item_id"]
+        ids = locs["item_id"][runnable].tolist()
         dup = None
-        if self.where and any(int(ids[k]) in self.where for k in runnable.tolist()):
+        if self.id_set and not self.id_set.isdisjoint(ids):
+            dup = np.array([i in self.id_set for i in ids], bool)
+        t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup])
+        self.num_taken += 1
+        if dup is not None:
             # an item already in flight (a restarted scheduler dispatched it again): it runs once, and
             # this row gets the same result when it finishes
-            dup = np.array([int(ids[k]) in self.where for k in runnable.tolist()], bool)
-        t = Taken(locs, runnable if dup is None else runnable[~dup])
-        if dup is not None:
             for k in runnable[dup].tolist():
-                self.followers.setdefault(int(ids[k]), []).append((t, k))
+                self.followers.setdefault(int(locs["item_id"][k]), []).append((t, k))
         self.taken.append(t)
-        for k in t.run.tolist():
-            self.where[int(ids[k])] = (t, k)
+        if t.run.size:
+            self.id_set.update(ids if dup is None else locs["item_id"][t.run].tolist())
+            self.ids = np.concatenate([self.ids, locs["item_id"][t.run].astype(np.uint64)])
+            self.recs = np.concatenate([self.recs, np.full(t.run.size, t.serial, np.int64)])
+            self.rows = np.concatenate([self.rows, t.run.astype(np.int64)])
+            self._order = None
         for res, rows in results:
             self._write(res, t, rows)
 
     def admit(self) -> None:
         """Add the taken records' items to the engine, in order, while the window has room."""
-        for t in self.taken:
+        taken = self.taken
+        k = self.admit_at - self.num_released  # the first record not all in the engine yet
+        while k < len(taken):
+            t = taken[k]
             left = t.run.size - t.next_row
             if not left:
+                k += 1
+                self.admit_at += 1
                 continue
             if self.padded:
                 if self.num_batches_in >= PADDED_BATCHES_IN:
@@ -455,11 +483,15 @@ class Window:
                 count = min(left, self.limit - self.num_admitted)
                 if count <= 0:
                     return
-            rows = t.run[t.next_row : t.next_row + count]
+            a = t.next_row
             t.next_row += count
             t.in_engine += count
             self.num_admitted += count
-            run = t.locs[rows]
+            if t.run.size == t.locs.size or t.run[-1] - t.run[0] == t.run.size - 1:  # contiguous rows: a view
+                first = int(t.run[0]) + a if t.run.size else 0
+                run = t.locs[first : first + count]
+            else:
+                run = t.locs[t.run[a : a + count]]
             refused = self.core.add(run["item_id"].astype(np.uint64), BatchTokens(self.views, run),
                                     run["max_new"].astype(np.int64))
             if refused is not None:
@@ -475,26 +507,54 @@ class Window:
 
     def finished(self, res: BatchResults) -> None:
         """Write results of admitted items and close their rows."""
-        ids = res.item_ids.tolist()
-        by_rec: dict[int, list] = {}
-        for k, i in enumerate(ids):
-            at = self.where.pop(i, None)
-            assert at is not None, "a result for an item the window does not hold"
-            t, row = at
-            by_rec.setdefault(id(t), [t, [], []])
-            by_rec[id(t)][1].append(k)
-            by_rec[id(t)][2].append(row)
-        self.num_admitted -= len(ids)
+        ids = res.item_ids.astype(np.uint64)
+        n = ids.size
+        if n <= self.ids.size and np.array_equal(self.ids[:n], ids):  # the oldest items, in order
+            recs, rows = self.recs[:n], self.rows[:n]
+            self.ids, self.recs, self.rows = self.ids[n:], self.recs[n:], self.rows[n:]
+        else:
+            if self._order is None:
+                self._order = np.argsort(self.ids, kind="stable")
+            order = self._order
+            at = order[np.minimum(np.searchsorted(self.ids[order], ids), order.size - 1)]
+            assert np.array_equal(self.ids[at], ids), "a result for an item the window does not hold"
+            recs, rows = self.recs[at], self.rows[at]
+            keep = np.ones(self.ids.size, bool)
+            keep[at] = False
+            self.ids, self.recs, self.rows = self.ids[keep], self.recs[keep], self.rows[keep]
+        self._order = None
+        self.id_set.difference_update(ids.tolist())
+        self.num_admitted -= n
         if self.followers:
-            for k, i in enumerate(ids):
+            for k, i in enumerate(ids.tolist()):
                 for t, row in self.followers.pop(i, ()):
-                    self._write(_rows_of(res, np.array([k], np.int64)), t, np.array([row], np.int64))
-        for t, ks, rows in by_rec.values():
-            part = res if len(ks) == len(ids) else _rows_of(res, np.array(ks, np.int64))
-            t.in_engine -= len(rows)
-            if self.padded and t.in_engine == 0 and t.next_row == t.run.size:
-                self.num_batches_in -= 1
-            self._write(part, t, np.array(rows, np.int64))
+                    self._write(rows_of(res, np.array([k], np.int64)), t, np.array([row], np.int64))
+        first = self.taken[0].serial
+        serials = np.unique(recs) if recs[0] != recs[-1] else recs[:1]
+        if serials.size == 1:  # one record: its rows' locations directly
+            t = self.taken[int(serials[0]) - first]
+            assert t.serial == int(serials[0]), "the window's records are in serial order"
+            self._close(t, n)
+            self._write(res, t, rows)
+            return
+        seqs = np.empty(n, np.uint64)
+        writers = np.empty(n, np.uint32)
+        for serial in serials.tolist():
+            t = self.taken[serial - first]
+            assert t.serial == serial, "the window's records are in serial order"
+            ks = np.flatnonzero(recs == serial)
+            seqs[ks] = t.locs["seq"][rows[ks]]
+            writers[ks] = t.locs["writer"][rows[ks]]
+            self._close(t, ks.size)
+            t.open -= ks.size
+            assert t.open >= 0, "more results than rows"
+        self.writer.write(res, seqs, writers)
+
+    def _close(self, t: Taken, count: int) -> None:
+        """count of t's rows in the engine have their results."""
+        t.in_engine -= count
+        if self.padded and t.in_engine == 0 and t.next_row == t.run.size:
+            self.num_batches_in -= 1
 
     def _write(self, res: BatchResults, t: Taken, rows: np.ndarray) -> None:
         self.writer.write(res, t.locs["seq"][rows], t.locs["writer"][rows])
@@ -514,17 +574,20 @@ class Window:
             self.ring.release(new_tail, k)
             for _ in range(k):
                 self.taken.popleft()
+            self.num_released += k
+            self.admit_at = max(self.admit_at, self.num_released)
         return k
 
 
-def _rows_of(res: BatchResults, ks: np.ndarray) -> BatchResults:
+def rows_of(res: BatchResults, ks: np.ndarray) -> BatchResults:
+    """Rows ks of res, as columns."""
+    ks = np.asarray(ks, np.int64)
     counts = np.diff(res.offsets)[ks]
     offsets = np.zeros(ks.size + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
-    flat = np.concatenate([res.flat[res.offsets[k] : res.offsets[k + 1]] for k in ks.tolist()]) if ks.size \
-        else np.zeros(0, np.uint32)
-    errors = {j: res.errors[k] for j, k in enumerate(ks.tolist()) if k in res.errors}
-    return BatchResults(res.item_ids[ks], res.status[ks], flat.astype(np.uint32), offsets, errors)
+    take = np.repeat(res.offsets[ks] - offsets[:-1], counts) + np.arange(int(offsets[-1]), dtype=np.int64)
+    errors = {j: res.errors[k] for j, k in enumerate(ks.tolist()) if k in res.errors} if res.errors else {}
+    return BatchResults(res.item_ids[ks], res.status[ks], res.flat[take], offsets, errors)
 
 
 POLL_SHORT_SECONDS = 0.002  # the engine's poll while the window has room and the ring may bring more
