@@ -233,3 +233,22 @@ def test_an_item_dispatched_again_while_in_flight_runs_once_and_both_rows_get_it
     finally:
         prod.close()
         cons.close()
+
+
+def test_results_that_interleave_records_go_to_their_own_records(owner):
+    """One poll's results may come from several records in any order (a b a b b a: the first and the
+    last from one record): each row to its own."""
+    contract = Contract(6, 1 << 16, 4096)
+    order = {1: 0, 4: 1, 2: 2, 5: 3, 6: 4, 3: 5}  # ids 1-3 in the first record, 4-6 in the second
+    engine = ScriptedEngine("packed", per_poll=6, pick=lambda held: sorted(held, key=lambda x: order.get(x[0], 9)))
+    prod, cons, writes, window = make(owner, contract, engine)
+    try:
+        push_records(prod, [3, 3])
+        window.take_more()
+        window.poll(0)
+        assert writes.calls == [[1, 4, 2, 5, 6, 3]]  # one write, each row with its own location
+        assert [t.open for t in window.taken] == [0, 0]
+        assert window.release_done() == 2 and cons.used_words() == 0
+    finally:
+        prod.close()
+        cons.close()

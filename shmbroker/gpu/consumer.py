@@ -530,7 +530,7 @@ class Window:
                 for t, row in self.followers.pop(i, ()):
                     self._write(rows_of(res, np.array([k], np.int64)), t, np.array([row], np.int64))
         first = self.taken[0].serial
-        serials = np.unique(recs) if recs[0] != recs[-1] else recs[:1]
+        serials = recs[:1] if (recs == recs[0]).all() else np.unique(recs)
         if serials.size == 1:  # one record: its rows' locations directly
             t = self.taken[int(serials[0]) - first]
             assert t.serial == int(serials[0]), "the window's records are in serial order"
