@@ -225,38 +225,45 @@ class Scheduler:
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(self) -> int:
-        """Top up every consumer's batch ring; the number of batches pushed."""
+        """Top up every consumer's batch ring, one record per consumer a round (so a consumer with
+        a deep window does not take a small backlog from the others); the number of records pushed."""
         pushed = 0
         now = time.monotonic() - self.t0
-        for c, ring in enumerate(self.batches):
-            h = ring.header
-            sizes = self.pushed_items[c]
-            while True:
-                undone = int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED])
-                while len(sizes) > undone:  # released since: their items are done
-                    self.undone_items[c] -= sizes.popleft()
-                if undone >= AHEAD and self.undone_items[c] >= self.queued_items[c]:
-                    break
-                record = self.held[c]
-                if record is None:
-                    record = self._next_record(c, now)
-                    if record is None:
-                        break
-                payload, n_run, n_failed, packed_ns = record  # the GPU process counts its wait from packed_ns
-                if ring.push(payload, self.num_batches, n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32) \
-                        != L.OK:
-                    self.held[c] = record
-                    break
-                self.held[c] = None
-                sizes.append(n_run + n_failed)
-                self.undone_items[c] += n_run + n_failed
-                self.num_batches += 1
-                pushed += 1
-                self.values[S_BATCHES] += 1
-                self.values[S_ITEMS] += n_run
+        active = list(range(len(self.batches)))
+        while active:
+            active = [c for c in active if self._push_one(c, now)]
+            pushed += len(active)
         if self.overflow:
             self._refill()
         return pushed
+
+    def _push_one(self, c: int, now: float) -> bool:
+        """Push consumer c's next record if its ring wants one; False when it wants none, there is
+        none, or the ring is full."""
+        ring = self.batches[c]
+        h = ring.header
+        sizes = self.pushed_items[c]
+        undone = int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED])
+        while len(sizes) > undone:  # released since: their items are done
+            self.undone_items[c] -= sizes.popleft()
+        if undone >= AHEAD and self.undone_items[c] >= self.queued_items[c]:
+            return False
+        record = self.held[c]
+        if record is None:
+            record = self._next_record(c, now)
+            if record is None:
+                return False
+        payload, n_run, n_failed, packed_ns = record  # the GPU process counts its wait from packed_ns
+        if ring.push(payload, self.num_batches, n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32) != L.OK:
+            self.held[c] = record
+            return False
+        self.held[c] = None
+        sizes.append(n_run + n_failed)
+        self.undone_items[c] += n_run + n_failed
+        self.num_batches += 1
+        self.values[S_BATCHES] += 1
+        self.values[S_ITEMS] += n_run
+        return True
 
     def _next_record(self, c: int, now: float):
         batch = self.packer.next_batch(c, now)

@@ -122,8 +122,8 @@ class BrokerConfig:
 def default_consumers() -> tuple[ConsumerConfig, ...]:
     """`big` and `small` of the packing benchmark, both on the simulated engine."""
     return (
-        ConsumerConfig("big", Contract(256, 131072, 131072), None, "sim", SimSettings("packed", 2 << 20, pace_seconds=config.DEFAULT_SIM_PACE_SECONDS)),
-        ConsumerConfig("small", Contract(64, 16384, 16384), None, "sim", SimSettings("packed", 256 << 10, pace_seconds=config.DEFAULT_SIM_PACE_SECONDS)),
+        ConsumerConfig("big", Contract(256, 131072, 131072), None, "sim", SimSettings("packed", 2 << 20)),
+        ConsumerConfig("small", Contract(64, 16384, 16384), None, "sim", SimSettings("packed", 256 << 10)),
     )
 
 
@@ -317,8 +317,8 @@ def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
             cost[key] = raw[key]
         else:
             cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
-    pace = v.number(raw, "pace_seconds", 0.0, 3600.0, at=at) if "pace_seconds" in raw else config.DEFAULT_SIM_PACE_SECONDS
-    return SimSettings(mode, cache, SimCost(**cost), pace)
+    pace = {"pace_seconds": v.number(raw, "pace_seconds", 0.0, 3600.0, at=at)} if "pace_seconds" in raw else {}
+    return SimSettings(mode, cache, SimCost(**cost), **pace)
 
 
 class _Validator:

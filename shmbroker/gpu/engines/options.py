@@ -18,6 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ... import config
 from .sim import SimCost
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -33,7 +34,7 @@ class SimSettings:
     mode: str = "packed"
     cache_tokens: int = 2 << 20
     cost: SimCost = SimCost()
-    pace_seconds: float = 0.0
+    pace_seconds: float = config.DEFAULT_SIM_PACE_SECONDS
 
 
 @dataclass(frozen=True)
