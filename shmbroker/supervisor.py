@@ -243,13 +243,19 @@ class Supervisor:
                 self.control.role(self.roles.index(role))[1] += 1
                 self._spawn(role)
 
-    def run(self) -> int:
-        """Watch until SIGTERM/SIGINT, then stop gracefully; the exit status."""
+    def catch_stop(self) -> None:
+        """SIGTERM/SIGINT ask for a graceful stop from now on (installed before `start`, so a signal
+        that comes while the children start is not the default action's: a supervisor killed with
+        its broker half up)."""
         def on_signal(signum, _frame):
             self.stop_requested = True
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def run(self) -> int:
+        """Watch until SIGTERM/SIGINT, then stop gracefully; the exit status."""
+        self.catch_stop()
         try:
             while not self.stop_requested:
                 self.reap()
@@ -393,5 +399,6 @@ def engine_modes(cfg) -> list[str]:
 
 def supervise(cfg) -> int:
     sup = Supervisor(cfg, engine_modes(cfg))
+    sup.catch_stop()
     sup.start()
     return sup.run()

@@ -252,3 +252,26 @@ def test_results_that_interleave_records_go_to_their_own_records(owner):
     finally:
         prod.close()
         cons.close()
+
+
+def test_an_item_twice_in_one_record_runs_once(owner):
+    """After a restart a record may hold the same item twice (recovered from the backlog and salvaged
+    from a ring): the engine sees it once, both rows get its result."""
+    contract = Contract(8, 1 << 16, 4096)
+    engine = ScriptedEngine("packed", per_poll=2, pick=lambda held: held)
+    prod, cons, writes, window = make(owner, contract, engine)
+    try:
+        locs = np.zeros(4, LOC_DTYPE)
+        locs["item_id"] = [7, 8, 7, 9]
+        locs["seq"] = locs["item_id"] + 1000
+        locs["length"] = 10
+        locs["max_new"] = 2
+        locs["family"] = 7
+        assert prod.push(locs.view(np.uint32).reshape(-1), 0, 4, 0, 0, 0) == L.OK
+        drain(window)
+        assert engine.adds == [3]  # 7, 8, 9
+        assert sorted(i for call in writes.calls for i in call) == [7, 7, 8, 9]
+        assert cons.used_words() == 0
+    finally:
+        prod.close()
+        cons.close()

@@ -444,8 +444,16 @@ class Window:
             results.append((_failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
         ids = locs["item_id"][runnable].tolist()
         dup = None
-        if self.id_set and not self.id_set.isdisjoint(ids):
-            dup = np.array([i in self.id_set for i in ids], bool)
+        seen = set(ids)
+        if len(seen) < len(ids) or (self.id_set and not self.id_set.isdisjoint(seen)):
+            # an item twice in the window: after a restart a record may hold the same item twice
+            # (recovered and salvaged) and a restarted scheduler dispatches again what it had not seen
+            # acked; it runs once, and the other rows get its result when it finishes
+            dup = np.zeros(len(ids), bool)
+            first: set[int] = set()
+            for j, i in enumerate(ids):
+                dup[j] = i in self.id_set or i in first
+                first.add(i)
         t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup])
         self.num_taken += 1
         if dup is not None:
@@ -455,7 +463,7 @@ class Window:
                 self.followers.setdefault(int(locs["item_id"][k]), []).append((t, k))
         self.taken.append(t)
         if t.run.size:
-            self.id_set.update(ids if dup is None else locs["item_id"][t.run].tolist())
+            self.id_set.update(seen)
             self.ids = np.concatenate([self.ids, locs["item_id"][t.run].astype(np.uint64)])
             self.recs = np.concatenate([self.recs, np.full(t.run.size, t.serial, np.int64)])
             self.rows = np.concatenate([self.rows, t.run.astype(np.int64)])

@@ -202,7 +202,8 @@ class Sim(StreamingRun):
             self.stream = ContinuousSim(bs, bt, settings.cache_tokens, settings.cost)
         self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
         self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
-        self._max_new: dict[int, int] = {}  # packed: item id -> its max_new_tokens
+        self._seqs: dict[int, tuple[int, int]] = {}  # packed: sequence key -> (item id, max_new_tokens)
+        self._num_seqs = 0
         self._pending = 0
         self.clock = 0.0  # modeled seconds computed
         self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
@@ -232,10 +233,10 @@ class Sim(StreamingRun):
         if self.stream is None:
             self._groups.append((ids, max_new, shapes))
             return
-        for k in range(n):
-            i = int(ids[k])
-            self._max_new[i] = int(max_new[k])
-            self.stream.add(i, shapes.sized_blocks(k), int(lengths[k]), max(1, int(max_new[k])))
+        for k in range(n):  # each sequence its own key: the same item added twice runs twice
+            self._num_seqs += 1
+            self._seqs[self._num_seqs] = (int(ids[k]), int(max_new[k]))
+            self.stream.add(self._num_seqs, shapes.sized_blocks(k), int(lengths[k]), max(1, int(max_new[k])))
 
     def _compute_one(self) -> bool:
         """Compute the next step (packed) or rectangle (padded); False when nothing is left."""
@@ -248,8 +249,9 @@ class Sim(StreamingRun):
             self._figures[0] += self.stream.hit_blocks - h0
             self._figures[1] += self.stream.queried_blocks - q0
             if keys:
-                ids = np.array(keys, np.uint64)
-                self._ready.append((self.clock, ids, np.array([self._max_new.pop(k) for k in keys], np.int64)))
+                done = [self._seqs.pop(k) for k in keys]
+                self._ready.append((self.clock, np.array([i for i, _ in done], np.uint64),
+                                    np.array([m for _, m in done], np.int64)))
             return True
         if not self._groups:
             return False
