@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shmbroker.gpu.consumer import ConsumerCore
-from shmbroker.gpu.engines import base, registry
+from shmbroker.gpu.engines import registry
 from shmbroker.gpu.engines.base import EngineOutcome, EngineUnavailable, ItemResult
 from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.gpu.engines.sim import Sim, SimCost

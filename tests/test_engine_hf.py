@@ -18,9 +18,9 @@ from brokerproc import BrokerProc  # noqa: E402
 from shmbroker.client import Producer  # noqa: E402
 from shmbroker.gpu.consumer import ConsumerCore  # noqa: E402
 from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable  # noqa: E402
-from shmbroker.gpu.engines.registry import load_engine  # noqa: E402
 from shmbroker.gpu.engines.hf import HF, unbatched  # noqa: E402
 from shmbroker.gpu.engines.options import HFSettings  # noqa: E402
+from shmbroker.gpu.engines.registry import load_engine  # noqa: E402
 from shmbroker.pack.contract import Batch, Contract, Shape  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -27,8 +27,8 @@ import pytest
 from shmbroker.gpu.consumer import ConsumerCore
 from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable
 from shmbroker.gpu.engines.openai import ITEMS_PER_REQUEST_AUTO_MAX, NO_TOKEN_IDS, OpenAICompatible, default_items_per_request
-from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.gpu.engines.options import OpenAISettings
+from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.pack.contract import Batch, Contract, Shape
 
 MODEL = "fake-model"

@@ -40,7 +40,6 @@ import numpy as np
 
 from ...errors import BrokerError
 
-
 OK = "ok"
 TOO_LONG = "too_long"
 INVALID = "invalid"
