@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmbroker.gpu.consumer import ConsumerCore
+from shmbroker.gpu.core import ConsumerCore
 from shmbroker.gpu.engines import registry
 from shmbroker.gpu.engines.base import EngineOutcome, EngineUnavailable, ItemResult
 from shmbroker.gpu.engines.registry import load_engine

@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="the hf engine needs transformers (th
 from brokerproc import BrokerProc  # noqa: E402
 
 from shmbroker.client import Producer  # noqa: E402
-from shmbroker.gpu.consumer import ConsumerCore  # noqa: E402
+from shmbroker.gpu.core import ConsumerCore  # noqa: E402
 from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable  # noqa: E402
 from shmbroker.gpu.engines.hf import HF, unbatched  # noqa: E402
 from shmbroker.gpu.engines.options import HFSettings  # noqa: E402

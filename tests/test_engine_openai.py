@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from shmbroker.gpu.consumer import ConsumerCore
+from shmbroker.gpu.core import ConsumerCore
 from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable
 from shmbroker.gpu.engines.openai import ITEMS_PER_REQUEST_AUTO_MAX, NO_TOKEN_IDS, OpenAICompatible, default_items_per_request
 from shmbroker.gpu.engines.options import OpenAISettings

@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmbroker.gpu.consumer import ConsumerCore, Window
+from shmbroker.gpu.core import ConsumerCore
 from shmbroker.gpu.engines.base import EngineOutcome, ItemResult
+from shmbroker.gpu.window import Window
 from shmbroker.pack.contract import Contract
 from shmbroker.pack.feeding import window_items
 from shmbroker.ring import layout as L

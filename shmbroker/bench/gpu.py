@@ -287,7 +287,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench gpu --device cuda: torch sees no CUDA GPU")
 
-    from ..gpu.consumer import ConsumerCore
+    from ..gpu.core import ConsumerCore
     from ..gpu.engines.hf import HF
     from ..gpu.engines.options import HFSettings
     from ..pack.shapes import shape_items

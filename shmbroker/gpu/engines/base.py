@@ -164,10 +164,6 @@ def merge_outcomes(outcomes: list[EngineOutcome]) -> EngineOutcome:
                          sum(o.rect_tokens for o in outcomes), sum(o.reused_tokens for o in outcomes))
 
 
-def outcome_len(outcome: EngineOutcome) -> int:
-    return len(outcome.results)
-
-
 RUN_DEADLINE_SECONDS = 24 * 3600.0  # run(): the longest one batch may take before it is given up
 
 
@@ -228,7 +224,7 @@ class BatchStream:
         if not outs:
             return EngineOutcome([])
         out = merge_outcomes(outs)
-        self._pending -= outcome_len(out)
+        self._pending -= len(out.results)
         return out
 
     def run(self, batch: EngineBatch) -> EngineOutcome:

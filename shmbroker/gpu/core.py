@@ -1,0 +1,256 @@
+"""The GPU process's core: what it does around its engine, item by item, with no ring in sight.
+
+`ConsumerCore` (DESIGN.md "Feeding an engine"):
+
+1. `take(batch, tokens)`: the shape guard again (a batch that is not shape-pure or breaks the
+   contract is counted, `guard_violations`, and still served: its results are right either way),
+   the per-batch accounting (families, switches, tokens), and the items the contract cannot take
+   failed back here, never searched for by the scheduler: `too_long` (with the lengths in the
+   error) and `invalid` (no tokens);
+2. `add(ids, tokens, max_new)`: the rest to the streaming engine; a group it refuses at admission
+   is added item by item, so only the item that causes it fails (`engine_error` with the message);
+3. `poll(timeout_seconds)`: the results of the items the engine finished, each once, counted; an
+   engine whose poll raises fails what it held;
+4. `process(batch, tokens)`: all three for one batch at a time (benchmarks, tests).
+
+Results come back in columns (`BatchResults`), so a batch costs a handful of array operations,
+not a Python object per item.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pack.contract import Batch, Contract
+from ..pack.guard import Guard
+from .engines.base import (
+    ENGINE_ERROR,
+    INVALID,
+    RUN_DEADLINE_SECONDS,
+    STATUS_CODES,
+    TOO_LONG,
+    BatchResults,
+    BatchStream,
+    EngineBatch,
+    ItemResult,
+    engine_error,
+)
+
+CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR = (STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID,
+                                                                                      ENGINE_ERROR))
+
+
+@dataclass
+class ConsumerStats:
+    batches: int = 0
+    items: int = 0
+    ok: int = 0
+    too_long: int = 0
+    invalid: int = 0
+    engine_errors: int = 0
+    guard_violations: int = 0
+    hit_blocks: int = 0
+    queried_blocks: int = 0
+    engine_seconds: float = 0.0
+    input_tokens: int = 0
+    padded_tokens: int = 0
+    rect_tokens: int = 0
+    reused_tokens: int = 0  # prefix tokens the engine served from a cache
+    shape_switches: int = 0  # consecutive batches of different families
+    families: int = 0  # distinct families served
+    # switches back to a family already served: switches - (families - 1) (DESIGN.md "Words"),
+    # counted as they happen so that a restarted process can continue the count
+    excess_shape_switches: int = 0
+
+
+class ConsumerCore:
+    """What a GPU process does with each batch record, around a streaming engine (`engines/base.py`):
+
+    - `take(batch, tokens)`: the guard and the per-batch accounting, the contract's failures
+      (`too_long`, `invalid`) as results at once, the rest handed to the engine (`add`);
+    - `poll(timeout_seconds)`: the results of the items the engine finished, checked and counted;
+    - `process(batch, tokens)`: both, one batch at a time, results in the batch's order.
+
+    An engine without add/poll (a batch engine with only `run`) is put behind `BatchStream`."""
+
+    def __init__(self, contract: Contract, engine, *, tolerance: float | None = None):
+        self.contract = contract
+        if not callable(getattr(engine, "add", None)):
+            engine = BatchStream(engine)
+        self.engine = engine
+        self.guard = Guard(tolerance if engine.mode == "padded" else None)
+        self.stats = ConsumerStats()
+        self._last_family: int | None = None
+        self._families: set[int] = set()
+        self.in_flight = np.zeros(0, np.uint64)  # item ids added to the engine and not answered yet
+
+    def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
+        """Account for one batch record and fail what the contract cannot take; (those results or
+        None, the rows of the batch that may run). The caller adds those rows (`add`), all at once
+        or in parts."""
+        n = len(batch)
+        assert len(tokens) == n, "one token array per item"
+        stats = self.stats
+        stats.batches += 1
+        stats.items += n
+        if n and self.guard.check_batch(batch, self.contract) is not None:
+            stats.guard_violations += 1
+        if n:
+            family = int(batch.shape.family)
+            if self._last_family is not None and family != self._last_family:
+                stats.shape_switches += 1
+                if family in self._families:
+                    stats.excess_shape_switches += 1
+            self._last_family = family
+            if family not in self._families:
+                self._families.add(family)
+                stats.families += 1
+            stats.input_tokens += int(batch.lengths.sum())
+        lengths = batch.lengths
+        limit = self.contract.max_input_len
+        bad = (lengths == 0) | (lengths > limit)
+        if not bad.any():
+            return None, np.arange(n)
+        rows = np.flatnonzero(bad)
+        status = np.where(lengths[rows] == 0, CODE_INVALID, CODE_TOO_LONG).astype(np.uint32)
+        errors = {k: ("no tokens" if lengths[r] == 0 else f"{int(lengths[r])} tokens > max_input_len {limit}")
+                  for k, r in enumerate(rows.tolist())}
+        failed = _empty(batch.keys[rows].astype(np.uint64), status, errors)
+        self._count(failed)
+        return failed, np.flatnonzero(~bad)
+
+    def add(self, ids: np.ndarray, tokens, max_new: np.ndarray) -> BatchResults | None:
+        """Hand items to the engine; those it refuses at admission come back as results (a group it
+        refuses is added item by item, so only the item that causes it fails)."""
+        ids = np.asarray(ids, np.uint64)
+        if not ids.size:
+            return None
+        try:
+            self.engine.add(EngineBatch(ids, tokens, np.asarray(max_new, np.int64)))
+            self.in_flight = np.concatenate([self.in_flight, ids])
+            return None
+        except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
+            if ids.size == 1:
+                return self._count(BatchResults.of([engine_error(ids[0], exc)]))
+        refused = []
+        for k in range(ids.size):
+            try:
+                self.engine.add(EngineBatch(ids[k : k + 1], [tokens[k]], np.asarray(max_new[k : k + 1], np.int64)))
+                self.in_flight = np.concatenate([self.in_flight, ids[k : k + 1]])
+            except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
+                refused.append(engine_error(ids[k], exc))
+        return self._count(BatchResults.of(refused)) if refused else None
+
+    def poll(self, timeout_seconds: float) -> BatchResults | None:
+        """Results of the items the engine finished (each once; a result for an item not in flight is
+        dropped). An engine whose poll raises fails every item in flight (engine_error)."""
+        if not self.in_flight.size:
+            return None
+        try:
+            outcome = self.engine.poll(timeout_seconds)
+        except Exception as exc:  # noqa: BLE001 - the engine broke: what it held fails, the process goes on
+            lost = self.in_flight.tolist()
+            self.in_flight = np.zeros(0, np.uint64)
+            return self._count(BatchResults.of([engine_error(i, exc) for i in lost]))
+        s = self.stats
+        s.hit_blocks += outcome.hit_blocks
+        s.queried_blocks += outcome.queried_blocks
+        s.engine_seconds += outcome.engine_seconds
+        s.padded_tokens += outcome.padded_tokens
+        s.rect_tokens += outcome.rect_tokens
+        s.reused_tokens += outcome.reused_tokens
+        res = outcome.results
+        if not isinstance(res, BatchResults):
+            res = BatchResults.of(res)
+        if not len(res):
+            return None
+        ids = res.item_ids.astype(np.uint64)
+        n = ids.size
+        if n <= self.in_flight.size and np.array_equal(self.in_flight[:n], ids):  # the oldest, in order
+            self.in_flight = self.in_flight[n:]
+            return self._count(res)
+        mine = np.isin(ids, self.in_flight)
+        _, first = np.unique(ids, return_index=True)
+        if first.size < ids.size:  # an item answered twice: the first answer counts
+            once = np.zeros(ids.size, bool)
+            once[first] = True
+            mine &= once
+        if not mine.all():
+            if not mine.any():
+                return None
+            res = rows_of(res, np.flatnonzero(mine))
+            ids = res.item_ids
+        self.in_flight = self.in_flight[~np.isin(self.in_flight, ids)]
+        return self._count(res)
+
+    def process(self, batch: Batch, tokens) -> BatchResults:
+        """One batch at a time: results in the batch's order, one per item."""
+        n = len(batch)
+        failed, runnable = self.take(batch, tokens)
+        parts = [p for p in (failed,) if p is not None]
+        if runnable.size:
+            sub = _Pick(tokens, runnable) if runnable.size < n else tokens
+            refused = self.add(batch.keys[runnable], sub, batch.max_new_tokens[runnable])
+            if refused is not None:
+                parts.append(refused)
+            want = batch.keys[runnable].astype(np.uint64)
+            deadline = time.monotonic() + RUN_DEADLINE_SECONDS
+            while np.isin(want, self.in_flight).any() and time.monotonic() < deadline:
+                got = self.poll(0.05)
+                if got is not None:
+                    parts.append(got)
+        return _in_order(batch.keys.astype(np.uint64), parts)
+
+    def _count(self, res: BatchResults) -> BatchResults:
+        counts = np.bincount(res.status, minlength=4)
+        s = self.stats
+        s.ok += int(counts[CODE_OK])
+        s.too_long += int(counts[CODE_TOO_LONG])
+        s.invalid += int(counts[CODE_INVALID])
+        s.engine_errors += int(counts[CODE_ENGINE_ERROR])
+        return res
+
+
+def _in_order(ids: np.ndarray, parts: list) -> BatchResults:
+    """The results of `parts` in the order of `ids`, one per id (a missing one: engine_error)."""
+    by_id = {}
+    for p in parts:
+        for r in p.items():
+            by_id[r.item_id] = r
+    return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
+                            for i in ids])
+
+
+class _Pick:
+    """tokens[rows[i]] as a sequence, without touching the tokens."""
+
+    def __init__(self, tokens, rows):
+        self.tokens, self.rows = tokens, rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.tokens[int(r)] for r in self.rows[i]]
+        return self.tokens[int(self.rows[i])]
+
+
+def _empty(ids, status, errors) -> BatchResults:
+    return BatchResults(ids, status.copy(), np.zeros(0, np.uint32), np.zeros(ids.size + 1, np.int64), dict(errors))
+
+
+# -- the process -----------------------------------------------------------------------------
+
+def rows_of(res: BatchResults, ks: np.ndarray) -> BatchResults:
+    """Rows ks of res, as columns."""
+    ks = np.asarray(ks, np.int64)
+    counts = np.diff(res.offsets)[ks]
+    offsets = np.zeros(ks.size + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    take = np.repeat(res.offsets[ks] - offsets[:-1], counts) + np.arange(int(offsets[-1]), dtype=np.int64)
+    errors = {j: res.errors[k] for j, k in enumerate(ks.tolist()) if k in res.errors} if res.errors else {}
+    return BatchResults(res.item_ids[ks], res.status[ks], res.flat[take], offsets, errors)
