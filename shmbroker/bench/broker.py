@@ -59,6 +59,20 @@ class BenchBroker:
                 raise RuntimeError("the broker did not start: " + Path(self.log_path).read_text(errors="replace")[-2000:])
             time.sleep(poll_seconds)
 
+    def wait_engine(self, view, role: str, timeout_seconds: float) -> None:
+        """Until GPU process `role` runs its loop (a heartbeat after its start: its engine is built);
+        a broker that exits or an engine not built in time is an error naming the log's tail."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            p = next((x for x in view.snapshot()["processes"] if x["role"] == role), None)
+            if p is not None and p["alive"] and p["heartbeat_age_seconds"] is not None \
+                    and p["heartbeat_age_seconds"] < p["uptime_seconds"]:
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the broker's {role} did not build its engine in {timeout_seconds:.0f} s: "
+                                   + Path(self.log_path).read_text(errors="replace")[-3000:])
+            time.sleep(0.1)
+
     def stop(self) -> int:
         """SIGTERM, wait (SIGKILL after 60 s); the exit status."""
         self.proc.send_signal(signal.SIGTERM)

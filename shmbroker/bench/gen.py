@@ -260,7 +260,6 @@ def through_broker(setup: Setup, items: Items, tmp: str) -> dict:
     from ..client import Producer
     from ..watch import BrokerView
     from .broker import BenchBroker
-    from .gpu import _engine_loaded
 
     os.makedirs(tmp, exist_ok=True)
     broker = BenchBroker(tmp, broker_config(setup))
@@ -270,12 +269,8 @@ def through_broker(setup: Setup, items: Items, tmp: str) -> dict:
         with Producer("bench-gen", data_dir=broker.data_dir) as p:
             view = BrokerView.attach(broker.data_dir)
             try:
-                deadline = time.monotonic() + 900
-                while not _engine_loaded(view):  # the GPU process built its engine
-                    if broker.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("the broker's engine did not start: " + Path(broker.log_path).read_text(
-                            errors="replace")[-3000:])
-                    time.sleep(0.2)
+                deadline = time.monotonic() + 900  # the engine built and every result back
+                broker.wait_engine(view, "gpu-card", 900)
                 card0 = view.snapshot()["consumers"]["card"]
                 t0 = time.perf_counter()
                 p.submit_many(items.tokens, items.offsets, max_new_tokens=items.max_new_tokens)

@@ -236,11 +236,8 @@ def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
         with Producer("bench-gpu", data_dir=broker.data_dir) as p:
             view = BrokerView.attach(broker.data_dir)
             try:
-                deadline = time.monotonic() + 600
-                while view.snapshot()["processes"] and not _engine_loaded(view):  # the GPU process built its model
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the GPU process did not load its model in 600 s")
-                    time.sleep(0.1)
+                deadline = time.monotonic() + 600  # the model loaded and every result back
+                broker.wait_engine(view, "gpu-card", 600)
                 t0 = time.perf_counter()
                 p.submit_many(wl.tokens, wl.offsets, max_new_tokens=setup.max_new_tokens)
                 got = 0
@@ -267,12 +264,6 @@ def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
             "consumer_loop_overhead": round(card["busy_ns"] / own - 1, 4) if own else None,
             "consumer_loop_ms_per_batch": round((card["busy_ns"] - own) / 1e6 / card["batches"], 3)
             if card["batches"] else None}
-
-
-def _engine_loaded(view) -> bool:
-    """The GPU process runs its loop (a heartbeat after its start): its engine is built."""
-    p = next(x for x in view.snapshot()["processes"] if x["role"] == "gpu-card")
-    return p["alive"] and p["heartbeat_age_seconds"] is not None and p["heartbeat_age_seconds"] < p["uptime_seconds"]
 
 
 def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
