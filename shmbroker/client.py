@@ -55,7 +55,7 @@ RESULT_BATCH = 256
 @dataclass(frozen=True)
 class Result:
     item_id: int
-    status: str  # ok | too_long | invalid | engine_error
+    status: str  # ok | too_long | invalid | engine_error | corrupt
     tokens: np.ndarray
     error: str | None = None  # what went wrong, for a status other than ok
 

@@ -45,7 +45,9 @@ MAX_PRODUCER_ID = (1 << (64 - SEQ_BITS)) - 1
 ITEM_EMPTY = 10
 ITEM_BAD_MAX_NEW = 11
 
-STATUS_CODES = {"ok": 0, "too_long": 1, "invalid": 2, "engine_error": 3}
+# corrupt: the item's backlog record failed its CRC (or its frame was broken) where the broker read
+# it back; its tokens cannot be trusted, so it is not run
+STATUS_CODES = {"ok": 0, "too_long": 1, "invalid": 2, "engine_error": 3, "corrupt": 4}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 
 assert OK == 0 and RECORD_HEADER_WORDS == 8

@@ -39,12 +39,14 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import BrokerError
+from ...ring.items import STATUS_CODES as _STATUS_CODES
 
 OK = "ok"
 TOO_LONG = "too_long"
 INVALID = "invalid"
 ENGINE_ERROR = "engine_error"
-STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR)
+CORRUPT = "corrupt"
+STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT)
 
 
 
@@ -96,7 +98,8 @@ class ItemResult:
         assert self.status in STATUSES, self.status
 
 
-STATUS_CODES = {OK: 0, TOO_LONG: 1, INVALID: 2, ENGINE_ERROR: 3}  # = ring.items.STATUS_CODES
+STATUS_CODES = _STATUS_CODES  # the one table (ring.items)
+assert all(s in STATUS_CODES for s in STATUSES)
 STATUS_OF = {code: name for name, code in STATUS_CODES.items()}
 
 
