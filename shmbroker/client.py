@@ -50,6 +50,7 @@ from .ring.ring import CONSUMER, PRODUCER, Ring, RingNames
 from .ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
 
 RESULT_BATCH = 256
+SESSION_POLL_SECONDS = 0.002  # how often a new reader looks whether the results process set its ring up
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ class Producer:
         self.connect_timeout_seconds = float(connect_timeout_seconds)
         self._buf = None
         self._result_out = None
-        self._pending: deque[Result] = deque()
+        self._pending: deque[tuple[int, Result]] = deque()  # (ring index, result) popped, not handed out
+        self._auto_ack = True
         self._seen: dict[int, SeenSet] = {}  # producer id -> the seqs whose results were yielded (dedupe)
         self._models: dict[str | None, int] = {None: 0}
         self.reconnects = 0
@@ -164,6 +166,7 @@ class Producer:
         except BaseException:
             self._ingest.close()
             raise
+        self._begin_session()
         self._buf = self._ingest.buf
         self._seq = self._ingest.next_key  # resumes after a reconnect
         self._id_base = item_id(self.producer_id, 0)
@@ -352,27 +355,36 @@ class Producer:
 
     # -- results ---------------------------------------------------------------------
 
-    def results(self, timeout_seconds: float = 0.0) -> Iterator[Result]:
+    def results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> Iterator[Result]:
         """Yield results as they arrive; stops once none has come for `timeout_seconds`.
 
-        Each item's result is yielded once (the broker delivers at least once; duplicates are
-        dropped here by item id). A result leaves the producer only when it is yielded: breaking
-        out of the loop keeps the rest for the next call.
+        Each item's result is yielded once by this Producer (the broker delivers at least once;
+        duplicates are dropped here by item id). A result stays the broker's until it is
+        acknowledged: with `auto_ack` a result counts as handled when the caller asks for the next
+        one (or closes the Producer); with `auto_ack=False` only `ack()` acknowledges, so a caller
+        that writes results somewhere calls it after its own write is durable. What a reader that
+        dies had not acknowledged comes again to the next reader under this name.
         """
         pending = self._pending
         while True:
             while pending:
-                yield pending.popleft()
-            # one record at a time: a result leaves the ring only when it is about to be yielded, so
-            # a caller that stops (and closes) loses none (the broker counts popped ones as read)
+                yield self._hand_out(auto_ack)
+                if auto_ack:
+                    self.ack()
+            # one record at a time: a result leaves the ring only when it is about to be yielded
             if self._fetch_results(1) == 0 and not self._wait_results(timeout_seconds):
                 return
 
-    def take_results(self, timeout_seconds: float = 0.0) -> ResultBatch:
+    def take_results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> ResultBatch:
         """The results that arrived (up to RESULT_BATCH, waiting up to `timeout_seconds` for the
-        first), in columns and without duplicates: for producers that handle many at once."""
+        first), in columns and without duplicates: for producers that handle many at once. With
+        `auto_ack` the results of the previous call count as handled (acknowledged) when this one
+        is made; otherwise call `ack()`."""
+        if auto_ack:
+            self.ack()
+        self._auto_ack = auto_ack
         if self._pending:
-            rs = [self._pending.popleft() for _ in range(min(len(self._pending), RESULT_BATCH))]
+            rs = [self._hand_out(auto_ack) for _ in range(min(len(self._pending), RESULT_BATCH))]
             return ResultBatch.of(rs)
         n = self._pop_results()
         if n == 0 and timeout_seconds > 0 and self._wait_results(timeout_seconds):
@@ -381,7 +393,41 @@ class Producer:
         keep = self._fresh(keys[:n])
         return ResultBatch(keys[:n][keep].copy(), meta[:n, 0][keep].copy(), meta[:n, 1][keep].copy())
 
+    def ack(self) -> None:
+        """Acknowledge every result handed out so far (and the duplicates dropped meanwhile): the
+        broker forgets them, and a later reader under this name does not get them again."""
+        if self._buf is None or not self._session_ready():
+            return
+        h = self._results.header
+        upto = self._pending[0][0] if self._pending else int(h[L.H_NUM_POPPED])
+        if upto > int(h[L.H_NUM_ACKED]):
+            h[L.H_NUM_ACKED] = upto
+
+    def _hand_out(self, auto_ack: bool) -> Result:
+        self._auto_ack = auto_ack
+        return self._pending.popleft()[1]
+
+    def _begin_session(self) -> None:
+        """Announce a new reader of the result ring. The results process sets the ring up for it
+        (what an earlier reader popped but never acknowledged is pushed again); until then nothing
+        is popped (`_session_ready`, `_wait_results`)."""
+        h = self._results.header
+        self._session = int(h[L.H_SESSION]) + 1
+        h[L.H_SESSION] = self._session
+        self._ready = False
+
+    def _session_ready(self) -> bool:
+        if not self._ready:
+            self._ready = int(self._results.header[L.H_SESSION_READY]) == self._session
+        return self._ready
+
     def _wait_results(self, timeout_seconds: float) -> bool:
+        if not self._session_ready():
+            deadline = time.monotonic() + timeout_seconds
+            while not self._session_ready():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(SESSION_POLL_SECONDS)
         try:
             return self._results.wait_readable(timeout_seconds)
         except PeerDead:
@@ -402,6 +448,8 @@ class Producer:
         return self._broker_pid is not None and reply.get("pid") == self._broker_pid
 
     def _pop_results(self, max_records: int = RESULT_BATCH) -> int:
+        if not self._session_ready():
+            return 0
         if self._result_out is None:
             self._result_out = (
                 np.empty(self._results.max_tokens, np.uint32),
@@ -435,15 +483,15 @@ class Producer:
             return 0
         tokens, offsets, keys, meta = self._result_out
         keep = self._fresh(keys[:n])
+        first = int(self._results.header[L.H_NUM_POPPED]) - n  # ring index of the first record popped
         for i in np.flatnonzero(keep).tolist():
             ntok = int(meta[i, 1])
             body = tokens[offsets[i] : offsets[i + 1]]
             error = None
             if meta[i, 3]:
                 error = body[ntok:].tobytes()[: int(meta[i, 3])].decode("utf-8", "replace")
-            self._pending.append(
-                Result(int(keys[i]), STATUS_NAMES.get(int(meta[i, 0]), "invalid"), body[:ntok].copy(), error)
-            )
+            self._pending.append((first + i, Result(int(keys[i]), STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
+                                                    body[:ntok].copy(), error)))
         return n
 
     # -- lifetime --------------------------------------------------------------------
@@ -453,7 +501,10 @@ class Producer:
         return self._id_base | self._seq
 
     def close(self) -> None:
-        """Detach from the rings (idempotent). Items already submitted stay with the broker."""
+        """Detach from the rings (idempotent). Items already submitted stay with the broker, and so
+        do results not acknowledged (with auto_ack, those handed out are acknowledged here)."""
+        if self._buf is not None and self._auto_ack:
+            self.ack()
         self._detach()
 
     def _detach(self) -> None:

@@ -14,48 +14,53 @@ process, the single writer of all of the following, takes each ring record and
    the log is synced, so an acked item's result is always on disk first), and reclaims segments
    whose records are all done.
 
-Delivery: the log offset below which every result was consumed by its producer (popped from its
-ring) or never needs to be is saved in `results/cursor.json`; after a restart the log is replayed
-from there, so a result reaches its producer at least once. The client drops duplicates by item id.
+Delivery (`delivery.py`): each producer name's cursor (its first result the reader has not
+acknowledged) is saved in `results/cursor.json`; a reader that dies leaves what it did not
+acknowledge to the next reader under its name, and a replay after a restart gives each name its
+results from its cursor on. A damaged record in the log is skipped (the scan resyncs on the next
+valid record) and counted; when its frame is whole, so that its item id can be read, the item is
+told `corrupt`. Only a torn tail of the newest file (nothing valid after it) is cut.
 """
 
 from __future__ import annotations
 
 import errno
-import json
+import mmap
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 
 from .control import Control
+from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
-from .results_log import CURSOR_FILE, RESULTS_DIR, OffsetQueue, ResultsLog
+from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog
 from .ring import layout as L
 from .ring import spsc
-from .ring.items import SEQ_BITS
+from .ring.items import SEQ_BITS, STATUS_CODES
 from .ring.ring import CONSUMER, PRODUCER, Ring, sleep_on
-from .ring.wire import RES_HEADER_BYTES, RES_OK, push_results, result_fields, scan_results
-from .spill.acks import atomic_write
+from .ring.wire import (
+    RES_BAD,
+    RES_HEADER_BYTES,
+    RES_OK,
+    encode_error,
+    push_results,
+    res_bytes,
+    result_fields,
+    resync_results,
+    scan_results,
+)
 from .spill.store import BACKLOG_DIR, Backlog
+from .stats import slot_of
 
 ACK_SAVE_SECONDS = 0.2
 RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
-REPLAY_BYTES = 8 << 20
-
-
-class _Outlet:
-    """One producer's result ring and what was pushed on it but not yet consumed."""
-
-    def __init__(self, slot, ring: Ring):
-        self.slot = slot
-        self.ring = ring
-        self.unconsumed: deque = deque()  # (num_pushed after a chunk, log offset of its first record)
-        self.waiting = OffsetQueue()  # results parked because the ring was full (or it just connected)
+CORRUPT = STATUS_CODES["corrupt"]
+C_BAD_RECORDS, C_BAD_BYTES, C_NOTICES, C_READERS, C_REDELIVERED = (
+    slot_of("results", k) for k in ("log_bad_records", "log_bad_bytes", "corrupt_notices", "readers", "redelivered"))
 
 
 class Router:
@@ -64,15 +69,18 @@ class Router:
         self.root = Path(data_dir) / RESULTS_DIR
         self.log = ResultsLog(self.root, cfg.fsync)
         self.control = control
-        self.counters = counters if counters is not None else np.zeros(8, np.int64)
+        self.counters = counters if counters is not None else np.zeros(16, np.int64)
         self.backlog = Backlog(Path(data_dir) / BACKLOG_DIR, cfg.segment_bytes)
         self.backlog.acks = _load_acks(self.backlog.root)
-        self.outlets: dict[int, _Outlet] = {}  # producer id -> outlet (ids of this lifetime)
-        self.by_name: dict[str, _Outlet] = {}
+        self.outlets: dict[int, Outlet] = {}  # producer id -> outlet (ids of this lifetime)
+        self.by_name: dict[str, Outlet] = {}
         self.names: dict[int, str] = {}  # producer id -> name, every id ever given
         self.parked: dict[str, OffsetQueue] = {}  # results for names not connected
         self.seen_version = -1
-        self.floor = _load_cursor(self.root)
+        self.cursors = Cursors(self.root)
+        self.floor = self.cursors.floor
+        self.plans: dict[str, ReplayPlan] | None = None  # while replaying: each name's plan
+        self.held: set[str] = set()  # names whose ring waits for its new reader's set-up: push nothing yet
         self._pos = np.empty(SCAN_MAX, np.int64)
         self._cols = (np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
                       np.empty(SCAN_MAX, np.uint32))
@@ -82,20 +90,39 @@ class Router:
     # -- producers -------------------------------------------------------------------
 
     def refresh(self) -> None:
-        if self.control.table_version == self.seen_version:
-            return
-        self.seen_version = self.control.table_version
-        for p in self.control.producers():
-            if p.producer_id in self.outlets:
-                continue
-            outlet = _Outlet(p.slot, Ring.attach(p.result_names, PRODUCER))
-            self.outlets[p.producer_id] = outlet
-            self.by_name[p.name] = outlet
-            self.names[p.producer_id] = p.name
-            queue = self.parked.pop(p.name, None)
-            if queue is not None:
-                for part in queue.take_all():
-                    outlet.waiting.extend(part)
+        if self.control.table_version != self.seen_version:
+            self.seen_version = self.control.table_version
+            for p in self.control.producers():
+                if p.producer_id in self.outlets:
+                    continue
+                outlet = Outlet(p.name, p.slot, Ring.attach(p.result_names, PRODUCER))
+                self.outlets[p.producer_id] = outlet
+                self.by_name[p.name] = outlet
+                self.names[p.producer_id] = p.name
+                queue = self.parked.pop(p.name, None)
+                if queue is not None:
+                    for part in queue.take_all():
+                        outlet.waiting.extend(part)
+        if self.plans is None:
+            self.answer_readers()
+
+    def answer_readers(self) -> int:
+        """Set up the rings whose new reader announced itself: what the earlier reader popped and
+        never acknowledged is pushed again, in order, before anything newer."""
+        fresh = [o for o in self.by_name.values() if o.session_pending()]
+        if not fresh:
+            return 0
+        again = {o.name: o.unacked_offsets() for o in fresh}
+        # the cursor first: a crash between here and the answer leaves a cursor that is right
+        # both for the ring as it is and as reset (see delivery.py)
+        self._save_cursors(again)
+        for outlet in fresh:
+            outlet.reset_for_reader()
+            self.held.discard(outlet.name)
+            self.counters[C_REDELIVERED] += again[outlet.name].size
+            self.counters[C_READERS] += 1
+            outlet.answer_reader()
+        return len(fresh)
 
     def parked_now(self) -> int:
         """Results waiting for a producer: parked by name, or for a full ring."""
@@ -108,38 +135,85 @@ class Router:
             name = self.names.get(producer_id)
         return name
 
-    # -- the flow ----------------------------------------------------------------------
+    # -- replay ------------------------------------------------------------------------
 
     def replay(self) -> dict:
-        """After a restart: route every result from the saved cursor to the log's end again."""
+        """After a restart: route every result from each name's cursor to the log's end again."""
         t0 = time.perf_counter()
+        self.plans = {}
+        self.held = {o.name for o in self.by_name.values() if o.session_pending()}
         count = 0
+        notices: list[np.ndarray] = []
         at = max(self.floor, self.log.files[0])
         for start in list(self.log.files):
             end = self.log.file_end(start)
-            if end <= at:
-                continue
-            pos_in_file = max(at, start)
-            piece = REPLAY_BYTES
-            while pos_in_file < end:  # in pieces: memory stays bounded
-                data = self.log.read(pos_in_file, min(piece, end - pos_in_file))
-                n, stop, outcome = scan_results(data, 0, data.size, self._pos, True)
-                count += self._route(data, n, pos_in_file, ack=True)
-                pos_in_file += stop
-                grown, piece = piece != REPLAY_BYTES, REPLAY_BYTES
-                if outcome == RES_OK or (stop and pos_in_file < end and data.size == REPLAY_BYTES):
-                    continue  # the scan's room was full, or the piece cut a record: go on from there
-                if stop == 0 and not grown and pos_in_file < end and data.size >= RES_HEADER_BYTES:
-                    size = int(data[:4].view(np.uint32)[0])
-                    if data.size < size <= end - pos_in_file:
-                        piece = size  # one record larger than a piece
-                        continue
-                if pos_in_file < end and start == self.log.start:
-                    self.log.cut(pos_in_file)  # a torn tail (a crash mid-write): cut
+            if end > at:
+                n, cut_at = self._replay_file(start, max(at, start), end, notices)
+                count += n
+                if cut_at is not None:
+                    self.log.cut(cut_at)  # a torn tail (a crash mid-write): cut
                     end = self.log.end
-                break
             at = end
-        return {"seconds": time.perf_counter() - t0, "results": count}
+        for record in notices:  # after any cut: a notice is appended at the log's end
+            where = self.log.append(record)
+            n, _stop, _outcome = _scan_all(record, self._pos, check_crc=False)
+            self._route(record, n, where, ack=False)
+            self.counters[C_NOTICES] += 1
+        self.plans = None
+        self.answer_readers()
+        self.checkpoint(force=True)
+        return {"seconds": time.perf_counter() - t0, "results": count, "corrupt_notices": len(notices)}
+
+    def _replay_file(self, start: int, first: int, end: int, notices: list):
+        """Route the records of one log file in [first, end); returns (records, where to cut or None)."""
+        size = end - start
+        with open(self.log.path(start), "rb") as f:
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+        try:
+            data = np.frombuffer(mm, np.uint8) if mm is not None else np.zeros(0, np.uint8)
+            pos, count = first - start, 0
+            while pos < size:
+                n, stop, outcome = scan_results(data, pos, size, self._pos, True)
+                count += self._route(data, n, start, ack=True)
+                pos = stop
+                if outcome == RES_OK or pos >= size:
+                    continue
+                # a damaged record, zeros (pages a power loss left unwritten) or a few stray bytes:
+                # go on at the next valid record; with none after it, the newest file's is a torn tail
+                nxt = int(resync_results(data, pos, size))
+                if nxt >= size and start == self.log.start:
+                    del data
+                    return count, start + pos
+                self.counters[C_BAD_RECORDS] += 1
+                self.counters[C_BAD_BYTES] += nxt - pos
+                notice = self._notice(data, pos, nxt) if outcome == RES_BAD else None
+                if notice is not None:
+                    notices.append(notice)
+                pos = nxt
+            del data
+            return count, None
+        finally:
+            if mm is not None:
+                mm.close()
+
+    def _notice(self, data: np.ndarray, at: int, nxt: int) -> np.ndarray | None:
+        """A `corrupt` result for the item a damaged record names, when its frame is whole (its
+        length leads to the next valid record) and the item's producer is known; else None."""
+        if nxt - at < RES_HEADER_BYTES:
+            return None
+        h = data[at : at + RES_HEADER_BYTES].view(np.uint32)
+        h64 = data[at : at + RES_HEADER_BYTES].view(np.uint64)
+        if int(h[0]) != nxt - at:
+            return None
+        item_id, seq, writer = int(h64[1]), int(h64[2]), int(h[7])
+        if self._name_of(item_id >> SEQ_BITS) is None:
+            return None
+        err = np.frombuffer(b"its result record was damaged in the results log on disk (crc mismatch)", np.uint8)
+        out = np.zeros(res_bytes(0, err.size), np.uint8)
+        encode_error(out, 0, item_id, seq, CORRUPT, writer, err)
+        return out
+
+    # -- the flow ----------------------------------------------------------------------
 
     def take(self, ring: Ring) -> int:
         """Log, route and ack what one GPU's results ring holds; the records it released."""
@@ -176,14 +250,18 @@ class Router:
         for p, mine in _groups(producers):
             rows = pos if mine is None else pos[mine]
             outlet = self.outlets.get(p)
-            if outlet is None:
-                name = self._name_of(p)
-                outlet = self.by_name.get(name) if name is not None else None
+            name = outlet.name if outlet is not None else self._name_of(p)
+            if outlet is None and name is not None:
+                outlet = self.by_name.get(name)
+            if self.plans is not None:
+                rows = self._plan(name, outlet, rows, at)
+                if rows.size == 0:
+                    continue
             if outlet is None:
                 self.parked.setdefault(name or f"#{p}", OffsetQueue()).extend(rows + at)
                 self.counters[3] += rows.size
                 continue
-            if outlet.waiting:
+            if outlet.waiting or name in self.held:
                 outlet.waiting.extend(rows + at)
                 continue
             rows = np.ascontiguousarray(rows)
@@ -191,16 +269,33 @@ class Router:
             if wake:
                 outlet.ring.data_bell.ring()
             if pushed:
-                outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at + int(rows[0])))
+                outlet.pushed(rows[:pushed] + at)
                 self.counters[1] += pushed
             if pushed < rows.size:
                 outlet.waiting.extend(rows[pushed:] + at)
         return n
 
+    def _plan(self, name: str | None, outlet: Outlet | None, rows: np.ndarray, at: int) -> np.ndarray:
+        """While replaying: the rows of one name to route (those acknowledged are dropped, those
+        still on its ring are noted as in flight)."""
+        if name is None:
+            return rows
+        plan = self.plans.get(name)
+        if plan is None:
+            plan = self.plans[name] = ReplayPlan(self.cursors.of(name), outlet, fresh_reader=name in self.held)
+        act = plan.actions(rows + at)
+        if outlet is not None:
+            inflight = act == ReplayPlan.INFLIGHT
+            if inflight.any():
+                outlet.pushed(rows[inflight] + at)
+        return rows[act == ReplayPlan.PUSH]
+
     def retry_waiting(self) -> int:
         """Push parked results of connected producers whose rings have room again."""
         moved = 0
         for outlet in self.by_name.values():
+            if outlet.name in self.held:
+                continue
             while outlet.waiting:
                 at = outlet.waiting.first()
                 head = self.log.read(at, RES_HEADER_BYTES)
@@ -212,29 +307,39 @@ class Router:
                 if not pushed:
                     break
                 outlet.waiting.pop()
-                outlet.unconsumed.append((int(outlet.ring.header[L.H_NUM_PUSHED]), at))
+                outlet.pushed(np.array([at], np.int64))
                 self.counters[1] += 1
                 moved += 1
         return moved
 
     # -- checkpoints --------------------------------------------------------------------
 
+    def _entries(self, again: dict | None = None) -> dict[str, list]:
+        """Every name's cursor entry as of now (`again`: names about to be reset for a new reader,
+        with the offsets they will get again)."""
+        end = self.log.end
+        entries = {name: [end, None, 0] for name in self.cursors.names}
+        for name, queue in self.parked.items():
+            entries[name] = [queue.first() if queue else end, None, 0]
+        for name, outlet in self.by_name.items():
+            if again is not None and name in again:
+                first = again[name]
+                at = int(first[0]) if first.size else (outlet.waiting.first() if outlet.waiting else end)
+                entries[name] = [at, outlet.ring_id, int(outlet.ring.header[L.H_NUM_PUSHED])]
+            else:
+                entries[name] = outlet.cursor(end)
+        return entries
+
+    def _save_cursors(self, again: dict | None = None) -> None:
+        entries = self._entries(again)
+        floor = min([self.log.end] + [e[0] for e in entries.values()])
+        if self.cursors.save(entries, floor):
+            self.floor = floor
+            self.log.trim(floor)
+
     def consumed_floor(self) -> int:
         """The log offset below which nothing waits for a producer."""
-        floor = self.log.end
-        for outlet in self.by_name.values():
-            popped = int(outlet.ring.header[L.H_NUM_POPPED])
-            q = outlet.unconsumed
-            while q and q[0][0] <= popped:
-                q.popleft()
-            if q:
-                floor = min(floor, q[0][1])
-            if outlet.waiting:
-                floor = min(floor, outlet.waiting.first())
-        for queue in self.parked.values():
-            if queue:
-                floor = min(floor, queue.first())
-        return floor
+        return min([self.log.end] + [e[0] for e in self._entries().values()])
 
     def checkpoint(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -244,11 +349,9 @@ class Router:
         self.log.sync()  # results on disk before the acks that say their items are done
         self.backlog.save_acks()
         self.counters[5] += 1
-        floor = self.consumed_floor()
-        if floor != self.floor:
-            self.floor = floor
-            atomic_write(self.root / CURSOR_FILE, json.dumps({"floor": floor}).encode())
-            self.log.trim(floor)
+        if self.plans is None:
+            self.answer_readers()
+            self._save_cursors()
         if force or now - self.last_reclaim > RECLAIM_SECONDS:
             self.last_reclaim = now
             self.backlog.reclaim()
@@ -288,18 +391,11 @@ def _load_acks(root: Path):
         return Acks()
 
 
-def _load_cursor(root: Path) -> int:
-    try:
-        return int(json.loads((root / CURSOR_FILE).read_text())["floor"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return 0
-
-
 GAUGE_SECONDS = 0.25  # the parked gauge is counted this often
 
 
 def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
-    from .stats import StatsWriter, slot_of
+    from .stats import StatsWriter
 
     role = control.roles.index("results")
     slot = control.role(role)

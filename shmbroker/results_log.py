@@ -33,15 +33,15 @@ class ResultsLog:
             self.files = [0]
             self._create(0)
         self.start = self.files[-1]
-        self.fd = os.open(self._path(self.start), os.O_RDWR | os.O_APPEND)
+        self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
         self.end = self.start + os.fstat(self.fd).st_size
         self.dirty = False
 
-    def _path(self, start: int) -> Path:
+    def path(self, start: int) -> Path:
         return self.dir / f"{start:020d}.log"
 
     def _create(self, start: int) -> None:
-        fd = os.open(self._path(start), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(self.path(start), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -58,7 +58,7 @@ class ResultsLog:
             os.close(self.fd)
             self.files.append(self.end)
             self.start = self.end
-            self.fd = os.open(self._path(self.start), os.O_RDWR | os.O_APPEND)
+            self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
         at = self.end
         view = memoryview(data).cast("B")
         try:
@@ -82,7 +82,7 @@ class ResultsLog:
         """Bytes [at, at + size) of the log (within one file)."""
         k = max(i for i, s in enumerate(self.files) if s <= at)
         start = self.files[k]
-        fd = os.open(self._path(start), os.O_RDONLY)
+        fd = os.open(self.path(start), os.O_RDONLY)
         try:
             return np.frombuffer(os.pread(fd, size, at - start), np.uint8)
         finally:
@@ -91,7 +91,7 @@ class ResultsLog:
     def file_end(self, start: int) -> int:
         if start == self.start:
             return self.end
-        return start + os.stat(self._path(start)).st_size
+        return start + os.stat(self.path(start)).st_size
 
     def cut(self, at: int) -> int:
         """Cut a torn tail at log offset `at` (in the newest file); returns the bytes dropped."""
@@ -104,7 +104,7 @@ class ResultsLog:
         """Delete files wholly below `floor`; returns how many."""
         removed = 0
         while len(self.files) > 1 and self.files[1] <= floor:
-            self._path(self.files.pop(0)).unlink(missing_ok=True)
+            self.path(self.files.pop(0)).unlink(missing_ok=True)
             removed += 1
         return removed
 

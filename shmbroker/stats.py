@@ -125,6 +125,14 @@ RESULTS = (
     _c("acks_saved", "results_checkpoints_total", "Ack and cursor checkpoints saved."),
     _c("disk_full", "results_disk_full_total", "Results-log appends refused by a full disk (retried)."),
     _g("parked_now", "results_parked_now", "Results parked now."),
+    _c("log_bad_records", "results_log_bad_records_total",
+       "Damaged records skipped when the results log was replayed (a torn tail is not counted)."),
+    _c("log_bad_bytes", "results_log_bad_bytes_total", "Bytes of the results log skipped as damaged."),
+    _c("corrupt_notices", "results_corrupt_notices_total",
+       "Items told `corrupt` because their result record was damaged in the results log."),
+    _c("readers", "results_readers_total", "Result readers set up (a producer attaching to read its results)."),
+    _c("redelivered", "results_redelivered_total",
+       "Results pushed again because the reader that had popped them never acknowledged them."),
 )
 
 STATS = {"gpu": GPU, "ingest": INGEST, "sched": SCHED, "results": RESULTS}

@@ -678,10 +678,16 @@ def test_no_broker_raises_not_running(tmp_path):
 # -- results ----------------------------------------------------------------------------
 
 
+def _answer_reader(ring) -> None:
+    """What the results process does when a reader attaches (here the test plays that process)."""
+    ring.header[L.H_SESSION_READY] = ring.header[L.H_SESSION]
+
+
 def test_results_yields_what_the_broker_pushes_and_returns_on_timeout(broker):
     with Producer("res", data_dir=broker.data_dir) as p:
         ids = [p.submit([i + 1], max_new_tokens=4) for i in range(6)]
         out = broker.entry("res").results.attach(PRODUCER)
+        _answer_reader(out)
         try:
             statuses = ["ok", "too_long", "invalid", "engine_error", "ok", "ok"]
             payloads = [
@@ -719,6 +725,7 @@ def test_results_wait_wakes_on_arrival_and_handles_many(broker):
     with Producer("many-res", data_dir=broker.data_dir) as p:
         base = p.next_item_id & ~items.SEQ_MASK
         out = broker.entry("many-res").results.attach(PRODUCER)
+        _answer_reader(out)
         try:
 
             def push_later():
@@ -751,6 +758,7 @@ def test_results_not_lost_when_iteration_stops_early(broker):
     with Producer("early", data_dir=broker.data_dir) as p:
         base = p.next_item_id & ~items.SEQ_MASK
         out = broker.entry("early").results.attach(PRODUCER)
+        _answer_reader(out)
         try:
             for seq in range(3):
                 assert out.push(np.array([seq], np.uint32), base | seq, 0, 1) == L.OK

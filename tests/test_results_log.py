@@ -1,10 +1,14 @@
-"""The results process's log replay: every record from the cursor on, in pieces, a torn tail cut."""
+"""The results process's log replay: every record from the cursor on, a torn tail cut, a damaged
+record in the middle skipped (resync) with its item told `corrupt`."""
 
 from __future__ import annotations
 
 import numpy as np
 
+import pytest
+
 from shmbroker import results as results_mod
+from shmbroker.registry import ProducerBook
 from shmbroker.results import Router
 from shmbroker.results_log import ResultsLog
 from shmbroker.ring.wire import encode_results, res_bytes
@@ -33,8 +37,7 @@ def _records(count: int, first_id: int) -> np.ndarray:
     return out
 
 
-def test_replay_routes_every_record_across_pieces_and_cuts_a_torn_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(results_mod, "REPLAY_BYTES", 4096)  # many pieces, records cut by their edges
+def test_replay_routes_every_record_and_cuts_a_torn_tail(tmp_path):
     log = ResultsLog(tmp_path / "results", fsync="never")
     log.append(_records(1000, 1 << 40))
     log.append(_records(10, (1 << 40) + 1000)[: res_bytes(3) * 9 + 20])  # the last record torn
@@ -83,3 +86,73 @@ def test_a_failed_append_leaves_no_part_of_its_records_behind(tmp_path, monkeypa
         assert router.replay()["results"] == 7
     finally:
         router.close()
+
+
+def _damage(path, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("where", ["older file", "newest file"])
+@pytest.mark.parametrize("field", ["payload", "length"])
+def test_a_damaged_record_mid_log_is_skipped_counted_and_its_item_told_corrupt(tmp_path, monkeypatch, where, field):
+    """Hole 1: replay used to stop at the first bad record (the newest file was cut there, the rest
+    of an older file was dropped), losing every later result although their items were acked."""
+    producer_id = ProducerBook(str(tmp_path)).assign("alice")
+    base = producer_id << 40
+    if where == "older file":
+        monkeypatch.setattr(results_mod.ResultsLog, "append", _rolling_append(4 * res_bytes(3)))
+    log = ResultsLog(tmp_path / "results", fsync="never")
+    for k in range(6):
+        log.append(_records(4, base + 4 * k))
+    files = list(log.files)
+    log.close()
+    size = res_bytes(3)
+    victim = 5  # the 6th record: in the 2nd file when files roll every 4 records
+    start = files[victim * size // (4 * size)] if where == "older file" else files[-1]
+    path = tmp_path / "results" / f"{start:020d}.log"
+    if where == "older file":
+        assert len(files) == 6
+    _damage(path, victim * size - start + (0 if field == "length" else 44))
+    router = Router(str(tmp_path), _Cfg(), _Control())
+    try:
+        report = router.replay()
+        parked = router.parked["alice"]
+        offsets = [int(x) for part in parked.take_all() for x in part]
+        assert report["results"] == 23  # every record but the damaged one
+        assert router.counters[results_mod.C_BAD_RECORDS] == 1
+        ids = set()
+        statuses = {}
+        for at in offsets:
+            rec = router.log.read(at, size)
+            item = int(rec[8:16].view(np.uint64)[0])
+            ids.add(item)
+            statuses[item] = int(rec[24:28].view(np.uint32)[0])
+        if field == "payload":  # the frame is whole: the item it names is told, once
+            assert report["corrupt_notices"] == 1
+            assert ids == {base + i for i in range(24)}
+            assert statuses[base + victim] == 4  # corrupt
+        else:  # its length is damaged: nothing can be trusted in it, so it is only counted
+            assert report["corrupt_notices"] == 0
+            assert ids == {base + i for i in range(24)} - {base + victim}
+    finally:
+        router.close()
+
+
+def _rolling_append(file_bytes: int):
+    real = ResultsLog.append
+
+    def append(self, data):
+        from shmbroker import results_log
+
+        old = results_log.LOG_FILE_BYTES
+        results_log.LOG_FILE_BYTES = file_bytes
+        try:
+            return real(self, data)
+        finally:
+            results_log.LOG_FILE_BYTES = old
+
+    return append

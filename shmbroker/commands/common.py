@@ -3,19 +3,26 @@
 A prompt's `id` is kept in `<data_dir>/submit-ids/<name>.jsonl` ({"item_id",
 "id", "line"} a line), so `results` (or `submit --wait`) hands it back with the
 item's result. Results are written as JSON lines {"item_id", "id", "status",
-"tokens", "error"}, appended to --out (a result is read from the broker once: a
-second run must not overwrite the first one's).
+"tokens", "error"}, appended to --out (a second run must not overwrite the first
+one's). A result is acknowledged to the broker only after its line is flushed and
+fsynced (`ResultSink`), so a reader killed mid-stream loses none; what it wrote but
+had not acknowledged comes again, and a run on the same --out skips the item ids
+already in it, so the file holds each result once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 IDS_DIR = "submit-ids"
+COMMIT_ROWS = 4096  # results written between two flush+fsync+ack steps, at most
+COMMIT_SECONDS = 0.5  # and seconds
 
 
 def _err(message: str) -> None:
@@ -32,6 +39,20 @@ def _data_dir(args) -> str | None:
         return None
 
 
+ITEM_ID_RE = re.compile(rb'"item_id": (\d+)')
+
+
+def _written_ids(path: str | None) -> set[int]:
+    """The item ids already in an output file (its whole lines)."""
+    if path is None:
+        return set()
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return set()
+    return {int(m) for m in ITEM_ID_RE.findall(data)}
+
+
 @contextmanager
 def _output(path: str | None):
     """The results file (appended to: results are read once) or standard output."""
@@ -39,8 +60,35 @@ def _output(path: str | None):
         yield sys.stdout
         sys.stdout.flush()
         return
+    _cut_torn_line(path)
     with open(path, "a", encoding="utf-8") as fh:
         yield fh
+
+
+def _cut_torn_line(path: str) -> None:
+    """A run killed mid-write can leave half a line at the end of the file: its result was never
+    acknowledged, so it comes again; cut the half line so the next run's first line stays whole."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            piece = os.pread(fd, end - start, start)
+            if end == size and piece.endswith(b"\n"):
+                return
+            k = piece.rfind(b"\n")
+            if k >= 0:
+                end = start + k + 1
+                break
+            end = start
+        os.ftruncate(fd, end)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _ids_path(data_dir: str, name: str) -> Path:
@@ -93,3 +141,38 @@ class _IdLog:
 def _result_row(r, ids: dict) -> str:
     return json.dumps({"item_id": r.item_id, "id": ids.get(r.item_id), "status": r.status,
                        "tokens": r.tokens.tolist(), "error": r.error})
+
+
+class ResultSink:
+    """Result rows to an output, acknowledged to the broker once they are durable there: every
+    COMMIT_ROWS rows or COMMIT_SECONDS, and at `commit()`, the output is flushed and fsynced
+    (where it can be: a pipe or a terminal cannot) and then the producer's results are acked."""
+
+    def __init__(self, out, producer, written: set[int] | None = None):
+        self.out = out
+        self.producer = producer
+        self.written = written or set()  # item ids the output holds already (an earlier run's)
+        self.skipped = 0
+        self.rows = 0
+        self.since = time.monotonic()
+
+    def write(self, item_id: int, row: str) -> bool:
+        """Write one result's row (False: the output had it already)."""
+        if item_id in self.written:
+            self.skipped += 1
+            return False
+        self.out.write(row + "\n")
+        self.rows += 1
+        if self.rows >= COMMIT_ROWS or time.monotonic() - self.since >= COMMIT_SECONDS:
+            self.commit()
+        return True
+
+    def commit(self) -> None:
+        self.out.flush()
+        try:
+            os.fsync(self.out.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass  # not a file (a pipe, a terminal, a StringIO): flushed is all there is
+        self.producer.ack()
+        self.rows = 0
+        self.since = time.monotonic()

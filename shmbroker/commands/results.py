@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .common import _data_dir, _err, _load_ids, _output, _result_row
+from .common import ResultSink, _data_dir, _err, _load_ids, _output, _result_row, _written_ids
 
 
 def results(args) -> int:
@@ -24,10 +24,12 @@ def results(args) -> int:
     statuses: Counter[str] = Counter()
     try:
         with producer, _output(args.out) as out:
-            for r in producer.results(timeout_seconds=max(0.0, args.timeout)):
-                out.write(_result_row(r, ids) + "\n")
-                statuses[r.status] += 1
-                count += 1
+            sink = ResultSink(out, producer, _written_ids(args.out))
+            for r in producer.results(timeout_seconds=max(0.0, args.timeout), auto_ack=False):
+                if sink.write(r.item_id, _result_row(r, ids)):
+                    statuses[r.status] += 1
+                    count += 1
+            sink.commit()
     except BrokerError as exc:
         _err(f"{exc} (after {count} results)")
         return 1

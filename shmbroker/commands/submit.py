@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..prompts import U32_MAX, LineError, Prompt, parse_line
-from .common import _data_dir, _err, _IdLog, _load_ids, _output, _result_row
+from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _output, _result_row, _written_ids
 
 CHUNK_ITEMS = 1024  # prompts handed to submit_many at once
 CHUNK_TOKENS = 1 << 20
@@ -126,6 +127,7 @@ class _Submission:
         self.producer = producer
         self.idlog = idlog
         self.out = out
+        self.sink = None
         self.path = path
         self.submitted = 0
         self.refused = 0
@@ -192,20 +194,22 @@ class _Submission:
         """Write the results that came (waiting up to `timeout_seconds` for more, while any is missing);
         returns how many."""
         n = 0
-        for r in self.producer.results(timeout_seconds=timeout_seconds if self.outstanding else 0.0):
+        for r in self.producer.results(timeout_seconds=timeout_seconds if self.outstanding else 0.0, auto_ack=False):
             self.outstanding.discard(r.item_id)
             ids = self.ids
             if r.item_id not in ids and self._old_ids is None:
                 self._old_ids = _load_ids(self.producer.data_dir, self.producer.name)  # an earlier run's
             if r.item_id not in ids:
                 ids = self._old_ids
-            self.out.write(_result_row(r, ids) + "\n")
-            self.statuses[r.status] += 1
+            if self.sink.write(r.item_id, _result_row(r, ids)):
+                self.statuses[r.status] += 1
             n += 1
             if timeout_seconds and not self.outstanding:
                 break  # all in: take what already came without waiting for more
         if timeout_seconds and not self.outstanding:
             n += self.drain(0.0)
+        if n:
+            self.sink.commit()
         return n
 
     def wait(self) -> bool:
@@ -236,7 +240,9 @@ def submit(args) -> int:
     if not os.path.isfile(args.file) or not os.access(args.file, os.R_OK):
         _err(f"{args.file}: no such readable file")
         return 2
-    name = args.name or f"submit-{os.getpid()}"
+    # a default name no other run can have had (a pid is reused; the results of an earlier run's
+    # name would come to this one)
+    name = args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         producer = Producer(name, data_dir=data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
     except BrokerError as exc:
@@ -250,6 +256,7 @@ def submit(args) -> int:
     try:
         with producer, (_output(args.out) if args.wait else nullcontext()) as out, _progress("submit") as bar:
             job.out = out
+            job.sink = ResultSink(out, producer, _written_ids(args.out)) if out is not None else None
             task = bar.add_task("submit", total=None if bar.disable else _count_lines(args.file))
             lines = (_read_trace if args.trace else _read_prompts)(args.file, args.max_new_tokens)
             chunk: list[Prompt] = []

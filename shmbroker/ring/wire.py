@@ -123,30 +123,47 @@ def encode_error(out, at, item_id, seq, status, writer, err):
 
 
 @kernel
+def _res_valid(buf, at, end, check_crc):
+    """Does a whole, well-formed result record (with a matching CRC, when checked) start at buf[at]?"""
+    h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+    size = np.int64(h[0])
+    if size % 8 or size < RES_HEADER_BYTES or at + size > end or RES_HEADER_BYTES + 4 * np.int64(h[8]) + h[9] > size:
+        return False
+    return not check_crc or crc32c_final(crc32c_update(crc32c_init(), buf, at + 8, at + size)) == h[1]
+
+
+@kernel
 def scan_results(buf, start, end, out_pos, check_crc):
     """Positions of the result records in buf[start:end]; returns (count, next byte, outcome):
-    RES_END at a clean end, RES_BAD at a torn or corrupt record (a log's tail: cut there)."""
+    RES_END at a clean end (zeros or the end), RES_BAD at a torn or corrupt record (see
+    `resync_results`), RES_OK when out_pos is full."""
     at = start
     n = 0
     outcome = RES_END
     while at + RES_HEADER_BYTES <= end and n < out_pos.size:
-        h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
-        size = h[0]
-        if size == 0:
+        if buf[at : at + RES_HEADER_BYTES].view(np.uint32)[0] == 0:
             break
-        if size % 8 or size < RES_HEADER_BYTES or at + size > end \
-                or RES_HEADER_BYTES + 4 * np.int64(h[8]) + h[9] > size:
-            outcome = RES_BAD
-            break
-        if check_crc and crc32c_final(crc32c_update(crc32c_init(), buf, at + 8, at + size)) != h[1]:
+        if not _res_valid(buf, at, end, check_crc):
             outcome = RES_BAD
             break
         out_pos[n] = at
         n += 1
-        at += size
+        at += buf[at : at + RES_HEADER_BYTES].view(np.uint32)[0]
     if n == out_pos.size:
         outcome = RES_OK
     return n, at, outcome
+
+
+@kernel
+def resync_results(buf, start, end):
+    """The first 8-aligned position after `start` where a valid result record (CRC checked)
+    begins, or `end` when none does: where a scan goes on past a damaged record."""
+    at = start + 8
+    while at + RES_HEADER_BYTES <= end:
+        if _res_valid(buf, at, end, True):
+            return at
+        at += 8
+    return end
 
 
 @kernel
