@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -74,6 +74,10 @@ def _bench(args) -> int:
         except (BrokerError, ValueError) as exc:  # no engine packages, no trace: say so, no traceback
             print(f"shmbroker: {exc}", file=sys.stderr)
             return 2
+    elif args.name == "chaos":
+        from .bench import chaos
+
+        result = chaos.run(seconds=args.seconds, seed=args.seed)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -195,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-blocks", type=int, default=None,
                    help="gen: the engine's KV cache in blocks of 32 tokens (default 256)")
     g.add_argument("--runs", type=int, default=2, help="gen: runs of each side, alternated (default 2)")
+    g = p.add_argument_group("chaos")
+    g.add_argument("--seconds", type=float, default=30.0,
+                   help="chaos: how long processes and readers are killed at random (default 30)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

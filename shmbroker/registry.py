@@ -1,7 +1,8 @@
 """The broker's front door: producers get their ring pair through a Unix socket.
 
 `<data_dir>/broker.sock` (mode 0600, in a 0700 directory). One request per
-connection, one JSON line each way:
+connection, one JSON line each way (each connection answered on its own short-lived thread,
+MAX_HANDLERS at once, so a slow client delays nobody):
 
     -> {"op": "connect", "version": 1, "name": "ingest-7"}
     <- {"ok": true, "producer_id": 3,
@@ -14,8 +15,8 @@ the client claims) and refuses other users. A name held by a live process is
 refused (held = its ingest ring's producer side belongs to a live process); a
 name whose producer closed or died gets its old rings back, so a producer that
 reconnects resumes its item sequence and its unread results. The accept loop
-runs in one blocking thread; the broker's hot loop only reads `version` and
-`producers()`.
+runs in one blocking thread that survives failed accepts (EMFILE: back-off and
+retry); the broker's hot loop only reads `version` and `producers()`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_SECONDS = 2.0
 ACCEPT_POLL_SECONDS = 0.2
+ACCEPT_BACKOFF_SECONDS = 0.01  # after a failed accept (no descriptors left), doubling up to
+ACCEPT_BACKOFF_MAX_SECONDS = 0.5
+MAX_HANDLERS = 16  # requests answered at once (each on its own short-lived thread)
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -130,6 +134,10 @@ class Registry:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._handlers = threading.BoundedSemaphore(MAX_HANDLERS)
+        self.accept_errors = 0
+        self.last_accept_error: str | None = None
+        self.refused_busy = 0
         # Every ingest ring of one ingest process rings one doorbell, so it sleeps on all of them.
         self.ingest_bells = ingest_bells or [owner.doorbell("ingest-d")]
         self.ingest_bell = self.ingest_bells[0]
@@ -187,16 +195,37 @@ class Registry:
     # -- the accept thread --------------------------------------------------------
 
     def _serve(self) -> None:
+        """Accept connections and answer each on its own thread (at most MAX_HANDLERS at once, so
+        a slow client delays nobody). An accept that fails (no file descriptors left: EMFILE,
+        ENFILE, ENOBUFS, ENOMEM) is counted and retried after a back-off: the registry never
+        stops serving while the broker runs."""
         assert self._sock is not None
+        backoff = 0.0
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
-                raise
+                self.accept_errors += 1
+                self.last_accept_error = f"{type(exc).__name__}: {exc}"
+                backoff = min(ACCEPT_BACKOFF_MAX_SECONDS, max(ACCEPT_BACKOFF_SECONDS, 2 * backoff))
+                self._stop.wait(backoff)
+                continue
+            backoff = 0.0
+            if not self._handlers.acquire(timeout=REQUEST_TIMEOUT_SECONDS):
+                conn.close()  # every handler busy for a whole request timeout: the client retries
+                self.refused_busy += 1
+                continue
+            try:
+                threading.Thread(target=self._answer, args=(conn,), name="registry-conn", daemon=True).start()
+            except RuntimeError:  # no thread could be started: answer here
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
             with conn:
                 conn.settimeout(REQUEST_TIMEOUT_SECONDS)
                 try:
@@ -207,6 +236,8 @@ class Registry:
                     conn.sendall(json.dumps(reply).encode() + b"\n")
                 except OSError:
                     pass  # the client went away; its rings (if any) wait for a reconnect
+        finally:
+            self._handlers.release()
 
     def _handle(self, conn: socket.socket) -> dict:
         pid, uid, _gid = peer_credentials(conn)

@@ -858,7 +858,25 @@ def test_seen_set_slides_and_stays_small_over_many_results():
         again = chunk[:50]
         assert seen.add(chunk).all()
         assert not seen.add(again).any()
-    assert seen.base >= total - SeenSet.SLIDE - 5000
-    assert seen.window.size <= 4 * SeenSet.SLIDE
+    assert seen.full_below >= (total - 5000) // SeenSet.CHUNK
+    assert seen.nbytes() <= 2 * SeenSet.CHUNK
     assert not seen.add(np.array([0, total - 1], np.int64)).any()  # below the base and in the window
     assert seen.add(np.array([total, total, total + 7], np.int64)).tolist() == [True, False, True]
+
+
+def test_seen_set_stays_small_for_a_reader_that_starts_late_or_misses_one():
+    """Hole 15. Before: a reader whose first result had sequence S allocated S bytes (a new
+    process reading an old name's results), and one result that never came stopped the window
+    from sliding, so it grew with every result after it."""
+    from shmbroker.client import SeenSet
+
+    seen = SeenSet()
+    start = 5_000_000_000  # a name that has submitted five billion items before this reader
+    assert seen.add(np.arange(start, start + 10, dtype=np.int64)).all()
+    assert seen.nbytes() <= SeenSet.CHUNK
+    gap = SeenSet()
+    total = 1_000_000
+    for lo in range(1, total, 10_000):  # seq 0 never comes back
+        assert gap.add(np.arange(lo, min(lo + 10_000, total), dtype=np.int64)).all()
+    assert gap.nbytes() <= 3 * SeenSet.CHUNK  # the chunk that holds the gap and the newest one
+    assert gap.add(np.array([0, 5, total - 1, total], np.int64)).tolist() == [True, False, False, True]

@@ -402,3 +402,60 @@ def test_concurrent_connects_get_distinct_producers(broker):
     by_name = {e.name: e for e in broker.reg.producers()}
     for name, reply in replies.items():
         assert reply["ingest"] == by_name[name].ingest.names.to_dict()
+
+
+# -- serving under trouble (issue 14, hole 14) ---------------------------------------------
+
+
+def test_slow_clients_delay_nobody(broker):
+    """Before: one accept thread answered one connection at a time, so each silent client held
+    every other one for up to REQUEST_TIMEOUT_SECONDS. Now each is answered on its own thread."""
+    idle = []
+    try:
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(broker.reg.path))
+            idle.append(s)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        assert request(broker.data_dir, connect_msg("quick"), REPLY_SECONDS)["ok"] is True
+        assert time.monotonic() - t0 < 0.5 * REQUEST_TIMEOUT_SECONDS
+    finally:
+        for s in idle:
+            s.close()
+    assert_serving(broker)
+
+
+def test_accept_failing_for_lack_of_descriptors_does_not_stop_the_registry(broker):
+    """Before: an OSError from accept() (EMFILE) ended the accept thread, and no producer could
+    connect for the rest of the broker's life. Now it is counted and retried."""
+    import resource
+
+    client = mp.get_context("spawn").Process(target=_connect_later, args=(broker.data_dir, 0.5))
+    client.start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+        try:
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass  # every descriptor is taken: the registry's accept() fails with EMFILE
+        deadline = time.monotonic() + 5
+        while broker.reg.accept_errors == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    client.join(20)
+    assert broker.reg.accept_errors > 0 and "Too many open files" in broker.reg.last_accept_error
+    assert client.exitcode == 0  # its connect was answered once descriptors were free again
+    assert_serving(broker)
+
+
+def _connect_later(data_dir: str, delay_seconds: float) -> None:
+    time.sleep(delay_seconds)
+    reply = request(data_dir, connect_msg("late"), 10.0)
+    raise SystemExit(0 if reply.get("ok") else 1)

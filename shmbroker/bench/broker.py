@@ -53,7 +53,7 @@ class BenchBroker:
                 reply = request(self.data_dir, {"op": "info"}, 1.0)
                 if reply.get("ok"):
                     return reply
-            except OSError:
+            except (OSError, ValueError):  # no broker yet, or one that died mid-reply
                 pass
             if self.proc.poll() is not None or time.perf_counter() - self.started > READY_SECONDS:
                 raise RuntimeError("the broker did not start: " + Path(self.log_path).read_text(errors="replace")[-2000:])
