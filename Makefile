@@ -52,10 +52,11 @@ test: warm
 	$(PY) -m pytest -q
 
 # The chaos tests for longer: SIGKILL every kind of broker process (and the supervisor) at random
-# moments while producers submit, SOAK_ITERATIONS seeded rounds of each.
+# moments while producers submit, SOAK_ITERATIONS seeded rounds of each; and the power-loss
+# simulation with SOAK_ITERATIONS times its seeds (15,000 at 50).
 SOAK_ITERATIONS ?= 50
 soak: warm
-	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py
+	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py tests/test_power_loss.py
 
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json

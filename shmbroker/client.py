@@ -464,8 +464,6 @@ class Producer:
         return self._broker_pid is not None and reply.get("pid") == self._broker_pid
 
     def _pop_results(self, max_records: int = RESULT_BATCH) -> int:
-        if not self._session_ready():
-            return 0
         if self._result_out is None:
             self._result_out = (
                 np.empty(self._results.max_tokens, np.uint32),
@@ -473,6 +471,8 @@ class Producer:
                 np.empty(RESULT_BATCH, np.uint64),
                 np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
             )
+        if not self._session_ready():
+            return 0
         tokens, offsets, keys, meta = self._result_out
         return self._results.pop_many(tokens, offsets, keys, meta, max_records)
 

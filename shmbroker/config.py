@@ -25,3 +25,23 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9464"  # the Prometheus exporter; loopback unl
 # the simulated engine's pace in `supervise` and `demo`: wall seconds per modeled second, so that
 # consumers of different sizes split the work as real cards would (0: unpaced, as fast as the CPU)
 DEFAULT_SIM_PACE_SECONDS = 0.04
+
+# Poison items, hung processes, crash loops, engines down (README "Failures"; watchdog.py,
+# gpu/deliveries.py, gpu/window.py):
+# deliveries of a batch to a GPU process that died before the batch is split and its items run alone,
+# and deaths on one item alone before it fails (engine_error "the engine process died on this item N times")
+DEFAULT_POISON_ATTEMPTS = 3
+# a batch's deadline: this floor plus DEFAULT_BATCH_DEADLINE_TOKEN_SECONDS per input and generated token,
+# counted from the GPU process's last progress (a result, or work given to an idle engine)
+DEFAULT_BATCH_DEADLINE_SECONDS = 300.0
+DEFAULT_BATCH_DEADLINE_TOKEN_SECONDS = 0.01
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 120.0  # a process loop that has not beaten for this long is hung
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 900.0  # ... and one that has not beaten this long after its start
+DEFAULT_RESTART_BACKOFF_MAX_SECONDS = 5.0  # restarts back off, doubling from 0.1 s up to this
+DEFAULT_CRASH_LOOP_RESTARTS = 5  # this many deaths of a role ...
+DEFAULT_CRASH_LOOP_WINDOW_SECONDS = 60.0  # ... within this many seconds: a crash loop (reported)
+DEFAULT_ENGINE_RETRY_MIN_SECONDS = 1.0  # items an engine hands back (it is down) are retried after this,
+DEFAULT_ENGINE_RETRY_MAX_SECONDS = 60.0  # doubling while it stays down, up to this
+# a producer name whose producer and reader are gone, whose ingest ring is drained and whose results
+# are all acknowledged leaves the producer table after this long, freeing its rings (registry.py)
+DEFAULT_PRODUCER_RETIRE_SECONDS = 30.0

@@ -7,9 +7,12 @@ by the client after its own write). So one number per name says what it has: its
 the log offset of its first result not acknowledged, with the ring index that result has (or
 gets) on the name's result ring. `results/cursor.json` keeps every name's cursor:
 
-    {"floor": F, "names": {"<name>": [offset, "<result ring segment>" or null, ring_index]}}
+    {"floor": F, "names": {"<name>": [offset, "<result ring segment>" or null, ring_index]},
+     "crc32c": crc32c of the JSON of the rest (sorted keys)}
 
-`floor` (the smallest cursor) is where a replay starts and what the log may be trimmed to.
+`floor` (the smallest cursor) is where a replay starts and what the log may be trimmed to. A
+damaged file (not JSON, or its crc32c differs) is counted and replaced by floor 0: the whole log
+is replayed, so results come again (duplicates at the client), none is lost.
 
 - **A reader dies, another attaches** (same broker): the new reader bumps `H_SESSION` and pops
   nothing until the results process has answered with `H_SESSION_READY`. Before answering it
@@ -30,6 +33,7 @@ import json
 from collections import deque
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from .results_log import CURSOR_FILE, OffsetQueue
@@ -159,15 +163,19 @@ class Cursors:
         self.floor = 0
         self.names: dict[str, list] = {}
         try:
-            doc = json.loads(self.path.read_text())
+            doc = json.loads(self.path.read_bytes())
+            body = {k: v for k, v in doc.items() if k != "crc32c"}
+            if "crc32c" in doc and doc["crc32c"] != crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):
+                raise ValueError("crc32c mismatch")
             self.floor = int(doc["floor"])
             for name, entry in doc.get("names", {}).items():
                 offset, ring_id, index = entry
                 self.names[str(name)] = [int(offset), ring_id if isinstance(ring_id, str) else None, int(index)]
         except FileNotFoundError:
             pass
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             self.damaged = True
+            self.floor = 0
             self.names = {}
         self.saved = dict(self.names)
 
@@ -180,7 +188,9 @@ class Cursors:
         """Write the cursors when they changed; True when written."""
         if names == self.saved and floor == self.floor:
             return False
-        atomic_write(self.path, json.dumps({"floor": floor, "names": names}).encode())
+        body = {"floor": floor, "names": names}
+        atomic_write(self.path, json.dumps({**body, "crc32c": crc32c.crc32c(json.dumps(body, sort_keys=True).encode())})
+                     .encode())
         self.saved = dict(names)
         self.names = dict(names)
         self.floor = floor

@@ -115,13 +115,18 @@ def _producer(name: str, data_dir: str, wl, rows: np.ndarray, bulk: bool, conn) 
         while len(seen) < n and time.monotonic() < deadline:
             drain(0.2)
         t1 = time.monotonic()
+    from .gpu.engines.sim import Sim
+
+    digests = np.array([Sim.digest(wl.item(int(i))) for i in rows.tolist()], np.uint32)  # after the clock stops
     conn.send({"start": t0, "submitted": submitted, "end": t1,
-               **_check(ids, max_new, np.array(got_ids, np.uint64), got_tokens, not_ok),
+               **_check(ids, max_new, digests, np.array(got_ids, np.uint64), got_tokens, not_ok),
                "tokens": int(wl.lengths[rows].sum())})
 
 
-def _check(ids: np.ndarray, max_new: np.ndarray, got: np.ndarray, tokens: list[np.ndarray], not_ok: int) -> dict:
-    """Every submitted id exactly once, ok, with the simulated engine's tokens for it."""
+def _check(ids: np.ndarray, max_new: np.ndarray, digests: np.ndarray, got: np.ndarray, tokens: list[np.ndarray],
+           not_ok: int) -> dict:
+    """Every submitted id exactly once, ok, with the simulated engine's tokens for it (`digests`: each submitted
+    prompt's `Sim.digest`)."""
     from .gpu.engines.sim import Sim
 
     order = np.argsort(ids)
@@ -129,7 +134,7 @@ def _check(ids: np.ndarray, max_new: np.ndarray, got: np.ndarray, tokens: list[n
     pos = np.minimum(np.searchsorted(sorted_ids, got), max(0, ids.size - 1))
     mine = sorted_ids[pos] == got if ids.size else np.zeros(got.size, bool)
     unique, counts = np.unique(got[mine], return_counts=True)
-    expected = Sim.generated_many(got[mine], max_new[order][pos[mine]])
+    expected = Sim.generated_many(got[mine], max_new[order][pos[mine]], digests[order][pos[mine]])
     mismatched = 0
     k = 0
     for j in np.flatnonzero(mine).tolist():
@@ -238,7 +243,8 @@ def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
     modeled = c["engine_own_ns"] / 1e9
     return {
         "mode": mode, "batches": c["batches"], "items": c["items"], "ok": c["ok"], "tokens": c["tokens"],
-        "failed": c["too_long"] + c["invalid"] + c["engine_errors"], "guard_violations": c["guard_violations"],
+        "failed": c["too_long"] + c["invalid"] + c["engine_errors"] + c["corrupt"],
+        "guard_violations": c["guard_violations"],
         "padded_tokens": c["padded_tokens"], "rect_tokens": c["rect_tokens"],
         "padding_waste": c["padded_tokens"] / c["rect_tokens"] if c["rect_tokens"] else 0.0,
         "batch_tokens_max_sum": c["batches"] * contract.max_batch_tokens,

@@ -28,6 +28,15 @@ class RingCorrupt(BrokerError):
     """A record read from a ring failed its checks; the ring stops at it."""
 
 
+class RingClosed(BrokerError):
+    """The broker closed this ring because what its peer wrote broke it (`reason`: a
+    `ring.layout.CLOSE_*` code, named in the message); it reads or writes no more of it."""
+
+    def __init__(self, message: str, reason: int = 0):
+        super().__init__(message)
+        self.reason = reason
+
+
 class NotRunning(BrokerError):
     """No broker answers on the data directory's socket."""
 

@@ -15,17 +15,26 @@ released from the ring only once committed to the backlog. A full disk
 raises `DiskFull` before anything of the batch is written: the records stay
 in the ring, the ring fills, and producers wait or get `Full`
 (back-pressure); `pump` backs off and retries.
+
+A producer may write anything into its ring (a bug, or on purpose): the rings
+are attached `untrusted` (`ring.ring`: the geometry is the broker's own), a
+record whose fields fail their checks is refused alone (`spill.collect`:
+counted, its neighbours go on), and a ring whose frame is broken (a corrupt
+record: `RingCorrupt`) is closed with the reason (`wire.close_ring_for`: its
+producer's next wait raises `RingClosed`) and set aside, so one producer
+never stalls or crashes the loop that drains every other.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DiskFull, Full, PeerDead
+from .errors import DiskFull, Full, PeerDead, RingCorrupt
 from .pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
@@ -33,8 +42,8 @@ from .ring import spsc
 from .ring.items import NO_PREFIX
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
 from .ring.shm import Doorbell
-from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
-from .spill.collect import collect
+from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, close_ring_for, peek_closed, set_closed_tail
+from .spill.collect import REFUSALS, collect
 from .spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from .spill.writer import SegmentWriter
 
@@ -54,10 +63,15 @@ class _Source:
 
 @dataclass
 class RingSet:
-    """The consumer side of every producer's ingest ring."""
+    """The consumer side of every producer's ingest ring.
+
+    `closed`: producer id -> why its ring is set aside (closed here for a reason, found closed for
+    one, or not attachable); `num_closed`: the rings this RingSet closed itself."""
 
     bell: Doorbell
     sources: list[_Source] = field(default_factory=list)
+    closed: dict[int, str] = field(default_factory=dict)
+    num_closed: int = 0
     _positions: np.ndarray = field(default_factory=lambda: np.empty(BATCH_RECORDS, np.int64))
     _seen_version: int = -1
 
@@ -68,21 +82,68 @@ class RingSet:
         self._seen_version = registry.version
         known = {id(s.entry) for s in self.sources}
         for entry in registry.producers():
-            if id(entry) not in known:
-                self.sources.append(_Source(entry, entry.ingest.attach(CONSUMER)))
+            if id(entry) not in known and entry.producer_id not in self.closed:
+                self.add(entry, lambda entry=entry: entry.ingest.attach(CONSUMER, untrusted=True))
+
+    def add(self, entry: ProducerEntry, attach: Callable[[], Ring]) -> None:
+        """Attach one producer's ring (`attach()`: untrusted); a ring that is no ring the broker made (its
+        segment resized or unlinked), or one closed for a reason already (by this process's
+        predecessor), is set aside in `closed`."""
+        try:
+            ring = attach()
+        except (RingCorrupt, FileNotFoundError, ValueError) as exc:
+            self.closed[entry.producer_id] = str(exc)
+            return
+        reason = ring.closed_reason()
+        if reason is not None:
+            ring.close()
+            self.closed[entry.producer_id] = reason
+            return
+        self.sources.append(_Source(entry, ring))
 
     def drain_once(self, on_records: OnRecords, max_records: int = BATCH_RECORDS) -> int:
-        """Give each ring's committed records (up to max_records each) to `on_records`; return the total."""
+        """Give each ring's committed records (up to max_records each) to `on_records`; return the total.
+        A corrupt ring is closed (`close_source`); the others are drained all the same."""
         total = 0
         positions = self._positions
         limit = min(max_records, positions.size)
+        broken = None
         for src in self.sources:
-            n, new_tail = src.ring.peek_many(positions, limit)
+            try:
+                n, new_tail = src.ring.peek_many(positions, limit)
+            except RingCorrupt as exc:
+                broken = (broken or []) + [(src, str(exc))]
+                continue
             if n:
                 on_records(src.entry, src.ring, positions, n)
                 src.ring.release(new_tail, n)
                 total += n
+        for src, why in broken or ():
+            self.close_source(src, L.CLOSE_CORRUPT, why)
         return total
+
+    def retire(self, live: set[int]) -> None:
+        """Let go of the rings of producers no longer in the table (the registry retired their
+        names: their rings were drained, `registry.Registry.retire_idle`)."""
+        for src in [s for s in self.sources if s.entry.producer_id not in live]:
+            self.sources.remove(src)
+            src.ring.close()
+        for producer_id in [i for i in self.closed if i not in live]:
+            del self.closed[producer_id]
+
+    def close_source(self, src: _Source, reason: int, why: str) -> None:
+        """Close a ring its producer broke, with `reason` (its producer's next wait raises RingClosed),
+        wake the producer if it waits for space, and read no more of it."""
+        close_ring_for(src.ring.buf, reason)
+        src.ring.space_bell.ring()
+        text = f"{L.CLOSE_REASONS[reason]}: {why}"
+        self.closed[src.entry.producer_id] = text
+        self.num_closed += 1
+        self.sources.remove(src)
+        src.ring.close()
+        sys.stderr.write(f"shmbroker ingest: closed the ingest ring of producer {src.entry.name!r} "
+                         f"(id {src.entry.producer_id}): {text}\n")
+        sys.stderr.flush()
 
     def wait(self, timeout_seconds: float) -> bool:
         """Spin briefly over all rings, then sleep on the shared doorbell; True when one is readable."""
@@ -117,6 +178,8 @@ class RingSet:
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
 I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = range(5)  # stats.INGEST
+I_REFUSED = 5  # stats.INGEST: refused_<reason>, one per collect.REFUSALS, then rings_closed
+I_RINGS_CLOSED = I_REFUSED + len(REFUSALS)
 
 
 class BacklogAppender:
@@ -131,25 +194,33 @@ class BacklogAppender:
         self.num_items = 0
         self.num_tokens = 0
         self.num_disk_full = 0
+        self.refused = np.zeros(len(REFUSALS), np.int64)  # records refused, by collect.REFUSALS
+        self.refused_now = np.zeros(len(REFUSALS), np.int64)  # of the last `append`
 
     def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:
         self.append(entry.producer_id, ring.buf, positions, count)
 
     def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int):
-        """Append the records at `positions` of a ring (its whole segment, `ring_buf`) to the backlog.
-        Returns (flat, offsets, items, seqs, segments, record offsets): what was appended, and where."""
+        """Append the records at `positions` of a ring (its whole segment, `ring_buf`) to the backlog,
+        less those refused (`refused_now`). Returns (flat, offsets, items, seqs, segments, record
+        offsets): what was appended, and where; None when every record was refused."""
         data = ring_buf[L.HEADER_BYTES :]
         words = data.view(np.uint32)
         if self._flat.size < words.size:
             self._flat = np.empty(words.size, np.uint32)
-        total = collect(words, data.view(np.uint64), positions, count, producer_id, self.block_tokens, self._flat,
-                        self._offsets, self._items)
+        self.refused_now[:] = 0
+        count, total = collect(words, data.view(np.uint64), positions, count, producer_id, self.block_tokens,
+                               self._flat, self._offsets, self._items, self.refused_now)
+        if count == 0:
+            self.refused += self.refused_now
+            return None
         flat, offsets, items = self._flat[:total], self._offsets[: count + 1], self._items[:count]
         try:
             seqs, segments, rec_offsets = self.writer.append_many(flat, offsets, items)
         except DiskFull:
             self.num_disk_full += 1
             raise  # nothing written: drain_once does not release, the ring keeps the records
+        self.refused += self.refused_now
         self.num_items += count
         self.num_tokens += total
         return flat, offsets, items, seqs, segments, rec_offsets
@@ -190,7 +261,13 @@ class Announcer:
 
     def __call__(self, entry, ring: Ring, positions: np.ndarray, count: int) -> None:
         app = self.appender
-        flat, offsets, items, seqs, segments, rec_offsets = app.append(entry.producer_id, ring.buf, positions, count)
+        appended = app.append(entry.producer_id, ring.buf, positions, count)
+        if self.counters is not None and app.refused_now.any():
+            self.counters[I_REFUSED : I_REFUSED + len(REFUSALS)] += app.refused_now
+        if appended is None:
+            return
+        flat, offsets, items, seqs, segments, rec_offsets = appended
+        count = items.size
         total = flat.size
         prefixes = self._prefixes[:count]
         declared = items["prefix_len"]
@@ -253,16 +330,19 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -
     announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, stats.values)
     rings = RingSet(bell)
     seen_version = -1
+    closed_seen = 0
     try:
         while True:
             slot[2] = time.monotonic_ns()
             if control.table_version != seen_version:
                 seen_version = control.table_version
-                known = {s.entry.producer_id for s in rings.sources}
-                for p in control.producers():
+                table = control.producers()
+                rings.retire({p.producer_id for p in table})
+                known = {s.entry.producer_id for s in rings.sources} | set(rings.closed)
+                for p in table:
                     if p.ingest == k and p.producer_id not in known:
                         entry = ProducerEntry(p.producer_id, p.name, 0, 0, None, None)
-                        rings.sources.append(_Source(entry, Ring.attach(p.ingest_names, CONSUMER)))
+                        rings.add(entry, lambda p=p: Ring.attach(p.ingest_names, CONSUMER, untrusted=True))
             if stopping():
                 drained = _final_drain(rings, announcer, stopping)
                 if drained:
@@ -276,6 +356,10 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -
                 stats.publish()
                 time.sleep(DISK_FULL_BACKOFF_SECONDS)
                 continue
+            if rings.num_closed != closed_seen:
+                stats.values[I_RINGS_CLOSED] += rings.num_closed - closed_seen
+                closed_seen = rings.num_closed
+                stats.publish()
             if n:
                 stats.publish()
             else:

@@ -140,9 +140,20 @@ def _process_metrics(f: _Families, snap: dict) -> None:
                   p["heartbeat_age_seconds"])
         f.add(COUNTER, "process_compiles_total", "numba compilations in the process (0 expected).", labels,
               p["compiles"])
+        f.add("gauge", "process_crash_loop", "1 while the process crash-loops (dies soon after each restart).",
+              labels, 1.0 if p.get("crash_loop") else 0.0)
+        f.add(COUNTER, "process_watchdog_kills_total", "Times the supervisor's watchdog killed the process as hung.",
+              labels, p.get("watchdog_kills", 0))
+        error = p.get("last_error")
+        f.add("gauge", "process_last_exit_info", "The process's last death in words (value 1; 0 and error \"\": it "
+              "never died): status or signal, the watchdog's reason, the exception line.",
+              {**labels, "error": (error or "")[:LABEL_CHARS_MAX]}, 1.0 if error else 0.0)
+        f.add("gauge", "process_last_exit_time_seconds", "Unix time of the process's last death (0: it never died).",
+              labels, p.get("last_exit_unix") or 0.0)
 
 
 PRODUCER_RING_KINDS = ("ingest", "results")
+LABEL_CHARS_MAX = 160  # of a process's last error as a label value (one series per process at a time)
 
 
 def _ring_metrics(f: _Families, snap: dict) -> None:

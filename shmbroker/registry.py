@@ -22,20 +22,35 @@ retry); the broker's hot loop only reads `version` and `producers()`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from . import config
 from .control import MAX_PRODUCERS
 from .ring.items import MAX_PRODUCER_ID
-from .ring.layout import H_PRODUCER_PID, H_PRODUCER_START, HEADER_BYTES
+from .ring.layout import (
+    H_CONSUMER_PID,
+    H_CONSUMER_START,
+    H_HEAD,
+    H_NUM_ACKED,
+    H_NUM_PUSHED,
+    H_PRODUCER_PID,
+    H_PRODUCER_START,
+    H_SESSION,
+    H_SESSION_READY,
+    H_TAIL,
+    HEADER_BYTES,
+)
 from .ring.liveness import is_alive, start_ticks
 from .ring.owner import Owner
 from .ring.ring import OwnedRing, create_ring
@@ -49,6 +64,7 @@ ACCEPT_POLL_SECONDS = 0.2
 ACCEPT_BACKOFF_SECONDS = 0.01  # after a failed accept (no descriptors left), doubling up to
 ACCEPT_BACKOFF_MAX_SECONDS = 0.5
 MAX_HANDLERS = 16  # requests answered at once (each on its own short-lived thread)
+RETIRE_CHECK_SECONDS = 0.5  # how often names are looked at for retiring (`retire_idle`)
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -60,6 +76,8 @@ class ProducerEntry:
     pid_start: int
     ingest: OwnedRing
     results: OwnedRing
+    slot: int = -1
+    idle_since: float | None = None  # monotonic time it was first seen with nothing left to do
 
 
 def socket_path(data_dir: str | os.PathLike) -> Path:
@@ -75,31 +93,68 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
 class ProducerBook:
     """`<data_dir>/producers.json`: every producer id ever given out, by name, so that ids are never
     reused across broker restarts (item ids stay unique) and results for a name's earlier ids reach
-    whoever connects under that name later. {"next_id": int, "names": {name: [ids]}}"""
+    whoever connects under that name later. {"next_id": int, "names": {name: [ids]}, "crc32c": int}
+
+    Kept twice, `producers.json` and `producers.json.1`, each whole with the crc32c of its content
+    (of `json.dumps` of the other two keys, sorted): a copy that fails its checks (bit rot, a torn
+    write) is passed over (`damaged` names it) and the sound copy with the highest next_id is the
+    book; both damaged is an error (ids could be reused), not a silent empty book."""
 
     FILE = "producers.json"
+    COPY = "producers.json.1"
 
     def __init__(self, data_dir: str | os.PathLike):
         self.path = Path(data_dir) / self.FILE
+        self.copy_path = Path(data_dir) / self.COPY
         self.next_id = 1
         self.names: dict[str, list[int]] = {}
-        if self.path.exists():
-            record = json.loads(self.path.read_text())
-            self.next_id = int(record["next_id"])
-            self.names = {str(k): [int(i) for i in v] for k, v in record["names"].items()}
+        self.damaged: list[str] = []
+        found = []
+        for path in (self.path, self.copy_path):
+            try:
+                found.append((path, *_read_book(path)))
+            except FileNotFoundError:
+                continue
+            except ValueError as exc:
+                self.damaged.append(f"{path.name}: {exc}")
+        if any(checked for *_, checked in found):  # then one without a checksum lost its key to damage
+            self.damaged += [f"{path.name}: no checksum" for path, *_, checked in found if not checked]
+            found = [book for book in found if book[3]]
+        if self.damaged and not found:
+            raise ValueError(f"the producer book is damaged in every copy ({'; '.join(self.damaged)}): "
+                             "ids given out before cannot be known")
+        if found:
+            _, self.next_id, self.names, _ = max(found, key=lambda book: book[1])
 
     def assign(self, name: str) -> int:
-        """A fresh id for `name`, recorded on disk before it is handed out."""
+        """A fresh id for `name`, recorded on disk (both copies) before it is handed out."""
         pid = self.next_id
         if pid > MAX_PRODUCER_ID:
             raise ValueError("producer ids are exhausted")
         self.next_id += 1
         self.names.setdefault(name, []).append(pid)
-        atomic_write(self.path, json.dumps({"next_id": self.next_id, "names": self.names}).encode())
+        body = {"next_id": self.next_id, "names": self.names}
+        data = json.dumps({**body, "crc32c": crc32c.crc32c(json.dumps(body, sort_keys=True).encode())}).encode()
+        atomic_write(self.path, data)
+        atomic_write(self.copy_path, data)
         return pid
 
     def name_of(self) -> dict[int, str]:
         return {i: name for name, ids in self.names.items() for i in ids}
+
+
+def _read_book(path: Path) -> tuple[int, dict[str, list[int]], bool]:
+    """(next_id, names, whether it had a checksum) of one copy of the producer book; ValueError when it
+    fails its checks (a copy written before the checksum was kept has none to check)."""
+    try:
+        record = json.loads(path.read_bytes())
+        body = {"next_id": int(record["next_id"]),
+                "names": {str(k): [int(i) for i in v] for k, v in record["names"].items()}}
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"unreadable ({exc})") from None
+    if "crc32c" in record and record["crc32c"] != crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):
+        raise ValueError("checksum mismatch")
+    return body["next_id"], body["names"], "crc32c" in record
 
 
 class Registry:
@@ -120,10 +175,13 @@ class Registry:
         control=None,
         ingest_bells: list | None = None,
         info: dict | None = None,
+        retire_seconds: float = config.DEFAULT_PRODUCER_RETIRE_SECONDS,
     ):
         self.owner = owner
         self.control = control
         self.book = ProducerBook(data_dir) if control is not None else None
+        for damaged in self.book.damaged if self.book is not None else ():
+            logging.getLogger("shmbroker").warning("producer book: %s; its other copy used", damaged)
         self.info = dict(info or {})
         self.path = socket_path(data_dir)
         self.ingest_ring_bytes = ingest_ring_bytes
@@ -138,6 +196,12 @@ class Registry:
         self.accept_errors = 0
         self.last_accept_error: str | None = None
         self.refused_busy = 0
+        self.retire_seconds = retire_seconds
+        self.refused_full = 0  # connects refused because the producer table was full
+        self.retired = 0  # names that left the table (their rings freed)
+        self._free_slots: list[int] = []  # table slots of retired names, to reuse
+        self._next_slot = 0
+        self._next_check = 0.0
         # Every ingest ring of one ingest process rings one doorbell, so it sleeps on all of them.
         self.ingest_bells = ingest_bells or [owner.doorbell("ingest-d")]
         self.ingest_bell = self.ingest_bells[0]
@@ -202,6 +266,9 @@ class Registry:
         assert self._sock is not None
         backoff = 0.0
         while not self._stop.is_set():
+            if self.control is not None and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + RETIRE_CHECK_SECONDS
+                self.retire_idle()
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
@@ -276,10 +343,12 @@ class Registry:
                 entry.pid, entry.pid_start = pid, ticks
                 self.version += 1
                 return entry
-            slot = len(self._by_name)
+            slot = self._free_slots.pop(0) if self._free_slots else self._next_slot
             if self.book is not None:
                 if slot >= MAX_PRODUCERS:
-                    raise ValueError(f"producer table is full ({MAX_PRODUCERS} names)")
+                    self.refused_full += 1
+                    raise ValueError(f"producer table is full: {MAX_PRODUCERS} names have a live producer or results "
+                                     f"not yet read (a name leaves {self.retire_seconds:g} s after both are done)")
                 producer_id = self.book.assign(name)
             else:
                 producer_id = slot + 1
@@ -294,12 +363,57 @@ class Registry:
                 self.owner.release(ingest.segment)
                 self.owner.release(ingest.space_bell)
                 raise
-            entry = ProducerEntry(producer_id, name, pid, ticks, ingest, results)
+            entry = ProducerEntry(producer_id, name, pid, ticks, ingest, results, slot)
+            self._next_slot = max(self._next_slot, slot + 1)
             if self.control is not None:
                 self.control.write_producer(slot, producer_id, k, name, ingest.names, results.names)
             self._by_name[name] = entry
             self.version += 1
             return entry
+
+
+    # -- names that are done --------------------------------------------------------
+
+    def retire_idle(self, now: float | None = None) -> int:
+        """Free the rings of names with nothing left to do for `retire_seconds` (config.py: its
+        rings are unlinked; it comes back with new ones, and a new producer id): their producer
+        and reader are gone, their ingest ring is drained, every result pushed to them is
+        acknowledged. Their slot is cleared in the control table (ingest and results processes
+        then let go of the rings; results that come later wait in the results process for the
+        name's next connect). Returns how many left."""
+        now = time.monotonic() if now is None else now
+        gone = 0
+        with self._lock:
+            for name, entry in list(self._by_name.items()):
+                if not _idle(entry):
+                    entry.idle_since = None
+                    continue
+                if entry.idle_since is None:
+                    entry.idle_since = now
+                if now - entry.idle_since < self.retire_seconds:
+                    continue
+                del self._by_name[name]
+                self.control.clear_producer(entry.slot)
+                self._free_slots.append(entry.slot)
+                self._free_slots.sort()
+                for obj in (entry.ingest.segment, entry.ingest.space_bell, entry.results.segment,
+                            entry.results.data_bell, entry.results.space_bell):
+                    self.owner.release(obj)
+                self.retired += 1
+                self.version += 1
+                gone += 1
+        return gone
+
+
+def _idle(entry: ProducerEntry) -> bool:
+    i = entry.ingest.segment.buf[:HEADER_BYTES].view(np.int64)
+    r = entry.results.segment.buf[:HEADER_BYTES].view(np.int64)
+    if int(i[H_PRODUCER_PID]) and is_alive(int(i[H_PRODUCER_PID]), int(i[H_PRODUCER_START])):
+        return False
+    if int(r[H_CONSUMER_PID]) and is_alive(int(r[H_CONSUMER_PID]), int(r[H_CONSUMER_START])):
+        return False
+    return (int(i[H_HEAD]) == int(i[H_TAIL]) and int(r[H_NUM_ACKED]) == int(r[H_NUM_PUSHED])
+            and int(r[H_SESSION]) == int(r[H_SESSION_READY]))
 
 
 def _read_line(conn: socket.socket) -> dict:

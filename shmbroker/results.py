@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +81,8 @@ class Router:
         self.cursors = Cursors(self.root)
         self.floor = self.cursors.floor
         self.plans: dict[str, ReplayPlan] | None = None  # while replaying: each name's plan
+        self.replayed = False  # readers are set up (and cursors saved) only once the replay is done
+        self.unattachable: dict[int, str] = {}  # producer id -> why its result ring could not be attached
         self.held: set[str] = set()  # names whose ring waits for its new reader's set-up: push nothing yet
         self._pos = np.empty(SCAN_MAX, np.int64)
         self._cols = (np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
@@ -92,10 +95,21 @@ class Router:
     def refresh(self) -> None:
         if self.control.table_version != self.seen_version:
             self.seen_version = self.control.table_version
-            for p in self.control.producers():
+            table = self.control.producers()
+            live = {p.producer_id for p in table}
+            for producer_id in [i for i in self.outlets if i not in live]:
+                self._retire(producer_id)
+            for p in table:
                 if p.producer_id in self.outlets:
                     continue
-                outlet = Outlet(p.name, p.slot, Ring.attach(p.result_names, PRODUCER))
+                try:
+                    ring = Ring.attach(p.result_names, PRODUCER, untrusted=True)
+                except (OSError, ValueError, RuntimeError) as exc:  # resized or unlinked by a hostile producer
+                    if p.producer_id not in self.unattachable:
+                        self.unattachable[p.producer_id] = str(exc)
+                        sys.stderr.write(f"shmbroker results: cannot attach the result ring of {p.name!r}: {exc}\n")
+                    continue
+                outlet = Outlet(p.name, p.slot, ring)
                 self.outlets[p.producer_id] = outlet
                 self.by_name[p.name] = outlet
                 self.names[p.producer_id] = p.name
@@ -103,8 +117,27 @@ class Router:
                 if queue is not None:
                     for part in queue.take_all():
                         outlet.waiting.extend(part)
-        if self.plans is None:
+        if self.replayed:
             self.answer_readers()
+
+    def _retire(self, producer_id: int) -> None:
+        """The registry retired this name (nothing was left to do for it): let go of its ring. A
+        result pushed meanwhile and not acknowledged, and any waiting, waits by name for its next
+        connect, first."""
+        outlet = self.outlets.pop(producer_id)
+        if self.by_name.get(outlet.name) is outlet:
+            del self.by_name[outlet.name]
+        queue = OffsetQueue()
+        queue.extend(outlet.unacked_offsets())
+        for part in outlet.waiting.take_all():
+            queue.extend(part)
+        old = self.parked.pop(outlet.name, None)
+        if old is not None:
+            for part in old.take_all():
+                queue.extend(part)
+        if queue:
+            self.parked[outlet.name] = queue
+        outlet.ring.close()
 
     def answer_readers(self) -> int:
         """Set up the rings whose new reader announced itself: what the earlier reader popped and
@@ -160,6 +193,7 @@ class Router:
             self._route(record, n, where, ack=False)
             self.counters[C_NOTICES] += 1
         self.plans = None
+        self.replayed = True
         self.answer_readers()
         self.checkpoint(force=True)
         return {"seconds": time.perf_counter() - t0, "results": count, "corrupt_notices": len(notices)}
@@ -182,6 +216,12 @@ class Router:
                 # go on at the next valid record; with none after it, the newest file's is a torn tail
                 nxt = int(resync_results(data, pos, size))
                 if nxt >= size and start == self.log.start:
+                    # a torn tail; but a whole frame up to the end is a damaged last record, not a tear
+                    notice = self._notice(data, pos, nxt) if outcome == RES_BAD else None
+                    if notice is not None:
+                        self.counters[C_BAD_RECORDS] += 1
+                        self.counters[C_BAD_BYTES] += nxt - pos
+                        notices.append(notice)
                     del data
                     return count, start + pos
                 self.counters[C_BAD_RECORDS] += 1
@@ -198,7 +238,8 @@ class Router:
 
     def _notice(self, data: np.ndarray, at: int, nxt: int) -> np.ndarray | None:
         """A `corrupt` result for the item a damaged record names, when its frame is whole (its
-        length leads to the next valid record) and the item's producer is known; else None."""
+        length leads to the next valid record), the item's producer is known and its backlog record
+        is done (acked: it will not run again); else None."""
         if nxt - at < RES_HEADER_BYTES:
             return None
         h = data[at : at + RES_HEADER_BYTES].view(np.uint32)
@@ -208,6 +249,8 @@ class Router:
         item_id, seq, writer = int(h64[1]), int(h64[2]), int(h[7])
         if self._name_of(item_id >> SEQ_BITS) is None:
             return None
+        if not self.backlog.acks.done_mask(writer, np.array([seq], np.uint64))[0]:
+            return None  # its backlog record is not done: the item runs again and gets its result
         err = np.frombuffer(b"its result record was damaged in the results log on disk (crc mismatch)", np.uint8)
         out = np.zeros(res_bytes(0, err.size), np.uint8)
         encode_error(out, 0, item_id, seq, CORRUPT, writer, err)
@@ -349,7 +392,7 @@ class Router:
         self.log.sync()  # results on disk before the acks that say their items are done
         self.backlog.save_acks()
         self.counters[5] += 1
-        if self.plans is None:
+        if self.replayed:
             self.answer_readers()
             self._save_cursors()
         if force or now - self.last_reclaim > RECLAIM_SECONDS:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import durable
+
 RESULTS_DIR = "results"
 CURSOR_FILE = "cursor.json"
 LOG_FILE_BYTES = 64 << 20
@@ -25,7 +27,7 @@ class ResultsLog:
 
     def __init__(self, directory: Path, fsync: str = "interval"):
         self.dir = directory
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        durable.mkdir(self.dir, 0o700)  # its name durable too
         os.chmod(self.dir, 0o700)
         self.fsync = fsync
         self.files = sorted(int(p.stem) for p in self.dir.glob("*.log") if p.stem.isdigit())
@@ -41,13 +43,9 @@ class ResultsLog:
         return self.dir / f"{start:020d}.log"
 
     def _create(self, start: int) -> None:
-        fd = os.open(self.path(start), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = durable.create(self.path(start), os.O_RDWR | os.O_EXCL, 0o600)
         os.close(fd)
-        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        durable.fsync_dir(self.dir)
 
     def append(self, data) -> int:
         """Write `data` (a uint8 array of whole records); returns the log offset of its first byte.
@@ -63,9 +61,9 @@ class ResultsLog:
         view = memoryview(data).cast("B")
         try:
             while view:
-                view = view[os.write(self.fd, view) :]
+                view = view[durable.write(self.fd, view) :]
         except OSError:
-            os.ftruncate(self.fd, at - self.start)  # a torn record here would end every later replay
+            durable.ftruncate(self.fd, at - self.start)  # a torn record here would end every later replay
             raise
         self.end += len(data)
         self.dirty = True
@@ -75,7 +73,7 @@ class ResultsLog:
 
     def sync(self) -> None:
         if self.dirty and self.fsync != "never":
-            os.fdatasync(self.fd)
+            durable.fdatasync(self.fd)
         self.dirty = False
 
     def read(self, at: int, size: int) -> np.ndarray:
@@ -96,7 +94,7 @@ class ResultsLog:
     def cut(self, at: int) -> int:
         """Cut a torn tail at log offset `at` (in the newest file); returns the bytes dropped."""
         dropped = self.end - at
-        os.ftruncate(self.fd, at - self.start)
+        durable.ftruncate(self.fd, at - self.start)
         self.end = at
         return dropped
 
@@ -104,7 +102,7 @@ class ResultsLog:
         """Delete files wholly below `floor`; returns how many."""
         removed = 0
         while len(self.files) > 1 and self.files[1] <= floor:
-            self.path(self.files.pop(0)).unlink(missing_ok=True)
+            durable.unlink(self.path(self.files.pop(0)), missing_ok=True)
             removed += 1
         return removed
 

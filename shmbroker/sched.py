@@ -30,23 +30,25 @@ from .ring import layout as L
 from .ring.items import STATUS_CODES
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
-from .spill.locate import recovered_locations
+from .spill.locate import record_locations, recovered_locations
 from .spill.store import Backlog
 from .stats import MAX_MODELS, SCHED, slot_of
 
 POP_RECORDS = 64
 TOO_LONG = STATUS_CODES["too_long"]
 INVALID = STATUS_CODES["invalid"]
+CORRUPT = STATUS_CODES["corrupt"]
 NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
 
 # statistics words (stats.SCHED)
 (S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
- S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS) = (
+ S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED) = (
     slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
                                   "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
-                                  "overflow_items", "families", "oldest_ns", "num_models"))
+                                  "overflow_items", "families", "oldest_ns", "num_models", "recovered_corrupt",
+                                  "recovered_unnamed_corrupt"))
 S_MODEL_ITEMS = slot_of("sched", "model0_items")
 S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
 
@@ -94,17 +96,27 @@ class Scheduler:
     # -- taking items in --------------------------------------------------------------------
 
     def recover(self, data_dir: str) -> dict:
-        """Index what the backlog on disk holds and is not done."""
+        """Index what the backlog on disk holds and is not done. A record that failed its CRC but names
+        its item (`Backlog.corrupt`) rides the next batch record as a failed row (`corrupt`), so a GPU
+        process writes its result and the results process acks it, as for any item no consumer can
+        take; damage that names no item is counted (`recovered_unnamed_corrupt`)."""
         t0 = time.perf_counter()
         backlog, report = Backlog.open(data_dir, segment_bytes=self.cfg.segment_bytes, readonly=True)
         try:
             self.high = {w: s.next_seq for w, s in backlog._writers.items()}
             locs, hash_offsets, hashes = recovered_locations(backlog, backlog.pending(), self.cfg.block_tokens)
+            corrupt = record_locations(backlog.corrupt())
         finally:
             backlog.close()
+        if corrupt.size:
+            corrupt["aux"] = CORRUPT
+            self.failed.append(corrupt)
+        self.values[S_RECOVERED_CORRUPT] = corrupt.size
+        self.values[S_RECOVERED_UNNAMED] = report.unnamed_corrupt
         self.add(locs, hash_offsets, hashes)
         return {"seconds": time.perf_counter() - t0, "items": int(locs.size),
-                "tokens": int(locs["length"].sum()) if locs.size else 0, "scan": report.as_dict()}
+                "tokens": int(locs["length"].sum()) if locs.size else 0, "corrupt": int(corrupt.size),
+                "unnamed_corrupt": report.unnamed_corrupt, "scan": report.as_dict()}
 
     def take_announcements(self) -> int:
         tokens, offsets, keys, meta = self._pop

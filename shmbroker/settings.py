@@ -18,6 +18,18 @@ The defaults live in `config.py`; every key is documented in the README.
     block_tokens = 512
     max_wait_seconds = 30.0
     padding_tolerance = 0.0625
+    poison_attempts = 3              # a batch a GPU process died on this often is split, its items run
+                                     # alone; an item it died on this often alone fails (engine_error)
+    batch_deadline_seconds = 300.0   # a batch's deadline: this floor + batch_deadline_token_seconds per
+    batch_deadline_token_seconds = 0.01  # input and generated token, from the GPU process's last progress
+    heartbeat_timeout_seconds = 120.0    # a process loop silent this long is hung: killed, restarted
+    startup_timeout_seconds = 900.0      # ... and one not looping this long after its start
+    restart_backoff_max_seconds = 5.0    # restarts back off from 0.1 s, doubling up to this
+    crash_loop_restarts = 5              # this many deaths within crash_loop_window_seconds: a crash
+    crash_loop_window_seconds = 60.0     # loop, reported by status, top and the metrics
+    engine_retry_min_seconds = 1.0       # items an engine hands back while it is down are retried after
+    engine_retry_max_seconds = 60.0      # this, doubling while it stays down, up to the max
+    producer_retire_seconds = 30.0       # a name with nothing left to do leaves the table (rings freed)
 
     [[consumers]]
     name = "big"
@@ -60,7 +72,7 @@ from dataclasses import dataclass, field
 
 from . import config
 from .errors import BrokerError
-from .gpu.engines.options import SimSettings
+from .gpu.engines.options import SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
 from .gpu.engines.registry import ENGINES as ENGINE_REGISTRY
 from .gpu.engines.sim import SimCost
 from .gpu.tiers import GIB, Card, Tier
@@ -80,6 +92,9 @@ SEGMENT_BYTES_MIN = 1 << 20
 
 
 DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait on disk
+FAILURE_SECONDS_KEYS = ("batch_deadline_seconds", "batch_deadline_token_seconds", "heartbeat_timeout_seconds",
+                        "startup_timeout_seconds", "restart_backoff_max_seconds", "crash_loop_window_seconds",
+                        "engine_retry_min_seconds", "engine_retry_max_seconds")
 
 
 class ConfigError(BrokerError, ValueError):
@@ -113,6 +128,18 @@ class BrokerConfig:
     padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
     index_items: int = DEFAULT_INDEX_ITEMS
     metrics_addr: str = config.DEFAULT_METRICS_ADDR  # "" = no exporter
+    # failures (config.py has each default and what it means)
+    poison_attempts: int = config.DEFAULT_POISON_ATTEMPTS
+    batch_deadline_seconds: float = config.DEFAULT_BATCH_DEADLINE_SECONDS
+    batch_deadline_token_seconds: float = config.DEFAULT_BATCH_DEADLINE_TOKEN_SECONDS
+    heartbeat_timeout_seconds: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    startup_timeout_seconds: float = config.DEFAULT_STARTUP_TIMEOUT_SECONDS
+    restart_backoff_max_seconds: float = config.DEFAULT_RESTART_BACKOFF_MAX_SECONDS
+    crash_loop_restarts: int = config.DEFAULT_CRASH_LOOP_RESTARTS
+    crash_loop_window_seconds: float = config.DEFAULT_CRASH_LOOP_WINDOW_SECONDS
+    engine_retry_min_seconds: float = config.DEFAULT_ENGINE_RETRY_MIN_SECONDS
+    engine_retry_max_seconds: float = config.DEFAULT_ENGINE_RETRY_MAX_SECONDS
+    producer_retire_seconds: float = config.DEFAULT_PRODUCER_RETIRE_SECONDS
     consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
     source: str = "built-in default"
     tiers: tuple[Tier, ...] = ()  # [[tiers]]: a card's memory -> engine and contract (`supervise --gpus auto`)
@@ -176,6 +203,19 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         out["padding_tolerance"] = v.number(raw, "padding_tolerance", 0.0, 1e6)
     if "index_items" in raw:
         out["index_items"] = v.integer(raw, "index_items", 1024, 1 << 28)
+    if "poison_attempts" in raw:
+        out["poison_attempts"] = v.integer(raw, "poison_attempts", 1, 1000)
+    if "producer_retire_seconds" in raw:
+        out["producer_retire_seconds"] = v.number(raw, "producer_retire_seconds", 0.0, 1e9)
+    if "crash_loop_restarts" in raw:
+        out["crash_loop_restarts"] = v.integer(raw, "crash_loop_restarts", 1, 1 << 20)
+    for key in FAILURE_SECONDS_KEYS:
+        if key in raw:
+            out[key] = v.number(raw, key, 0.0, 1e9, low_open=key != "batch_deadline_token_seconds")
+    if out.get("engine_retry_min_seconds", config.DEFAULT_ENGINE_RETRY_MIN_SECONDS) > out.get(
+            "engine_retry_max_seconds", config.DEFAULT_ENGINE_RETRY_MAX_SECONDS):
+        v.fail("engine_retry_min_seconds", "must be <= engine_retry_max_seconds",
+               out.get("engine_retry_min_seconds", config.DEFAULT_ENGINE_RETRY_MIN_SECONDS))
     if "metrics_addr" in raw:
         value = raw["metrics_addr"]
         if not isinstance(value, str):
@@ -306,7 +346,8 @@ def _contract_engine(v: _Validator, raw: dict, at: str):
 
 def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
     cost_keys = {f.name for f in dataclasses.fields(SimCost)}
-    v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys, at)
+    faults = set(SIM_FAULT_TOKENS) | {"fail_after", "poison_kill"}
+    v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys | faults, at)
     mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
     cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
     cost = {}
@@ -317,8 +358,13 @@ def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
             cost[key] = raw[key]
         else:
             cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
-    pace = {"pace_seconds": v.number(raw, "pace_seconds", 0.0, 3600.0, at=at)} if "pace_seconds" in raw else {}
-    return SimSettings(mode, cache, SimCost(**cost), **pace)
+    extra = {"pace_seconds": v.number(raw, "pace_seconds", 0.0, 3600.0, at=at)} if "pace_seconds" in raw else {}
+    for key in (*SIM_FAULT_TOKENS, "fail_after"):
+        if key in raw:
+            extra[key] = v.integer(raw, key, 0, (1 << 32) - 1, at=at)
+    if "poison_kill" in raw:
+        extra["poison_kill"] = v.choice(raw, "poison_kill", SIM_KILLS, at)
+    return SimSettings(mode, cache, SimCost(**cost), **extra)
 
 
 class _Validator:

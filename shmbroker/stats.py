@@ -75,6 +75,7 @@ GPU = (
     _c("invalid", "consumer_failed_items_total", "Items failed back by the consumer.", (("reason", "invalid"),)),
     _c("engine_errors", "consumer_failed_items_total", "Items failed back by the consumer.",
        (("reason", "engine_error"),)),
+    _c("corrupt", "consumer_failed_items_total", "Items failed back by the consumer.", (("reason", "corrupt"),)),
     _c("busy_ns", "consumer_engine_busy_seconds_total",
        "Seconds the GPU process spent on batches, from taking one to releasing it (engine and consumer loop).",
        scale=NS),
@@ -85,6 +86,15 @@ GPU = (
        "Seconds the engine reported for its batches: its own measured time (hf, vllm, trtllm, openai), "
        "the cost model's (sim).", scale=NS),
     _g("last_family", None, "The family of the consumer's last batch (a restart resumes from it)."),
+    _c("engine_retries", "consumer_engine_retried_items_total",
+       "Items an engine handed back while it was down (unreachable, failing), retried after a back-off."),
+    _g("engine_down", "consumer_engine_down", "1 while the consumer's engine is down: its items wait for a retry."),
+    _c("redelivered", "consumer_redelivered_batches_total",
+       "Batch records a GPU process took again because its predecessor died holding them."),
+    _c("split_batches", "consumer_split_batches_total",
+       "Batches split to run their items alone: a GPU process died on them poison_attempts times."),
+    _c("poisoned", "consumer_poisoned_items_total",
+       "Items failed (engine_error) because the engine process died on each alone poison_attempts times."),
 )
 
 INGEST = (
@@ -93,6 +103,12 @@ INGEST = (
     _c("bytes", "ingest_appended_bytes_total", "Bytes appended to the backlog's segment files."),
     _c("batches", "ingest_batches_total", "Drain rounds that appended records."),
     _c("disk_full", "ingest_disk_full_total", "Appends refused by a full disk (retried after a back-off)."),
+    # one per spill.collect.REFUSALS, in its order (ingest.I_REFUSED), then rings_closed
+    *(_c(f"refused_{reason}", "ingest_refused_records_total",
+         "Ring records refused alone (not appended) because a field the producer wrote failed its check.",
+         (("reason", reason),)) for reason in ("key", "prefix", "model", "flags", "frame")),
+    _c("rings_closed", "ingest_rings_closed_total",
+       "Producers' ingest rings closed because their frame was broken (a corrupt record)."),
 )
 
 SCHED = (
@@ -110,8 +126,10 @@ SCHED = (
     _g("families", "backlog_families", "Prefix families in the packing index."),
     _g("oldest_ns", None, "CLOCK_MONOTONIC time the oldest waiting item entered the scheduler (0: none)."),
     _g("num_models", None, "Models with per-model pending counts below."),
-    _g("reserved13", None, ""),
-    _g("reserved14", None, ""),
+    _g("recovered_corrupt", "sched_recovered_corrupt_items",
+       "Backlog records the scheduler's start found failing their CRC, answered `corrupt` (they name their item)."),
+    _g("recovered_unnamed_corrupt", "sched_recovered_unnamed_corrupt_records",
+       "Backlog records the scheduler's start found lost to damage that names no item (no result can be sent)."),
     _g("reserved15", None, ""),
 ) + tuple(_g(f"model{m}_items", None, "") for m in range(MAX_MODELS)) \
   + tuple(_g(f"model{m}_tokens", None, "") for m in range(MAX_MODELS))

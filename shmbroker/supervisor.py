@@ -14,8 +14,10 @@ Start:
 5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
 6. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
    consumer) and `metrics` (the Prometheus exporter, unless `metrics_addr` is ""). A child that
-   dies is restarted after a back-off (doubling from 0.1 s to 5 s, reset after it ran 10 s); why
-   it died is logged. Children die with the supervisor (PR_SET_PDEATHSIG);
+   dies is restarted after a back-off, a child that is hung is killed first, and a role that
+   crash-loops is reported (`watchdog.py`); why it died is logged and kept in its role slot (a
+   child that fails writes the last line of its exception there on its way out). Children die
+   with the supervisor (PR_SET_PDEATHSIG);
 7. write `broker.json` (`watch.py`): what `shmbroker top`, `status` and the exporter need to
    attach read-only. It is removed at stop.
 
@@ -42,15 +44,13 @@ from pathlib import Path
 from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, Control
 from .lockfile import AlreadyRunning, InstanceLock
 from .ring.owner import Owner
-from .ring.ring import create_ring
+from .ring.ring import CONSUMER, PRODUCER, create_ring
 from .salvage import salvage
 from .watch import describe, remove_description, write_description
+from .watchdog import Limits, Supervision, describe_status, note_exception
 
 log = logging.getLogger("shmbroker.supervisor")
 
-BACKOFF_MIN_SECONDS = 0.1
-BACKOFF_MAX_SECONDS = 5.0
-HEALTHY_SECONDS = 10.0
 STOP_SECONDS = 10.0
 LOCK_WAIT_SECONDS = 5.0
 WATCH_SECONDS = 0.05
@@ -78,8 +78,8 @@ class Supervisor:
         self.pids: dict[int, str] = {}
         self.role_pid: dict[str, int] = {}
         self.restart_at: dict[str, float] = {}
-        self.backoff: dict[str, float] = {}
         self.started: dict[str, float] = {}
+        self.supervision: Supervision | None = None
         self.stop_requested = False
         self.lock = None
         self.owner = None
@@ -120,8 +120,11 @@ class Supervisor:
             backlog.close()
         self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged}
         if report.torn_bytes or report.quarantined:
-            log.warning("backlog recovery: cut %d torn bytes, quarantined %d records", report.torn_bytes,
-                        len(report.quarantined))
+            log.warning("backlog recovery: cut %d torn bytes, quarantined %d records (%d answered corrupt, %d lost "
+                        "with no item named)", report.torn_bytes, len(report.quarantined), report.corrupt_records,
+                        report.unnamed_corrupt)
+        for damaged in report.damaged_files:
+            log.warning("backlog recovery: %s: %s; %s", damaged["file"], damaged["reason"], damaged["action"])
         log.info("backlog: %d records pending (%d tokens), recovered in %.3f s; %d items salvaged from rings",
                  report.pending_records, report.pending_tokens, report.seconds, salvaged)
         self.owner = Owner(cfg.data_dir, cfg.instance)
@@ -142,6 +145,7 @@ class Supervisor:
                               for c in range(len(cfg.consumers))]
         self.registry = Registry(owner, cfg.data_dir, ingest_ring_bytes=cfg.ingest_ring_bytes,
                                  result_ring_bytes=cfg.result_ring_bytes, control=self.control,
+                                 retire_seconds=cfg.producer_retire_seconds,
                                  ingest_bells=self.ingest_bells,
                                  info={"control": self.control.segment.name, "pid": os.getpid(),
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
@@ -149,6 +153,13 @@ class Supervisor:
         rings.update({f"batch:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.batch_rings)})
         rings.update({f"done:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.results_rings)})
         self.desc = describe(cfg, self.control, self.roles, rings, self.modes, self.metrics_addr)
+        sides = {f"ingest-{k}": [(r.segment.buf, PRODUCER)] for k, r in enumerate(self.appended)}
+        sides["sched"] = [(r.segment.buf, CONSUMER) for r in self.appended] + [
+            (r.segment.buf, PRODUCER) for r in self.batch_rings]
+        sides["results"] = [(r.segment.buf, CONSUMER) for r in self.results_rings]
+        for c, b, r in zip(cfg.consumers, self.batch_rings, self.results_rings):
+            sides[f"gpu-{c.name}"] = [(b.segment.buf, CONSUMER), (r.segment.buf, PRODUCER)]
+        self.supervision = Supervision(self.control, self.roles, Limits.of(cfg), sides)
         for role in self.roles:
             self._spawn(role)
         write_description(cfg.data_dir, self.desc)  # before the registry answers: "ready" means watchable
@@ -160,14 +171,17 @@ class Supervisor:
     def _spawn(self, role: str) -> None:
         r = self.roles.index(role)
         slot = self.control.role(r)
+        self.supervision.spawning(role)
+        slot[3] = time.monotonic_ns()  # before the fork: its first beat comes after
         pid = os.fork()
         if pid == 0:  # the child
             code = 0
             try:
                 _child_setup(slot)
                 self._run_role(role)
-            except BaseException:  # noqa: BLE001 - a child reports and exits, never returns
+            except BaseException as exc:  # noqa: BLE001 - a child reports and exits, never returns
                 code = 1
+                note_exception(slot, exc)
                 sys.stderr.write(f"shmbroker {role} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
                 sys.stderr.flush()
             finally:
@@ -176,7 +190,6 @@ class Supervisor:
         self.role_pid[role] = pid
         self.started[role] = time.monotonic()
         slot[0] = pid
-        slot[3] = time.monotonic_ns()
 
     def _run_role(self, role: str) -> None:
         cfg = self.cfg
@@ -224,16 +237,14 @@ class Supervisor:
                 continue
             self.role_pid.pop(role, None)
             self.control.role(self.roles.index(role))[0] = 0
-            why = _describe(status)
+            why = describe_status(status)
             if self.stop_requested:
                 log.info("%s (pid %d) stopped: %s", role, pid, why)
                 continue
             ran = time.monotonic() - self.started.get(role, 0.0)
-            delay = BACKOFF_MIN_SECONDS if ran > HEALTHY_SECONDS else min(
-                BACKOFF_MAX_SECONDS, 2 * self.backoff.get(role, BACKOFF_MIN_SECONDS / 2))
-            self.backoff[role] = delay
+            delay, error = self.supervision.died(role, pid, status, why, ran)
             self.restart_at[role] = time.monotonic() + delay
-            log.warning("%s (pid %d) died: %s; restarting in %.1f s", role, pid, why, delay)
+            log.warning("%s (pid %d) died: %s; restarting in %.1f s", role, pid, error, delay)
 
     def restart_due(self) -> None:
         now = time.monotonic()
@@ -259,6 +270,9 @@ class Supervisor:
         try:
             while not self.stop_requested:
                 self.reap()
+                if not self.stop_requested:  # hung children killed, crash loops ended (watchdog.py)
+                    now = time.monotonic()
+                    self.supervision.watch(self.role_pid, {r: now - self.started[r] for r in self.role_pid})
                 self.restart_due()
                 time.sleep(WATCH_SECONDS)
         except BaseException:
@@ -380,14 +394,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _describe(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f"killed by {signal.Signals(sig).name}"
-    code = os.waitstatus_to_exitcode(status)
-    return f"exited with status {code}" + ("" if code == 0 else " (its traceback is on stderr)")
 
 
 def engine_modes(cfg) -> list[str]:

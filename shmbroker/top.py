@@ -85,7 +85,8 @@ def _pairs(rows: list[tuple[str, str | Text]]) -> Table:
 
 
 def _failed(c: dict) -> Text:
-    reasons = {"too long": c.get("too_long", 0), "invalid": c.get("invalid", 0), "engine": c.get("engine_errors", 0)}
+    reasons = {"too long": c.get("too_long", 0), "invalid": c.get("invalid", 0), "engine": c.get("engine_errors", 0),
+               "corrupt": c.get("corrupt", 0)}
     total = sum(reasons.values())
     detail = ", ".join(f"{why} {n:,}" for why, n in reasons.items() if n)
     return Text(f"{total:,}" + (f" ({detail})" if detail else ""), style="red" if total else "")
@@ -130,14 +131,19 @@ def _ingest(ing: dict, rate: dict) -> Panel:
 
 def _processes(processes: list[dict]) -> Panel:
     t = Table(expand=True, box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, header_style="bold")
-    for col in ("role", "pid", "alive", "restarts", "beat"):
-        t.add_column(col, justify="left" if col == "role" else "right", no_wrap=True)
+    for col in ("role", "pid", "alive", "restarts", "hung", "beat"):
+        t.add_column(col, justify="left" if col == "role" else "right", no_wrap=True,
+                     min_width=len("CRASH LOOP") if col == "alive" else None)
+    t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)  # what room is left
     for p in processes:
         age = p.get("heartbeat_age_seconds")
         stale = age is None or age > STALE_HEARTBEAT_SECONDS
-        style = "bold red" if not p["alive"] else "yellow" if stale else ""
-        t.add_row(p["role"], str(p["pid"] or "-"), "yes" if p["alive"] else "DEAD", str(p["restarts"]),
-                  "-" if age is None else f"{age:.2f}s" + (" STALE" if stale else ""), style=style)
+        looping = p.get("crash_loop")
+        style = "bold red" if not p["alive"] or looping else "yellow" if stale else ""
+        t.add_row(p["role"], str(p["pid"] or "-"), "CRASH LOOP" if looping else "yes" if p["alive"] else "DEAD",
+                  str(p["restarts"]), str(p.get("watchdog_kills", 0)),
+                  "-" if age is None else f"{age:.2f}s" + (" STALE" if stale else ""), p.get("last_error") or "",
+                  style=style)
     return Panel(t, title="processes", title_align="left")
 
 

@@ -94,7 +94,8 @@ def warm_spill() -> None:
     layout.init_header(buf, cap)
     data = buf[layout.HEADER_BYTES :]
     collect.collect(data.view(np.uint32), data.view(np.uint64), np.zeros(1, np.int64), 1, 1, 512,
-                    np.empty(cap, np.uint32), np.empty(2, np.int64), np.zeros(1, ITEM_DTYPE))
+                    np.empty(cap, np.uint32), np.empty(2, np.int64), np.zeros(1, ITEM_DTYPE),
+                    np.zeros(len(collect.REFUSALS), np.int64))
     crc.crc32c(np.zeros(16, np.uint8))
 
 
@@ -118,6 +119,8 @@ def warm_broker() -> None:
                        np.empty(n, np.uint32))
     wire.push_results(ring, out, pos[:n], 0, n)
     wire.close_ring(ring)
+    wire.close_ring_for(ring, layout.CLOSE_STOP)
+    wire.mark_closed(ring, layout.CLOSE_STOP)
     _, tail = wire.peek_closed(ring, pos, 8)
     wire.set_closed_tail(ring, tail)
     from .pack.shapes import chain_items

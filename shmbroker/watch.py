@@ -40,6 +40,7 @@ from .ring import layout as L
 from .ring.liveness import is_alive, start_ticks
 from .ring.shm import Segment
 from .stats import MAX_MODELS, read_role
+from .watchdog import death_report
 
 BROKER_FILE = "broker.json"
 WATCHER_NICE = 10  # the exporter and `shmbroker top` yield the CPU to the broker's processes
@@ -157,7 +158,7 @@ class BrokerView:
                               "alive": ticks is not None and is_alive(pid, ticks),
                               "heartbeat_age_seconds": max(0.0, (now - beat) / 1e9) if beat else None,
                               "uptime_seconds": max(0.0, (now - started) / 1e9) if started else None,
-                              "compiles": int(slot[R_COMPILES])})
+                              "compiles": int(slot[R_COMPILES]), **death_report(slot, now)})
         consumers = {}
         for c in self.desc["consumers"]:
             v = dict(values.get(f"gpu-{c['name']}", {}))

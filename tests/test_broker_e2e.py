@@ -1,7 +1,7 @@
 """End to end through real processes: `shmbroker supervise` in a subprocess (tests/brokerproc.py),
 producers in this process or in forked children, the simulated engine's deterministic tokens.
 
-Each ok result must carry `Sim.generated(item_id, max_new_tokens)`; every submitted item must get
+Each ok result must carry `Sim.generated(item_id, max_new_tokens, prompt)`; every submitted item must get
 exactly one result at its producer, and no producer may see a result for an id it did not submit.
 """
 
@@ -46,15 +46,21 @@ class Expect:
     def __init__(self):
         self.max_new: dict[int, int] = {}
         self.special: dict[int, str] = {}  # item id -> the status it must get, other than ok
+        self.digests: dict[int, int] = {}  # item id -> its prompt's Sim.digest (absent: tokens not checked)
         self.counts: Counter = Counter()
         self.results: dict[int, object] = {}
 
-    def add(self, ids, max_new, status: str = "ok") -> None:
+    def add(self, ids, max_new, prompts, status: str = "ok") -> None:
+        """`prompts`: the one prompt of one id, a list of prompts, or (flat, offsets) as submit_many took
+        them; None: the tokens of ok results are not checked."""
         ids = np.atleast_1d(np.asarray(ids, np.uint64)).tolist()
         mn = np.broadcast_to(np.asarray(max_new, np.int64), (len(ids),)).tolist()
-        for i, m in zip(ids, mn):
+        digests = [None] * len(ids) if prompts is None else _digests(prompts, len(ids))
+        for i, m, d in zip(ids, mn, digests):
             assert i not in self.max_new, f"item id {i:#x} given out twice"
             self.max_new[i] = m
+            if d is not None:
+                self.digests[i] = d
             if status != "ok":
                 self.special[i] = status
 
@@ -90,8 +96,9 @@ class Expect:
             want = self.special.get(i, "ok")
             if r.status != want:
                 bad_status.append((i, r.status, want, r.error))
-            elif want == "ok":
-                expected = Sim.generated(i, want_max)
+            elif want == "ok" and i in self.digests:
+                expected = Sim.generated_many(np.array([i], np.uint64), np.array([want_max]),
+                                              np.array([self.digests[i]])).flat
                 if r.tokens.dtype != np.uint32 or not np.array_equal(r.tokens, expected):
                     bad_tokens.append((i, want_max, r.tokens[:8].tolist(), expected[:8].tolist()))
             elif not r.error:
@@ -99,6 +106,18 @@ class Expect:
         out = {"missing": missing, "twice": twice, "foreign": foreign, "bad_status": bad_status,
                "bad_tokens": bad_tokens, "no_error_text": no_error}
         return {k: (len(v), v[:5]) for k, v in out.items() if v}
+
+
+def _digests(prompts, count: int) -> list[int]:
+    if isinstance(prompts, tuple):
+        flat, offsets = prompts
+        flat = np.asarray(flat, np.uint32)
+        offsets = np.asarray(offsets, np.int64)
+        prompts = [flat[offsets[k] : offsets[k + 1]] for k in range(offsets.size - 1)]
+    elif count == 1 and not (isinstance(prompts, list) and len(prompts) == 1 and np.ndim(prompts[0]) == 1):
+        prompts = [prompts]
+    assert len(prompts) == count, "one prompt per id"
+    return [Sim.digest(t) for t in prompts]
 
 
 def assert_all_delivered(expect: Expect, broker: BrokerProc | None = None, what: str = "") -> None:
@@ -147,7 +166,7 @@ class Workload:
             form = int(rng.integers(3))
             data = tokens if form == 0 else tokens.tolist() if form == 1 else tokens.astype(np.int64)
             prefix = shared if shared and rng.random() < 0.5 else None
-            expect.add(producer.submit(data, max_new_tokens=m, prefix_len=prefix), m)
+            expect.add(producer.submit(data, max_new_tokens=m, prefix_len=prefix), m, tokens)
             return 1
         count = int(min(budget, rng.integers(1, 97)))
         items = [self.item() for _ in range(count)]
@@ -163,7 +182,7 @@ class Workload:
             prefix = np.array([s for _, s in items], np.int64)
         ids = producer.submit_many(flat, offsets, max_new_tokens=m, prefix_len=prefix)
         assert ids.dtype == np.uint64 and ids.size == count
-        expect.add(ids, m)
+        expect.add(ids, m, (flat, offsets))
         return count
 
 
@@ -237,33 +256,33 @@ def test_too_long_and_unknown_model_fail_alone(tmp_path):
     with BrokerProc(tmp_path) as broker, Producer("e2e-bad-items", data_dir=broker.data_dir) as p:
         def good(n: int) -> None:
             tokens = rng.integers(0, 50_000, size=n, dtype=np.uint32)
-            expect.add(p.submit(tokens, max_new_tokens=5), 5)
+            expect.add(p.submit(tokens, max_new_tokens=5), 5, tokens)
 
         for k in range(30):
             good(int(rng.integers(1, 3000)))
             if k % 3 == 0:  # longer than big's max_input_len (8192), the longest of every consumer
                 tokens = rng.integers(0, 50_000, size=int(rng.integers(8193, 12_000)), dtype=np.uint32)
-                expect.add(p.submit(tokens, max_new_tokens=5), 5, "too_long")
+                expect.add(p.submit(tokens, max_new_tokens=5), 5, None, "too_long")
             if k % 3 == 1:  # no consumer serves this model
                 tokens = rng.integers(0, 50_000, size=int(rng.integers(1, 3000)), dtype=np.uint32)
-                expect.add(p.submit(tokens, max_new_tokens=5, model="nope"), 5, "invalid")
+                expect.add(p.submit(tokens, max_new_tokens=5, model="nope"), 5, None, "invalid")
             if k % 5 == 2:
                 tokens = rng.integers(0, 50_000, size=int(rng.integers(1, 3000)), dtype=np.uint32)
-                expect.add(p.submit(tokens, max_new_tokens=5, prefix_len=1, model="nope"), 5, "invalid")
+                expect.add(p.submit(tokens, max_new_tokens=5, prefix_len=1, model="nope"), 5, None, "invalid")
         # the limits exactly: 8192 fits big; 8193 fits none
-        expect.add(p.submit(np.ones(8192, np.uint32), max_new_tokens=3), 3)
-        expect.add(p.submit(np.ones(8193, np.uint32), max_new_tokens=3), 3, "too_long")
-        expect.add(p.submit(np.ones(2048, np.uint32), max_new_tokens=3), 3)
-        expect.add(p.submit(np.ones(2049, np.uint32), max_new_tokens=3), 3)
+        expect.add(p.submit(np.ones(8192, np.uint32), max_new_tokens=3), 3, np.ones(8192, np.uint32))
+        expect.add(p.submit(np.ones(8193, np.uint32), max_new_tokens=3), 3, None, "too_long")
+        expect.add(p.submit(np.ones(2048, np.uint32), max_new_tokens=3), 3, np.ones(2048, np.uint32))
+        expect.add(p.submit(np.ones(2049, np.uint32), max_new_tokens=3), 3, np.ones(2049, np.uint32))
         # submit_many: one batch mixing good and too long; one whole batch for the unknown model
         lengths = np.array([10, 9000, 700, 20_000, 1], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         flat = rng.integers(0, 50_000, size=int(offsets[-1]), dtype=np.uint32)
         ids = p.submit_many(flat, offsets, max_new_tokens=4)
-        for i, n in zip(ids, lengths):
-            expect.add(i, 4, "too_long" if n > 8192 else "ok")
+        for k, (i, n) in enumerate(zip(ids, lengths)):
+            expect.add(i, 4, flat[offsets[k] : offsets[k + 1]], "too_long" if n > 8192 else "ok")
         ids = p.submit_many(flat[:711], [0, 5, 305, 711], max_new_tokens=4, model="nope")
-        expect.add(ids, 4, "invalid")
+        expect.add(ids, 4, None, "invalid")
         for _ in range(20):
             good(int(rng.integers(1, 3000)))
         expect.collect(p)
@@ -326,7 +345,7 @@ def test_bad_input_raises_and_loses_nothing(tmp_path):
     with BrokerProc(tmp_path) as broker, Producer("e2e-bad-input", data_dir=broker.data_dir) as p:
         def good() -> None:
             tokens = rng.integers(0, 50_000, size=int(rng.integers(1, 2000)), dtype=np.uint32)
-            expect.add(p.submit(tokens, max_new_tokens=6), 6)
+            expect.add(p.submit(tokens, max_new_tokens=6), 6, tokens)
 
         for _ in range(10):
             good()
@@ -342,7 +361,7 @@ def test_bad_input_raises_and_loses_nothing(tmp_path):
         flat = rng.integers(0, 50_000, size=4000, dtype=np.uint32)
         offsets = np.sort(rng.choice(np.arange(1, 4000), size=99, replace=False))
         offsets = np.concatenate([[0], offsets, [4000]])
-        expect.add(p.submit_many(flat, offsets, max_new_tokens=2), 2)
+        expect.add(p.submit_many(flat, offsets, max_new_tokens=2), 2, (flat, offsets))
         # the ids are consecutive: no bad call took one
         ids = sorted(expect.max_new)
         assert ids == list(range(ids[0], ids[0] + len(ids)))
@@ -420,14 +439,15 @@ def test_producer_killed_mid_submit_disturbs_no_other(tmp_path):
                     committed = again.next_item_id - first
                     assert committed > 300
                     victim_expect = Expect()
-                    victim_expect.add(np.arange(first, again.next_item_id, dtype=np.uint64), 0)
+                    victim_expect.add(np.arange(first, again.next_item_id, dtype=np.uint64), 0, None)
                     victim_expect.collect(again, 30)
                     got = [i for i in victim_expect.max_new if i in victim_expect.counts]
                     assert len(got) == committed and not victim_expect.problems().get("twice"), \
                         f"{committed - len(got)} of the killed producer's {committed} items got no result\n{broker.log()}"
                     # the survivor still works after all that
                     m = 3
-                    expect.add(p.submit(np.arange(1, 100, dtype=np.uint32), max_new_tokens=m), m)
+                    expect.add(p.submit(np.arange(1, 100, dtype=np.uint32), max_new_tokens=m), m,
+                               np.arange(1, 100, dtype=np.uint32))
                     expect.collect(p, 20)
                     assert_all_delivered(expect, broker, "survivor after the reconnect:")
         finally:
@@ -483,7 +503,8 @@ def test_second_supervisor_is_refused_and_first_keeps_working(tmp_path):
         pids = broker.role_pids()
         expect = Expect()
         with Producer("e2e-first", data_dir=broker.data_dir) as p:
-            expect.add(p.submit(np.arange(1, 500, dtype=np.uint32), max_new_tokens=2), 2)
+            expect.add(p.submit(np.arange(1, 500, dtype=np.uint32), max_new_tokens=2), 2,
+                       np.arange(1, 500, dtype=np.uint32))
             shm_before = shm_leftovers(instance)
             t0 = time.monotonic()
             second = subprocess.run(_supervise_cmd(broker.data_dir, broker.config_path), capture_output=True,
@@ -508,7 +529,7 @@ def test_second_supervisor_is_refused_and_first_keeps_working(tmp_path):
             assert_all_delivered(expect, broker, "after a second supervisor was refused:")
             with Producer("e2e-later", data_dir=broker.data_dir) as q:
                 later = Expect()
-                later.add(q.submit([1, 2, 3], max_new_tokens=1), 1)
+                later.add(q.submit([1, 2, 3], max_new_tokens=1), 1, [1, 2, 3])
                 later.collect(q, 20)
                 assert_all_delivered(later, broker, "a producer that connected afterwards:")
     assert shm_leftovers(instance) == []
@@ -527,7 +548,7 @@ def _submit_with_long_answers(p: Producer, work: Workload, expect: Expect, count
     for _ in range(300):
         m = int(work.rng.integers(1000, 4001))
         tokens = work.rng.integers(0, 50_000, size=int(work.rng.integers(1, 3001)), dtype=np.uint32)
-        expect.add(p.submit(tokens, max_new_tokens=m), m)
+        expect.add(p.submit(tokens, max_new_tokens=m), m, tokens)
 
 
 def test_restart_keeps_undelivered_results(tmp_path):

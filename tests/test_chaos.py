@@ -16,7 +16,7 @@ a number of iterations. One iteration:
 3. the producers stop submitting a moment later and collect results until every item they were
    told was accepted has one (a generous deadline);
 4. checks: per producer, the ids that submit/submit_many returned == the ids with a result; the
-   client never yielded an id twice; every status ok; tokens == `Sim.generated(id, max_new)`;
+   client never yielded an id twice; every status ok; tokens == `Sim.generated(id, max_new, prompt)`;
    the supervisor log shows the victim's death and restart, and no other process died.
 
 At the end the broker stops gracefully (exit 0) and none of its instance's shm is left.
@@ -109,7 +109,7 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
 
     report = {"name": name, "ids": [], "max_new": [], "t": [], "yielded": [], "bad": [], "error": None,
               "producer_ids": [], "reconnects": 0, "results_seconds": None}
-    max_new_of: dict[int, int] = {}
+    max_new_of: dict[int, tuple[int, int]] = {}  # item id -> (max_new_tokens, its prompt's Sim.digest)
     got: set[int] = set()
     yielded = report["yielded"]
     bad = report["bad"]
@@ -118,8 +118,8 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
         yielded.append(r.item_id)
         if r.item_id in got:
             return  # the test counts what the client yielded twice
-        m = max_new_of.get(r.item_id)
-        if m is None:
+        entry = max_new_of.get(r.item_id)
+        if entry is None:
             return  # not ours this iteration (an earlier process of this name): the test sorts it out
         got.add(r.item_id)
         if r.status != "ok":
@@ -127,16 +127,17 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
         elif r.error is not None:
             bad.append((r.item_id, f"ok with error {r.error!r}"))
         else:
-            want = Sim.generated(r.item_id, m)
+            m, digest = entry
+            want = Sim.generated_many(np.array([r.item_id], np.uint64), np.array([m]), np.array([digest])).flat
             if r.tokens.size != want.size or not np.array_equal(r.tokens, want):
                 bad.append((r.item_id, f"tokens differ: {r.tokens.size} vs {want.size} expected"))
 
-    def accepted(ids, max_new, t) -> None:
-        for i, m in zip((int(x) for x in ids), max_new):
+    def accepted(ids, max_new, t, digests) -> None:
+        for i, m, d in zip((int(x) for x in ids), max_new, digests):
             report["ids"].append(i)
             report["max_new"].append(int(m))
             report["t"].append(t)
-            max_new_of[i] = int(m)
+            max_new_of[i] = (int(m), int(d))
 
     p = None
     try:
@@ -156,7 +157,7 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
                         i = p.submit(tokens, max_new_tokens=m, prefix_len=plen)
                     else:
                         i = p.submit(tokens, max_new_tokens=m)
-                    accepted([i], [m], t)
+                    accepted([i], [m], t, [Sim.digest(tokens)])
                 else:
                     n = rng.randint(2, 16)
                     made = [work.item() for _ in range(n)]
@@ -167,13 +168,14 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
                     m = rng.randint(1, MAX_NEW) if one else np.array([rng.randint(1, MAX_NEW) for _ in range(n)])
                     ms = [m] * n if one else m.tolist()
                     prefix_len = np.array([x[1] for x in made], np.int64) if rng.random() < 0.5 else None
+                    digests = [Sim.digest(x[0]) for x in made]
                     t = time.monotonic()
                     try:
                         ids = p.submit_many(flat, offsets, max_new_tokens=m, prefix_len=prefix_len)
                     except Full as exc:
-                        accepted(exc.ids, ms[: len(exc.ids)], t)
+                        accepted(exc.ids, ms[: len(exc.ids)], t, digests)
                         raise
-                    accepted(ids, ms, t)
+                    accepted(ids, ms, t, digests)
                 if p.producer_id not in report["producer_ids"]:
                     report["producer_ids"].append(p.producer_id)
                 for r in p.results(0.0):

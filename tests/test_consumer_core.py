@@ -48,7 +48,7 @@ def test_sim_results_one_per_item_with_its_generated_tokens():
     results = core.process(batch_of(tokens, max_new=4), tokens).items()
     assert [r.item_id for r in results] == list(range(100, 105))
     assert all(r.status == "ok" and r.error is None for r in results)
-    assert all(np.array_equal(r.tokens, Sim.generated(r.item_id, 4)) for r in results)
+    assert all(np.array_equal(r.tokens, Sim.generated(r.item_id, 4, t)) for r, t in zip(results, tokens))
     assert core.stats.ok == 5 and core.stats.queried_blocks > 0 and core.stats.hit_blocks > 0
     assert core.stats.guard_violations == 0
 
@@ -180,3 +180,19 @@ def test_the_registry_refuses_an_engine_whose_class_and_entry_disagree_on_the_mo
     assert engine.mode == "packed" and callable(engine.add) and callable(engine.poll)
     with pytest.raises(ValueError, match="mode must be one of"):
         registry.EngineEntry("bad", "m", "C", None, opts, "rectangle", True)
+
+
+def test_the_families_a_consumer_remembers_are_bounded(monkeypatch):
+    """Hole 15. Before: the GPU process kept every family it ever served in a set (one entry per
+    family for the life of the process). Now the last MAX_FAMILIES_TRACKED."""
+    from shmbroker.gpu import core as core_mod
+
+    monkeypatch.setattr(core_mod, "MAX_FAMILIES_TRACKED", 8)
+    core = ConsumerCore(CONTRACT, sim())
+    tokens = [np.array([1, 2, 3], np.uint32)]
+    for family in range(40):
+        core.process(batch_of(tokens, max_new=1, family=family + 1), tokens)
+    assert core.stats.families == 40
+    assert len(core._families) == 8
+    core.process(batch_of(tokens, max_new=1, family=38), tokens)  # a recent one: an excess switch
+    assert core.stats.excess_shape_switches == 1

@@ -4,7 +4,6 @@ record in the middle skipped (resync) with its item told `corrupt`."""
 from __future__ import annotations
 
 import numpy as np
-
 import pytest
 
 from shmbroker import results as results_mod
@@ -118,6 +117,9 @@ def test_a_damaged_record_mid_log_is_skipped_counted_and_its_item_told_corrupt(t
         assert len(files) == 6
     _damage(path, victim * size - start + (0 if field == "length" else 44))
     router = Router(str(tmp_path), _Cfg(), _Control())
+    # every item's backlog record is done (acked when its result was logged): a damaged result is
+    # then all that is left of it
+    router.backlog.acks.ack(0, np.arange(base, base + 24, dtype=np.uint64))
     try:
         report = router.replay()
         parked = router.parked["alice"]
@@ -156,3 +158,40 @@ def _rolling_append(file_bytes: int):
             results_log.LOG_FILE_BYTES = old
 
     return append
+
+
+def test_a_damaged_result_of_an_item_not_done_tells_nothing_the_item_runs_again(tmp_path):
+    """A damaged record whose item's backlog record is not acked (its ack was not saved before a
+    crash) is only counted: the item runs again and gets its real result, not `corrupt`."""
+    producer_id = ProducerBook(str(tmp_path)).assign("bob")
+    base = producer_id << 40
+    log = ResultsLog(tmp_path / "results", fsync="never")
+    log.append(_records(4, base))
+    log.close()
+    _damage(tmp_path / "results" / f"{0:020d}.log", res_bytes(3) + 44)
+    router = Router(str(tmp_path), _Cfg(), _Control())
+    try:
+        report = router.replay()
+        assert report["results"] == 3 and report["corrupt_notices"] == 0
+        assert router.counters[results_mod.C_BAD_RECORDS] == 1
+    finally:
+        router.close()
+
+
+def test_a_damaged_last_record_with_a_whole_frame_is_told_not_cut_silently(tmp_path):
+    producer_id = ProducerBook(str(tmp_path)).assign("carol")
+    base = producer_id << 40
+    log = ResultsLog(tmp_path / "results", fsync="never")
+    log.append(_records(4, base))
+    log.close()
+    _damage(tmp_path / "results" / f"{0:020d}.log", 3 * res_bytes(3) + 44)  # the last record's tokens
+    router = Router(str(tmp_path), _Cfg(), _Control())
+    router.backlog.acks.ack(0, np.arange(base, base + 4, dtype=np.uint64))
+    try:
+        report = router.replay()
+        assert report["results"] == 3 and report["corrupt_notices"] == 1
+        offsets = [int(x) for part in router.parked["carol"].take_all() for x in part]
+        last = router.log.read(offsets[-1], 40)
+        assert int(last[8:16].view(np.uint64)[0]) == base + 3 and int(last[24:28].view(np.uint32)[0]) == 4
+    finally:
+        router.close()

@@ -622,7 +622,7 @@ def commits_without_publishing(conn, names: dict, published: int, unpublished: i
         for key in range(published, published + unpublished):
             tokens = np.full(5, key, np.uint32)
             size = L.record_words(tokens.size)
-            skip = int(spsc._reserve(h, head, size))
+            skip = int(spsc._reserve(h, w.size, head, size))
             assert skip != spsc.NO_SPACE
             head = int(spsc._write_record(w, w64, h, head, skip, size, tokens, 0, tokens.size, key, key, 0, 0, 0))
         say(conn, head)

@@ -205,6 +205,7 @@ class BacklogMachine(RuleBasedStateMachine):
         for writer in range(self.num_writers):
             assert len(self.segments_on_disk(writer)) <= 1
             spare_bytes += sum(p.stat().st_blocks * 512 for p in self.wdir(writer).glob(".spare-*.tmp"))
+        spare_bytes += sum(p.stat().st_blocks * 512 for p in self.backlog.root.glob(".reserve"))  # durable.RESERVE_FILE
         # one (unsealed, preallocated) segment per writer, plus the ack file and clean markers
         assert self.backlog.disk_bytes() - spare_bytes <= self.num_writers * self.segment_bytes + 4096 * (1 + self.num_writers)
 

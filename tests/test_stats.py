@@ -9,13 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from shmbroker.control import R_SEQ, R_VALUES, VALUE_WORDS, Control
+from shmbroker.control import R_SEQ, R_VALUES, ROLE_WORDS, VALUE_WORDS, Control
 from shmbroker.ring import seqlock
 from shmbroker.ring.owner import Owner
 from shmbroker.ring.shm import Segment, make_name
 from shmbroker.stats import GPU, STATS, StatsWriter, read_role, slot_of
 
-WORDS = 64
+WORDS = ROLE_WORDS
 RACE_SECONDS = 1.5
 
 

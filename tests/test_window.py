@@ -64,6 +64,9 @@ class Views:
     def tokens(self, writer, segment, offset, length):
         return np.arange(length, dtype=np.uint32)
 
+    def check(self, locs):
+        return np.zeros(locs.size, np.int64)  # every record whole (records.CHECK_OK)
+
 
 def push_records(ring, sizes, *, first_id=1, length=10, failed_every=0):
     """Batch records as the scheduler pushes them: item locations, n_run, n_failed, packed time."""
@@ -195,7 +198,8 @@ def test_kill_9_of_the_gpu_process_with_items_in_flight_loses_none_and_duplicate
         want = {}
         for _ in range(120):
             m = int(rng.integers(20, 200))
-            want[p.submit(rng.integers(0, 500, int(rng.integers(20, 400)), dtype=np.uint32), max_new_tokens=m)] = m
+            prompt = rng.integers(0, 500, int(rng.integers(20, 400)), dtype=np.uint32)
+            want[p.submit(prompt, max_new_tokens=m)] = (m, prompt)
         seen: list[int] = []
         deadline = time.monotonic() + 30
         while len(seen) < 10:
@@ -213,7 +217,7 @@ def test_kill_9_of_the_gpu_process_with_items_in_flight_loses_none_and_duplicate
         assert broker.role_pids()["gpu-big"] not in (0, old)
         assert sorted(seen) == sorted(want)  # every item once: none lost, none yielded twice
         for i, r in results.items():
-            assert r.status == "ok" and np.array_equal(r.tokens, Sim.generated(i, want[i]))
+            assert r.status == "ok" and np.array_equal(r.tokens, Sim.generated(i, *want[i]))
 
 
 def test_an_item_dispatched_again_while_in_flight_runs_once_and_both_rows_get_its_result(owner):

@@ -69,19 +69,22 @@ def _render(report: dict) -> None:
                   f"up {_fmt(up)} s, {len(report['producers'])} producer(s) connected"
                   + (", [red]stopping[/red]" if report["stopping"] else ""), highlight=False)
     t = Table(title="processes", title_justify="left")
-    for col in ("role", "pid", "restarts", "heartbeat age s", "alive"):
-        t.add_column(col, justify="left" if col == "role" else "right")
+    for col in ("role", "pid", "restarts", "heartbeat age s", "alive", "hung kills", "last error"):
+        t.add_column(col, justify="left" if col in ("role", "last error") else "right")
     for p in report["processes"]:
         age = p["heartbeat_age_seconds"]
+        error = escape(p.get("last_error") or "-")
+        if p.get("crash_loop"):
+            error = f"[red]crash loop[/red]: {error}"
         t.add_row(p["role"], str(p["pid"] or "-"), str(p["restarts"]), "-" if age is None else f"{age:.2f}",
-                  "[green]yes[/green]" if p["alive"] else "[red]no[/red]")
+                  "[green]yes[/green]" if p["alive"] else "[red]no[/red]", str(p.get("watchdog_kills", 0)), error)
     console.print(t)
     t = Table(title="consumers", title_justify="left")
     t.add_column("")
     names = list(report["consumers"])
     for name in names:
         t.add_column(name, justify="right")
-    rows = ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "guard_violations",
+    rows = ("batches", "items", "tokens", "ok", "too_long", "invalid", "engine_errors", "corrupt", "guard_violations",
             "padding_waste", "hit_rate", "shape_switches", "excess_shape_switches")
     for key in rows:
         fmt = _ratio if key in RATIOS else _fmt

@@ -6,6 +6,12 @@ the backlog's segment files, `segments.py`), poll the engine, write each finishe
 record to the results ring (`ResultWriter`), release the records whose items all have results;
 the statistics (`GpuCounting`) published after each round. What happens to each item is
 `ConsumerCore`'s (`core.py`).
+
+For the supervisor's watchdog (`watchdog.py`) the loop beats its role slot every round and
+publishes the window's batch deadline there (`R_DEADLINE`; 0 while the engine holds nothing, waits
+for a retry, or the results ring holds the process up); what a dead predecessor held is the
+window's (`deliveries.py`): the delivery words are read once the engine is loaded, so a process
+that cannot load its engine counts no delivery.
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ import time
 
 import numpy as np
 
+from ..control import R_BEAT, R_DEADLINE
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
+from ..ring import layout as L
 from ..ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
 from .core import CODE_OK, ConsumerCore
+from .deliveries import Deliveries
 from .engines.base import BatchResults
 from .segments import SegmentViews
-from .window import Window
+from .window import WINDOW_COUNTS, Window, WindowLimits
 
 # Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
 # within a few of its time slices.
@@ -33,9 +42,10 @@ class ResultWriter:
     """Encodes a batch's results as result records and pushes them to the results ring (in chunks
     that fit its largest record)."""
 
-    def __init__(self, ring, stopping):
+    def __init__(self, ring, stopping, on_wait=None):
         self.ring = ring
         self.stopping = stopping
+        self.on_wait = on_wait  # called while the results ring holds us up (the process beats, no deadline runs)
         self.max_bytes = ring.max_tokens * 4
         self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
 
@@ -70,6 +80,8 @@ class ResultWriter:
                     break
                 except (Full, PeerDead):  # the results process may be restarting: its ring stays
                     self.ring.heartbeat()
+                    if self.on_wait is not None:
+                        self.on_wait()
                     if self.stopping() == 2:
                         raise
         if need > self.buf.size:
@@ -101,17 +113,33 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens,
                          contract=consumer.contract)
     core = ConsumerCore(consumer.contract, engine, tolerance=cfg.padding_tolerance)
-    counting = GpuCounting(stats, core)
     ring = batch_ring.attach(CONSUMER)
     out = results_ring.attach(PRODUCER)
     views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
-    window = Window(core, ring, ResultWriter(out, stopping), views, c,
-                    window_items(consumer.contract.max_batch_size, engine.mode))
+
+    def held_up() -> None:  # the results ring is full: not the engine's time
+        slot[R_BEAT] = time.monotonic_ns()
+        slot[R_DEADLINE] = 0
+
+    deliveries = Deliveries(control.own(role), int(ring.header[L.H_TAIL]), cfg.poison_attempts)
+    window = Window(core, ring, ResultWriter(out, stopping, held_up), views, c,
+                    window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
+                    limits=WindowLimits.of(cfg))
+    counting = GpuCounting(stats, core, window)
+    events = window.events
+    if events:
+        counting.publish_window()
     mark = time.monotonic_ns()  # busy (window not empty) or idle time is counted from here
     idle_from = mark
     try:
         while True:
-            slot[2] = time.monotonic_ns()
+            slot[R_BEAT] = time.monotonic_ns()
+            slot[R_DEADLINE] = window.deadline_ns()
+            if window.events != events:
+                events = window.events
+                counting.publish_window()
+            if stopping() == 2 or (stopping() and window.down):
+                break  # stop now, or stop while the engine is down: what is not released comes again next start
             was_empty = window.empty
             window.take_more()
             if window.empty:
@@ -144,6 +172,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                 if window.empty:
                     idle_from = time.monotonic_ns()
     finally:
+        slot[R_DEADLINE] = 0
         views.close()
         ring.close()
         out.close()
@@ -157,23 +186,40 @@ class GpuCounting:
     """A GPU process's statistics (`stats.GPU`): the core's counts of this incarnation on top of
     what its predecessors published, plus the process's own clocks."""
 
-    KEYS = ("batches", "items", "ok", "too_long", "invalid", "engine_errors", "guard_violations", "hit_blocks",
-            "queried_blocks", "padded_tokens", "rect_tokens", "reused_tokens", "shape_switches", "excess_shape_switches",
-            "families")
+    KEYS = ("batches", "items", "ok", "too_long", "invalid", "engine_errors", "corrupt", "guard_violations",
+            "hit_blocks", "queried_blocks", "padded_tokens", "rect_tokens", "reused_tokens", "shape_switches",
+            "excess_shape_switches", "families")
 
-    def __init__(self, stats, core: ConsumerCore):
+    def __init__(self, stats, core: ConsumerCore, window: Window | None = None):
         self.stats = stats
         self.core = core
+        self.window = window
         v = stats.values
         self.base = v.copy()
-        self.at = {k: stats.index[k] for k in (*self.KEYS, "tokens", "busy_ns", "idle_ns", "batch_wait_ns",
-                                                "engine_own_ns", "last_family")}
+        self.at = {k: stats.index[k] for k in (*self.KEYS, *WINDOW_COUNTS, "tokens", "busy_ns", "idle_ns",
+                                                "batch_wait_ns", "engine_own_ns", "last_family", "engine_down")}
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
             core._last_family = stats["last_family"] & U64_MASK
-            core._families.add(core._last_family)
+            core._families[core._last_family] = None
 
     def idle(self, idle_ns: int) -> None:
         self.stats.values[self.at["idle_ns"]] += idle_ns
+        self.stats.publish()
+
+    def _window(self) -> None:
+        w, v, base, at = self.window, self.stats.values, self.base, self.at
+        if w is None:
+            return
+        for k in WINDOW_COUNTS:
+            v[at[k]] = base[at[k]] + w.counts[k]
+        v[at["engine_down"]] = int(w.down)
+
+    def publish_window(self) -> None:
+        """The window's counts changed (an engine down or up, a redelivery, a poison item)."""
+        s, v, base, at = self.core.stats, self.stats.values, self.base, self.at
+        for k in ("ok", "engine_errors", "items"):
+            v[at[k]] = base[at[k]] + getattr(s, k)
+        self._window()
         self.stats.publish()
 
     def batch(self, busy_ns: int, idle_ns: int, wait_ns: int) -> None:
@@ -188,4 +234,5 @@ class GpuCounting:
         family = self.core._last_family
         if family is not None:
             v[at["last_family"]] = family - (1 << 64) if family >= 1 << 63 else family
+        self._window()
         self.stats.publish()

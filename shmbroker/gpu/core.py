@@ -6,11 +6,14 @@
    contract is counted, `guard_violations`, and still served: its results are right either way),
    the per-batch accounting (families, switches, tokens), and the items the contract cannot take
    failed back here, never searched for by the scheduler: `too_long` (with the lengths in the
-   error) and `invalid` (no tokens);
+   error) and `invalid` (no tokens); then each other item's backlog record is checked (its crc32c,
+   and that it is the record its location names: `segments.SegmentViews.check`) and one that fails
+   is `corrupt`, never run on damaged tokens;
 2. `add(ids, tokens, max_new)`: the rest to the streaming engine; a group it refuses at admission
    is added item by item, so only the item that causes it fails (`engine_error` with the message);
-3. `poll(timeout_seconds)`: the results of the items the engine finished, each once, counted; an
-   engine whose poll raises fails what it held;
+3. `poll(timeout_seconds)`: the results of the items the engine finished, each once, counted; what
+   an engine that is down hands back (or one whose poll raises held) waits in `returned` for the
+   caller to add again (`take_returned`; engines/base.py "Failures");
 4. `process(batch, tokens)`: all three for one batch at a time (benchmarks, tests).
 
 Results come back in columns (`BatchResults`), so a batch costs a handful of array operations,
@@ -20,13 +23,16 @@ not a Python object per item.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..pack.contract import Batch, Contract
 from ..pack.guard import Guard
+from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
 from .engines.base import (
+    CORRUPT,
     ENGINE_ERROR,
     INVALID,
     RUN_DEADLINE_SECONDS,
@@ -35,12 +41,25 @@ from .engines.base import (
     BatchResults,
     BatchStream,
     EngineBatch,
+    EngineDead,
+    EngineDown,
     ItemResult,
     engine_error,
 )
+from .segments import BatchTokens
 
-CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR = (STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID,
-                                                                                      ENGINE_ERROR))
+CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR, CODE_CORRUPT = (
+    STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT))
+NUM_CODES = max(STATUS_CODES.values()) + 1
+MAX_FAMILIES_TRACKED = 1 << 16  # families a consumer remembers for its excess-switch count
+CORRUPT_REASONS = {
+    CHECK_CRC: "its backlog record fails its crc32c check: the prompt was damaged on disk",
+    CHECK_GONE: "its backlog segment file is gone or its header is damaged",
+}
+CORRUPT_FRAME = "the backlog holds no intact record of this item at its location (length, magic or ids differ)"
+# a record that failed its crc32c where recovery read it, sent by the scheduler as a failed row
+RECOVERED_CORRUPT = ("its backlog record failed its crc32c check when the broker recovered it: the prompt was damaged "
+                     "on disk")
 
 
 @dataclass
@@ -51,6 +70,7 @@ class ConsumerStats:
     too_long: int = 0
     invalid: int = 0
     engine_errors: int = 0
+    corrupt: int = 0  # items whose backlog record failed its check (never run)
     guard_violations: int = 0
     hit_blocks: int = 0
     queried_blocks: int = 0
@@ -70,7 +90,8 @@ class ConsumerCore:
     """What a GPU process does with each batch record, around a streaming engine (`engines/base.py`):
 
     - `take(batch, tokens)`: the guard and the per-batch accounting, the contract's failures
-      (`too_long`, `invalid`) as results at once, the rest handed to the engine (`add`);
+      (`too_long`, `invalid`) and damaged records (`corrupt`) as results at once, the rest handed to
+      the engine (`add`);
     - `poll(timeout_seconds)`: the results of the items the engine finished, checked and counted;
     - `process(batch, tokens)`: both, one batch at a time, results in the batch's order.
 
@@ -84,13 +105,20 @@ class ConsumerCore:
         self.guard = Guard(tolerance if engine.mode == "padded" else None)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
-        self._families: set[int] = set()
+        # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
+        # serves more distinct families than that counts a return to a forgotten one as a new family)
+        self._families: OrderedDict[int, None] = OrderedDict()
         self.in_flight = np.zeros(0, np.uint64)  # item ids added to the engine and not answered yet
+        # handed back by an engine that is down (base.py "Failures"), for the caller to add again
+        # later (`take_returned`), and why: EngineDown, or what a failing poll raised
+        self.returned = np.zeros(0, np.uint64)
+        self.failure: Exception | None = None
 
     def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
-        """Account for one batch record and fail what the contract cannot take; (those results or
-        None, the rows of the batch that may run). The caller adds those rows (`add`), all at once
-        or in parts."""
+        """Account for one batch record and fail what the contract cannot take and what its backlog
+        record does not hold intact (tokens viewed in the segments, `BatchTokens`: each record is
+        checked here, before any engine reads it); (those results or None, the rows of the batch that
+        may run, ascending). The caller adds those rows (`add`), all at once or in parts."""
         n = len(batch)
         assert len(tokens) == n, "one token array per item"
         stats = self.stats
@@ -106,18 +134,33 @@ class ConsumerCore:
                     stats.excess_shape_switches += 1
             self._last_family = family
             if family not in self._families:
-                self._families.add(family)
+                self._families[family] = None
                 stats.families += 1
+                if len(self._families) > MAX_FAMILIES_TRACKED:
+                    self._families.popitem(last=False)
+            else:
+                self._families.move_to_end(family)
             stats.input_tokens += int(batch.lengths.sum())
         lengths = batch.lengths
         limit = self.contract.max_input_len
         bad = (lengths == 0) | (lengths > limit)
+        checks = None
+        if isinstance(tokens, BatchTokens):
+            fits = np.flatnonzero(~bad)
+            checks = np.full(n, CHECK_OK, np.int64)
+            checks[fits] = tokens.check(fits)
+            bad |= checks != CHECK_OK
         if not bad.any():
             return None, np.arange(n)
         rows = np.flatnonzero(bad)
         status = np.where(lengths[rows] == 0, CODE_INVALID, CODE_TOO_LONG).astype(np.uint32)
         errors = {k: ("no tokens" if lengths[r] == 0 else f"{int(lengths[r])} tokens > max_input_len {limit}")
                   for k, r in enumerate(rows.tolist())}
+        if checks is not None:
+            for k, r in enumerate(rows.tolist()):
+                if checks[r] != CHECK_OK:
+                    status[k] = CODE_CORRUPT
+                    errors[k] = CORRUPT_REASONS.get(int(checks[r]), CORRUPT_FRAME)
         failed = _empty(batch.keys[rows].astype(np.uint64), status, errors)
         self._count(failed)
         return failed, np.flatnonzero(~bad)
@@ -132,6 +175,11 @@ class ConsumerCore:
             self.engine.add(EngineBatch(ids, tokens, np.asarray(max_new, np.int64)))
             self.in_flight = np.concatenate([self.in_flight, ids])
             return None
+        except EngineDown as exc:  # not the items' fault: handed back
+            self._hand_back(ids, exc)
+            return None
+        except EngineDead:
+            raise
         except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
             if ids.size == 1:
                 return self._count(BatchResults.of([engine_error(ids[0], exc)]))
@@ -140,21 +188,33 @@ class ConsumerCore:
             try:
                 self.engine.add(EngineBatch(ids[k : k + 1], [tokens[k]], np.asarray(max_new[k : k + 1], np.int64)))
                 self.in_flight = np.concatenate([self.in_flight, ids[k : k + 1]])
+            except EngineDown as exc:
+                self._hand_back(ids[k:], exc)
+                break
+            except EngineDead:
+                raise
             except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
                 refused.append(engine_error(ids[k], exc))
         return self._count(BatchResults.of(refused)) if refused else None
 
     def poll(self, timeout_seconds: float) -> BatchResults | None:
         """Results of the items the engine finished (each once; a result for an item not in flight is
-        dropped). An engine whose poll raises fails every item in flight (engine_error)."""
+        dropped). What the engine hands back as down, or held when its poll raised, goes to `returned`
+        (not failed); EngineDead is raised on."""
         if not self.in_flight.size:
             return None
         try:
             outcome = self.engine.poll(timeout_seconds)
-        except Exception as exc:  # noqa: BLE001 - the engine broke: what it held fails, the process goes on
-            lost = self.in_flight.tolist()
+        except EngineDead:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine broke: what it held is handed back, not failed
+            self._hand_back(self.in_flight, exc)
             self.in_flight = np.zeros(0, np.uint64)
-            return self._count(BatchResults.of([engine_error(i, exc) for i in lost]))
+            return None
+        if outcome.down is not None and outcome.down.item_ids.size:
+            back = outcome.down.item_ids[np.isin(outcome.down.item_ids, self.in_flight)]
+            self.in_flight = self.in_flight[~np.isin(self.in_flight, back)]
+            self._hand_back(back, outcome.down)
         s = self.stats
         s.hit_blocks += outcome.hit_blocks
         s.queried_blocks += outcome.queried_blocks
@@ -186,6 +246,16 @@ class ConsumerCore:
         self.in_flight = self.in_flight[~np.isin(self.in_flight, ids)]
         return self._count(res)
 
+    def _hand_back(self, ids: np.ndarray, why: Exception) -> None:
+        self.returned = np.concatenate([self.returned, np.asarray(ids, np.uint64)])
+        self.failure = why
+
+    def take_returned(self) -> tuple[np.ndarray, Exception | None]:
+        """The items the engine handed back since the last call (base.py "Failures") and why."""
+        ids, why = self.returned, self.failure
+        self.returned, self.failure = np.zeros(0, np.uint64), None
+        return ids, why
+
     def process(self, batch: Batch, tokens) -> BatchResults:
         """One batch at a time: results in the batch's order, one per item."""
         n = len(batch)
@@ -205,12 +275,13 @@ class ConsumerCore:
         return _in_order(batch.keys.astype(np.uint64), parts)
 
     def _count(self, res: BatchResults) -> BatchResults:
-        counts = np.bincount(res.status, minlength=4)
+        counts = np.bincount(res.status, minlength=NUM_CODES)
         s = self.stats
         s.ok += int(counts[CODE_OK])
         s.too_long += int(counts[CODE_TOO_LONG])
         s.invalid += int(counts[CODE_INVALID])
         s.engine_errors += int(counts[CODE_ENGINE_ERROR])
+        s.corrupt += int(counts[CODE_CORRUPT])
         return res
 
 

@@ -6,37 +6,79 @@ in parts; a padded engine's two rectangles); each item's result is written when 
 finishes, in any order; the oldest records are released once all their items have results (a
 crash redelivers what is not released; the client drops a result it has already yielded). The
 bookkeeping is columnar: the window's items are id/record/row columns, not a Python object each.
+
+Failures (issue 14, holes 6, 8 and 9):
+- the deliveries (`deliveries.py`): records a dead predecessor held are taken again alone, and
+  after poison_attempts deaths their items run one at a time; an item on which the process died
+  poison_attempts times alone fails here, engine_error, without running;
+- the deadline: the oldest record's `budget_ns` (batch_deadline_seconds, and never less than the
+  engine's own `call_seconds_max`, plus batch_deadline_token_seconds per input and generated token
+  of its runnable rows), counted from the last progress (work given to an idle engine, a result,
+  a retry): `deadline_ns`, published in the role slot for the supervisor's watchdog, which kills
+  a process that misses it (a long batch that keeps finishing items keeps moving its deadline);
+- an engine that is down hands items back (engines/base.py "Failures"): they stay in the window
+  (admitted, without results), nothing new goes to the engine, and after a back-off
+  (engine_retry_min_seconds, doubling to engine_retry_max_seconds while it stays down) they are
+  added again; no deadline runs meanwhile. After ENGINE_FAILURES_MAX failing polls in a row the
+  engine is dead: EngineDead, the process exits and is started afresh.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
+from .. import config
 from ..pack.contract import BATCH_ROW, Batch, Shape
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.wire import LOC_DTYPE, LOC_WORDS
-from .core import CODE_TOO_LONG, ConsumerCore, rows_of
-from .engines.base import BatchResults
+from .core import CODE_CORRUPT, CODE_ENGINE_ERROR, CODE_TOO_LONG, RECOVERED_CORRUPT, ConsumerCore, rows_of
+from .deliveries import Deliveries, poison_message, private
+from .engines.base import ENGINE_FAILURES_MAX, BatchResults, EngineDead, EngineDown
 from .segments import BatchTokens
+
+log = logging.getLogger("shmbroker.gpu")
+
+
+@dataclass(frozen=True)
+class WindowLimits:
+    """The window's deadline and retry settings (config.py has the defaults and what they mean)."""
+
+    deadline_seconds: float = config.DEFAULT_BATCH_DEADLINE_SECONDS
+    deadline_token_seconds: float = config.DEFAULT_BATCH_DEADLINE_TOKEN_SECONDS
+    retry_min_seconds: float = config.DEFAULT_ENGINE_RETRY_MIN_SECONDS
+    retry_max_seconds: float = config.DEFAULT_ENGINE_RETRY_MAX_SECONDS
+
+    @classmethod
+    def of(cls, cfg) -> WindowLimits:
+        return cls(cfg.batch_deadline_seconds, cfg.batch_deadline_token_seconds, cfg.engine_retry_min_seconds,
+                   cfg.engine_retry_max_seconds)
+
+
+WINDOW_COUNTS = ("engine_retries", "redelivered", "split_batches", "poisoned")  # stats.GPU keys the window counts
 
 
 class Taken:
     """A batch record in the window: its item locations, how many rows the engine was given, how
     many still wait for a result. Released (in ring order) when that count is 0."""
 
-    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine")
+    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine", "start", "budget_ns", "counted")
 
-    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray):
+    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray, start: int = 0):
         self.serial = serial  # the how-manyth record this window took
         self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
         self.run = run  # the rows the engine may run, in the scheduler's order
         self.next_row = 0  # run[:next_row] were added to the engine
         self.open = locs.size  # rows without a result yet
         self.in_engine = 0  # rows added to the engine and not answered yet
+        self.start = start  # its ring position (deliveries.py)
+        self.budget_ns: int | None = None  # its deadline after the last progress (module docstring), once asked
+        self.counted = False  # a padded engine: it holds one of the PADDED_BATCHES_IN places
 
 
 class Window:
@@ -47,9 +89,25 @@ class Window:
 
     PEEK_MAX = 4096  # records the window may hold
 
-    def __init__(self, core: ConsumerCore, ring, writer, views, c: int, limit: int):
+    def __init__(self, core: ConsumerCore, ring, writer, views, c: int, limit: int, *,
+                 deliveries: Deliveries | None = None, limits: WindowLimits = WindowLimits()):
         self.core, self.ring, self.writer, self.views, self.c = core, ring, writer, views, c
         self.limit = limit
+        self.deliveries = deliveries if deliveries is not None else private(int(ring.header[L.H_TAIL]))
+        self.limits = limits
+        floor = max(limits.deadline_seconds, float(getattr(core.engine, "call_seconds_max", 0.0) or 0.0))
+        self.floor_ns = int(floor * 1e9)
+        self.token_ns = limits.deadline_token_seconds * 1e9
+        self.progress_ns = 0  # the last progress (module docstring)
+        self.retry_ids = np.zeros(0, np.uint64)  # handed back by an engine that is down, to add again
+        self.retry_at = 0.0  # when (monotonic)
+        self.retry_seconds = limits.retry_min_seconds  # the next back-off
+        self.failures = 0  # polls in a row that raised
+        self.down = False  # the engine is down: items wait for a retry
+        self.counts = dict.fromkeys(WINDOW_COUNTS, 0)
+        self.counts["split_batches"] = int(self.deliveries.first_split)
+        self.events = 0  # bumped whenever `down` or `counts` change (the process publishes its statistics)
+        self._end = 0  # ring position past the newest record taken
         self.padded = core.engine.mode == "padded"
         self.taken: deque[Taken] = deque()
         # the runnable items of the records taken, as columns (no Python object per item): id, the
@@ -78,10 +136,10 @@ class Window:
         got = 0
         while len(self.taken) < self.PEEK_MAX and self._room():
             k = len(self.taken)
-            n, _ = self.ring.peek_many(self.positions, k + 1)
+            n, end = self.ring.peek_many(self.positions, k + 1)
             if n <= k:
                 break
-            self._take(int(self.positions[k]))
+            self._take(int(self.positions[k]), int(end))
             got += 1
             self.admit()
         self.admit()
@@ -90,11 +148,23 @@ class Window:
     def _room(self) -> bool:
         if self.taken and self.taken[-1].next_row < self.taken[-1].run.size:
             return False  # the newest record is not all in yet: admit it first
+        if self.deliveries.holding and not self.deliveries.may_take(self._next_start()):
+            return False  # records a dead predecessor held are run again alone first
         if self.padded:
             return self.num_batches_in < PADDED_BATCHES_IN
         return self.num_admitted < self.limit
 
-    def _take(self, pos: int) -> None:
+    def _next_start(self) -> int:
+        """The ring position of the next record to take."""
+        return self._end if self.taken else int(self.ring.header[L.H_TAIL])
+
+    def _take(self, pos: int, end: int) -> None:
+        start = self._next_start()
+        self._end = end
+        self.deliveries.taken(end)  # before its engine sees any of it
+        if self.deliveries.holding and self.deliveries.redelivered(start):
+            self.counts["redelivered"] += 1
+            self.events += 1
         data = self.ring.data_words
         n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
         packed_ns = int(data[pos + 6]) | int(data[pos + 7]) << 32
@@ -123,7 +193,7 @@ class Window:
             for j, i in enumerate(ids):
                 dup[j] = i in self.id_set or i in first
                 first.add(i)
-        t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup])
+        t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup], start)
         self.num_taken += 1
         if dup is not None:
             # an item already in flight (a restarted scheduler dispatched it again): it runs once, and
@@ -145,21 +215,33 @@ class Window:
         taken = self.taken
         k = self.admit_at - self.num_released  # the first record not all in the engine yet
         while k < len(taken):
+            if self.retry_ids.size:
+                return  # the engine is down: nothing new until the retry
             t = taken[k]
             left = t.run.size - t.next_row
             if not left:
                 k += 1
                 self.admit_at += 1
                 continue
-            if self.padded:
+            if self.deliveries.split:  # a dead predecessor's records: one item at a time
+                if self.num_admitted:
+                    return
+                count = 1
+                if not self.deliveries.solo(t.start, int(t.run[t.next_row])):
+                    self._poison(t)
+                    continue
+            elif self.padded:
                 if self.num_batches_in >= PADDED_BATCHES_IN:
                     return
                 count = left
                 self.num_batches_in += 1
+                t.counted = True
             else:
                 count = min(left, self.limit - self.num_admitted)
                 if count <= 0:
                     return
+            if not self.core.in_flight.size:
+                self.progress_ns = time.monotonic_ns()  # work given to an idle engine
             a = t.next_row
             t.next_row += count
             t.in_engine += count
@@ -173,17 +255,111 @@ class Window:
                                     run["max_new"].astype(np.int64))
             if refused is not None:
                 self.finished(refused)
+            self._returned()
+
+    def _poison(self, t: Taken) -> None:
+        """t's next item: processes died on it alone poison_attempts times; it fails without running."""
+        row = int(t.run[t.next_row])
+        t.next_row += 1
+        t.in_engine += 1
+        self.num_admitted += 1
+        item_id = int(t.locs["item_id"][row])
+        text = poison_message(self.deliveries.attempts)
+        log.warning("item %#x: %s; it fails (engine_error)", item_id, text)
+        res = BatchResults(np.array([item_id], np.uint64), np.array([CODE_ENGINE_ERROR], np.uint32),
+                           np.zeros(0, np.uint32), np.zeros(2, np.int64), {0: text})
+        self.core._count(res)
+        self.counts["poisoned"] += 1
+        self.events += 1
+        self.finished(res)
 
     def poll(self, timeout_seconds: float) -> int:
-        """Write the results of the items the engine finished; the number."""
+        """Write the results of the items the engine finished; the number. Items an engine that is
+        down handed back are added again when their back-off is over (module docstring)."""
+        if self.retry_ids.size:
+            wait = self.retry_at - time.monotonic()
+            if wait > 0 and not self.core.in_flight.size:
+                time.sleep(min(timeout_seconds, wait))  # nothing else to wait for
+            if time.monotonic() >= self.retry_at:
+                self._retry()
         res = self.core.poll(timeout_seconds)
+        returned = self._returned()
         if res is None:
             return 0
+        if not returned:  # the engine answers again
+            self.failures = 0
+            self.retry_seconds = self.limits.retry_min_seconds
+            if self.down and not self.retry_ids.size:
+                self.down = False
+                self.events += 1
+                log.info("consumer %d: the engine is up again", self.c)
         self.finished(res)
         return len(res)
 
+    def _returned(self) -> int:
+        """Take what the engine handed back: to be added again after the back-off; how many."""
+        if not self.core.returned.size:
+            return 0
+        ids, why = self.core.take_returned()
+        self.counts["engine_retries"] += ids.size
+        self.events += 1
+        if not isinstance(why, EngineDown):
+            self.failures += 1
+            if self.failures >= ENGINE_FAILURES_MAX:
+                raise EngineDead(f"the engine failed {self.failures} polls in a row: {type(why).__name__}: {why}") \
+                    from why
+        waiting = self.retry_ids.size
+        self.retry_ids = np.concatenate([self.retry_ids, ids])
+        if not waiting:  # a new wave: the back-off doubles per wave, not per request
+            self.retry_at = time.monotonic() + self.retry_seconds
+            log.warning("consumer %d: the engine is down (%s: %s): %d items retried in %.2f s", self.c,
+                        type(why).__name__, why, self.retry_ids.size, self.retry_seconds)
+            self.retry_seconds = min(self.limits.retry_max_seconds, self.retry_seconds * 2)
+        self.down = True
+        return ids.size
+
+    def _retry(self) -> None:
+        """Add the handed-back items again, record by record, in order."""
+        ids, self.retry_ids = self.retry_ids, np.zeros(0, np.uint64)
+        if self._order is None:
+            self._order = np.argsort(self.ids, kind="stable")
+        order = self._order
+        at = order[np.minimum(np.searchsorted(self.ids[order], ids), order.size - 1)]
+        assert np.array_equal(self.ids[at], ids), "a retried item the window does not hold"
+        recs, rows = self.recs[at], self.rows[at]
+        first = self.taken[0].serial
+        self.progress_ns = time.monotonic_ns()
+        for serial in np.unique(recs).tolist():
+            t = self.taken[serial - first]
+            assert t.serial == serial, "the window's records are in serial order"
+            locs = t.locs[rows[recs == serial]]
+            refused = self.core.add(locs["item_id"].astype(np.uint64), BatchTokens(self.views, locs),
+                                    locs["max_new"].astype(np.int64))
+            if refused is not None:
+                self.finished(refused)
+        self._returned()
+
+    def deadline_ns(self) -> int:
+        """CLOCK_MONOTONIC by which the engine must make progress (module docstring); 0: it holds nothing."""
+        if not self.taken or not self.core.in_flight.size:
+            return 0
+        t = self.taken[0]
+        if t.budget_ns is None:
+            tokens = 0
+            if self.token_ns and t.run.size:
+                some = t.locs if t.run.size == t.locs.size else t.locs[t.run]
+                tokens = int(some["length"].sum()) + int(some["max_new"].sum())
+            t.budget_ns = self.floor_ns + int(self.token_ns * tokens)
+        return self.progress_ns + t.budget_ns
+
     def finished(self, res: BatchResults) -> None:
-        """Write results of admitted items and close their rows."""
+        """Write results of admitted items and close their rows (progress, once written)."""
+        self._finished(res)
+        self.progress_ns = time.monotonic_ns()
+        if self.deliveries.split and not self.num_admitted:
+            self.deliveries.solo_done()
+
+    def _finished(self, res: BatchResults) -> None:
         ids = res.item_ids.astype(np.uint64)
         n = ids.size
         if n <= self.ids.size and np.array_equal(self.ids[:n], ids):  # the oldest items, in order
@@ -230,7 +406,8 @@ class Window:
     def _close(self, t: Taken, count: int) -> None:
         """count of t's rows in the engine have their results."""
         t.in_engine -= count
-        if self.padded and t.in_engine == 0 and t.next_row == t.run.size:
+        if t.counted and t.in_engine == 0 and t.next_row == t.run.size:
+            t.counted = False
             self.num_batches_in -= 1
 
     def _write(self, res: BatchResults, t: Taken, rows: np.ndarray) -> None:
@@ -249,6 +426,7 @@ class Window:
             n, new_tail = self.ring.peek_many(self.positions, k)
             assert n == k, "released records are still in the ring"
             self.ring.release(new_tail, k)
+            self.deliveries.released(int(new_tail))
             for _ in range(k):
                 self.taken.popleft()
             self.num_released += k
@@ -272,6 +450,7 @@ def _failed_results(failed: np.ndarray) -> BatchResults:
     errors = {}
     for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
         errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == CODE_TOO_LONG
+                     else RECOVERED_CORRUPT if code == CODE_CORRUPT
                      else "no consumer serves its model" if length else "no tokens")
     return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
                         np.zeros(failed.size + 1, np.int64), errors)

@@ -22,13 +22,19 @@ Header (int64 word index: field; writer)
 | 21   | 168  | next_key            | producer   | next item key: a reconnecting producer resumes |
 | 22   | 176  | num_pushed          | producer   | records pushed                                 |
 | 23   | 184  | num_full            | producer   | pushes refused because the ring was full       |
+| 24   | 192  | session_ready       | producer   | result rings: the session the producer has set |
+|      |      |                     |            | the ring up for (see `results.py`)             |
 | 32   | 256  | tail                | consumer   | words ever consumed                            |
 | 33   | 264  | consumer_pid        | consumer   |                                                |
 | 34   | 272  | consumer_start      | consumer   |                                                |
 | 35   | 280  | consumer_beat_ns    | consumer   |                                                |
 | 36   | 288  | num_popped          | consumer   | records consumed                               |
+| 37   | 296  | num_acked           | consumer   | result rings: records the application has      |
+|      |      |                     |            | acknowledged (a prefix of those popped)        |
+| 38   | 304  | session             | consumer   | result rings: bumped by each attaching reader  |
 | 40   | 320  | closed              | closer     | 1: closed (`wire.close_ring`): looks full      |
 | 41   | 328  | closed_tail         | closer     | the real tail once closed                      |
+| 42   | 336  | closed_reason       | closer     | why (CLOSE_REASONS): 0 a stop, else a fault    |
 | 48   | 384  | consumer_waiting    | both       | 1: consumer sleeps on the data doorbell        |
 | 49   | 392  | producer_waiting    | both       | 1: producer sleeps on the space doorbell       |
 
@@ -48,11 +54,25 @@ and never straddle the end of the data region)
 Before committing a record the producer zeroes the commit word just past it,
 so the consumer never mistakes stale bytes of an earlier lap for a record;
 the space check reserves those SENTINEL_WORDS too.
+
+Geometry: every side maps the whole segment, and either side can write any
+word of it. So the kernels never read the capacity or max-record words (2-3):
+they take the capacity from the length of the array they are given (the
+segment as the calling process mapped it: `ring.Ring` checks that length
+once, at attach, against the creator's) and derive the largest record from it
+(`max_record_words`). Words 2-4 are for a peer's first check (`check_header`)
+and for watchers. Every position a kernel computes from a word the peer wrote
+(head, tail, a commit or length word) is masked or bounded by that capacity.
+
+Closing (`wire.py`): a ring closed at a stop has closed_reason 0; a ring the
+broker closed because its peer broke the frame (a corrupt record, a tail out of
+range) has a CLOSE_* reason, and the peer's next wait raises `RingClosed`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba.extending import register_jitable
 
 MAGIC = 0x474E4952424D4853  # "SHMBRING" little-endian
 LAYOUT_VERSION = 1
@@ -85,6 +105,7 @@ H_NUM_ACKED = 37
 H_SESSION = 38
 H_CLOSED = 40
 H_CLOSED_TAIL = 41
+H_CLOSED_REASON = 42
 
 H_CONSUMER_WAITING = 48
 H_PRODUCER_WAITING = 49
@@ -104,12 +125,25 @@ CORRUPT = 5
 
 MIN_CAPACITY_WORDS = 64
 
+# Why a ring was closed (header word 42); the peer's `RingClosed` says the text.
+CLOSE_STOP = 0  # a stopping or salvaging broker took what was left (not a fault)
+CLOSE_CORRUPT = 1
+CLOSE_BAD_TAIL = 2
+CLOSE_BAD_SEGMENT = 3
+CLOSE_REASONS = {
+    CLOSE_STOP: "the broker stopped",
+    CLOSE_CORRUPT: "a corrupt record or tail word (one no producer writes)",
+    CLOSE_BAD_TAIL: "its reader's tail word is out of range (ahead of the head, or more than a lap behind)",
+    CLOSE_BAD_SEGMENT: "its segment is not the size the broker created",
+}
+
 
 def record_words(num_tokens: int) -> int:
     """Words a record of `num_tokens` occupies, header and padding included."""
     return (RECORD_HEADER_WORDS + num_tokens + 1) & ~1
 
 
+@register_jitable
 def max_record_words(capacity_words: int) -> int:
     """Largest record that always fits once the ring drains, whatever the offset."""
     return (capacity_words // 2 - SENTINEL_WORDS) & ~1

@@ -10,7 +10,17 @@ the sleep in the header, look once more, and sleep on the doorbell for at most
 `SLEEP_SLICE_SECONDS`; the peer rings the doorbell only when it sees the
 announcement. Between slices the waiter refreshes its heartbeat and, when the
 peer's heartbeat is stale, checks the peer's liveness (pid + start time):
-a dead peer raises `PeerDead`. Every wait has a deadline.
+a dead peer raises `PeerDead`. Every wait has a deadline. A ring the broker
+closed because its peer broke it (`wire.close_ring_for`, `wire.mark_closed`)
+makes the next wait raise `RingClosed` with the reason.
+
+Trust: the broker attaches a producer's rings `untrusted` (the producer maps
+them read-write and may write any word). Then the geometry is the segment's
+own size, as the registry created it (checked once, here; the kernels take it
+from the array, `layout.py`), the header's words are never consulted, and the
+broker takes its side even when the header names another holder. Everyone
+else attaches trusted: the header is checked (magic, version, geometry) and
+a side held by a live process is refused.
 """
 
 from __future__ import annotations
@@ -21,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import Full, PeerDead, RingCorrupt
+from ..errors import Full, PeerDead, RingClosed, RingCorrupt
 from . import layout as L
-from . import spsc
+from . import spsc, wire
 from .liveness import is_alive, start_ticks
 from .owner import Owner
 from .shm import Doorbell, Segment
@@ -75,9 +85,9 @@ class OwnedRing:
     data_bell: Doorbell
     space_bell: Doorbell
 
-    def attach(self, side: str) -> Ring:
+    def attach(self, side: str, *, untrusted: bool = False) -> Ring:
         """A side's handle in the owner's process, sharing the owner's mapping."""
-        return Ring(self.segment, self.data_bell, self.space_bell, side, owns_handles=False)
+        return Ring(self.segment, self.data_bell, self.space_bell, side, owns_handles=False, untrusted=untrusted)
 
 
 def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | None = None,
@@ -130,20 +140,39 @@ def _yield_until(buf: np.ndarray, rounds: int) -> bool:
     return False
 
 
+def untrusted_capacity(segment: Segment, side: str) -> int:
+    """The capacity of a ring whose peer may have written anything: from the segment's size, which
+    must be one the registry makes (`layout.segment_bytes` of a power of two). Otherwise the ring is
+    closed (CLOSE_BAD_SEGMENT, as far as the mapping holds a header) and RingCorrupt raised."""
+    size = segment.buf.size
+    cap = (size - L.HEADER_BYTES) // 4
+    if cap >= L.MIN_CAPACITY_WORDS and not cap & (cap - 1) and L.segment_bytes(cap) == size:
+        return cap
+    if size >= L.HEADER_BYTES:  # the closing kernels touch the header words only
+        if side == CONSUMER:
+            wire.close_ring_for(segment.buf, L.CLOSE_BAD_SEGMENT)
+        else:
+            wire.mark_closed(segment.buf, L.CLOSE_BAD_SEGMENT)
+    raise RingCorrupt(f"ring {segment.name}: a segment of {size} bytes is no ring the broker made")
+
+
 class Ring:
     """The producer's or the consumer's handle on one ring."""
 
-    def __init__(self, segment: Segment, data_bell: Doorbell, space_bell: Doorbell, side: str, *, owns_handles: bool):
+    def __init__(self, segment: Segment, data_bell: Doorbell, space_bell: Doorbell, side: str, *, owns_handles: bool,
+                 untrusted: bool = False):
         if side not in _SIDE_FIELDS:
             raise ValueError(f"ring side must be {PRODUCER!r} or {CONSUMER!r}, got {side!r}")
         self.segment = segment
         self.data_bell = data_bell
         self.space_bell = space_bell
         self.side = side
+        self.untrusted = untrusted
         self._owns_handles = owns_handles
-        self.buf = segment.buf
-        self.capacity_words = L.check_header(self.buf)
-        self.max_tokens = L.max_tokens(self.capacity_words)
+        cap = untrusted_capacity(segment, side) if untrusted else L.check_header(segment.buf)
+        self.capacity_words = cap
+        self.max_tokens = L.max_tokens(cap)
+        self.buf = segment.buf[: L.segment_bytes(cap)]  # the kernels' geometry: this array's length
         self.header = self.buf[: L.HEADER_BYTES].view(np.int64)
         self._pid_i, self._start_i, self._beat_i, self._wait_i = _SIDE_FIELDS[side]
         peer = CONSUMER if side == PRODUCER else PRODUCER
@@ -153,15 +182,18 @@ class Ring:
         self._closed = False
         self._pop_out: tuple | None = None
         self._claim_side()
+        # untrusted, the consumer keeps its own tail: a tail word that moved under it was rewritten
+        self._tail = int(self.header[L.H_TAIL]) if untrusted and side == CONSUMER else None
 
     @classmethod
-    def attach(cls, names: RingNames, side: str) -> Ring:
+    def attach(cls, names: RingNames, side: str, *, untrusted: bool = False) -> Ring:
+        """Attach one side by name; `untrusted`: the peer may write anything (the module's docstring)."""
         segment = Segment.attach(names.segment)
         bells: list[Doorbell] = []
         try:
             bells.append(Doorbell.attach(names.data_bell))
             bells.append(Doorbell.attach(names.space_bell))
-            return cls(segment, bells[0], bells[1], side, owns_handles=True)
+            return cls(segment, bells[0], bells[1], side, owns_handles=True, untrusted=untrusted)
         except BaseException:
             for bell in bells:
                 bell.close()
@@ -171,13 +203,14 @@ class Ring:
     # -- attachment and liveness -------------------------------------------------
 
     def _claim_side(self) -> None:
-        """Take this side of the ring: one live process per side, claimed by CAS on the pid word."""
+        """Take this side of the ring: one live process per side, claimed by CAS on the pid word.
+        Untrusted, the broker takes it whatever the word says (the peer may have written it)."""
         pid = os.getpid()
         ticks = start_ticks(pid)
         assert ticks is not None
         for _ in range(8):
             old_pid = int(self.header[self._pid_i])
-            if old_pid == pid or (old_pid != 0 and self._holder_alive(old_pid)):
+            if not self.untrusted and (old_pid == pid or (old_pid != 0 and self._holder_alive(old_pid))):
                 raise RuntimeError(f"ring {self.segment.name} already has a live {self.side} (pid {old_pid})")
             if spsc.claim_word(self.buf, self._pid_i, old_pid, pid) == old_pid:
                 break
@@ -224,7 +257,8 @@ class Ring:
     # -- waiting -------------------------------------------------------------------
 
     def _wait(self, spin, ready, deadline: float) -> bool:
-        """`spin()` briefly, then sleep on this side's doorbell until `ready()` or the deadline."""
+        """`spin()` briefly, then sleep on this side's doorbell until `ready()` or the deadline;
+        RingClosed when the broker closed the ring for a reason (what is in it is read first)."""
         if spin():
             return True
         while True:
@@ -233,6 +267,10 @@ class Ring:
             if ready():
                 spsc.clear_waiting(self.buf, self._wait_i)
                 return True
+            if self.closed_reason() is not None:
+                spsc.clear_waiting(self.buf, self._wait_i)
+                code = int(self.header[L.H_CLOSED_REASON])
+                raise RingClosed(f"ring {self.segment.name} was closed by the broker: {self.closed_reason()}", code)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 spsc.clear_waiting(self.buf, self._wait_i)
@@ -340,7 +378,10 @@ class Ring:
 
     def pop_many(self, out_tokens, out_offsets, out_keys, out_meta, max_records: int) -> int:
         """Copy out and consume up to `max_records` records; returns how many (0 when empty)."""
+        self._check_tail()
         n, status, wake = spsc.pop_many(self.buf, out_tokens, out_offsets, out_keys, out_meta, max_records)
+        if self._tail is not None:
+            self._tail = int(self.header[L.H_TAIL])
         if wake:
             self._peer_bell.ring()
         if status == L.CORRUPT and n == 0:
@@ -349,20 +390,38 @@ class Ring:
 
     def peek_many(self, out_positions: np.ndarray, max_records: int) -> tuple[int, int]:
         """Zero-copy: (count, new_tail); record i starts at word out_positions[i] of `data_words`."""
+        self._check_tail()
         n, new_tail, status = spsc.peek_many(self.buf, out_positions, max_records)
         if status == L.CORRUPT and n == 0:
             raise RingCorrupt(f"ring {self.segment.name}: corrupt record at tail {int(self.header[L.H_TAIL])}")
         return n, new_tail
 
     def release(self, new_tail: int, count: int) -> None:
+        if self._tail is not None:
+            self._tail = new_tail
         if spsc.release(self.buf, new_tail, count):
             self._peer_bell.ring()
+
+    def _check_tail(self) -> None:
+        """Untrusted consumer: the tail word must be where this side left it (RingCorrupt if not)."""
+        if self._tail is not None and int(self.header[L.H_TAIL]) != self._tail:
+            raise RingCorrupt(f"ring {self.segment.name}: its tail word was rewritten "
+                              f"({int(self.header[L.H_TAIL])}, the broker left {self._tail})")
 
     @property
     def data_words(self) -> np.ndarray:
         return self.buf[L.HEADER_BYTES :].view(np.uint32)
 
     # -- state ---------------------------------------------------------------------
+
+    def closed_reason(self) -> str | None:
+        """Why the broker closed this ring (`layout.CLOSE_REASONS`); None while open or closed by a stop."""
+        if not int(self.header[L.H_CLOSED]):
+            return None
+        code = int(self.header[L.H_CLOSED_REASON])
+        if code == L.CLOSE_STOP:
+            return None
+        return L.CLOSE_REASONS.get(code, f"reason {code}")
 
     def used_words(self) -> int:
         return int(self.header[L.H_HEAD]) - int(self.header[L.H_TAIL])

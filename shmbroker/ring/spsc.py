@@ -9,7 +9,14 @@ Ordering: the producer writes a record's payload and header, zeroes the
 commit word just past it, then release-stores the record's commit word; the
 consumer acquire-loads that word, so it needs neither the head nor a lock.
 `head` and `tail` are published (release) at the end of a call and every
-PUBLISH_EVERY records of a batch. A side about to sleep sets its `*_waiting`
+PUBLISH_EVERY records of a batch.
+
+Geometry comes from the array, not the header (`layout.py`): the data region
+is `w.size` words (a power of two for a segment `Ring` attached) and the
+largest record `max_record_words(w.size)`. Positions taken from words the peer
+writes are masked by that capacity, and a read walks at most one lap, so a
+peer that rewrites the header or a record makes a kernel return CORRUPT (or
+FULL), never read or write outside the ring. A side about to sleep sets its `*_waiting`
 flag with an atomic exchange and looks again; the other side, after
 publishing, counts its records with a locked add (a full barrier), checks the
 flag and claims it with a CAS, so exactly one doorbell ring answers one sleep
@@ -35,10 +42,8 @@ from .layout import (
     CORRUPT,
     EMPTY,
     FULL,
-    H_CAPACITY,
     H_CONSUMER_WAITING,
     H_HEAD,
-    H_MAX_RECORD,
     H_NEXT_KEY,
     H_NUM_FULL,
     H_NUM_POPPED,
@@ -53,6 +58,7 @@ from .layout import (
     SENTINEL_WORDS,
     TOO_LARGE,
     WRAP,
+    max_record_words,
 )
 
 PUBLISH_EVERY = 256
@@ -74,9 +80,8 @@ def _claim_waiter(h, flag_index, counter_index, count):
 
 
 @kernel
-def _reserve(h, head, size):
+def _reserve(h, cap, head, size):
     """Words to skip before a record of `size` words (a wrap), or NO_SPACE when it does not fit yet."""
-    cap = h[H_CAPACITY]
     off = head & (cap - 1)
     skip = 0
     if off + size > cap:
@@ -92,7 +97,7 @@ def _reserve(h, head, size):
 @kernel
 def _write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, m3):
     """Write and commit one record at `head` (after `skip` words); return the new head."""
-    cap = h[H_CAPACITY]
+    cap = w.size
     start = (head + skip) & (cap - 1)
     w[start + 1] = n
     w64[(start >> 1) + 1] = key
@@ -118,10 +123,10 @@ def push(buf, tokens, key, m0, m1, m2, m3):
     w64 = buf[HEADER_BYTES:].view(np.uint64)
     n = tokens.size
     size = (RECORD_HEADER_WORDS + n + 1) & ~1
-    if size > h[H_MAX_RECORD]:
+    if size > max_record_words(w.size):
         return TOO_LARGE
     head = h[H_HEAD]
-    skip = _reserve(h, head, size)
+    skip = _reserve(h, w.size, head, size)
     if skip == NO_SPACE:
         h[H_NUM_FULL] += 1
         return FULL
@@ -145,7 +150,8 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
     w = buf[HEADER_BYTES:].view(np.uint32)
     w64 = buf[HEADER_BYTES:].view(np.uint64)
     head = h[H_HEAD]
-    max_record = h[H_MAX_RECORD]
+    cap = w.size
+    max_record = max_record_words(cap)
     wake = False
     status = OK
     i = first
@@ -156,7 +162,7 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
         if size > max_record:
             status = TOO_LARGE
             break
-        skip = _reserve(h, head, size)
+        skip = _reserve(h, cap, head, size)
         if skip == NO_SPACE:
             h[H_NUM_FULL] += 1
             status = FULL
@@ -196,9 +202,9 @@ def check_batch(offsets, flat_size, max_tokens):
 
 
 @kernel
-def _next_record(h, w, tail):
+def _next_record(w, tail):
     """(word offset, new tail, status) of the committed record at `tail`, following a wrap."""
-    cap = h[H_CAPACITY]
+    cap = w.size
     off = tail & (cap - 1)
     c = load_acquire(w, off)
     if c == 0:
@@ -209,8 +215,9 @@ def _next_record(h, w, tail):
         c = load_acquire(w, 0)
         if c == 0 or c == WRAP:
             return off, tail, CORRUPT
-    # Check the record right after reading it: a torn or foreign record stops here.
-    if c & 1 or c < RECORD_HEADER_WORDS or c > h[H_MAX_RECORD] or off + c > cap:
+    # Check the record right after reading it: a torn or foreign record stops here (an odd offset
+    # is a tail word no consumer wrote).
+    if (c | off) & 1 or c < RECORD_HEADER_WORDS or c > max_record_words(cap) or off + c > cap:
         return off, tail, CORRUPT
     if RECORD_HEADER_WORDS + w[off + 1] > c:
         return off, tail, CORRUPT
@@ -228,18 +235,23 @@ def pop_many(buf, out_tokens, out_offsets, out_keys, out_meta, max_records):
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
     w64 = buf[HEADER_BYTES:].view(np.uint64)
+    cap = w.size
     tail = h[H_TAIL]
+    published = tail  # the producer writes at most one lap past the tail it has seen
     limit = min(max_records, out_keys.size, out_meta.shape[0], out_offsets.size - 1)
     used = 0
     n = 0
     status = OK
     out_offsets[0] = 0
     while n < limit:
-        off, new_tail, st = _next_record(h, w, tail)
+        off, new_tail, st = _next_record(w, tail)
         if st != OK:
             status = st
             break
-        ntok = w[off + 1]
+        ntok = w[off + 1]  # read once: checked here, then used
+        if new_tail - published > cap or off + RECORD_HEADER_WORDS + ntok > cap:
+            status = CORRUPT
+            break
         if used + ntok > out_tokens.size:
             break
         if ntok > 0:
@@ -253,6 +265,7 @@ def pop_many(buf, out_tokens, out_offsets, out_keys, out_meta, max_records):
         tail = new_tail
         if n % PUBLISH_EVERY == 0:
             store_release(h, H_TAIL, tail)
+            published = tail
     store_release(h, H_TAIL, tail)
     return n, status, _claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, n)
 
@@ -267,13 +280,17 @@ def peek_many(buf, out_positions, max_records):
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
     tail = h[H_TAIL]
+    start = tail
     limit = min(max_records, out_positions.size)
     n = 0
     status = OK
     while n < limit:
-        off, new_tail, st = _next_record(h, w, tail)
+        off, new_tail, st = _next_record(w, tail)
         if st != OK:
             status = st
+            break
+        if new_tail - start > w.size:  # past one lap: records no producer could have made
+            status = CORRUPT
             break
         out_positions[n] = off
         n += 1
@@ -307,7 +324,7 @@ def readable(buf):
     """True when a committed record (or a wrap marker) waits at the tail."""
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
-    return load_acquire(w, h[H_TAIL] & (h[H_CAPACITY] - 1)) != 0
+    return load_acquire(w, h[H_TAIL] & (w.size - 1)) != 0
 
 
 @kernel
@@ -315,7 +332,7 @@ def writable_words(buf):
     """Free words from the producer's point of view (fresh tail, sentinel reserved)."""
     h = buf[:HEADER_BYTES].view(np.int64)
     h[H_TAIL_CACHE] = load_acquire(h, H_TAIL)
-    return h[H_CAPACITY] - (h[H_HEAD] - h[H_TAIL_CACHE]) - SENTINEL_WORDS
+    return (buf.size - HEADER_BYTES) // 4 - (h[H_HEAD] - h[H_TAIL_CACHE]) - SENTINEL_WORDS
 
 
 @kernel
@@ -323,7 +340,7 @@ def spin_until_readable(buf, spins):
     """Spin (with pause) up to `spins` times for a record; True when one is there."""
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
-    mask = h[H_CAPACITY] - 1
+    mask = w.size - 1
     for _ in range(spins):
         if load_acquire(w, load_relaxed(h, H_TAIL) & mask) != 0:
             return True
@@ -335,9 +352,10 @@ def spin_until_readable(buf, spins):
 def spin_until_writable(buf, num_tokens, spins):
     """Spin (with pause) up to `spins` times until a record of `num_tokens` fits; True when it does."""
     h = buf[:HEADER_BYTES].view(np.int64)
+    cap = (buf.size - HEADER_BYTES) // 4
     size = (RECORD_HEADER_WORDS + num_tokens + 1) & ~1
     for _ in range(spins):
-        if _reserve(h, h[H_HEAD], size) != NO_SPACE:
+        if _reserve(h, cap, h[H_HEAD], size) != NO_SPACE:
             return True
         cpu_pause()
     return False
@@ -355,11 +373,11 @@ def recover_head(buf):
     """
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
-    cap = h[H_CAPACITY]
+    cap = w.size
     tail = load_acquire(h, H_TAIL)
     pos = max(h[H_HEAD], tail)
     for _ in range(cap // RECORD_HEADER_WORDS + 1):
-        off, new_pos, status = _next_record(h, w, pos)
+        off, new_pos, status = _next_record(w, pos)
         if status != OK or new_pos - tail > cap:
             break
         pos = new_pos

@@ -44,20 +44,21 @@ import numpy as np
 
 from ..jit import kernel
 from ..spill.crc import crc32c_final, crc32c_init, crc32c_update
-from .atomics import memcpy, store_release
+from .atomics import load_acquire, memcpy, store_release
 from .layout import (
-    H_CAPACITY,
+    CLOSE_BAD_TAIL,
     H_CLOSED,
+    H_CLOSED_REASON,
     H_CLOSED_TAIL,
     H_CONSUMER_WAITING,
     H_HEAD,
-    H_MAX_RECORD,
     H_NUM_PUSHED,
     H_TAIL,
     H_TAIL_CACHE,
     HEADER_BYTES,
     OK,
     RECORD_HEADER_WORDS,
+    max_record_words,
 )
 from .spsc import NO_SPACE, _claim_waiter, _next_record, _reserve, _write_record
 
@@ -182,12 +183,27 @@ def result_fields(buf, pos, count, item_ids, seqs, writers, status):
 @kernel
 def push_results(ring, buf, pos, first, count):
     """Push result records buf[pos[i]] (i = first..count-1) into a producer's result ring, without
-    waiting; returns (records pushed, wake): stops at the first that does not fit yet."""
+    waiting; returns (records pushed, wake): stops at the first that does not fit yet.
+
+    The producer reads this ring and writes its tail word: a tail no reader could have written (ahead
+    of the head, more than a lap behind it, odd) closes the ring (`mark_closed`, CLOSE_BAD_TAIL: the
+    producer's next wait raises RingClosed, so wake is True) and pushes nothing. Nothing is pushed
+    into a closed ring. The geometry is the ring array's own (`layout.py`), so no header word a
+    producer rewrote moves a write outside the ring."""
     h = ring[:HEADER_BYTES].view(np.int64)
     w = ring[HEADER_BYTES:].view(np.uint32)
     w64 = ring[HEADER_BYTES:].view(np.uint64)
-    words = buf.view(np.uint32)
+    cap = w.size
+    max_record = max_record_words(cap)
+    if h[H_CLOSED] != 0:
+        return 0, False
     head = h[H_HEAD]
+    tail = load_acquire(h, H_TAIL)
+    if (head | tail) & 1 or tail > head or head - tail > cap:
+        mark_closed(ring, CLOSE_BAD_TAIL)
+        return 0, True
+    h[H_TAIL_CACHE] = tail
+    words = buf.view(np.uint32)
     i = first
     while i < count:
         at = pos[i]
@@ -197,9 +213,9 @@ def push_results(ring, buf, pos, first, count):
         nerr = r[9]
         payload = ntok + (nerr + 3) // 4
         size = (RECORD_HEADER_WORDS + payload + 1) & ~1
-        if size > h[H_MAX_RECORD]:
+        if size > max_record:
             break
-        skip = _reserve(h, head, size)
+        skip = _reserve(h, cap, head, size)
         if skip == NO_SPACE:
             break
         head = _write_record(w, w64, h, head, skip, size, words, (at + RES_HEADER_BYTES) // 4, payload, r64[1],
@@ -210,6 +226,7 @@ def push_results(ring, buf, pos, first, count):
 
 
 # -- closing a ring: a stopping (or salvaging) consumer takes what is left, producers see it full -----
+# (or the broker stops reading a ring its producer broke, and says why: layout.CLOSE_REASONS)
 
 @kernel
 def close_ring(buf):
@@ -220,9 +237,26 @@ def close_ring(buf):
     if h[H_CLOSED] == 0:
         h[H_CLOSED_TAIL] = h[H_TAIL]
         h[H_CLOSED] = 1
-    low = h[H_HEAD] - h[H_CAPACITY]
+    low = h[H_HEAD] - (buf.size - HEADER_BYTES) // 4
     store_release(h, H_TAIL, low)
     h[H_TAIL_CACHE] = low
+
+
+@kernel
+def close_ring_for(buf, reason):
+    """`close_ring` of an ingest ring whose producer broke it, with the reason (`layout.CLOSE_*`) that
+    its next wait reports; the broker reads no more of it."""
+    buf[:HEADER_BYTES].view(np.int64)[H_CLOSED_REASON] = reason
+    close_ring(buf)
+
+
+@kernel
+def mark_closed(buf, reason):
+    """Close a ring the broker writes into (a result ring) with a reason: it pushes no more into it;
+    its reader takes what is there, then its wait raises RingClosed. The reason is stored first."""
+    h = buf[:HEADER_BYTES].view(np.int64)
+    h[H_CLOSED_REASON] = reason
+    store_release(h, H_CLOSED, 1)
 
 
 @kernel
@@ -231,10 +265,11 @@ def peek_closed(buf, out_positions, max_records):
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
     tail = h[H_CLOSED_TAIL]
+    start = tail
     n = 0
     while n < min(max_records, out_positions.size):
-        off, new_tail, st = _next_record(h, w, tail)
-        if st != OK:
+        off, new_tail, st = _next_record(w, tail)
+        if st != OK or new_tail - start > w.size:
             break
         out_positions[n] = off
         n += 1

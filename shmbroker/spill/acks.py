@@ -7,7 +7,7 @@ Acks are buffered and merged in bulk (`compact`), so acking is cheap and the
 state stays small: its size is the number of gaps, not of records.
 
 File `<data_dir>/backlog/acks.bin`, written by atomic replace (temp file,
-fsync, rename, fsync of the directory), mode 0600:
+fsync, rename, fsync of the directory: `durable.atomic_write`), mode 0600:
 
 | byte | size | field                                                     |
 |------|------|-----------------------------------------------------------|
@@ -20,12 +20,13 @@ fsync, rename, fsync of the directory), mode 0600:
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
 import crc32c
 import numpy as np
+
+from ..durable import atomic_write, keep_reserve
 
 ACKS_MAGIC = 0x314B434142484D53  # "SHMBACK1"
 ACKS_VERSION = 1
@@ -56,8 +57,9 @@ class Acks:
         return max(top, self.cursor.get(writer, 0))
 
     def ack(self, writer: int, seqs) -> None:
-        """Mark these sequence numbers of `writer` done (any order, duplicates fine)."""
-        arr = np.atleast_1d(np.asarray(seqs, dtype=np.uint64))
+        """Mark these sequence numbers of `writer` done (any order, duplicates fine). A copy is kept:
+        the caller may reuse its array (the results process acks from buffers it refills)."""
+        arr = np.array(seqs, dtype=np.uint64, ndmin=1)
         if arr.size == 0:
             return
         self._buffer.setdefault(writer, []).append(arr)
@@ -166,8 +168,11 @@ class Acks:
         return acks
 
     def save(self, directory: Path) -> None:
-        """Atomic replace of `directory/acks.bin`."""
+        """Atomic replace of `directory/acks.bin`. The directory keeps a space reserve (`durable.py`)
+        that a full disk's save uses up, so the checkpoint that reclaims segments is never the step a
+        full disk blocks; the reserve is made again by a later save, once there is room."""
         atomic_write(Path(directory) / ACKS_FILE, self.to_bytes())
+        keep_reserve(Path(directory))
 
     @classmethod
     def load(cls, directory: Path) -> Acks:
@@ -194,26 +199,3 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     last = np.r_[np.nonzero(new_run)[0][1:] - 1, starts.size - 1]
     out[:, 1] = reach[last]
     return out
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write temp, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -10,6 +10,23 @@ derives each item's shape for clustering on disk:
   else of its first block), so records cluster on disk by the families the
   scheduler packs, and a restart knows each record's family from its header.
 - shape_band: the length band, floor(log2(num_tokens)) (1, 2-3, 4-7, ...).
+
+The producer wrote every word of a record, and it can still write them while
+they are read: each is read once, then checked, and a record that fails is
+refused alone (it does not reach the backlog; `refused[reason]` counts it; the
+records around it go on). A record is refused (REFUSALS) when
+
+| reason | what the producer wrote                                               |
+|--------|-----------------------------------------------------------------------|
+| key    | a key above SEQ_MASK: not a sequence number (the item id is the       |
+|        | producer's id over its sequence number, so such a key would name      |
+|        | another producer's item and route its result into that stream)        |
+| prefix | a declared prefix_len longer than the item                           |
+| model  | a model id above MODEL_ID_MAX (ids are 31-bit: `items.model_id`)      |
+| flags  | flags other than 0 (no item flag is defined; the backlog's own flag   |
+|        | bits must not come from a producer)                                   |
+| frame  | a length word that changed since the record was checked (`spsc`):     |
+|        | the tokens would run past the record's ring or the batch's buffer     |
 """
 
 from __future__ import annotations
@@ -22,30 +39,57 @@ from ..ring.atomics import memcpy
 from ..ring.items import NO_PREFIX, SEQ_BITS
 from ..ring.layout import RECORD_HEADER_WORDS as RING_HEADER_WORDS
 
+REFUSALS = ("key", "prefix", "model", "flags", "frame")
+REFUSED_KEY, REFUSED_PREFIX, REFUSED_MODEL, REFUSED_FLAGS, REFUSED_FRAME = range(len(REFUSALS))
+MODEL_ID_MAX = 0x7FFFFFFF
+
 
 @kernel
-def collect(words, words64, positions, count, producer_id, block_tokens, out_flat, out_offsets, items):
-    """Fill out_flat/out_offsets/items[:count] from ring records; returns the token total."""
+def collect(words, words64, positions, count, producer_id, block_tokens, out_flat, out_offsets, items, refused):
+    """Fill out_flat/out_offsets/items[:kept] from the ring records at positions[:count], refusing
+    (refused[reason] += 1) the records that fail their checks; returns (kept, token total)."""
+    cap = words.size
     used = 0
+    kept = 0
     out_offsets[0] = 0
     for r in range(count):
         pos = positions[r]
         n = words[pos + 1]
-        memcpy(out_flat, used, words, pos + RING_HEADER_WORDS, n)
+        key = words64[(pos >> 1) + 1]
+        max_new = words[pos + 4]
         prefix = words[pos + 5]
+        model = words[pos + 6]
+        flags = words[pos + 7]
+        if pos + RING_HEADER_WORDS + n > cap or used + n > out_flat.size:
+            refused[REFUSED_FRAME] += 1
+            continue
+        if key >> np.uint64(SEQ_BITS) != np.uint64(0):
+            refused[REFUSED_KEY] += 1
+            continue
+        if prefix != NO_PREFIX and prefix > n:
+            refused[REFUSED_PREFIX] += 1
+            continue
+        if model > MODEL_ID_MAX:
+            refused[REFUSED_MODEL] += 1
+            continue
+        if flags != 0:
+            refused[REFUSED_FLAGS] += 1
+            continue
+        memcpy(out_flat, used, words, pos + RING_HEADER_WORDS, n)
         declared = prefix if prefix != NO_PREFIX and prefix > 0 else 0
-        it = items[r]
-        it.item_id = (np.uint64(producer_id) << np.uint64(SEQ_BITS)) | words64[(pos >> 1) + 1]
-        it.prefix_key = family_key(out_flat, used, n, declared, words[pos + 6], block_tokens, DEFAULT_SEED)
+        it = items[kept]
+        it.item_id = (np.uint64(producer_id) << np.uint64(SEQ_BITS)) | key
+        it.prefix_key = family_key(out_flat, used, n, declared, model, block_tokens, DEFAULT_SEED)
         it.producer = producer_id
-        it.model = words[pos + 6]
+        it.model = model
         it.prefix_len = prefix
-        it.max_new_tokens = words[pos + 4]
+        it.max_new_tokens = max_new
         band = 0
         while (np.uint32(1) << np.uint32(band + 1)) <= n and band < 31:
             band += 1
         it.shape_band = band
-        it.flags = words[pos + 7]
+        it.flags = 0
         used += n
-        out_offsets[r + 1] = used
-    return used
+        kept += 1
+        out_offsets[kept] = used
+    return kept, used

@@ -15,18 +15,24 @@ from ..ring.wire import LOC_DTYPE
 from .layout import RECORD_HEADER_BYTES
 
 
+def record_locations(records: np.ndarray) -> np.ndarray:
+    """LOC_DTYPE rows (aux 0) of backlog records (spill.layout.PENDING_DTYPE), read from their headers only."""
+    locs = np.zeros(records.size, LOC_DTYPE)
+    for name in ("writer", "segment", "offset", "seq", "item_id", "model", "prefix_len"):
+        locs[name] = records[name]
+    locs["length"] = records["num_tokens"]
+    locs["family"] = records["prefix_key"]
+    locs["max_new"] = records["max_new_tokens"]
+    return locs
+
+
 def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
     """(LOC_DTYPE rows, hash_offsets, hashes) of pending records (spill.layout.PENDING_DTYPE)."""
     n = pending.size
-    locs = np.zeros(n, LOC_DTYPE)
+    locs = record_locations(pending)
     hash_offsets = np.zeros(n + 1, np.int64)
     if n == 0:
         return locs, hash_offsets, np.zeros(0, np.uint64)
-    for name in ("writer", "segment", "offset", "seq", "item_id", "model", "prefix_len"):
-        locs[name] = pending[name]
-    locs["length"] = pending["num_tokens"]
-    locs["family"] = pending["prefix_key"]
-    locs["max_new"] = pending["max_new_tokens"]
     lengths = pending["num_tokens"].astype(np.int64)
     declared = pending["prefix_len"]
     prefixes = np.where(declared == NO_PREFIX, 0, declared).astype(np.int64)

@@ -10,7 +10,9 @@ walks records from an offset and checks each one right after reading it
 data, skips (quarantines) a record whose frame is sound but whose CRC fails,
 resynchronises past a broken frame when a valid record follows (only on a
 run's first record after an uncommitted run), and otherwise reports the torn
-tail it cut.
+tail it cut. `check_records` is the reader's check (a GPU process, before it
+runs an item): the record at a location is whole and is the one the location
+names (length, magic, sequence number, item id, token count, CRC).
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ REC_BAD_FRAME = 2  # header unusable; skipped up to the next valid record (resyn
 SCAN_END = 0  # reached a zero length word: clean end of data
 SCAN_TORN = 1  # bytes after the last valid record that form no valid record: cut
 SCAN_FULL = 2  # output arrays full; call again from the returned offset
+
+# check_records outcomes per location
+CHECK_OK = 0
+CHECK_FRAME = 1  # the bytes there are not the record the location names (length, magic, seq, item id, token count)
+CHECK_CRC = 2  # the record the location names, failing its checksum: its tokens cannot be trusted
+CHECK_GONE = 3  # its segment cannot be mapped (missing, or its header fails its checks); set by the caller
 
 
 @kernel
@@ -213,6 +221,28 @@ def gather(seg, offsets, out_flat, out_offsets, first_out):
         pos += n
         out_offsets[first_out + r + 1] = pos
     return first_out + offsets.size
+
+
+@kernel
+def check_records(seg, offsets, seqs, item_ids, num_tokens, out):
+    """out[r] = CHECK_OK when the record at offsets[r] is whole (its CRC) and is the one named by
+    seqs[r], item_ids[r] and num_tokens[r]; else CHECK_FRAME or CHECK_CRC. Reads only inside the segment."""
+    words = seg.view(np.uint32)
+    words64 = seg[: seg.size & ~7].view(np.uint64)
+    for r in range(offsets.size):
+        off = np.int64(offsets[r])
+        n = np.int64(num_tokens[r])
+        length = (RECORD_HEADER_BYTES + 4 * n + 7) & ~7
+        if off < SEGMENT_HEADER_BYTES or off & 7 or off + length > seg.size:
+            out[r] = CHECK_FRAME
+            continue
+        w = off >> 2
+        if (load_acquire(words, w + R_LENGTH) != length or words[w + R_MAGIC] != RECORD_MAGIC
+                or words[w + R_NUM_TOKENS] != n or words64[(off >> 3) + R64_SEQ] != seqs[r]
+                or words64[(off >> 3) + R64_ITEM] != item_ids[r]):
+            out[r] = CHECK_FRAME
+            continue
+        out[r] = CHECK_OK if record_crc(seg, off, length) == words[w + R_CRC] else CHECK_CRC
 
 
 @kernel

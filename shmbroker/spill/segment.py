@@ -20,6 +20,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from .. import durable
 from ..errors import DiskFull
 from .acks import atomic_write
 from .layout import (
@@ -70,12 +71,10 @@ class SegmentFile:
         fd = os.open(spare, os.O_RDWR)
         try:
             seg = cls(path, first_seq, writer, fd, size, True)
-            body = _HEADER.pack(SEGMENT_MAGIC, LAYOUT_VERSION, writer, first_seq, size, time.time_ns())
-            seg.buf[: SEGMENT_HEADER_BYTES - 4] = np.frombuffer(body, np.uint8)
-            seg.buf[SEGMENT_HEADER_BYTES - 4 : SEGMENT_HEADER_BYTES] = np.frombuffer(struct.pack("<I", crc32c.crc32c(body)), np.uint8)
+            seg.buf[:SEGMENT_HEADER_BYTES] = np.frombuffer(header_bytes(writer, first_seq, size), np.uint8)
             if path.exists():
                 raise FileExistsError(f"backlog segment {path} already exists")
-            os.rename(spare, path)
+            durable.rename(spare, path)
         except BaseException:
             os.close(fd)
             spare.unlink(missing_ok=True)
@@ -105,20 +104,14 @@ class SegmentFile:
 
     def check_header(self) -> tuple[int, int]:
         raw = bytes(self.buf[:SEGMENT_HEADER_BYTES])
-        if len(raw) < SEGMENT_HEADER_BYTES:
-            raise ValueError(f"{self.path}: {len(raw)} bytes, shorter than a segment header")
-        magic, version, writer, first_seq, capacity, _created = _HEADER.unpack(raw[: SEGMENT_HEADER_BYTES - 4])
-        (crc,) = struct.unpack("<I", raw[SEGMENT_HEADER_BYTES - 4 :])
-        if magic != SEGMENT_MAGIC or crc != crc32c.crc32c(raw[: SEGMENT_HEADER_BYTES - 4]):
-            raise ValueError(f"{self.path}: not a backlog segment (bad magic or header checksum)")
-        if version != LAYOUT_VERSION:
-            raise ValueError(f"{self.path}: layout version {version}, this build reads {LAYOUT_VERSION}")
-        if capacity < self.size:
-            raise ValueError(f"{self.path}: header capacity {capacity} < file size {self.size}")
+        problem = _header_problem(raw, self.size)
+        if problem is not None:
+            raise ValueError(f"{self.path}: {problem[1]}")
+        _magic, _version, writer, first_seq, _capacity, _created = _HEADER.unpack(raw[: SEGMENT_HEADER_BYTES - 4])
         return first_seq, writer
 
     def sync(self) -> None:
-        os.fdatasync(self.fd)
+        durable.fdatasync(self.fd)
 
     def close(self) -> None:
         """Idempotent. A mapping still viewed by numpy arrays is left to the garbage collector."""
@@ -132,6 +125,55 @@ class SegmentFile:
                 pass
         os.close(self.fd)
         self.fd = -1
+
+
+# why a segment header fails its checks (`header_problem`)
+# bad magic or header checksum: its bytes rotted (the file's name and place still say what they held)
+HEADER_DAMAGED = "damaged"
+HEADER_FOREIGN = "foreign"  # a sound header this build cannot take (another layout version, a capacity below the size)
+
+
+def header_bytes(writer: int, first_seq: int, capacity: int) -> bytes:
+    """The 64 bytes of a segment header (layout.py), created now."""
+    body = _HEADER.pack(SEGMENT_MAGIC, LAYOUT_VERSION, writer, first_seq, capacity, time.time_ns())
+    return body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def _header_problem(raw: bytes, size: int) -> tuple[str, str] | None:
+    if len(raw) < SEGMENT_HEADER_BYTES:
+        return HEADER_FOREIGN, f"{len(raw)} bytes, shorter than a segment header"
+    magic, version, _writer, _first_seq, capacity, _created = _HEADER.unpack(raw[: SEGMENT_HEADER_BYTES - 4])
+    (crc,) = struct.unpack("<I", raw[SEGMENT_HEADER_BYTES - 4 :])
+    if magic != SEGMENT_MAGIC or crc != crc32c.crc32c(raw[: SEGMENT_HEADER_BYTES - 4]):
+        return HEADER_DAMAGED, "not a backlog segment (bad magic or header checksum)"
+    if version != LAYOUT_VERSION:
+        return HEADER_FOREIGN, f"layout version {version}, this build reads {LAYOUT_VERSION}"
+    if capacity < size:
+        return HEADER_FOREIGN, f"header capacity {capacity} < file size {size}"
+    return None
+
+
+def header_problem(path: Path) -> tuple[str, str] | None:
+    """(HEADER_DAMAGED or HEADER_FOREIGN, why) when a segment file's header fails the checks `open` makes,
+    else None; reads its first 64 bytes only (FileNotFoundError when it is gone)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _header_problem(os.pread(fd, SEGMENT_HEADER_BYTES, 0), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def rewrite_header(path: Path, writer: int, first_seq: int) -> bytes:
+    """Write a sound header over a damaged one, from what the file's place and name say (writer,
+    first_seq; capacity: its size), and sync it; returns the damaged 64 bytes."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+        durable.pwrite(fd, header_bytes(writer, first_seq, os.fstat(fd).st_size), 0)
+        durable.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return old
 
 
 def allocate_spare(directory: Path, size: int, *, sparse: bool = False) -> Path:
@@ -194,11 +236,7 @@ def read_idx(path: Path) -> tuple[np.ndarray, np.ndarray, int] | None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable.fsync_dir(path)
 
 
 _CLEAN = struct.Struct("<QQQQ")  # magic, active segment first_seq, end offset, next_seq; then crc32c

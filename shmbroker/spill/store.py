@@ -9,6 +9,22 @@ record in the middle is quarantined (reported, skipped, counted) without
 losing its neighbours; records that are done per the ack file are not
 pending. Stale temp files are removed.
 
+Damage and what recovery makes of it (`RecoveryReport`):
+- a record failing its CRC whose frame is sound (length, magic, token count
+  and sequence number agree) and whose item id agrees with its producer word
+  still names its item: it is `corrupt()` (the scheduler answers it `corrupt`
+  through a GPU process and the results process acks it), kept in the segment
+  and its index until then; otherwise it names nothing, and the sequence
+  numbers it held are counted (`unnamed_corrupt`) and marked done;
+- a segment header with a bad magic or checksum is rewritten from the file's
+  place and name (writer, first sequence number), the damaged bytes kept
+  beside it (`<first>.header.corrupt`), and every record is CRC-checked (with
+  the index's trusted copies naming the records that fail); a sound header this
+  build cannot take (another layout version) sets the whole file aside
+  (`<first>.corrupt`, its sequence numbers never reused);
+- an index (`.idx`) failing its checks: the segment is scanned (CRC-checked)
+  and the index written again.
+
 Layout on disk: `<data_dir>/backlog/` (0700) holds `acks.bin` and one
 directory per writer, `w<NNN>/`, with `<first_seq>.seg`, `<first_seq>.idx`
 and, after a clean close, `CLEAN`.
@@ -23,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import durable
+from ..ring.items import SEQ_BITS
 from .acks import AckFileCorrupt, Acks
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
@@ -40,10 +58,21 @@ from .layout import (
     RECORD_HEADER_WORDS,
     SEGMENT_HEADER_BYTES,
     idx_name,
+    segment_name,
     writer_dir_name,
 )
 from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, gather, scan
-from .segment import SegmentFile, idx_bytes, read_clean_marker, read_idx, write_idx
+from .segment import (
+    FILE_MODE,
+    HEADER_DAMAGED,
+    SegmentFile,
+    header_problem,
+    idx_bytes,
+    read_clean_marker,
+    read_idx,
+    rewrite_header,
+    write_idx,
+)
 from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
 
 DIR_MODE = 0o700
@@ -63,6 +92,13 @@ class RecoveryReport:
     torn_bytes: int = 0
     torn_records: int = 0
     quarantined: list[dict] = field(default_factory=list)
+    corrupt_records: int = 0  # records failing their CRC that still name their item (answered `corrupt`)
+    # sequence numbers among a segment's records that no record holds: lost to damage that names no item
+    unnamed_corrupt: int = 0
+    damaged_files: list[dict] = field(default_factory=list)  # segment headers and indexes: file, reason, action
+    segment_headers_rewritten: int = 0
+    segments_set_aside: int = 0
+    indexes_rebuilt: int = 0
     clean_writers: int = 0
     scanned_segments: int = 0
     ack_file: str = "missing"
@@ -93,6 +129,8 @@ class Backlog:
         self.acks = Acks()
         self.readonly = False
         self._pending = np.empty(0, PENDING_DTYPE)
+        self._corrupt = np.empty(0, PENDING_DTYPE)
+        self._acked_at_open = 0  # sequence numbers recovery found lost and marked done (not yet in the ack file)
         self._writers: dict[int, _WriterState] = {}
         self._maps: dict[tuple[int, int], SegmentFile] = {}
 
@@ -107,8 +145,7 @@ class Backlog:
         directories (a restarted ingest process recovers its own)."""
         t0 = time.perf_counter()
         root = Path(data_dir) / BACKLOG_DIR
-        root.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        root.mkdir(mode=DIR_MODE, exist_ok=True)
+        durable.mkdir(root, DIR_MODE)  # with its parents, each name durable
         for directory in (root.parent, root):
             if directory.stat().st_uid == os.getuid():
                 os.chmod(directory, DIR_MODE)
@@ -123,88 +160,160 @@ class Backlog:
         except AckFileCorrupt as exc:
             backlog.acks = Acks()  # at-least-once: nothing counts as done, everything is redelivered
             report.ack_file = f"corrupt ({exc}); treating nothing as acked"
-        pending_parts = []
+        pending_parts, corrupt_parts = [], []
         for wdir in sorted(root.glob("w[0-9][0-9][0-9]")):
             writer = int(wdir.name[1:])
             if writers is not None and writer not in writers:
                 continue
-            state, parts = backlog._recover_writer(wdir, writer, report)
+            state, parts, corrupt = backlog._recover_writer(wdir, writer, report)
             backlog._writers[writer] = state
             pending_parts.extend(parts)
+            corrupt_parts.extend(corrupt)
         report.writers = len(backlog._writers)
         pending = np.concatenate(pending_parts) if pending_parts else np.empty(0, PENDING_DTYPE)
         report.records = int(pending.size)
         report.tokens = int(pending["num_tokens"].sum(dtype=np.uint64)) if pending.size else 0
-        keep = np.ones(pending.size, bool)
-        for writer in backlog._writers:
-            mine = pending["writer"] == writer
-            keep[mine] = ~backlog.acks.done_mask(writer, pending["seq"][mine])
-        backlog._pending = pending[keep]
+        backlog._pending = backlog._not_done(pending)
         report.pending_records = int(backlog._pending.size)
         report.pending_tokens = int(backlog._pending["num_tokens"].sum(dtype=np.uint64)) if backlog._pending.size else 0
+        corrupt = np.concatenate(corrupt_parts) if corrupt_parts else np.empty(0, PENDING_DTYPE)
+        backlog._corrupt = backlog._not_done(corrupt)
+        report.corrupt_records = int(backlog._corrupt.size)
         if not readonly and writers is None:
+            if backlog._acked_at_open:
+                try:  # what recovery found lost is done for good: the results process starts from the file
+                    backlog.save_acks()
+                except OSError as exc:
+                    report.ack_file += f"; not saved after recovery ({exc.strerror})"
             report.segments_reclaimed = backlog.reclaim()
         report.seconds = time.perf_counter() - t0
         return backlog, report
 
-    def _recover_writer(self, wdir: Path, writer: int, report: RecoveryReport) -> tuple[_WriterState, list[np.ndarray]]:
+    def _not_done(self, recs: np.ndarray) -> np.ndarray:
+        """The records of `recs` the ack file does not mark done."""
+        keep = np.ones(recs.size, bool)
+        for writer in self._writers:
+            mine = recs["writer"] == writer
+            keep[mine] = ~self.acks.done_mask(writer, recs["seq"][mine])
+        return recs[keep]
+
+    def _recover_writer(self, wdir: Path, writer: int, report: RecoveryReport):
+        """(_WriterState, [pending records per segment], [corrupt records per segment]) of one writer."""
         firsts = sorted(int(p.stem) for p in wdir.glob("*.seg") if p.stem.isdigit())
         state = _WriterState(writer, list(firsts))
         for path in wdir.glob("*.corrupt"):  # set aside earlier: never reuse its sequence numbers
             if path.stem.isdigit():
                 state.next_seq = max(state.next_seq, int(path.stem) + path.stat().st_size // RECORD_HEADER_BYTES + 1)
         clean = read_clean_marker(wdir)
-        parts = []
+        parts, corrupt_parts = [], []
         if clean is not None:
             report.clean_writers += 1
         if firsts:
             self.acks.set_floor(writer, firsts[0])  # older segments were reclaimed: all done
         for k, first in enumerate(firsts):
             last = k == len(firsts) - 1
-            path = wdir / f"{first:020d}.seg"
+            path = wdir / segment_name(first)
             report.segments += 1
-            idx = None if last else read_idx(wdir / idx_name(first))
-            if idx is not None:
+            try:
+                problem = header_problem(path)
+            except FileNotFoundError:
+                if not self.readonly:
+                    raise
+                state.segments.remove(first)  # reclaimed while we looked: all its records are done
+                continue
+            rewritten = False
+            if problem is not None:
+                if self.readonly:  # leave it to a recovery that may change the disk (or to its writer)
+                    state.segments.remove(first)
+                    continue
+                if problem[0] != HEADER_DAMAGED:
+                    self._set_aside(path, state, report, problem[1])
+                    continue
+                self._rewrite_header(path, writer, first, report, problem[1])
+                rewritten = True
+            idx_path = wdir / idx_name(first)
+            idx = None if last else read_idx(idx_path)
+            if idx is None and not last and idx_path.exists():
+                report.indexes_rebuilt += not self.readonly
+                report.damaged_files.append({"file": f"{wdir.name}/{idx_path.name}", "reason": "fails its checks",
+                                             "action": "segment scanned with CRC checks" +
+                                             ("" if self.readonly else ", index written again")})
+            corrupt = np.empty(0, PENDING_DTYPE)
+            if idx is not None and not rewritten:
                 offsets, headers, _end = idx
                 recs = _pending_from_headers(headers, writer, first, offsets)
                 next_seq = first + len(recs) if len(recs) == 0 else int(recs["seq"][-1]) + 1
             else:
                 report.scanned_segments += 1
-                trusted_end = clean[1] if (clean is not None and last and clean[0] == first) else None
+                trusted_end = clean[1] if (clean is not None and last and clean[0] == first and not rewritten) else None
                 try:
-                    recs, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report, seal=not last)
+                    recs, corrupt, next_seq, end, offsets = self._scan_segment(path, writer, first, trusted_end, report,
+                                                                               seal=not last and idx is None, known=idx)
                 except FileNotFoundError:
                     if not self.readonly:
                         raise
                     state.segments.remove(first)  # reclaimed while we looked: all its records are done
                     continue
-                except ValueError as exc:  # the file's own header is bad: set the whole file aside
-                    if self.readonly:  # (or a segment being created right now): leave it to its writer
+                except ValueError as exc:  # its header went bad since it was checked (or it is being created)
+                    if self.readonly:
                         state.segments.remove(first)
                         continue
-                    report.quarantined.append({"writer": writer, "segment": first, "offset": 0, "reason": f"segment header: {exc}"})
-                    size = path.stat().st_size
-                    path.rename(path.with_suffix(".corrupt"))
-                    state.segments.remove(first)
-                    # never reuse the sequence numbers that file may have held
-                    state.next_seq = max(state.next_seq, first + size // RECORD_HEADER_BYTES + 1)
+                    self._set_aside(path, state, report, str(exc))
                     continue
                 if last:
                     state.active_end = end
                     state.active_offsets = [offsets]
+            records_end = next_seq  # one past the last sequence number a record of this segment holds
             if not last:
                 next_seq = max(next_seq, firsts[k + 1])
             state.next_seq = max(state.next_seq, next_seq)
-            # sequence numbers inside the segment that are not live records (quarantined, cut) are done
+            # Sequence numbers inside the segment that are not records (lost to damage; between
+            # segments: skipped by a jump) are done; those among its records were lost unnamed.
             expected = np.arange(first, next_seq, dtype=np.uint64)
-            missing = np.setdiff1d(expected, recs["seq"], assume_unique=True) if recs.size != expected.size else expected[:0]
+            live = np.concatenate([recs["seq"], corrupt["seq"]]) if corrupt.size else recs["seq"]
+            missing = np.setdiff1d(expected, live) if live.size != expected.size else expected[:0]
             if missing.size:
+                report.unnamed_corrupt += int((missing < np.uint64(records_end)).sum())
+                self._acked_at_open += int((~self.acks.done_mask(writer, missing)).sum())
                 self.acks.ack(writer, missing)
             parts.append(recs)
-        return state, parts
+            corrupt_parts.append(corrupt)
+        return state, parts, corrupt_parts
 
-    def _scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport, seal: bool = False):
-        """Walk a segment's records (CRC-checked unless trusted); cut a torn tail. Returns (pending, next_seq, end, offsets)."""
+    def _set_aside(self, path: Path, state: _WriterState, report: RecoveryReport, reason: str) -> None:
+        """A segment whose header this build cannot take: renamed `<first>.corrupt`, its sequence numbers
+        never reused; what it held is lost (unnamed)."""
+        first = int(path.stem)
+        report.quarantined.append({"writer": state.writer, "segment": first, "offset": 0,
+                                   "reason": f"segment header: {reason}"})
+        report.damaged_files.append({"file": f"{path.parent.name}/{path.name}", "reason": reason,
+                                     "action": f"set aside as {path.stem}.corrupt"})
+        report.segments_set_aside += 1
+        size = path.stat().st_size
+        durable.rename(path, path.with_suffix(".corrupt"))
+        state.segments.remove(first)
+        # never reuse the sequence numbers that file may have held
+        state.next_seq = max(state.next_seq, first + size // RECORD_HEADER_BYTES + 1)
+
+    def _rewrite_header(self, path: Path, writer: int, first: int, report: RecoveryReport, reason: str) -> None:
+        """A segment header whose bytes rotted: rewritten from the file's place and name (its records carry
+        their own CRCs and sequence numbers, so the scan that follows tells which survive); the damaged bytes
+        are kept beside it."""
+        aside = path.with_name(f"{path.stem}.header.corrupt")
+        old = rewrite_header(path, writer, first)
+        durable.atomic_write(aside, old, FILE_MODE)
+        report.quarantined.append({"writer": writer, "segment": first, "offset": 0,
+                                   "reason": f"segment header: {reason}; rewritten"})
+        report.damaged_files.append({"file": f"{path.parent.name}/{path.name}", "reason": reason,
+                                     "action": f"header rewritten from the file's name (the damaged one kept in "
+                                               f"{aside.name}); every record CRC-checked"})
+        report.segment_headers_rewritten += 1
+
+    def _scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport,
+                      seal: bool = False, known=None):
+        """Walk a segment's records (CRC-checked unless trusted); cut a torn tail. `known`: the segment's
+        index (read_idx), whose header copies are trusted, to name the records that fail. Returns
+        (pending, corrupt, next_seq, end, offsets of the records kept in the segment's index)."""
         seg = SegmentFile.open(path, writable=not self.readonly)
         try:
             end_limit = seg.size if trusted_end is None else trusted_end
@@ -230,19 +339,34 @@ class Backlog:
                 seg.sync()
             offsets = np.concatenate(offsets_all)
             status = np.concatenate(status_all)
-            for o, st in zip(offsets[status != REC_OK], status[status != REC_OK]):
-                report.quarantined.append(
-                    {"writer": writer, "segment": first, "offset": int(o), "reason": "crc mismatch" if st == REC_BAD_CRC else "broken frame"}
-                )
             good = offsets[status == REC_OK]
-            headers = np.empty((good.size, RECORD_HEADER_BYTES), np.uint8)
-            copy_headers(seg.buf, good, headers)
-            recs = _pending_from_headers(headers, writer, first, good)
+            recs = _headers_at(seg, good, writer, first)
+            # A record failing its CRC has a sound frame (scan checked its length, magic, token count
+            # and sequence number); it still names its item when its item id agrees with its producer.
+            failed = _headers_at(seg, offsets[status == REC_BAD_CRC], writer, first)
+            named = failed[(failed["item_id"] >> np.uint64(SEQ_BITS)) == failed["producer"].astype(np.uint64)]
+            if known is not None:  # the index's copies of the headers name every record it held
+                k_off, k_headers, _end = known
+                held = _pending_from_headers(k_headers, writer, first, k_off)
+                whole = np.isin(k_off, good)
+                recs, corrupt, kept = held[whole], held[~whole], k_off
+                next_seq = max(next_seq, int(held["seq"][-1]) + 1 if held.size else first)
+            else:
+                corrupt = named
+                kept = np.sort(np.concatenate([good, named["offset"].astype(np.int64)]))
+            by_offset = {int(o): int(i) for o, i in zip(corrupt["offset"], corrupt["item_id"])}
+            for o, st in zip(offsets[status != REC_OK], status[status != REC_OK]):
+                entry = {"writer": writer, "segment": first, "offset": int(o),
+                         "reason": "crc mismatch" if st == REC_BAD_CRC else "broken frame"}
+                if int(o) in by_offset:
+                    entry["item_id"] = by_offset[int(o)]  # answered `corrupt`
+                report.quarantined.append(entry)
             if seal and not self.readonly:
                 # a segment its writer rolled away from but had not sealed (it died first):
-                # write its index now, so the next recovery need not scan it again
-                write_idx(path.parent, first, idx_bytes(seg, good, off))
-            return recs, next_seq, off, good
+                # write its index now, so the next recovery need not scan it again (a record
+                # that names its item stays in it until its `corrupt` result acks it)
+                write_idx(path.parent, first, idx_bytes(seg, kept, off))
+            return recs, corrupt, next_seq, off, kept
         finally:
             seg.close()
 
@@ -251,6 +375,11 @@ class Backlog:
     def pending(self) -> np.ndarray:
         """Records recovered at open that were not done (PENDING_DTYPE)."""
         return self._pending
+
+    def corrupt(self) -> np.ndarray:
+        """Records recovered at open, not done, that failed their CRC but still name their item
+        (PENDING_DTYPE): each is answered `corrupt`, never run."""
+        return self._corrupt
 
     def writer(
         self,
@@ -262,7 +391,7 @@ class Backlog:
     ) -> SegmentWriter:
         """The writer `writer`, continuing after its last recovered record."""
         wdir = self.root / writer_dir_name(writer)
-        wdir.mkdir(mode=DIR_MODE, exist_ok=True)
+        durable.mkdir(wdir, DIR_MODE)
         state = self._writers.setdefault(writer, _WriterState(writer, []))
         active = None
         if state.segments and not (wdir / idx_name(state.segments[-1])).exists():
@@ -363,6 +492,13 @@ class Backlog:
         for seg in self._maps.values():
             seg.close()
         self._maps.clear()
+
+
+def _headers_at(seg: SegmentFile, offsets: np.ndarray, writer: int, segment: int) -> np.ndarray:
+    """PENDING_DTYPE rows of the records at `offsets` of a mapped segment."""
+    headers = np.empty((offsets.size, RECORD_HEADER_BYTES), np.uint8)
+    copy_headers(seg.buf, offsets, headers)
+    return _pending_from_headers(headers, writer, segment, offsets)
 
 
 def _pending_from_headers(headers: np.ndarray, writer: int, segment: int, offsets: np.ndarray) -> np.ndarray:

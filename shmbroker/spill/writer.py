@@ -22,35 +22,73 @@ segment the batch can need (spare files with every block allocated), so a
 full disk fails there with `DiskFull` before anything of the batch is
 written (all or nothing: the ingest side keeps the batch in its ring, which
 is back-pressure on the producers), and the next call tries again.
+
+Sequence numbers are never reused, even after a power loss took records whose
+results or acks reached the disk (the results process would ack a new record
+that took such a number from its old result, and the new item would never
+run): before a batch takes numbers at or above the writer's reservation, the
+reservation is raised (`RESERVED`, atomic replace: written and synced before
+any of those numbers is on disk) by RESERVE_SEQS past the batch. A writer that
+starts in another boot than the one that wrote the reservation (the machine
+went down: the page cache is gone, and with it perhaps records whose numbers
+were handed out) continues at the reservation, in a new segment, and that
+number is the boot's floor; in the same boot (a killed process: its page
+cache is intact from the floor on) it continues where recovery found the last
+record, never below the floor. A close brings the reservation down to
+`next_seq`.
+
+All of it goes through `durable.py`, the seam the power-loss simulation
+(`tests/test_power_loss.py`) watches.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
+from .. import durable
 from ..config import DEFAULT_FSYNC_INTERVAL_MS
+from ..errors import DiskFull
 from ..lockfile import flock_exclusive
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
     MIN_SEGMENT_BYTES,
+    R64_SEQ,
+    RECORD_HEADER_BYTES,
     SEGMENT_HEADER_BYTES,
     max_tokens,
     record_bytes,
 )
 from .records import segments_needed, write_records
-from .segment import CLEAN_FILE, SegmentFile, allocate_spare, fsync_dir, idx_bytes, write_clean_marker, write_idx
+from .segment import CLEAN_FILE, SegmentFile, allocate_spare, idx_bytes, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
 SEAL_QUEUE_MAX = 2  # segments waiting for the sync thread to seal them; more seal inline
 STAGING_BYTES = 2 << 20  # one run (pwrite) at most, unless a single record is larger
+RESERVE_SEQS = 1 << 20  # a reservation reaches this far past the batch that raises it
+
+# <writer dir>/RESERVED: which sequence numbers may have been handed out
+#
+# | byte | size | field                                                                  |
+# |------|------|------------------------------------------------------------------------|
+# | 0    | 8    | RESERVED_MAGIC                                                         |
+# | 8    | 16   | boot id of the boot that wrote it                                      |
+# | 24   | 8    | floor: where that boot's writers began (below it, numbers of an earlier |
+# |      |      | boot, perhaps lost with its page cache)                                |
+# | 32   | 8    | reserved: no number at or above it handed out                          |
+# | 40   | 4    | crc32c of bytes 0..39                                                  |
+RESERVED_FILE = "RESERVED"
+RESERVED_MAGIC = int.from_bytes(b"SHMBRSV2", "little")
+_RESERVED = struct.Struct("<Q16sQQ")
 
 
 class SegmentWriter:
@@ -88,24 +126,72 @@ class SegmentWriter:
         self._end = active_end
         self._offsets = active_offsets  # record offsets of the active segment, for its seal index
         self._lock = threading.Lock()
-        self._dirty = False
+        self._dirty = active is not None  # a recovered segment: a killed writer's unsynced pages get synced too
         self._error: OSError | None = None
         self._stop = threading.Event()
         self._thread = None
         self.num_segments_created = 0
         self.num_unindexed_seals = 0  # seals whose index did not fit on a full disk
+        self.num_seq_jumps = 0  # starts above a reservation of an earlier boot (or a damaged one)
         self._staging = [np.empty(0, np.uint8), np.empty(0, np.uint8)]  # double buffer: stage one, write the other
         self._in_flight: list[Future | None] = [None, None]
         self._next_slot = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pwrite-w{writer}")
         self._sealing: list[tuple[SegmentFile, np.ndarray, int]] = []  # rolled away from, not yet sealed
         self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
-        (self.directory / CLEAN_FILE).unlink(missing_ok=True)  # from here on, only a scan can be trusted
-        fsync_dir(self.directory)
+        self._reserved = self._continue_above_reservation()
+        durable.unlink(self.directory / CLEAN_FILE, missing_ok=True)  # from here on, only a scan can be trusted
+        durable.fsync_dir(self.directory)
         if fsync == "interval":
             self._interval_seconds = fsync_interval_ms / 1000.0
             self._thread = threading.Thread(target=self._sync_loop, name=f"fsync-w{writer}", daemon=True)
             self._thread.start()
+
+    def _continue_above_reservation(self) -> int:
+        """Where to start, from RESERVED (sets next_seq and the boot's floor); returns the reservation in force."""
+        found = read_reservation(self.directory)
+        recovered, reserved = self.next_seq, self.next_seq
+        if found is None:
+            # a new writer (or one from before reservations): nothing handed out above what recovery found;
+            # damaged: jump the most a reservation reaches past its batch
+            damaged = (self.directory / RESERVED_FILE).exists()
+            start = self._floor = recovered + (RESERVE_SEQS if damaged else 0)
+        else:
+            boot, floor, reserved = found
+            if boot == durable.boot_id():
+                # a process of this boot left it: the page cache holds all it wrote from the floor on
+                start, self._floor = max(recovered, floor), floor
+            else:
+                start = self._floor = max(recovered, reserved)
+        self.num_seq_jumps += start != recovered
+        if self._active is not None and start != self._active_next():
+            # numbers of the active segment's lost tail may have results or acks on disk (or recovery
+            # started above its last record): a new segment above them, as sequence numbers run
+            # without gaps inside a segment
+            offsets = np.concatenate(self._offsets) if self._offsets else np.empty(0, np.int64)
+            self._seal(self._active, offsets, self._end)
+            self._active, self._end, self._offsets = None, SEGMENT_HEADER_BYTES, []
+        self.next_seq = start
+        return max(reserved, start)
+
+    def _active_next(self) -> int:
+        """The sequence number the active segment's next record must have: one past its last."""
+        offsets = [o for o in self._offsets if o.size]
+        if not offsets:
+            return self._active.first_seq
+        last = int(max(int(o.max()) for o in offsets))
+        return int(self._active.buf[last : last + RECORD_HEADER_BYTES].view(np.uint64)[R64_SEQ]) + 1
+
+    def _raise_reservation(self, top: int) -> None:
+        """Make `top` and everything below it usable: RESERVED says so on disk first."""
+        reserved = top + RESERVE_SEQS
+        try:
+            write_reservation(self.directory, self._floor, reserved)
+        except OSError as exc:
+            if exc.errno not in durable.DISK_FULL_ERRNOS:
+                raise
+            raise DiskFull(f"no space for the sequence reservation in {self.directory}: {exc.strerror}") from None
+        self._reserved = reserved
 
     # -- appending -----------------------------------------------------------------
 
@@ -129,6 +215,8 @@ class SegmentWriter:
             order = np.arange(count, dtype=np.int64)
         if count:
             self._reserve(sizes, order)  # all or nothing: DiskFull here writes nothing
+            if self.next_seq + count > self._reserved:
+                self._raise_reservation(self.next_seq + count)
         seqs = np.empty(count, np.uint64)
         rec_offsets = np.empty(count, np.int64)
         segments = np.empty(count, np.uint64)
@@ -224,7 +312,7 @@ class SegmentWriter:
             spare = self._spares.pop() if self._spares else None
             seg = SegmentFile.create(self.directory, self.writer, self.next_seq, self.segment_bytes, sparse=self.sparse, spare=spare)
             if self.fsync != "never":
-                fsync_dir(self.directory)
+                durable.fsync_dir(self.directory)
             self._active, self._end, self._offsets = seg, SEGMENT_HEADER_BYTES, []
             self.num_segments_created += 1
 
@@ -243,7 +331,7 @@ class SegmentWriter:
         fd = os.dup(seg.fd)
         seg.close()
         try:
-            os.ftruncate(fd, used)  # give back the preallocated tail (first: it makes room for the index)
+            durable.ftruncate(fd, used)  # give back the preallocated tail (first: it makes room for the index)
         finally:
             os.close(fd)
         if not seg.path.exists():
@@ -278,7 +366,7 @@ class SegmentWriter:
             self._dirty = False
             fd = os.dup(self._active.fd)  # stays valid if the segment is sealed meanwhile
         try:
-            os.fdatasync(fd)
+            durable.fdatasync(fd)
         finally:
             os.close(fd)
 
@@ -312,9 +400,12 @@ class SegmentWriter:
         self._io.shutdown(wait=True)
         self._drain_seals()
         for spare in self._spares:
-            spare.unlink(missing_ok=True)
+            durable.unlink(spare, missing_ok=True)
         self._spares.clear()
+        if self._lock_fd < 0:
+            return
         if self._active is None:
+            self._lower_reservation()
             self._unlock()
             return
         with self._lock:
@@ -323,9 +414,22 @@ class SegmentWriter:
             first = self._active.first_seq
             self._active.close()
             self._active = None
+        self._lower_reservation()
         if clean:
             write_clean_marker(self.directory, first, self._end, self.next_seq)
         self._unlock()
+
+    def _lower_reservation(self) -> None:
+        """On close: nothing at or above next_seq was handed out (a full disk keeps the higher one)."""
+        if self._reserved == self.next_seq or not (self.directory / RESERVED_FILE).exists():
+            return
+        try:
+            write_reservation(self.directory, self._floor, self.next_seq)
+        except OSError as exc:
+            if exc.errno not in durable.DISK_FULL_ERRNOS:
+                raise
+            return
+        self._reserved = self.next_seq
 
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
@@ -347,9 +451,26 @@ def _lock_writer_dir(directory: Path, writer: int) -> int:
     return fd
 
 
+def read_reservation(directory: Path) -> tuple[bytes, int, int] | None:
+    """(boot id, floor, reserved) from a writer directory's RESERVED, or None when missing or damaged."""
+    try:
+        data = (Path(directory) / RESERVED_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(data) != _RESERVED.size + 4 or struct.unpack("<I", data[-4:])[0] != crc32c.crc32c(data[:-4]):
+        return None
+    magic, boot, floor, reserved = _RESERVED.unpack(data[:-4])
+    return (boot, floor, reserved) if magic == RESERVED_MAGIC and floor <= reserved else None
+
+
+def write_reservation(directory: Path, floor: int, reserved: int) -> None:
+    body = _RESERVED.pack(RESERVED_MAGIC, durable.boot_id(), floor, reserved)
+    durable.atomic_write(Path(directory) / RESERVED_FILE, body + struct.pack("<I", crc32c.crc32c(body)))
+
+
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
-        done = os.pwrite(fd, view, offset)
+        done = durable.pwrite(fd, view, offset)
         view = view[done:]
         offset += done

@@ -26,6 +26,21 @@ Two kinds of engine sit behind it:
 
 Engines never see rings, segments or the index. The registry (`registry.py`) declares each
 engine once: name, module, class, extra, settings class and mode.
+
+Failures. An item the engine refuses (its add raises, or its result says engine_error) fails
+alone. The engine being down is not the items' fault, and nothing is failed for it:
+- an engine that cannot run what it holds now (its server unreachable, overloaded, timing out)
+  hands those items back: `EngineOutcome.down`, an `EngineDown` naming them (or `add` raising
+  `EngineDown`: the group is not taken). The GPU process adds them again after a back-off
+  (`engine_retry_min_seconds`, doubling to `engine_retry_max_seconds` while it stays down;
+  `gpu/window.py`), counted (`engine_retries`, the `engine_down` gauge);
+- a poll that raises anything else means the engine broke while running what it held: the items
+  are handed back as above; after ENGINE_FAILURES_MAX such polls in a row, with no result between,
+  the engine is dead (`EngineDead`, which an adapter may also raise itself: vLLM's
+  EngineDeadError): the GPU process exits, the supervisor starts a fresh one and the batches are
+  redelivered (a death counts as a delivery: `gpu/deliveries.py`).
+`call_seconds_max` (optional): how long the engine itself may take to answer or give up on an
+item (the `openai` engine's timeouts and retries); a batch's deadline is never shorter.
 """
 
 from __future__ import annotations
@@ -132,6 +147,24 @@ class BatchResults:
                 for i in range(len(self))]
 
 
+class EngineDown(Exception):
+    """The engine cannot run these items now (its server is unreachable, overloaded or timing out);
+    they are not at fault: the consumer adds them again after a back-off. `item_ids`: the items
+    handed back (an `add` that raises it hands back the whole group, whatever it names)."""
+
+    def __init__(self, reason: str, item_ids=()):
+        super().__init__(reason)
+        self.item_ids = np.asarray(item_ids, np.uint64)
+
+
+class EngineDead(Exception):
+    """The engine in this process is broken for good: the GPU process exits and is started afresh
+    (what it held is redelivered to its successor)."""
+
+
+ENGINE_FAILURES_MAX = 3  # polls in a row that raise (no result between) before the engine is dead
+
+
 @dataclass
 class EngineOutcome:
     results: list  # [ItemResult], in the batch's order, or one BatchResults
@@ -141,6 +174,7 @@ class EngineOutcome:
     padded_tokens: int = 0  # a padded engine's rectangle cells that computed nothing
     rect_tokens: int = 0  # a padded engine's rectangle (count x longest suffix)
     reused_tokens: int = 0  # prefix tokens served from a cache instead of computed (hf: the shared prefix)
+    down: EngineDown | None = None  # items handed back unrun: the engine is down (module docstring)
 
 
 class Engine(Protocol):
@@ -162,9 +196,12 @@ def merge_outcomes(outcomes: list[EngineOutcome]) -> EngineOutcome:
     results: list = []
     for o in outcomes:
         results.extend(o.results.items() if isinstance(o.results, BatchResults) else o.results)
+    downs = [o.down for o in outcomes if o.down is not None]
+    down = None if not downs else downs[0] if len(downs) == 1 else EngineDown(
+        str(downs[-1]), np.concatenate([d.item_ids for d in downs]))
     return EngineOutcome(results, sum(o.hit_blocks for o in outcomes), sum(o.queried_blocks for o in outcomes),
                          sum(o.engine_seconds for o in outcomes), sum(o.padded_tokens for o in outcomes),
-                         sum(o.rect_tokens for o in outcomes), sum(o.reused_tokens for o in outcomes))
+                         sum(o.rect_tokens for o in outcomes), sum(o.reused_tokens for o in outcomes), down)
 
 
 RUN_DEADLINE_SECONDS = 24 * 3600.0  # run(): the longest one batch may take before it is given up
@@ -172,7 +209,9 @@ RUN_DEADLINE_SECONDS = 24 * 3600.0  # run(): the longest one batch may take befo
 
 class StreamingRun:
     """`run(batch)` for a streaming engine: add the batch, poll until every item has a result; the
-    results in the batch's order (an item the engine never answered: engine_error)."""
+    results in the batch's order (an item the engine never answered: engine_error). One call, no
+    retry policy: an item the engine hands back as down comes back engine_error with the reason (the
+    GPU process's window retries those instead, `gpu/window.py`)."""
 
     def run(self, batch: EngineBatch) -> EngineOutcome:
         self.add(batch)
@@ -185,9 +224,13 @@ class StreamingRun:
             parts.append(out)
             rs = out.results.items() if isinstance(out.results, BatchResults) else out.results
             got.update((r.item_id, r) for r in rs if r.item_id in want)
+            if out.down is not None:
+                got.update((int(i), ItemResult(int(i), ENGINE_ERROR, error=str(out.down)))
+                           for i in out.down.item_ids.tolist() if int(i) in want and int(i) not in got)
         total = merge_outcomes(parts) if parts else EngineOutcome([])
         total.results = [got.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
                          for i in batch.item_ids]
+        total.down = None
         return total
 
 
@@ -195,7 +238,8 @@ class BatchStream:
     """A batch engine (one that defines `run(batch)`) behind the streaming interface: each added
     batch runs whole on a worker thread, in order, while the caller prepares the next; `poll`
     hands back the outcomes of the batches finished meanwhile. A batch that raises runs item by
-    item, so an engine error fails only the items that cause it."""
+    item, so an engine error fails only the items that cause it; one that raises EngineDown is
+    handed back whole (`EngineOutcome.down`), and EngineDead is raised by the next poll."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -204,6 +248,7 @@ class BatchStream:
         self._done: queue.Queue = queue.Queue()
         self._pending = 0
         self._thread: threading.Thread | None = None
+        self._dead: EngineDead | None = None
 
     def add(self, batch: EngineBatch) -> None:
         if self._thread is None:
@@ -216,6 +261,8 @@ class BatchStream:
         return self._pending
 
     def poll(self, timeout_seconds: float) -> EngineOutcome:
+        if self._dead is not None:
+            raise self._dead
         outs = []
         try:
             outs.append(self._done.get(timeout=timeout_seconds) if self._pending and timeout_seconds > 0
@@ -227,7 +274,7 @@ class BatchStream:
         if not outs:
             return EngineOutcome([])
         out = merge_outcomes(outs)
-        self._pending -= len(out.results)
+        self._pending -= len(out.results) + (0 if out.down is None else out.down.item_ids.size)
         return out
 
     def run(self, batch: EngineBatch) -> EngineOutcome:
@@ -238,7 +285,14 @@ class BatchStream:
             batch = self._todo.get()
             if batch is None:
                 return
-            self._done.put(answered(batch, run_isolated(self.engine, batch)))
+            try:
+                self._done.put(answered(batch, run_isolated(self.engine, batch)))
+            except EngineDown as exc:
+                self._done.put(EngineOutcome([], down=EngineDown(str(exc), batch.item_ids)))
+            except EngineDead as exc:
+                self._dead = exc
+                self._done.put(EngineOutcome([]))  # wakes a poll waiting for this batch
+                return
 
     def close(self) -> None:
         if self._thread is not None:
@@ -251,6 +305,8 @@ def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
     """engine.run(batch); if it raises, each item alone, so an error fails only its own item."""
     try:
         return engine.run(batch)
+    except (EngineDown, EngineDead):
+        raise
     except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
         if len(batch) == 1:
             return EngineOutcome([engine_error(batch.item_ids[0], exc)])
@@ -259,6 +315,8 @@ def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
         one = EngineBatch(batch.item_ids[k : k + 1], [batch.tokens[k]], batch.max_new_tokens[k : k + 1])
         try:
             parts.append(engine.run(one))
+        except (EngineDown, EngineDead):
+            raise
         except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
             parts.append(EngineOutcome([engine_error(batch.item_ids[k], exc)]))
     return merge_outcomes(parts)

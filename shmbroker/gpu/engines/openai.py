@@ -28,15 +28,20 @@ HTTP request costs the server well under a millisecond, against tens of millisec
 Each request has `timeout_seconds` (httpx's connect, write and read timeout: a non-streaming
 completion sends nothing until it is done).
 
-Failures stay with their items (the consumer's rule: an error fails its items, never the batch or
-the process): a failed request comes back as an `engine_error` result per item and nothing raises.
-Connection errors, timeouts, 408, 429 and 5xx are retried with exponential back-off
-(`backoff_seconds`, doubled per try, at most `retries` retries; a 429/503's Retry-After in seconds is
-honoured, every wait capped at BACKOFF_MAX_SECONDS); then that request's items fail with the reason.
-A 400/413/422 (the server refused the request's content, often one prompt: too long, a token id out
-of vocabulary) is not retried as is: a request of several prompts is split in halves and each half
-sent again, so only the prompts the server refuses fail, with its message. Other 4xx (auth, unknown
-model) fail the request's items at once.
+Failures: the server being down is not the items' fault; a refusal is. Connection errors,
+timeouts, 408, 429 and 5xx are retried with exponential back-off (`backoff_seconds`, doubled per
+try, at most `retries` retries; a 429/503's Retry-After in seconds is honoured, every wait capped at
+BACKOFF_MAX_SECONDS). A request that still fails so is the server being down, and its items are
+handed back (`EngineOutcome.down`, `base.EngineDown`): the GPU process adds them again after its own
+back-off, for as long as the outage lasts, and nothing fails for it. One exception: a request that
+timed out or got a 5xx while the server answered other requests (a 200 since its last try was
+sent) failed on its own content, and its items fail (`engine_error`, with the reason); a 429 or
+503 (the server's load) and a connection error (the server went away) are always handed back. A
+400/413/422 (the server refused the request's content, often one prompt: too long, a token id out
+of vocabulary) is not retried as is: a request of several prompts is split in halves and each
+half sent again, so only the prompts the server refuses fail, with its message. Other 4xx (auth,
+unknown model) fail the request's items at once. Nothing raises out of `add` or `poll` for a
+failed request.
 
 The broker deals in token ids, so they are asked for and read back in this order:
 
@@ -67,11 +72,12 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from time import monotonic
 
 import httpx
 import numpy as np
 
-from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult, StreamingRun
+from .base import ENGINE_ERROR, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
 from .packed_args import BusyClock
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -80,6 +86,7 @@ READ_FIELDS = "choices[].token_ids, choices[].logprobs.tokens ('token_id:N'), ch
 NO_TOKEN_IDS = (f"the server returned no token ids: it must return them (request fields sent: {ASKED_FIELDS}; "
                 f"response fields read: {READ_FIELDS})")
 RETRY_STATUSES = (408, 429)  # and every 5xx
+LOAD_STATUSES = (429, 503)  # the server's load: handed back (down) even while it answers others
 SPLIT_STATUSES = (400, 413, 422)  # the request's content was refused: maybe one prompt, so split
 MESSAGE_CHARS_MAX = 500  # of a server's error text kept in an item's error
 
@@ -110,11 +117,18 @@ def retry_after(resp) -> float | None:
 
 
 class RequestFailed(Exception):
-    """A request that failed for good: its items fail with this reason."""
+    """A request that failed for good: its items fail with this reason; `down` (a connection error,
+    a timeout, 408, 429 or 5xx after the retries): the server is down and the items are handed back
+    instead, `always` (a connection error, 429, 503) or unless the server answered others since its
+    last try was `sent` (monotonic; module docstring)."""
 
-    def __init__(self, reason: str, status: int | None = None):
+    def __init__(self, reason: str, status: int | None = None, *, down: bool = False, sent: float = 0.0,
+                 always: bool = False):
         super().__init__(reason)
         self.status = status
+        self.down = down
+        self.sent = sent
+        self.always = always
 
 
 @dataclass
@@ -156,6 +170,11 @@ class OpenAICompatible(StreamingRun):
         self.busy = BusyClock()
         self._requests: dict = {}  # future -> the item ids of its request, in its prompts' order
         self._pending = 0
+        self.last_ok = 0.0  # monotonic time of the server's last 200
+        tries = int(settings.retries) + 1
+        backoffs = sum(min(BACKOFF_MAX_SECONDS, settings.backoff_seconds * 2 ** k) for k in range(tries - 1))
+        # the longest this engine takes to answer or hand back one request (a batch deadline's floor)
+        self.call_seconds_max = tries * float(settings.timeout_seconds) + backoffs
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -186,13 +205,19 @@ class OpenAICompatible(StreamingRun):
         else:
             done = ()
         results: list = []
+        down: list = []
+        reason = ""
         hit_blocks = queried_blocks = reused_tokens = 0
         for future in done:
             ids = self._requests.pop(future)
             try:
                 reply = future.result()
             except RequestFailed as exc:
-                results.extend(ItemResult(i, ENGINE_ERROR, error=str(exc)) for i in ids)
+                if exc.down and (exc.always or self.last_ok <= exc.sent):
+                    down.extend(ids)  # the server is down: handed back, retried later
+                    reason = str(exc)
+                else:
+                    results.extend(ItemResult(i, ENGINE_ERROR, error=str(exc)) for i in ids)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only
                 results.extend(ItemResult(i, ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}") for i in ids)
@@ -205,9 +230,10 @@ class OpenAICompatible(StreamingRun):
                     reused_tokens += r.cached_tokens
                     hit_blocks += r.cached_tokens // self.block_tokens
                     queried_blocks += r.prompt_tokens // self.block_tokens
-        self._pending -= len(results)
+        self._pending -= len(results) + len(down)
         return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=queried_blocks,
-                             engine_seconds=self.busy.take(), reused_tokens=reused_tokens)
+                             engine_seconds=self.busy.take(), reused_tokens=reused_tokens,
+                             down=EngineDown(reason, down) if down else None)
 
     def parts(self, max_new: list) -> list:
         """Item rows grouped by max_new_tokens, cut to `items_per_request`: one request each, in the
@@ -243,6 +269,8 @@ class OpenAICompatible(StreamingRun):
             try:
                 self.post(prompts[-1:], max_tokens)
             except RequestFailed as exc:
+                if exc.down:
+                    raise  # the server went down meanwhile: the whole request is handed back
                 if str(exc) == str(whole) and exc.status == whole.status:
                     raise whole from None
         half = len(prompts) // 2
@@ -251,6 +279,8 @@ class OpenAICompatible(StreamingRun):
             try:
                 replies.append(self.request(sub, max_tokens, probed=True))
             except RequestFailed as exc:
+                if exc.down:
+                    raise
                 replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
                      sub_replies=[s for r in replies for s in (r.sub_replies or [r])])
@@ -268,15 +298,19 @@ class OpenAICompatible(StreamingRun):
         tries = int(s.retries) + 1
         for attempt in range(tries):
             status = None
+            sent = monotonic()
+            transport = False
             try:
                 resp = self.client.post(self.url, content=content)
             except httpx.TimeoutException:
                 reason = f"timed out after {s.timeout_seconds:g} s"
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
+                transport = True
             else:
                 status = resp.status_code
                 if status == 200:
+                    self.last_ok = monotonic()
                     return self.parse(resp, prompts)
                 reason = f"HTTP {status}: {server_message(resp)}"
                 if status not in RETRY_STATUSES and status < 500:
@@ -286,7 +320,8 @@ class OpenAICompatible(StreamingRun):
                 wait = retry_after(resp) if status in (429, 503) else None
                 time.sleep(min(BACKOFF_MAX_SECONDS, wait if wait is not None else delay_seconds))
                 delay_seconds *= 2
-        raise RequestFailed(f"{reason} (after {tries} tries)" if tries > 1 else reason, status)
+        raise RequestFailed(f"{reason} (after {tries} tries)" if tries > 1 else reason, status, down=True, sent=sent,
+                            always=transport or status in LOAD_STATUSES)
 
     def parse(self, resp: httpx.Response, prompts: list) -> Reply:
         n = len(prompts)

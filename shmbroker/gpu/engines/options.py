@@ -29,12 +29,31 @@ class SimSettings:
     """The simulated engine of one consumer: its mode, its cache, its cost model, and its pace:
     `pace_seconds` wall seconds per modeled second (0: as fast as the CPU runs it, the modeled
     seconds reported, not spent). A paced engine finishes each item when the modeled clock says,
-    so consumers of different sizes split a backlog as real cards would (supervise, demo)."""
+    so consumers of different sizes split a backlog as real cards would (supervise, demo).
+
+    Faults, for tests of what the broker does when an engine misbehaves (each off when None; a
+    `*_token` marks an item by a token id its prompt holds):
+    `poison_token`: adding such an item kills the process (`poison_kill`: "abort" = SIGABRT,
+    "segfault" = SIGSEGV, "exit" = exit status 137 as after the OOM killer); `hang_token`: such an
+    item never finishes (the engine runs the others); `block_token`: once such an item was added,
+    the next poll never returns (the process hangs); `fail_token`: add refuses such an item (it
+    raises ValueError); `fail_after`: a dead engine, once this many items were added every poll
+    raises RuntimeError."""
 
     mode: str = "packed"
     cache_tokens: int = 2 << 20
     cost: SimCost = SimCost()
     pace_seconds: float = config.DEFAULT_SIM_PACE_SECONDS
+    poison_token: int | None = None
+    poison_kill: str = "abort"
+    hang_token: int | None = None
+    block_token: int | None = None
+    fail_token: int | None = None
+    fail_after: int | None = None
+
+
+SIM_FAULT_TOKENS = ("poison_token", "hang_token", "block_token", "fail_token")
+SIM_KILLS = ("abort", "segfault", "exit")
 
 
 @dataclass(frozen=True)

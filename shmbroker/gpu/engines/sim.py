@@ -40,11 +40,13 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 
 from ...pack.contract import MODES
 from ...pack.shapes import shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
+from .faults import SimFaults
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class SimEngine:
 class Sim(StreamingRun):
     """The simulated engine behind the streaming interface (`base.py`): it hashes each added group's
     tokens into blocks and "generates" max_new_tokens deterministic token ids per item (a function
-    of the item's id), so results can be checked end to end.
+    of the item's id and of its prompt's tokens: `generated`), so results can be checked end to end.
 
     - `packed`: a continuous-batching engine (`continuous.ContinuousSim`): up to max_batch_size
       sequences run, each step decodes one token of each and prefills new items within
@@ -181,7 +183,7 @@ class Sim(StreamingRun):
     reports the modeled seconds, spending none. Paced, an item is handed back only when the wall
     clock reaches its modeled finish x pace_seconds (counted from when the engine last became busy),
     so consumers of different sizes split the work as real cards would; a poll sleeps until then or
-    its timeout. `zero_cost` hands everything back at once (a benchmark of the broker reads no tokens)."""
+    its timeout. `zero_cost` hands everything back at once (each prompt is read once, for its digest)."""
 
     VOCAB = 32_000
 
@@ -208,16 +210,21 @@ class Sim(StreamingRun):
         self.clock = 0.0  # modeled seconds computed
         self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
         self._figures = [0, 0, 0, 0]  # hit, queried, padded, rect since the last poll
+        self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
+        self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
 
     def pending(self) -> int:
         return self._pending
 
     def add(self, batch) -> None:
+        if self.faults is not None:
+            batch = self.faults.added_batch(batch)
         n = len(batch)
         if not n:
             return
         ids = np.asarray(batch.item_ids, np.uint64)
         max_new = np.asarray(batch.max_new_tokens, np.int64)
+        self._remember(ids, batch.tokens)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
             self._origin = time.monotonic() - self.clock * self.pace
@@ -267,6 +274,8 @@ class Sim(StreamingRun):
         return True
 
     def poll(self, timeout_seconds: float) -> EngineOutcome:
+        if self.faults is not None:
+            self.faults.polled()
         deadline = time.monotonic() + max(0.0, timeout_seconds)
         start_clock = self.clock
         while not self._ready and self._compute_one():
@@ -289,25 +298,55 @@ class Sim(StreamingRun):
         ids = np.concatenate([o[1] for o in out])
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
-        return EngineOutcome(self.generated_many(ids, max_new), hit, queried, seconds, padded, rect)
+        return EngineOutcome(self.generated_many(ids, max_new, self._recall(ids)), hit, queried, seconds, padded, rect)
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0
 
-    @classmethod
-    def generated(cls, item_id: int, count: int) -> np.ndarray:
-        """The tokens the simulated engine returns for an item: count ids derived from its id."""
-        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64)).flat
+    def _remember(self, ids: np.ndarray, tokens) -> None:
+        """Note the prompt digest of each item added (an item may be in flight twice)."""
+        digests = self._digests
+        for i, t in zip(ids.tolist(), tokens):
+            held = digests.get(i)
+            digests[i] = (self.digest(t), 1) if held is None else (held[0], held[1] + 1)
+
+    def _recall(self, ids: np.ndarray) -> np.ndarray:
+        """The prompt digests of items finished (each forgotten once no copy of it is in flight)."""
+        digests = self._digests
+        out = np.empty(ids.size, np.uint32)
+        for k, i in enumerate(ids.tolist()):
+            digest, times = digests.pop(i)
+            out[k] = digest
+            if times > 1:
+                digests[i] = (digest, times - 1)
+        return out
+
+    @staticmethod
+    def digest(tokens) -> int:
+        """What of a prompt the generated tokens depend on besides the item id: crc32c of its token ids
+        (uint32, little-endian)."""
+        return crc32c.crc32c(np.ascontiguousarray(tokens, np.uint32))
 
     @classmethod
-    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray) -> BatchResults:
-        """`generated` for many items at once, as columns."""
+    def generated(cls, item_id: int, count: int, tokens) -> np.ndarray:
+        """The tokens the simulated engine returns for an item: count ids derived from its id and its prompt
+        `tokens` (their `digest`), so a prompt read back damaged gives other tokens."""
+        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64),
+                                  np.array([cls.digest(tokens)], np.uint32)).flat
+
+    @classmethod
+    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray, digests: np.ndarray) -> BatchResults:
+        """`generated` for many items at once, as columns (`digests`: each prompt's `digest`)."""
         counts = np.asarray(counts, np.int64)
         offsets = np.zeros(counts.size + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
         steps = (np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)).astype(np.uint64)
-        ids = np.repeat(np.asarray(item_ids, np.uint64), counts)
-        flat = ((ids * np.uint64(0x9E3779B1) + steps * np.uint64(7919)) % np.uint64(cls.VOCAB)).astype(np.uint32)
+        keys = np.asarray(item_ids, np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.asarray(digests, np.uint64)
+        z = np.repeat(keys, counts) + steps * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer per step
+        z ^= z >> np.uint64(31)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(29)
+        flat = (z % np.uint64(cls.VOCAB)).astype(np.uint32)
         return BatchResults(np.asarray(item_ids, np.uint64), np.zeros(counts.size, np.uint32), flat, offsets)
 
     def close(self) -> None:
