@@ -55,8 +55,10 @@ test: warm
 # moments while producers submit, SOAK_ITERATIONS seeded rounds of each; and the power-loss
 # simulation with SOAK_ITERATIONS times its seeds (15,000 at 50).
 SOAK_ITERATIONS ?= 50
+SOAK_SECONDS ?= 600
 soak: warm
 	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py tests/test_power_loss.py
+	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --json
 
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json

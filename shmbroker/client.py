@@ -519,9 +519,11 @@ class Producer:
     def close(self) -> None:
         """Detach from the rings (idempotent). Items already submitted stay with the broker, and so
         do results not acknowledged (with auto_ack, those handed out are acknowledged here)."""
-        if self._buf is not None and self._auto_ack:
-            self.ack()
-        self._detach()
+        try:
+            if self._buf is not None and self._auto_ack:
+                self.ack()
+        finally:
+            self._detach()
 
     def _detach(self) -> None:
         if self._buf is None:

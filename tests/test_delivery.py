@@ -49,6 +49,19 @@ def _wait_all_on_ring(broker, name: str, count: int) -> None:
         p._auto_ack = False  # leave without acknowledging: the next reader gets them all again
 
 
+def _read_some(p: Producer, count: int) -> set[int]:
+    """Read `count` results without acknowledging them."""
+    got: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count} results came"
+        for r in p.results(timeout_seconds=1.0, auto_ack=False):
+            got.add(r.item_id)
+            if len(got) == count:
+                break
+    return got
+
+
 def _lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -94,15 +107,8 @@ def test_a_new_reader_process_gets_only_what_no_reader_acknowledged(broker, tmp_
     under the same name gets exactly the other half."""
     name = "half-" + os.urandom(3).hex()
     ids = _submit(broker, name, 400, 2)
-    first = set()
     with Producer(name, data_dir=broker.data_dir) as p:
-        deadline = time.monotonic() + 60
-        while len(first) < 200:
-            assert time.monotonic() < deadline
-            for r in p.results(timeout_seconds=1.0, auto_ack=False):
-                first.add(r.item_id)
-                if len(first) == 200:
-                    break
+        first = _read_some(p, 200)
         p.ack()
     out = tmp_path / "rest.jsonl"
     assert subprocess.run(_results_cmd(broker, name, out, 3.0), stderr=subprocess.DEVNULL, timeout=120).returncode == 0
@@ -117,16 +123,9 @@ def test_results_process_restart_redelivers_nothing_acknowledged(broker, tmp_pat
     client process yielded again everything an earlier one had already read."""
     name = f"restart-{reader}-" + os.urandom(3).hex()
     ids = _submit(broker, name, 300, 3)
-    got = set()
     p = Producer(name, data_dir=broker.data_dir)
     try:
-        deadline = time.monotonic() + 60
-        while len(got) < 150:
-            assert time.monotonic() < deadline
-            for r in p.results(timeout_seconds=1.0, auto_ack=False):
-                got.add(r.item_id)
-                if len(got) == 150:
-                    break
+        got = _read_some(p, 150)
         p.ack()
         time.sleep(0.5)  # a checkpoint saves the cursor
         if reader == "gone":

@@ -1,0 +1,19 @@
+"""`shmbroker bench chaos`, short: processes and readers SIGKILLed at random, every item once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shmbroker import cli
+
+
+@pytest.mark.timeout(600)
+def test_bench_chaos_short_run_loses_and_duplicates_nothing(capsys):
+    assert cli.main(["bench", "chaos", "--seconds", "12", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["items"] > 100 and out["kills"] >= 3
+    assert (out["lost"], out["duplicated"], out["wrong"], out["failed"]) == (0, 0, 0, 0), out
+    assert out["final_stop_code"] == 0 and out["shm_left_bytes"] == 0
+    assert out["memory_growth_ratio"] is not None
