@@ -390,14 +390,17 @@ class Router:
             return
         self.last_save = now
         self.log.sync()  # results on disk before the acks that say their items are done
+        # reclaim before the ack file is saved: on a full disk, the step that frees space comes
+        # first (a segment is reclaimed only once all its results are synced, just above, and
+        # recovery takes a missing segment's sequence numbers as done)
+        if force or now - self.last_reclaim > RECLAIM_SECONDS:
+            self.last_reclaim = now
+            self.backlog.reclaim()
         self.backlog.save_acks()
         self.counters[5] += 1
         if self.replayed:
             self.answer_readers()
             self._save_cursors()
-        if force or now - self.last_reclaim > RECLAIM_SECONDS:
-            self.last_reclaim = now
-            self.backlog.reclaim()
 
     def close(self) -> None:
         self.checkpoint(force=True)
@@ -463,6 +466,11 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
                 # a full disk: nothing taken is lost (a GPU's ring record is released only once
                 # logged); wait and take it again, the GPUs wait on their full rings meanwhile
                 router.counters[6] += 1
+                try:
+                    router.checkpoint()  # it reclaims what is done: the space a full disk needs
+                except OSError as again:
+                    if again.errno not in DISK_ERRNOS:
+                        raise
                 stats.publish()
                 time.sleep(DISK_FULL_BACKOFF_SECONDS)
                 continue

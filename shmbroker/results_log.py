@@ -37,7 +37,8 @@ class ResultsLog:
         self.start = self.files[-1]
         self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
         self.end = self.start + os.fstat(self.fd).st_size
-        self.dirty = False
+        # what a killed predecessor wrote may be in the page cache only: the first sync syncs it
+        self.dirty = True
 
     def path(self, start: int) -> Path:
         return self.dir / f"{start:020d}.log"

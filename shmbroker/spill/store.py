@@ -365,6 +365,7 @@ class Backlog:
                 # a segment its writer rolled away from but had not sealed (it died first):
                 # write its index now, so the next recovery need not scan it again (a record
                 # that names its item stays in it until its `corrupt` result acks it)
+                seg.sync()  # the records before the index that lists them
                 write_idx(path.parent, first, idx_bytes(seg, kept, off))
             return recs, corrupt, next_seq, off, kept
         finally:

@@ -183,7 +183,8 @@ class Sim(StreamingRun):
     reports the modeled seconds, spending none. Paced, an item is handed back only when the wall
     clock reaches its modeled finish x pace_seconds (counted from when the engine last became busy),
     so consumers of different sizes split the work as real cards would; a poll sleeps until then or
-    its timeout. `zero_cost` hands everything back at once (each prompt is read once, for its digest)."""
+    its timeout. `zero_cost` hands everything back at once and reads no prompt (its outputs are those
+    of a prompt digest 0: `generated_many(ids, counts, zeros)`), so a benchmark measures the broker."""
 
     VOCAB = 32_000
 
@@ -224,7 +225,8 @@ class Sim(StreamingRun):
             return
         ids = np.asarray(batch.item_ids, np.uint64)
         max_new = np.asarray(batch.max_new_tokens, np.int64)
-        self._remember(ids, batch.tokens)
+        if not self.cost.zero_cost:  # zero cost reads no prompt: a benchmark measures the broker
+            self._remember(ids, batch.tokens)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
             self._origin = time.monotonic() - self.clock * self.pace
@@ -298,7 +300,8 @@ class Sim(StreamingRun):
         ids = np.concatenate([o[1] for o in out])
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
-        return EngineOutcome(self.generated_many(ids, max_new, self._recall(ids)), hit, queried, seconds, padded, rect)
+        digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
+        return EngineOutcome(self.generated_many(ids, max_new, digests), hit, queried, seconds, padded, rect)
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0
