@@ -45,3 +45,6 @@ DEFAULT_ENGINE_RETRY_MAX_SECONDS = 60.0  # doubling while it stays down, up to t
 # a producer name whose producer and reader are gone, whose ingest ring is drained and whose results
 # are all acknowledged leaves the producer table after this long, freeing its rings (registry.py)
 DEFAULT_PRODUCER_RETIRE_SECONDS = 30.0
+# items the scheduler holds in memory beyond its index (arrived while the index was full); past it
+# the scheduler takes no more announcements, and ingest and then producers wait (back-pressure)
+DEFAULT_OVERFLOW_ITEMS = 1 << 22

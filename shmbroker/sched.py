@@ -44,11 +44,12 @@ ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-ite
 
 # statistics words (stats.SCHED)
 (S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
- S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED) = (
+ S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED,
+ S_HELD_BACK) = (
     slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
                                   "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
                                   "overflow_items", "families", "oldest_ns", "num_models", "recovered_corrupt",
-                                  "recovered_unnamed_corrupt"))
+                                  "recovered_unnamed_corrupt", "held_back"))
 S_MODEL_ITEMS = slot_of("sched", "model0_items")
 S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
 
@@ -119,10 +120,18 @@ class Scheduler:
                 "unnamed_corrupt": report.unnamed_corrupt, "scan": report.as_dict()}
 
     def take_announcements(self) -> int:
+        """Take what ingest appended, while the overflow (items beyond a full index, in memory) is
+        below `overflow_items`; past it, announcements wait in their rings (back-pressure: ingest,
+        then producers, wait), so the scheduler's memory is bounded by the index and that (plus one
+        announcement: up to ingest.BATCH_RECORDS items)."""
         tokens, offsets, keys, meta = self._pop
         total = 0
         for ring in self.appended:
-            n = ring.pop_many(tokens, offsets, keys, meta, POP_RECORDS)
+            if self.values[S_OVERFLOW] >= self.cfg.overflow_items:
+                self.values[S_HELD_BACK] += 1
+                break
+            # with an overflow, one announcement at a time: the bound holds to one announcement
+            n = ring.pop_many(tokens, offsets, keys, meta, 1 if self.values[S_OVERFLOW] else POP_RECORDS)
             for r in range(n):
                 count, nh = int(meta[r, 0]), int(meta[r, 1])
                 words = tokens[offsets[r] : offsets[r + 1]]

@@ -91,7 +91,7 @@ RING_BYTES_MIN = 1 << 16
 SEGMENT_BYTES_MIN = 1 << 20
 
 
-DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait on disk
+DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait in its overflow
 FAILURE_SECONDS_KEYS = ("batch_deadline_seconds", "batch_deadline_token_seconds", "heartbeat_timeout_seconds",
                         "startup_timeout_seconds", "restart_backoff_max_seconds", "crash_loop_window_seconds",
                         "engine_retry_min_seconds", "engine_retry_max_seconds")
@@ -127,6 +127,7 @@ class BrokerConfig:
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
     index_items: int = DEFAULT_INDEX_ITEMS
+    overflow_items: int = config.DEFAULT_OVERFLOW_ITEMS
     metrics_addr: str = config.DEFAULT_METRICS_ADDR  # "" = no exporter
     # failures (config.py has each default and what it means)
     poison_attempts: int = config.DEFAULT_POISON_ATTEMPTS
@@ -203,6 +204,8 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         out["padding_tolerance"] = v.number(raw, "padding_tolerance", 0.0, 1e6)
     if "index_items" in raw:
         out["index_items"] = v.integer(raw, "index_items", 1024, 1 << 28)
+    if "overflow_items" in raw:
+        out["overflow_items"] = v.integer(raw, "overflow_items", 1024, 1 << 30)
     if "poison_attempts" in raw:
         out["poison_attempts"] = v.integer(raw, "poison_attempts", 1, 1000)
     if "producer_retire_seconds" in raw:

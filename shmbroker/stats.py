@@ -122,7 +122,8 @@ SCHED = (
     # exported per model (metrics.py: shmbroker_backlog_pending_items{model}), from the words below
     _g("pending_items", None, "Items waiting for a batch (index and overflow)."),
     _g("pending_tokens", None, "Tokens waiting for a batch (index and overflow)."),
-    _g("overflow_items", "sched_overflow_items", "Items waiting on disk for room in the packing index."),
+    _g("overflow_items", "sched_overflow_items",
+       "Items waiting in the scheduler's memory for room in the packing index (at most overflow_items)."),
     _g("families", "backlog_families", "Prefix families in the packing index."),
     _g("oldest_ns", None, "CLOCK_MONOTONIC time the oldest waiting item entered the scheduler (0: none)."),
     _g("num_models", None, "Models with per-model pending counts below."),
@@ -130,7 +131,8 @@ SCHED = (
        "Backlog records the scheduler's start found failing their CRC, answered `corrupt` (they name their item)."),
     _g("recovered_unnamed_corrupt", "sched_recovered_unnamed_corrupt_records",
        "Backlog records the scheduler's start found lost to damage that names no item (no result can be sent)."),
-    _g("reserved15", None, ""),
+    _c("held_back", "sched_held_back_total",
+       "Times the scheduler left announcements in their rings because its overflow was full (back-pressure)."),
 ) + tuple(_g(f"model{m}_items", None, "") for m in range(MAX_MODELS)) \
   + tuple(_g(f"model{m}_tokens", None, "") for m in range(MAX_MODELS))
 

@@ -15,6 +15,7 @@ import pytest
 
 from shmbroker import cli
 from shmbroker.bench import backlog as bench_backlog
+from shmbroker.durable import RESERVE_BYTES
 from shmbroker.spill.layout import PENDING_DTYPE
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,9 +63,11 @@ def test_cli_bench_backlog_json_small_run_is_verified(capsys):
     assert result["append_tokens_per_s"] * 4 == pytest.approx(result["append_bytes_per_s"])
     assert result["pages_per_batch"] >= result["pages_per_batch_min"] > 0
     assert result["extents_per_batch"] <= result["records_per_batch"]
-    # a drained backlog keeps at most its writers' newest segments (plus the ack file and markers)
-    assert result["disk_bytes_after_drain"] <= result["writers"] * (result["segment_bytes"] + (64 << 10))
-    assert result["recovery_disk_bytes_after_drain"] <= result["recovery_writers"] * (result["segment_bytes"] + (64 << 10))
+    # a drained backlog keeps at most its writers' newest segments (plus the ack file, markers and the
+    # bookkeeping files' space reserve, `durable.RESERVE_BYTES`)
+    assert result["disk_bytes_after_drain"] <= result["writers"] * (result["segment_bytes"] + (64 << 10)) + RESERVE_BYTES
+    assert result["recovery_disk_bytes_after_drain"] <= (result["recovery_writers"] * (result["segment_bytes"] + (64 << 10))
+                                                         + RESERVE_BYTES)
     assert result["disk_bytes_after_drain"] < result["disk_bytes_before_drain"]
     assert not bench_backlog.data_root().exists()
 

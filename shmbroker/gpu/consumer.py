@@ -141,6 +141,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
             if stopping() == 2 or (stopping() and window.down):
                 break  # stop now, or stop while the engine is down: what is not released comes again next start
             was_empty = window.empty
+            taking = time.monotonic_ns()  # busy from here: taking adds to the engine, which may start at once
             window.take_more()
             if window.empty:
                 if stopping():
@@ -155,9 +156,8 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                     idle_from = mark = now
                 continue
             if was_empty:  # the window just filled: what went before was idle
-                now = time.monotonic_ns()
-                counting.idle(now - idle_from)
-                mark = now
+                counting.idle(max(0, taking - idle_from))
+                mark = taking
             room = window.num_admitted < window.limit and not window.padded
             done = window.poll(POLL_SHORT_SECONDS if room else SLEEP_SLICE_SECONDS)
             if done or window.taken[0].open == 0:
