@@ -62,6 +62,13 @@ def _read_some(p: Producer, count: int) -> set[int]:
     return got
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -86,13 +93,16 @@ def test_results_reader_sigkilled_mid_stream_then_run_again_gives_each_result_on
     rng = random.Random(14)
     partial_runs = 0
     for _ in range(3):
-        before = len(_lines(out))
+        before = _size(out)
         proc = subprocess.Popen(_results_cmd(broker, name, out), stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.6, 1.6))  # the interpreter's start, then some of the stream
+        deadline = time.monotonic() + 60
+        while _size(out) <= before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)  # until this run has written something: then it is mid-stream
+        time.sleep(rng.uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-        after = len(_lines(out)) if out.exists() and out.read_text().endswith("\n") else None
-        if after is not None and before < after < ITEMS:
+        lines = out.read_text().count("\n") if out.exists() else 0
+        if 0 < lines < ITEMS and _size(out) > before:
             partial_runs += 1
     assert subprocess.run(_results_cmd(broker, name, out), stderr=subprocess.DEVNULL, timeout=120).returncode == 0
     got = [r["item_id"] for r in _lines(out)]
