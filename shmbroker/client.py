@@ -18,27 +18,23 @@ that converts it or says what is wrong.
 
 from __future__ import annotations
 
-import operator
 import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import config
+from .client_checks import _as_int, _as_offsets, _check_u32, _is_one, _per_item
 from .errors import BrokerError, Full, NotRunning, PeerDead
+from .reader import Result, ResultReader
 from .registry import PROTOCOL_VERSION, request
 from .ring import layout as L
 from .ring.items import (
     ITEM_BAD_MAX_NEW,
     ITEM_EMPTY,
     NO_PREFIX,
-    SEQ_BITS,
-    SEQ_MASK,
-    STATUS_NAMES,
     U32_MAX,
     as_tokens,
     item_id,
@@ -47,96 +43,14 @@ from .ring.items import (
     push_item_readonly,
 )
 from .ring.ring import CONSUMER, PRODUCER, Ring, RingNames
-from .ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
-
-RESULT_BATCH = 256
-SESSION_POLL_SECONDS = 0.002  # how often a new reader looks whether the results process set its ring up
-
-
-@dataclass(frozen=True)
-class Result:
-    item_id: int
-    status: str  # ok | too_long | invalid | engine_error | corrupt
-    tokens: np.ndarray
-    error: str | None = None  # what went wrong, for a status other than ok
-
-
-@dataclass(frozen=True)
-class ResultBatch:
-    """Results in columns (`Producer.take_results`): item ids, status codes, generated token counts."""
-
-    item_ids: np.ndarray
-    status: np.ndarray  # ring.items.STATUS_CODES
-    num_tokens: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.item_ids.size)
-
-    @classmethod
-    def of(cls, results: list) -> ResultBatch:
-        from .ring.items import STATUS_CODES
-
-        return cls(np.array([r.item_id for r in results], np.uint64),
-                   np.array([STATUS_CODES[r.status] for r in results], np.uint32),
-                   np.array([r.tokens.size for r in results], np.uint32))
-
-
-class SeenSet:
-    """The sequence numbers seen of one producer id, in chunks of CHUNK: a chunk with some seen
-    is a bitmap, a chunk with all seen is one number (`full_below`, or `full` when out of order),
-    a chunk with none is nothing. So memory follows the chunks partly answered (the spread of
-    results in flight), not the first sequence number a new reader sees, and a sequence number
-    that never comes back holds one chunk, not a window that can no longer slide."""
-
-    CHUNK_BITS = 16
-    CHUNK = 1 << CHUNK_BITS
-
-    def __init__(self):
-        self.full_below = 0  # every chunk below this one is all seen
-        self.full: set[int] = set()  # other chunks all seen
-        self.partial: dict[int, np.ndarray] = {}  # chunk -> bool flags
-
-    def add(self, seqs: np.ndarray) -> np.ndarray:
-        """Mark seqs seen; True for each not seen before (the first of two equal ones in seqs)."""
-        seqs = np.asarray(seqs, np.int64)
-        fresh = np.zeros(seqs.size, bool)
-        if seqs.size == 0:
-            return fresh
-        chunks = seqs >> self.CHUNK_BITS
-        lo, hi = int(chunks.min()), int(chunks.max())
-        for c in ([lo] if lo == hi else np.unique(chunks).tolist()):
-            if c < self.full_below or c in self.full:
-                continue
-            mine = slice(None) if lo == hi else np.flatnonzero(chunks == c)
-            rel = seqs[mine] & (self.CHUNK - 1)
-            flags = self.partial.get(c)
-            if flags is None:
-                flags = self.partial[c] = np.zeros(self.CHUNK, bool)
-            new = ~flags[rel]
-            if rel.size > 1:  # two copies within one call: keep the first
-                order = np.argsort(rel, kind="stable")
-                again = np.zeros(rel.size, bool)
-                again[order[1:]] = rel[order[1:]] == rel[order[:-1]]
-                new &= ~again
-            fresh[mine] = new
-            flags[rel] = True
-            if new.any() and flags.all():
-                del self.partial[c]
-                self.full.add(c)
-        while self.full_below in self.full:
-            self.full.discard(self.full_below)
-            self.full_below += 1
-        return fresh
-
-    def nbytes(self) -> int:
-        return self.CHUNK * len(self.partial) + 64 * len(self.full)
+from .seen import SeenSet
 
 
 class _Retry(Exception):
     """Internal: the broker restarted under a submit; submit again on the new rings."""
 
 
-class Producer:
+class Producer(ResultReader):
     """A producer's connection to a running broker: one ingest ring and one result ring.
 
     The rings are single-producer: use one Producer per thread (or a lock).
@@ -369,147 +283,6 @@ class Producer:
             raise ValueError(f"prefix_len must be in 0..{size} (the item's length), got {value}")
         return value
 
-    # -- results ---------------------------------------------------------------------
-
-    def results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> Iterator[Result]:
-        """Yield results as they arrive; stops once none has come for `timeout_seconds`.
-
-        Each item's result is yielded once by this Producer (the broker delivers at least once;
-        duplicates are dropped here by item id). A result stays the broker's until it is
-        acknowledged: with `auto_ack` a result counts as handled when the caller asks for the next
-        one (or closes the Producer); with `auto_ack=False` only `ack()` acknowledges, so a caller
-        that writes results somewhere calls it after its own write is durable. What a reader that
-        dies had not acknowledged comes again to the next reader under this name.
-        """
-        pending = self._pending
-        while True:
-            while pending:
-                yield self._hand_out(auto_ack)
-                if auto_ack:
-                    self.ack()
-            # one record at a time: a result leaves the ring only when it is about to be yielded
-            if self._fetch_results(1) == 0 and not self._wait_results(timeout_seconds):
-                return
-
-    def take_results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> ResultBatch:
-        """The results that arrived (up to RESULT_BATCH, waiting up to `timeout_seconds` for the
-        first), in columns and without duplicates: for producers that handle many at once. With
-        `auto_ack` the results of the previous call count as handled (acknowledged) when this one
-        is made; otherwise call `ack()`."""
-        if auto_ack:
-            self.ack()
-        self._auto_ack = auto_ack
-        if self._pending:
-            rs = [self._hand_out(auto_ack) for _ in range(min(len(self._pending), RESULT_BATCH))]
-            return ResultBatch.of(rs)
-        n = self._pop_results()
-        if n == 0 and timeout_seconds > 0 and self._wait_results(timeout_seconds):
-            n = self._pop_results()
-        tokens, offsets, keys, meta = self._result_out
-        keep = self._fresh(keys[:n])
-        return ResultBatch(keys[:n][keep].copy(), meta[:n, 0][keep].copy(), meta[:n, 1][keep].copy())
-
-    def ack(self) -> None:
-        """Acknowledge every result handed out so far (and the duplicates dropped meanwhile): the
-        broker forgets them, and a later reader under this name does not get them again."""
-        if self._buf is None or not self._session_ready():
-            return
-        h = self._results.header
-        upto = self._pending[0][0] if self._pending else int(h[L.H_NUM_POPPED])
-        if upto > int(h[L.H_NUM_ACKED]):
-            h[L.H_NUM_ACKED] = upto
-
-    def _hand_out(self, auto_ack: bool) -> Result:
-        self._auto_ack = auto_ack
-        return self._pending.popleft()[1]
-
-    def _begin_session(self) -> None:
-        """Announce a new reader of the result ring. The results process sets the ring up for it
-        (what an earlier reader popped but never acknowledged is pushed again); until then nothing
-        is popped (`_session_ready`, `_wait_results`)."""
-        h = self._results.header
-        self._session = int(h[L.H_SESSION]) + 1
-        h[L.H_SESSION] = self._session
-        self._ready = False
-
-    def _session_ready(self) -> bool:
-        if not self._ready:
-            self._ready = int(self._results.header[L.H_SESSION_READY]) == self._session
-        return self._ready
-
-    def _wait_results(self, timeout_seconds: float) -> bool:
-        if not self._session_ready():
-            deadline = time.monotonic() + timeout_seconds
-            while not self._session_ready():
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(SESSION_POLL_SECONDS)
-        try:
-            return self._results.wait_readable(timeout_seconds)
-        except PeerDead:
-            # the results process is gone: a restarting one takes the ring over (same broker), or
-            # the broker restarted and our results come on new rings
-            if self._same_broker():
-                time.sleep(min(timeout_seconds, 0.05))
-                return False
-            self.reconnect()
-            return False
-
-    def _same_broker(self) -> bool:
-        """Does the broker this producer connected to still run (its supervisor answers)?"""
-        try:
-            reply = request(self.data_dir, {"op": "info"}, 1.0)
-        except (OSError, ValueError):
-            return False
-        return self._broker_pid is not None and reply.get("pid") == self._broker_pid
-
-    def _pop_results(self, max_records: int = RESULT_BATCH) -> int:
-        if self._result_out is None:
-            self._result_out = (
-                np.empty(self._results.max_tokens, np.uint32),
-                np.empty(RESULT_BATCH + 1, np.int64),
-                np.empty(RESULT_BATCH, np.uint64),
-                np.empty((RESULT_BATCH, L.META_WORDS), np.uint32),
-            )
-        if not self._session_ready():
-            return 0
-        tokens, offsets, keys, meta = self._result_out
-        return self._results.pop_many(tokens, offsets, keys, meta, max_records)
-
-    def _fresh(self, keys: np.ndarray) -> np.ndarray:
-        """Mark these item ids seen; True for those not seen before."""
-        keep = np.ones(keys.size, bool)
-        if keys.size == 0:
-            return keep
-        producers = keys >> np.uint64(SEQ_BITS)
-        seqs = (keys & np.uint64(SEQ_MASK)).astype(np.int64)
-        unique = np.unique(producers).tolist()
-        for p in unique:
-            mine = producers == p if len(unique) > 1 else slice(None)
-            seen = self._seen.get(p)
-            if seen is None:
-                seen = self._seen[p] = SeenSet()
-            keep[mine] = seen.add(seqs[mine])
-        return keep
-
-    def _fetch_results(self, max_records: int = RESULT_BATCH) -> int:
-        """Move what the result ring holds (up to max_records) into the pending queue."""
-        n = self._pop_results(max_records)
-        if n == 0:
-            return 0
-        tokens, offsets, keys, meta = self._result_out
-        keep = self._fresh(keys[:n])
-        first = int(self._results.header[L.H_NUM_POPPED]) - n  # ring index of the first record popped
-        for i in np.flatnonzero(keep).tolist():
-            ntok = int(meta[i, 1])
-            body = tokens[offsets[i] : offsets[i + 1]]
-            error = None
-            if meta[i, 3]:
-                error = body[ntok:].tobytes()[: int(meta[i, 3])].decode("utf-8", "replace")
-            self._pending.append((first + i, Result(int(keys[i]), STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
-                                                    body[:ntok].copy(), error)))
-        return n
-
     # -- lifetime --------------------------------------------------------------------
 
     @property
@@ -543,58 +316,3 @@ class Producer:
             self.close()
         except Exception:
             pass
-
-
-def _as_int(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
-
-
-def _check_u32(value, what: str) -> int:
-    value = _as_int(value, what)
-    if not 0 <= value <= U32_MAX:
-        raise ValueError(f"{what} must be in 0..{U32_MAX}, got {value}")
-    return value
-
-
-def _is_one(value) -> bool:
-    return value is None or isinstance(value, (int, np.integer))
-
-
-def _per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
-    """One value (shared) or `count` values per item as int64, range-checked."""
-    if shared:
-        arr = np.array([_check_u32(value, what)], np.int64)
-    else:
-        raw = np.asarray(value)
-        if raw.ndim == 0:
-            raw = np.full(count, _check_u32(value, what), np.int64)
-        if raw.ndim != 1 or raw.size != count:
-            raise ValueError(f"{what} must be one integer or {count} of them, got shape {raw.shape}")
-        if raw.dtype.kind not in "iu":
-            raise TypeError(f"{what} must be integers, got dtype {raw.dtype}")
-        arr = raw.astype(np.int64)
-    if arr.min() < 0 or arr.max() > U32_MAX:
-        raise ValueError(f"{what} must be in 0..{U32_MAX}")
-    return arr
-
-
-def _as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
-    raw = offsets if isinstance(offsets, np.ndarray) else np.asarray(offsets)
-    if raw.ndim != 1 or raw.size < 2:
-        raise ValueError("offsets must be 1-D with at least two entries (item i is flat[offsets[i]:offsets[i+1]])")
-    if raw.dtype.kind not in "iu":
-        raise TypeError(f"offsets must be integers, got dtype {raw.dtype}")
-    offs = raw if raw.dtype == np.int64 and raw.flags.c_contiguous else np.ascontiguousarray(raw, dtype=np.int64)
-    status, index = check_batch(offs, flat_size, max_tokens)
-    if status == BATCH_BAD_BOUNDS:
-        raise ValueError(f"offsets must start at 0 and end at len(flat_tokens) = {flat_size}")
-    if status == BATCH_EMPTY_ITEM:
-        raise ValueError(f"item {index} is empty or offsets decrease")
-    if status == BATCH_TOO_LARGE:
-        raise ValueError(f"item {index} exceeds the ingest ring's limit of {max_tokens} tokens")
-    return offs

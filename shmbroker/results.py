@@ -25,7 +25,6 @@ told `corrupt`. Only a torn tail of the newest file (nothing valid after it) is 
 from __future__ import annotations
 
 import errno
-import mmap
 import sys
 import time
 from pathlib import Path
@@ -35,21 +34,16 @@ import numpy as np
 from .control import Control
 from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
+from .replay import C_BAD_BYTES, C_BAD_RECORDS, C_NOTICES, Replayer, _scan_all  # noqa: F401 (re-exported)
 from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog
 from .ring import layout as L
 from .ring import spsc
-from .ring.items import SEQ_BITS, STATUS_CODES
+from .ring.items import SEQ_BITS
 from .ring.ring import CONSUMER, PRODUCER, Ring, sleep_on
 from .ring.wire import (
-    RES_BAD,
     RES_HEADER_BYTES,
-    RES_OK,
-    encode_error,
     push_results,
-    res_bytes,
     result_fields,
-    resync_results,
-    scan_results,
 )
 from .spill.store import BACKLOG_DIR, Backlog
 from .stats import slot_of
@@ -59,12 +53,10 @@ RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
-CORRUPT = STATUS_CODES["corrupt"]
-C_BAD_RECORDS, C_BAD_BYTES, C_NOTICES, C_READERS, C_REDELIVERED = (
-    slot_of("results", k) for k in ("log_bad_records", "log_bad_bytes", "corrupt_notices", "readers", "redelivered"))
+C_READERS, C_REDELIVERED = (slot_of("results", k) for k in ("readers", "redelivered"))
 
 
-class Router:
+class Router(Replayer):
     def __init__(self, data_dir: str, cfg, control: Control, counters=None):
         self.data_dir = data_dir
         self.root = Path(data_dir) / RESULTS_DIR
@@ -168,94 +160,6 @@ class Router:
             name = self.names.get(producer_id)
         return name
 
-    # -- replay ------------------------------------------------------------------------
-
-    def replay(self) -> dict:
-        """After a restart: route every result from each name's cursor to the log's end again."""
-        t0 = time.perf_counter()
-        self.plans = {}
-        self.held = {o.name for o in self.by_name.values() if o.session_pending()}
-        count = 0
-        notices: list[np.ndarray] = []
-        at = max(self.floor, self.log.files[0])
-        for start in list(self.log.files):
-            end = self.log.file_end(start)
-            if end > at:
-                n, cut_at = self._replay_file(start, max(at, start), end, notices)
-                count += n
-                if cut_at is not None:
-                    self.log.cut(cut_at)  # a torn tail (a crash mid-write): cut
-                    end = self.log.end
-            at = end
-        for record in notices:  # after any cut: a notice is appended at the log's end
-            where = self.log.append(record)
-            n, _stop, _outcome = _scan_all(record, self._pos, check_crc=False)
-            self._route(record, n, where, ack=False)
-            self.counters[C_NOTICES] += 1
-        self.plans = None
-        self.replayed = True
-        self.answer_readers()
-        self.checkpoint(force=True)
-        return {"seconds": time.perf_counter() - t0, "results": count, "corrupt_notices": len(notices)}
-
-    def _replay_file(self, start: int, first: int, end: int, notices: list):
-        """Route the records of one log file in [first, end); returns (records, where to cut or None)."""
-        size = end - start
-        with open(self.log.path(start), "rb") as f:
-            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
-        try:
-            data = np.frombuffer(mm, np.uint8) if mm is not None else np.zeros(0, np.uint8)
-            pos, count = first - start, 0
-            while pos < size:
-                n, stop, outcome = scan_results(data, pos, size, self._pos, True)
-                count += self._route(data, n, start, ack=True)
-                pos = stop
-                if outcome == RES_OK or pos >= size:
-                    continue
-                # a damaged record, zeros (pages a power loss left unwritten) or a few stray bytes:
-                # go on at the next valid record; with none after it, the newest file's is a torn tail
-                nxt = int(resync_results(data, pos, size))
-                if nxt >= size and start == self.log.start:
-                    # a torn tail; but a whole frame up to the end is a damaged last record, not a tear
-                    notice = self._notice(data, pos, nxt) if outcome == RES_BAD else None
-                    if notice is not None:
-                        self.counters[C_BAD_RECORDS] += 1
-                        self.counters[C_BAD_BYTES] += nxt - pos
-                        notices.append(notice)
-                    del data
-                    return count, start + pos
-                self.counters[C_BAD_RECORDS] += 1
-                self.counters[C_BAD_BYTES] += nxt - pos
-                notice = self._notice(data, pos, nxt) if outcome == RES_BAD else None
-                if notice is not None:
-                    notices.append(notice)
-                pos = nxt
-            del data
-            return count, None
-        finally:
-            if mm is not None:
-                mm.close()
-
-    def _notice(self, data: np.ndarray, at: int, nxt: int) -> np.ndarray | None:
-        """A `corrupt` result for the item a damaged record names, when its frame is whole (its
-        length leads to the next valid record), the item's producer is known and its backlog record
-        is done (acked: it will not run again); else None."""
-        if nxt - at < RES_HEADER_BYTES:
-            return None
-        h = data[at : at + RES_HEADER_BYTES].view(np.uint32)
-        h64 = data[at : at + RES_HEADER_BYTES].view(np.uint64)
-        if int(h[0]) != nxt - at:
-            return None
-        item_id, seq, writer = int(h64[1]), int(h64[2]), int(h[7])
-        if self._name_of(item_id >> SEQ_BITS) is None:
-            return None
-        if not self.backlog.acks.done_mask(writer, np.array([seq], np.uint64))[0]:
-            return None  # its backlog record is not done: the item runs again and gets its result
-        err = np.frombuffer(b"its result record was damaged in the results log on disk (crc mismatch)", np.uint8)
-        out = np.zeros(res_bytes(0, err.size), np.uint8)
-        encode_error(out, 0, item_id, seq, CORRUPT, writer, err)
-        return out
-
     # -- the flow ----------------------------------------------------------------------
 
     def take(self, ring: Ring) -> int:
@@ -317,21 +221,6 @@ class Router:
             if pushed < rows.size:
                 outlet.waiting.extend(rows[pushed:] + at)
         return n
-
-    def _plan(self, name: str | None, outlet: Outlet | None, rows: np.ndarray, at: int) -> np.ndarray:
-        """While replaying: the rows of one name to route (those acknowledged are dropped, those
-        still on its ring are noted as in flight)."""
-        if name is None:
-            return rows
-        plan = self.plans.get(name)
-        if plan is None:
-            plan = self.plans[name] = ReplayPlan(self.cursors.of(name), outlet, fresh_reader=name in self.held)
-        act = plan.actions(rows + at)
-        if outlet is not None:
-            inflight = act == ReplayPlan.INFLIGHT
-            if inflight.any():
-                outlet.pushed(rows[inflight] + at)
-        return rows[act == ReplayPlan.PUSH]
 
     def retry_waiting(self) -> int:
         """Push parked results of connected producers whose rings have room again."""
@@ -418,13 +307,6 @@ def _groups(values: np.ndarray) -> list:
     if lo == hi:
         return [(int(lo), None)]
     return [(int(v), values == v) for v in np.unique(values).tolist()]
-
-
-def _scan_all(data: np.ndarray, out_pos: np.ndarray, check_crc: bool = True):
-    n, stop, outcome = scan_results(data, 0, data.size, out_pos, check_crc)
-    if n == out_pos.size:
-        raise ValueError("more result records in one read than the scan holds")
-    return n, stop, outcome
 
 
 def _load_acks(root: Path):

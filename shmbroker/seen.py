@@ -1,0 +1,56 @@
+"""The client's duplicate window: which sequence numbers of one producer id it has handed out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SeenSet:
+    """The sequence numbers seen of one producer id, in chunks of CHUNK: a chunk with some seen
+    is a bitmap, a chunk with all seen is one number (`full_below`, or `full` when out of order),
+    a chunk with none is nothing. So memory follows the chunks partly answered (the spread of
+    results in flight), not the first sequence number a new reader sees, and a sequence number
+    that never comes back holds one chunk, not a window that can no longer slide."""
+
+    CHUNK_BITS = 16
+    CHUNK = 1 << CHUNK_BITS
+
+    def __init__(self):
+        self.full_below = 0  # every chunk below this one is all seen
+        self.full: set[int] = set()  # other chunks all seen
+        self.partial: dict[int, np.ndarray] = {}  # chunk -> bool flags
+
+    def add(self, seqs: np.ndarray) -> np.ndarray:
+        """Mark seqs seen; True for each not seen before (the first of two equal ones in seqs)."""
+        seqs = np.asarray(seqs, np.int64)
+        fresh = np.zeros(seqs.size, bool)
+        if seqs.size == 0:
+            return fresh
+        chunks = seqs >> self.CHUNK_BITS
+        lo, hi = int(chunks.min()), int(chunks.max())
+        for c in ([lo] if lo == hi else np.unique(chunks).tolist()):
+            if c < self.full_below or c in self.full:
+                continue
+            mine = slice(None) if lo == hi else np.flatnonzero(chunks == c)
+            rel = seqs[mine] & (self.CHUNK - 1)
+            flags = self.partial.get(c)
+            if flags is None:
+                flags = self.partial[c] = np.zeros(self.CHUNK, bool)
+            new = ~flags[rel]
+            if rel.size > 1:  # two copies within one call: keep the first
+                order = np.argsort(rel, kind="stable")
+                again = np.zeros(rel.size, bool)
+                again[order[1:]] = rel[order[1:]] == rel[order[:-1]]
+                new &= ~again
+            fresh[mine] = new
+            flags[rel] = True
+            if new.any() and flags.all():
+                del self.partial[c]
+                self.full.add(c)
+        while self.full_below in self.full:
+            self.full.discard(self.full_below)
+            self.full_below += 1
+        return fresh
+
+    def nbytes(self) -> int:
+        return self.CHUNK * len(self.partial) + 64 * len(self.full)
