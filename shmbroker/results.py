@@ -109,8 +109,8 @@ class Router(Replayer):
                 if queue is not None:
                     for part in queue.take_all():
                         outlet.waiting.extend(part)
-        if self.replayed:
-            self.answer_readers()
+            if self.replayed:
+                self.answer_readers()  # a new name's reader at once; a returning one at the next checkpoint
 
     def _retire(self, producer_id: int) -> None:
         """The registry retired this name (nothing was left to do for it): let go of its ring. A
