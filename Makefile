@@ -59,6 +59,7 @@ SOAK_SECONDS ?= 600
 soak: warm
 	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py tests/test_power_loss.py
 	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --json
+	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --fs-mib 48 --json
 
 bench: warm
 	$(VENV)/bin/shmbroker bench ring --json

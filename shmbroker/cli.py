@@ -77,7 +77,7 @@ def _bench(args) -> int:
     elif args.name == "chaos":
         from .bench import chaos
 
-        result = chaos.run(seconds=args.seconds, seed=args.seed)
+        result = chaos.run(seconds=args.seconds, seed=args.seed, fs_mib=args.fs_mib)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("chaos")
     g.add_argument("--seconds", type=float, default=30.0,
                    help="chaos: how long processes and readers are killed at random (default 30)")
+    g.add_argument("--fs-mib", type=int, default=None,
+                   help="chaos: run the broker's data directory on a tmpfs of this many MiB that a filler keeps "
+                        "filling (needs the right to mount)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

@@ -86,6 +86,8 @@ class Producer(ResultReader):
             )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise NotRunning(f"no broker is running on data directory {self.data_dir!r} ({exc.strerror})") from None
+        except ValueError as exc:  # no reply, or half of one: the broker died answering
+            raise BrokerError(f"the broker on {self.data_dir!r} gave no valid reply to connect ({exc}); try again") from None
         if not reply.get("ok"):
             raise BrokerError(f"broker refused producer {self.name!r}: {reply.get('error')}")
         self.producer_id = int(reply["producer_id"])

@@ -48,3 +48,6 @@ DEFAULT_PRODUCER_RETIRE_SECONDS = 30.0
 # items the scheduler holds in memory beyond its index (arrived while the index was full); past it
 # the scheduler takes no more announcements, and ingest and then producers wait (back-pressure)
 DEFAULT_OVERFLOW_ITEMS = 1 << 22
+# the most of the shared results log one producer name's unread results may keep from being trimmed;
+# past it that name's results move to a log of its own (results/behind/)
+DEFAULT_RESULTS_NAME_BYTES = 1 << 30

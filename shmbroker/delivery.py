@@ -10,6 +10,8 @@ gets) on the name's result ring. `results/cursor.json` keeps every name's cursor
     {"floor": F, "names": {"<name>": [offset, "<result ring segment>" or null, ring_index]},
      "crc32c": crc32c of the JSON of the rest (sorted keys)}
 
+(a name read far behind has a fourth element, and its offset is in its own log: `behind.py`).
+
 `floor` (the smallest cursor) is where a replay starts and what the log may be trimmed to. A
 damaged file (not JSON, or its crc32c differs) is counted and replaced by floor 0: the whole log
 is replayed, so results come again (duplicates at the client), none is lost.
@@ -169,8 +171,12 @@ class Cursors:
                 raise ValueError("crc32c mismatch")
             self.floor = int(doc["floor"])
             for name, entry in doc.get("names", {}).items():
-                offset, ring_id, index = entry
-                self.names[str(name)] = [int(offset), ring_id if isinstance(ring_id, str) else None, int(index)]
+                offset, ring_id, index, *rest = entry
+                e = [int(offset), ring_id if isinstance(ring_id, str) else None, int(index)]
+                if rest:
+                    (b,) = rest
+                    e.append({"dir": str(b["dir"]), "through": int(b["through"]), "end": int(b["end"])})
+                self.names[str(name)] = e
         except FileNotFoundError:
             pass
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -205,7 +211,7 @@ class ReplayPlan:
     def __init__(self, entry: list, outlet: Outlet | None, fresh_reader: bool = False):
         """`fresh_reader`: the ring waits for a new reader's set-up (it will be emptied): what is
         on it counts as not pushed."""
-        self.start, ring_id, index = entry
+        self.start, ring_id, index = entry[:3]
         self.outlet = outlet
         self.next_index = 0
         self.acked = self.pushed = 0

@@ -35,16 +35,11 @@ class Replayer:
         self.held = {o.name for o in self.by_name.values() if o.session_pending()}
         count = 0
         notices: list[np.ndarray] = []
-        at = max(self.floor, self.log.files[0])
-        for start in list(self.log.files):
-            end = self.log.file_end(start)
-            if end > at:
-                n, cut_at = self._replay_file(start, max(at, start), end, notices)
-                count += n
-                if cut_at is not None:
-                    self.log.cut(cut_at)  # a torn tail (a crash mid-write): cut
-                    end = self.log.end
-            at = end
+        # names read far behind first: their own logs from their cursors, then (below) what the
+        # shared log holds for them past `through`, copied again in the same order
+        for name, behind in self.behind.items():
+            count += self._replay_log(behind.log, self.cursors.of(name)[0], notices, behind)
+        count += self._replay_log(self.log, self.floor, notices, None)
         for record in notices:  # after any cut: a notice is appended at the log's end
             where = self.log.append(record)
             n, _stop, _outcome = _scan_all(record, self._pos, check_crc=False)
@@ -56,24 +51,39 @@ class Replayer:
         self.checkpoint(force=True)
         return {"seconds": time.perf_counter() - t0, "results": count, "corrupt_notices": len(notices)}
 
-    def _replay_file(self, start: int, first: int, end: int, notices: list):
+    def _replay_log(self, log, first: int, notices: list, source) -> int:
+        """Route every record of `log` from offset `first` on; a torn tail of its newest file is cut."""
+        count = 0
+        at = max(first, log.files[0])
+        for start in list(log.files):
+            end = log.file_end(start)
+            if end > at:
+                n, cut_at = self._replay_file(log, start, max(at, start), end, notices, source)
+                count += n
+                if cut_at is not None:
+                    log.cut(cut_at)  # a torn tail (a crash mid-write): cut
+                    end = log.end
+            at = end
+        return count
+
+    def _replay_file(self, log, start: int, first: int, end: int, notices: list, source):
         """Route the records of one log file in [first, end); returns (records, where to cut or None)."""
         size = end - start
-        with open(self.log.path(start), "rb") as f:
+        with open(log.path(start), "rb") as f:
             mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
         try:
             data = np.frombuffer(mm, np.uint8) if mm is not None else np.zeros(0, np.uint8)
             pos, count = first - start, 0
             while pos < size:
                 n, stop, outcome = scan_results(data, pos, size, self._pos, True)
-                count += self._route(data, n, start, ack=True)
+                count += self._route(data, n, start, ack=True, source=source)
                 pos = stop
                 if outcome == RES_OK or pos >= size:
                     continue
                 # a damaged record, zeros (pages a power loss left unwritten) or a few stray bytes:
                 # go on at the next valid record; with none after it, the newest file's is a torn tail
                 nxt = int(resync_results(data, pos, size))
-                if nxt >= size and start == self.log.start:
+                if nxt >= size and start == log.start:
                     # a torn tail; but a whole frame up to the end is a damaged last record, not a tear
                     notice = self._notice(data, pos, nxt) if outcome == RES_BAD else None
                     if notice is not None:
@@ -114,20 +124,20 @@ class Replayer:
         encode_error(out, 0, item_id, seq, CORRUPT, writer, err)
         return out
 
-    def _plan(self, name: str | None, outlet: Outlet | None, rows: np.ndarray, at: int) -> np.ndarray:
-        """While replaying: the rows of one name to route (those acknowledged are dropped, those
-        still on its ring are noted as in flight)."""
+    def _plan(self, name: str | None, outlet: Outlet | None, offsets: np.ndarray) -> np.ndarray:
+        """While replaying: which of one name's results (at `offsets`, in its log) to route (a mask:
+        those acknowledged are dropped, those still on its ring are noted as in flight)."""
         if name is None:
-            return rows
+            return np.ones(offsets.size, bool)
         plan = self.plans.get(name)
         if plan is None:
             plan = self.plans[name] = ReplayPlan(self.cursors.of(name), outlet, fresh_reader=name in self.held)
-        act = plan.actions(rows + at)
+        act = plan.actions(offsets)
         if outlet is not None:
             inflight = act == ReplayPlan.INFLIGHT
             if inflight.any():
-                outlet.pushed(rows[inflight] + at)
-        return rows[act == ReplayPlan.PUSH]
+                outlet.pushed(offsets[inflight])
+        return act == ReplayPlan.PUSH
 
 
 def _scan_all(data: np.ndarray, out_pos: np.ndarray, check_crc: bool = True):

@@ -31,11 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .behind import NameLog, remove_strays
 from .control import Control
-from .delivery import Cursors, Outlet, ReplayPlan
+from .delivery import Cursors, IndexedOffsets, Outlet, ReplayPlan
 from .registry import ProducerBook
 from .replay import C_BAD_BYTES, C_BAD_RECORDS, C_NOTICES, Replayer, _scan_all  # noqa: F401 (re-exported)
-from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog
+from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
 from .ring import layout as L
 from .ring import spsc
 from .ring.items import SEQ_BITS
@@ -53,14 +54,17 @@ RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
-C_READERS, C_REDELIVERED = (slot_of("results", k) for k in ("readers", "redelivered"))
+C_READERS, C_REDELIVERED, C_BEHIND, C_BEHIND_BYTES, C_MOVED = (
+    slot_of("results", k) for k in ("readers", "redelivered", "names_behind", "behind_bytes", "names_moved"))
 
 
 class Router(Replayer):
     def __init__(self, data_dir: str, cfg, control: Control, counters=None):
         self.data_dir = data_dir
         self.root = Path(data_dir) / RESULTS_DIR
-        self.log = ResultsLog(self.root, cfg.fsync)
+        self.name_bytes = cfg.results_name_bytes
+        self.fsync = cfg.fsync
+        self.log = ResultsLog(self.root, cfg.fsync, file_bytes_for(self.name_bytes))
         self.control = control
         self.counters = counters if counters is not None else np.zeros(16, np.int64)
         self.backlog = Backlog(Path(data_dir) / BACKLOG_DIR, cfg.segment_bytes)
@@ -72,6 +76,13 @@ class Router(Replayer):
         self.seen_version = -1
         self.cursors = Cursors(self.root)
         self.floor = self.cursors.floor
+        # names read far behind (behind.py): their results in a log of their own
+        self.behind: dict[str, NameLog] = {}
+        for name, entry in self.cursors.names.items():
+            if len(entry) > 3:
+                self.behind[name] = NameLog(self.root, name, cfg.fsync, self.log.file_bytes, entry[3])
+        remove_strays(self.root, {nl.dir_name for nl in self.behind.values()})
+        self.dropped: list[NameLog] = []  # names back on the shared log: their logs go once the cursors say so
         self.plans: dict[str, ReplayPlan] | None = None  # while replaying: each name's plan
         self.replayed = False  # readers are set up (and cursors saved) only once the replay is done
         self.unattachable: dict[int, str] = {}  # producer id -> why its result ring could not be attached
@@ -184,7 +195,9 @@ class Router(Replayer):
             ring.release(new_tail, 1)
             taken += 1
 
-    def _route(self, data: np.ndarray, n: int, at: int, ack: bool) -> int:
+    def _route(self, data: np.ndarray, n: int, at: int, ack: bool, source: NameLog | None = None) -> int:
+        """Route the `n` records of `data`, which lie at log offset `at` of the shared log (or, with
+        `source`, of that name's own log)."""
         item_ids, seqs, status, writers = (c[:n] for c in self._cols)
         pos = self._pos[:n]
         result_fields(data, pos, n, item_ids, seqs, writers, status)
@@ -200,26 +213,36 @@ class Router(Replayer):
             name = outlet.name if outlet is not None else self._name_of(p)
             if outlet is None and name is not None:
                 outlet = self.by_name.get(name)
+            offsets = rows + at
+            behind = self.behind.get(name) if name is not None else None
+            if behind is not None and source is None:  # a name read far behind: copied to its own log
+                if self.plans is not None:  # replaying: those below `through` are there already
+                    keep = offsets >= behind.through
+                    rows, offsets = rows[keep], offsets[keep]
+                    if rows.size == 0:
+                        continue
+                offsets = behind.append(data, rows)
             if self.plans is not None:
-                rows = self._plan(name, outlet, rows, at)
+                keep = self._plan(name, outlet, offsets)
+                rows, offsets = rows[keep], offsets[keep]
                 if rows.size == 0:
                     continue
             if outlet is None:
-                self.parked.setdefault(name or f"#{p}", OffsetQueue()).extend(rows + at)
+                self.parked.setdefault(name or f"#{p}", OffsetQueue()).extend(offsets)
                 self.counters[3] += rows.size
                 continue
             if outlet.waiting or name in self.held:
-                outlet.waiting.extend(rows + at)
+                outlet.waiting.extend(offsets)
                 continue
             rows = np.ascontiguousarray(rows)
             pushed, wake = push_results(outlet.ring.buf, data, rows, 0, rows.size)
             if wake:
                 outlet.ring.data_bell.ring()
             if pushed:
-                outlet.pushed(rows[:pushed] + at)
+                outlet.pushed(offsets[:pushed])
                 self.counters[1] += pushed
             if pushed < rows.size:
-                outlet.waiting.extend(rows[pushed:] + at)
+                outlet.waiting.extend(offsets[pushed:])
         return n
 
     def retry_waiting(self) -> int:
@@ -228,11 +251,12 @@ class Router(Replayer):
         for outlet in self.by_name.values():
             if outlet.name in self.held:
                 continue
+            log = self._log_of(outlet.name)
             while outlet.waiting:
                 at = outlet.waiting.first()
-                head = self.log.read(at, RES_HEADER_BYTES)
+                head = log.read(at, RES_HEADER_BYTES)
                 size = int(head.view(np.uint32)[0])
-                data = self.log.read(at, size)
+                data = log.read(at, size)
                 pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
                 if wake:
                     outlet.ring.data_bell.ring()
@@ -246,39 +270,116 @@ class Router(Replayer):
 
     # -- checkpoints --------------------------------------------------------------------
 
+    def _log_of(self, name: str) -> ResultsLog:
+        """The log a name's offsets are in: its own while it is read far behind, else the shared one."""
+        behind = self.behind.get(name)
+        return self.log if behind is None else behind.log
+
     def _entries(self, again: dict | None = None) -> dict[str, list]:
         """Every name's cursor entry as of now (`again`: names about to be reset for a new reader,
-        with the offsets they will get again)."""
-        end = self.log.end
-        entries = {name: [end, None, 0] for name in self.cursors.names}
+        with the offsets they will get again). Only once replayed: every record appended is routed."""
+        entries = {name: [self._log_of(name).end, None, 0] for name in self.cursors.names}
         for name, queue in self.parked.items():
-            entries[name] = [queue.first() if queue else end, None, 0]
+            entries[name] = [queue.first() if queue else self._log_of(name).end, None, 0]
         for name, outlet in self.by_name.items():
+            end = self._log_of(name).end
             if again is not None and name in again:
                 first = again[name]
                 at = int(first[0]) if first.size else (outlet.waiting.first() if outlet.waiting else end)
                 entries[name] = [at, outlet.ring_id, int(outlet.ring.header[L.H_NUM_PUSHED])]
             else:
                 entries[name] = outlet.cursor(end)
+        for name, behind in self.behind.items():
+            entries.setdefault(name, [behind.log.end, None, 0]).append(behind.details(self.log.end))
         return entries
 
+    def _floor(self, entries: dict[str, list]) -> int:
+        """The shared-log offset below which no name needs anything (a name far behind: its `through`)."""
+        return min([self.log.end] + [e[3]["through"] if len(e) > 3 else e[0] for e in entries.values()])
+
     def _save_cursors(self, again: dict | None = None) -> None:
+        # every offset an entry names is synced first: a cursor past what a power loss leaves would
+        # skip the results that item runs again write there
+        self.log.sync()
+        for behind in self.behind.values():
+            behind.log.sync()
         entries = self._entries(again)
-        floor = min([self.log.end] + [e[0] for e in entries.values()])
+        floor = self._floor(entries)
         if self.cursors.save(entries, floor):
             self.floor = floor
             self.log.trim(floor)
+            for name, behind in self.behind.items():
+                behind.through = self.log.end
+                behind.log.trim(entries[name][0])
+        for behind in self.dropped:  # no entry names their logs any more
+            behind.remove()
+        self.dropped.clear()
 
     def consumed_floor(self) -> int:
-        """The log offset below which nothing waits for a producer."""
-        return min([self.log.end] + [e[0] for e in self._entries().values()])
+        """The shared-log offset below which nothing waits for a producer."""
+        return self._floor(self._entries())
+
+    def _rebalance(self) -> None:
+        """Move a name whose cursor is more than `results_name_bytes` behind the shared log's end to
+        a log of its own; bring a name far behind whose reader has caught up back."""
+        end = self.log.end
+        for name, entry in self._entries().items():
+            behind = self.behind.get(name)
+            if behind is not None:
+                if entry[0] >= behind.log.end and name not in self.held:  # it owes the name nothing
+                    del self.behind[name]
+                    self.dropped.append(behind)
+            elif end - entry[0] > self.name_bytes:
+                try:
+                    self._move_behind(name)
+                except OSError as exc:  # a full disk: the name stays where it was; tried again next time
+                    if exc.errno not in DISK_ERRNOS:
+                        raise
+                    self.counters[6] += 1
+                    return
+
+    def _move_behind(self, name: str) -> None:
+        """Copy what the name is owed to its own log, then switch its offsets there; all or nothing (a
+        full disk midway leaves the name as it was, its copy deleted, and raises)."""
+        behind = NameLog(self.root, name, self.fsync, self.log.file_bytes)
+        outlet = self.by_name.get(name)
+        queue = self.parked.get(name)
+        try:
+            unacked = behind.copy_from(self.log, outlet.unacked_offsets()) if outlet is not None else None
+            waiting = [behind.copy_from(self.log, part) for part in outlet.waiting.peek_all()] if outlet else []
+            parked = [behind.copy_from(self.log, part) for part in queue.peek_all()] if queue is not None else []
+        except BaseException:
+            behind.remove()
+            raise
+        if outlet is not None:
+            inflight = IndexedOffsets(outlet.inflight.base)
+            inflight.append(unacked)
+            outlet.inflight = inflight
+            outlet.waiting.take_all()
+            for part in waiting:
+                outlet.waiting.extend(part)
+        if queue is not None:
+            queue.take_all()
+            for part in parked:
+                queue.extend(part)
+        behind.through = self.log.end
+        self.behind[name] = behind
+        self.counters[C_MOVED] += 1
+
+    def behind_now(self) -> tuple[int, int]:
+        """(names read far behind, bytes their own logs hold)."""
+        return len(self.behind), sum(b.log.size_bytes() for b in self.behind.values())
 
     def checkpoint(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_save < ACK_SAVE_SECONDS:
             return
         self.last_save = now
+        if self.replayed:
+            self._rebalance()
         self.log.sync()  # results on disk before the acks that say their items are done
+        for behind in self.behind.values():
+            behind.log.sync()
         # reclaim before the ack file is saved: on a full disk, the step that frees space comes
         # first (a segment is reclaimed only once all its results are synced, just above, and
         # recovery takes a missing segment's sequence numbers as done)
@@ -294,6 +395,8 @@ class Router(Replayer):
     def close(self) -> None:
         self.checkpoint(force=True)
         self.log.close()
+        for behind in self.behind.values():
+            behind.log.close()
         self.backlog.close()
         for outlet in self.by_name.values():
             outlet.ring.close()
@@ -359,6 +462,7 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
             now = time.monotonic()
             if now >= next_gauges:
                 stats.values[parked_at] = router.parked_now()
+                stats.values[C_BEHIND], stats.values[C_BEHIND_BYTES] = router.behind_now()
                 next_gauges = now + GAUGE_SECONDS
                 stats.publish()
             elif got:

@@ -1,14 +1,22 @@
 """The results log on disk, and the queues of log offsets waiting for delivery.
 
 `<data_dir>/results/<start:020d>.log`: append-only result records (`ring/wire.py`), in files of
-up to LOG_FILE_BYTES named by the log offset of their first byte (mode 0600, in a 0700
-directory). Written by the results process alone, one `write` per GPU batch; synced per the
-broker's fsync policy; a torn tail (a crash mid-write) is cut when the log is replayed; files
-wholly below the delivery cursor (`cursor.json`) are deleted.
+about `file_bytes` (LOG_FILE_BYTES at most) named by the log offset of their first byte (mode
+0600, in a 0700 directory). Written by the results process alone, one `write` per GPU batch;
+synced per the broker's fsync policy; a torn tail (a crash mid-write) is cut when the log is
+replayed; files wholly below the delivery cursor (`cursor.json`) are deleted. A name read far
+behind has a log of its own of the same kind (`behind.py`).
+
+Blocks are allocated ahead of the writes, PREALLOCATE_BYTES at a time (`fallocate` with
+FALLOC_FL_KEEP_SIZE: the size, and so every byte a reader or a replay sees, stays what was
+written): a full disk refuses the allocation before any byte of an append is written (the results
+process retries after reclaiming), never a write halfway through a record.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from collections import deque
 from pathlib import Path
@@ -20,13 +28,40 @@ from . import durable
 RESULTS_DIR = "results"
 CURSOR_FILE = "cursor.json"
 LOG_FILE_BYTES = 64 << 20
+FILE_BYTES_MIN = 1 << 20
+PREALLOCATE_BYTES = 4 << 20
+FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def file_bytes_for(name_bytes: int) -> int:
+    """The size of the shared log's files for a per-name bound of `name_bytes`: a quarter of it
+    (trimming goes by whole files, so the log stays within the bound plus a quarter), in
+    [FILE_BYTES_MIN, LOG_FILE_BYTES]."""
+    return max(FILE_BYTES_MIN, min(LOG_FILE_BYTES, name_bytes // 4))
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Allocate `size` bytes of blocks for the file at `fd` without changing its size; False where
+    the filesystem cannot (the file then grows as written). A full disk raises OSError(ENOSPC).
+    It changes no byte a reader can see, so the power-loss model (durable.py) need not record it."""
+    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(size)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 class ResultsLog:
     """Append-only result records across files named by their first byte's log offset."""
 
-    def __init__(self, directory: Path, fsync: str = "interval"):
+    def __init__(self, directory: Path, fsync: str = "interval", file_bytes: int = LOG_FILE_BYTES,
+                 ahead_bytes: int = PREALLOCATE_BYTES):
+        """`ahead_bytes`: how far ahead of the writes blocks are allocated (0: each append's own)."""
         self.dir = directory
+        self.file_bytes = file_bytes
+        self.ahead_bytes = ahead_bytes
         durable.mkdir(self.dir, 0o700)  # its name durable too
         os.chmod(self.dir, 0o700)
         self.fsync = fsync
@@ -37,6 +72,7 @@ class ResultsLog:
         self.start = self.files[-1]
         self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
         self.end = self.start + os.fstat(self.fd).st_size
+        self.allocated = self.end  # log offset up to which the current file's blocks are allocated
         # what a killed predecessor wrote may be in the page cache only: the first sync syncs it
         self.dirty = True
 
@@ -51,14 +87,19 @@ class ResultsLog:
     def append(self, data) -> int:
         """Write `data` (a uint8 array of whole records); returns the log offset of its first byte.
         A failed write (a full disk) raises OSError and leaves no part of `data` behind."""
-        if self.end - self.start >= LOG_FILE_BYTES:
+        if self.end - self.start >= self.file_bytes:
             self._create(self.end)  # first: when this fails, the current file stays in use
             self.sync()
             os.close(self.fd)
             self.files.append(self.end)
             self.start = self.end
             self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
+            self.allocated = self.end
         at = self.end
+        if at + len(data) > self.allocated:  # a full disk refuses here, before any byte is written
+            want = max(len(data), min(self.ahead_bytes, self.file_bytes))
+            if preallocate(self.fd, at - self.start + want):
+                self.allocated = at + want
         view = memoryview(data).cast("B")
         try:
             while view:
@@ -95,9 +136,28 @@ class ResultsLog:
     def cut(self, at: int) -> int:
         """Cut a torn tail at log offset `at` (in the newest file); returns the bytes dropped."""
         dropped = self.end - at
-        durable.ftruncate(self.fd, at - self.start)
-        self.end = at
+        durable.ftruncate(self.fd, at - self.start)  # (frees the blocks allocated past it too)
+        self.end = self.allocated = at
         return dropped
+
+    def truncate_to(self, at: int) -> int:
+        """Drop everything from log offset `at` on (whole newer files, then the newest's tail);
+        returns the bytes dropped."""
+        dropped = 0
+        while len(self.files) > 1 and self.files[-1] >= at:
+            dropped += self.end - self.start
+            os.close(self.fd)
+            durable.unlink(self.path(self.files.pop()), missing_ok=True)
+            self.start = self.files[-1]
+            self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
+            self.end = self.allocated = self.start + os.fstat(self.fd).st_size
+        if self.end > at:
+            dropped += self.cut(max(at, self.start))
+        return dropped
+
+    def size_bytes(self) -> int:
+        """Bytes the log's files hold now."""
+        return self.end - self.files[0]
 
     def trim(self, floor: int) -> int:
         """Delete files wholly below `floor`; returns how many."""
@@ -139,6 +199,13 @@ class OffsetQueue:
         if self._head == self._parts[0].size:
             self._parts.popleft()
             self._head = 0
+
+    def peek_all(self) -> list:
+        """The offsets, as arrays in order (views; nothing changes)."""
+        parts = list(self._parts)
+        if parts:
+            parts[0] = parts[0][self._head :]
+        return parts
 
     def take_all(self) -> list:
         parts = list(self._parts)

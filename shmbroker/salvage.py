@@ -16,13 +16,24 @@ import time
 
 import numpy as np
 
+from . import durable
+from .errors import DiskFull
 from .ingest import BATCH_RECORDS, BacklogAppender
 from .ring.owner import Manifest
 from .ring.shm import Segment
 from .ring.wire import close_ring, peek_closed, set_closed_tail
 
 SALVAGE_GRACE_SECONDS = 0.02
+SMALL_SEGMENT_BYTES = 64 << 10  # the smallest segment a salvage on a full disk makes
 INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
+
+
+def _fitting_segment_bytes(root, segment_bytes: int) -> int | None:
+    """A segment size that fits the free space now (the space reserve released), or None."""
+    durable.release_reserve(root)
+    free = durable.free_bytes(root)
+    size = min(segment_bytes, (free * 3 // 4) // SMALL_SEGMENT_BYTES * SMALL_SEGMENT_BYTES)
+    return size if size >= SMALL_SEGMENT_BYTES else None
 
 
 def salvage(backlog, cfg) -> int:
@@ -49,13 +60,28 @@ def salvage(backlog, cfg) -> int:
     writer = backlog.writer(0, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
     appender = BacklogAppender(writer, cfg.block_tokens)
     positions = np.empty(BATCH_RECORDS, np.int64)
+    shrunk = False
     try:
         for producer_id, seg in rings:
             while True:
                 n, tail = peek_closed(seg.buf, positions, positions.size)
                 if n == 0:
                     break
-                appender.append(producer_id, seg.buf, positions, n)
+                try:
+                    appender.append(producer_id, seg.buf, positions, n)
+                except DiskFull:
+                    # no room for a whole segment: the broker cannot start to free any, so once go on
+                    # in segments that fit what is free (the space reserve given up too)
+                    size = _fitting_segment_bytes(backlog.root, cfg.segment_bytes)
+                    if shrunk or size is None:
+                        raise
+                    writer.shrink_segments(size)
+                    shrunk = True
+                    continue
+                except ValueError:  # a record larger than the small segments: wait for room as for a full disk
+                    if not shrunk:
+                        raise
+                    raise DiskFull("no room for a segment as large as a salvaged record") from None
                 set_closed_tail(seg.buf, tail)
     finally:
         writer.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
@@ -30,8 +31,9 @@ from .ring import layout as L
 from .ring.items import STATUS_CODES
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
-from .spill.locate import record_locations, recovered_locations
-from .spill.store import Backlog
+from .spill.locate import record_locations
+from .spill.recovered import RecoveredQueue
+from .spill.store import BACKLOG_DIR, Backlog
 from .stats import MAX_MODELS, SCHED, slot_of
 
 POP_RECORDS = 64
@@ -41,15 +43,16 @@ CORRUPT = STATUS_CODES["corrupt"]
 NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
+REFILL_ROWS = 1 << 16  # recovered records read back from disk (and hashed) at a time
 
 # statistics words (stats.SCHED)
 (S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
  S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED,
- S_HELD_BACK) = (
+ S_HELD_BACK, S_RECOVERED_WAITING) = (
     slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
                                   "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
                                   "overflow_items", "families", "oldest_ns", "num_models", "recovered_corrupt",
-                                  "recovered_unnamed_corrupt", "held_back"))
+                                  "recovered_unnamed_corrupt", "held_back", "recovered_waiting"))
 S_MODEL_ITEMS = slot_of("sched", "model0_items")
 S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
 
@@ -80,6 +83,10 @@ class Scheduler:
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
         self.num_free = self.capacity
         self.overflow: deque = deque()  # (locs, hash_offsets, hashes) not yet in the index (it was full)
+        # what a start recovered beyond the index: on disk, indexed as room frees (before the overflow)
+        self.recovered: RecoveredQueue | None = None
+        self.recovered_backlog: Backlog | None = None  # maps the segments of the records read back
+        self.recovered_ns = 0  # their arrival: the start
         self.failed: list[np.ndarray] = []  # LOC rows with aux = status, waiting for a batch record
         self.high: dict[int, int] = {}  # per writer: sequence numbers below were seen by the start scan
         self.t0 = time.monotonic()
@@ -105,7 +112,7 @@ class Scheduler:
         backlog, report = Backlog.open(data_dir, segment_bytes=self.cfg.segment_bytes, readonly=True)
         try:
             self.high = {w: s.next_seq for w, s in backlog._writers.items()}
-            locs, hash_offsets, hashes = recovered_locations(backlog, backlog.pending(), self.cfg.block_tokens)
+            pending = backlog.pending()
             corrupt = record_locations(backlog.corrupt())
         finally:
             backlog.close()
@@ -114,10 +121,21 @@ class Scheduler:
             self.failed.append(corrupt)
         self.values[S_RECOVERED_CORRUPT] = corrupt.size
         self.values[S_RECOVERED_UNNAMED] = report.unnamed_corrupt
-        self.add(locs, hash_offsets, hashes)
-        return {"seconds": time.perf_counter() - t0, "items": int(locs.size),
-                "tokens": int(locs["length"].sum()) if locs.size else 0, "corrupt": int(corrupt.size),
-                "unnamed_corrupt": report.unnamed_corrupt, "scan": report.as_dict()}
+        items, tokens = int(pending.size), int(pending["num_tokens"].sum()) if pending.size else 0
+        # every recovered record counts as pending now; they wait on disk and are read back, their
+        # block hashes computed, as the index has room (`_refill`)
+        self._count_pending(pending["model"], pending["num_tokens"], 1)
+        self.recovered = RecoveredQueue(data_dir, pending)
+        del pending
+        self.recovered_backlog = Backlog(Path(data_dir) / BACKLOG_DIR, self.cfg.segment_bytes)
+        self.recovered_ns = time.monotonic_ns()
+        self.values[S_RECOVERED_WAITING] = len(self.recovered)
+        self._refill()
+        return {"seconds": time.perf_counter() - t0, "items": items, "tokens": tokens, "corrupt": int(corrupt.size),
+                "unnamed_corrupt": report.unnamed_corrupt, "on_disk": self.recovered.on_disk, "scan": report.as_dict()}
+
+    def _recovering(self) -> bool:
+        return self.recovered is not None and len(self.recovered) > 0
 
     def take_announcements(self) -> int:
         """Take what ingest appended, while the overflow (items beyond a full index, in memory) is
@@ -148,43 +166,61 @@ class Scheduler:
                 total += count
         return total
 
+    def _servable(self, locs, hash_offsets, hashes, counted: bool = False):
+        """The items some consumer can take; the others go to a batch record as failed rows (and,
+        `counted`: already counted pending, out of the gauges)."""
+        bad = self._unservable(locs)
+        if bad is None:
+            return locs, hash_offsets, hashes
+        status, keep = bad
+        failed = locs[~keep].copy()
+        failed["aux"] = status[~keep]
+        self.failed.append(failed)
+        if counted:
+            self._pending(failed, -1)
+        return _subset(locs, hash_offsets, hashes, keep)
+
     def add(self, locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> None:
         if locs.size == 0:
             return
-        bad = self._unservable(locs)
-        if bad is not None:
-            status, keep = bad
-            failed = locs[~keep].copy()
-            failed["aux"] = status[~keep]
-            self.failed.append(failed)
-            locs, hash_offsets, hashes = _subset(locs, hash_offsets, hashes, keep)
-            if locs.size == 0:
-                return
+        locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes)
+        if locs.size == 0:
+            return
         self._pending(locs, 1)
         now_ns = time.monotonic_ns()
-        if self.overflow:
+        if self.overflow or self._recovering():  # behind what is older
             self.overflow.append((locs, hash_offsets, hashes, now_ns))
             self.values[S_OVERFLOW] += locs.size
             return
         self._index(locs, hash_offsets, hashes, now_ns)
 
     def _pending(self, locs, sign: int) -> None:
-        """Count items (all of known models) into (+1) or out of (-1) the pending gauges."""
+        """Count items into (+1) or out of (-1) the pending gauges (items of unknown models never count:
+        they are failed back)."""
+        self._count_pending(locs["model"], locs["length"], sign)
+
+    def _count_pending(self, models: np.ndarray, lengths: np.ndarray, sign: int) -> None:
         v = self.values
-        models, lengths = locs["model"], locs["length"]
-        n, tokens = locs.size, int(lengths.sum())
-        v[S_PENDING_ITEMS] += sign * n
-        v[S_PENDING_TOKENS] += sign * tokens
+        if models.size == 0:
+            return
         first = int(models[0])
-        if len(self.models) == 1 or (models == first).all():  # one model (the usual case): no per-item work
-            m = self.models[first]
+        if (models == first).all():  # one model (the usual case): no per-item work
+            m = self.models.get(first)
+            if m is None:
+                return
+            n, tokens = models.size, int(lengths.sum())
             v[S_MODEL_ITEMS + m] += sign * n
             v[S_MODEL_TOKENS + m] += sign * tokens
+            v[S_PENDING_ITEMS] += sign * n
+            v[S_PENDING_TOKENS] += sign * tokens
             return
         for model, m in self.models.items():
             mine = models == model
-            v[S_MODEL_ITEMS + m] += sign * int(mine.sum())
-            v[S_MODEL_TOKENS + m] += sign * int(lengths[mine].sum())
+            n, tokens = int(mine.sum()), int(lengths[mine].sum())
+            v[S_MODEL_ITEMS + m] += sign * n
+            v[S_MODEL_TOKENS + m] += sign * tokens
+            v[S_PENDING_ITEMS] += sign * n
+            v[S_PENDING_TOKENS] += sign * tokens
 
     def _index(self, locs, hash_offsets, hashes, arrival_ns: int) -> int:
         n = min(locs.size, self.num_free)
@@ -212,7 +248,18 @@ class Scheduler:
         return n
 
     def _refill(self) -> None:
-        """Move overflow into the index as batches free its room."""
+        """Move what a start recovered, then the overflow, into the index as batches free its room."""
+        while self.num_free and self._recovering():
+            (_rows, locs, hash_offsets, hashes), gone = self.recovered.take(
+                min(self.num_free, REFILL_ROWS), self.recovered_backlog, self.cfg.block_tokens)
+            self._count_pending(gone["model"], gone["num_tokens"], -1)  # done since the scan
+            self.values[S_RECOVERED_WAITING] = len(self.recovered)
+            locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
+            if locs.size:
+                self._index(locs, hash_offsets, hashes, self.recovered_ns)
+        if self.recovered_backlog is not None and not self._recovering():
+            self.recovered_backlog.close()
+            self.recovered_backlog = None
         while self.overflow and self.num_free:
             entry = self.overflow.popleft()
             self.values[S_OVERFLOW] -= entry[0].size
@@ -254,7 +301,7 @@ class Scheduler:
         while active:
             active = [c for c in active if self._push_one(c, now)]
             pushed += len(active)
-        if self.overflow:
+        if self.overflow or self._recovering():
             self._refill()
         return pushed
 
@@ -331,6 +378,8 @@ class Scheduler:
         oldest = int(arrivals[0][0]) if arrivals else NO_ITEM_NS
         if self.overflow:
             oldest = min(oldest, int(self.overflow[0][3]))
+        if self._recovering():
+            oldest = min(oldest, self.recovered_ns)
         v[S_OLDEST] = 0 if oldest == NO_ITEM_NS else oldest
 
     # -- waiting ------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ The defaults live in `config.py`; every key is documented in the README.
     engine_retry_min_seconds = 1.0       # items an engine hands back while it is down are retried after
     engine_retry_max_seconds = 60.0      # this, doubling while it stays down, up to the max
     producer_retire_seconds = 30.0       # a name with nothing left to do leaves the table (rings freed)
+    results_name_bytes = 1073741824      # one name's unread results keep at most this much of the shared
+                                         # results log; past it they move to a log of the name's own
 
     [[consumers]]
     name = "big"
@@ -141,6 +143,7 @@ class BrokerConfig:
     engine_retry_min_seconds: float = config.DEFAULT_ENGINE_RETRY_MIN_SECONDS
     engine_retry_max_seconds: float = config.DEFAULT_ENGINE_RETRY_MAX_SECONDS
     producer_retire_seconds: float = config.DEFAULT_PRODUCER_RETIRE_SECONDS
+    results_name_bytes: int = config.DEFAULT_RESULTS_NAME_BYTES
     consumers: tuple[ConsumerConfig, ...] = field(default_factory=tuple)
     source: str = "built-in default"
     tiers: tuple[Tier, ...] = ()  # [[tiers]]: a card's memory -> engine and contract (`supervise --gpus auto`)
@@ -210,6 +213,8 @@ def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None =
         out["poison_attempts"] = v.integer(raw, "poison_attempts", 1, 1000)
     if "producer_retire_seconds" in raw:
         out["producer_retire_seconds"] = v.number(raw, "producer_retire_seconds", 0.0, 1e9)
+    if "results_name_bytes" in raw:
+        out["results_name_bytes"] = v.integer(raw, "results_name_bytes", 1 << 16, 1 << 50)
     if "crash_loop_restarts" in raw:
         out["crash_loop_restarts"] = v.integer(raw, "crash_loop_restarts", 1, 1 << 20)
     for key in FAILURE_SECONDS_KEYS:

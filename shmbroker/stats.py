@@ -133,6 +133,8 @@ SCHED = (
        "Backlog records the scheduler's start found lost to damage that names no item (no result can be sent)."),
     _c("held_back", "sched_held_back_total",
        "Times the scheduler left announcements in their rings because its overflow was full (back-pressure)."),
+    _g("recovered_waiting", "sched_recovered_waiting_items",
+       "Items a start recovered that wait on disk (not in memory) for room in the packing index."),
 ) + tuple(_g(f"model{m}_items", None, "") for m in range(MAX_MODELS)) \
   + tuple(_g(f"model{m}_tokens", None, "") for m in range(MAX_MODELS))
 
@@ -153,6 +155,10 @@ RESULTS = (
     _c("readers", "results_readers_total", "Result readers set up (a producer attaching to read its results)."),
     _c("redelivered", "results_redelivered_total",
        "Results pushed again because the reader that had popped them never acknowledged them."),
+    _g("names_behind", "results_names_behind",
+       "Producer names read so far behind (past results_name_bytes) that their results wait in a log of their own."),
+    _g("behind_bytes", "results_behind_bytes", "Bytes of results waiting in the logs of names read far behind."),
+    _c("names_moved", "results_names_moved_total", "Times a producer name read far behind was moved to a log of its own."),
 )
 
 STATS = {"gpu": GPU, "ingest": INGEST, "sched": SCHED, "results": RESULTS}

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
+from .behind import names_behind
 from .control import (
     C_METRICS_PORT,
     C_STARTED_NS,
@@ -35,7 +36,9 @@ from .control import (
     Control,
     role_kind,
 )
+from .delivery import Cursors
 from .errors import BrokerError
+from .results_log import RESULTS_DIR
 from .ring import layout as L
 from .ring.liveness import is_alive, start_ticks
 from .ring.shm import Segment
@@ -189,9 +192,14 @@ class BrokerView:
             "scheduler": {k: v for k, v in sched.items() if not k.startswith(("model", "reserved", "num_models",
                                                                                "oldest_ns"))},
             "backlog": backlog,
-            "results": dict(values.get("results", {})),
+            "results": {**values.get("results", {}), "behind": self._behind()},
             "rings": self.rings(),
         }
+
+    def _behind(self) -> list[dict]:
+        """The producer names read far behind, as the last saved `cursor.json` says."""
+        root = Path(self.data_dir) / RESULTS_DIR
+        return names_behind(root, Cursors(root))
 
     def _backlog(self, sched: dict, now_ns: int) -> dict:
         oldest = sched.get("oldest_ns", 0)

@@ -23,6 +23,7 @@ class _Control:
 class _Cfg:
     fsync = "never"
     segment_bytes = 1 << 22
+    results_name_bytes = 1 << 30
 
 
 def _records(count: int, first_id: int) -> np.ndarray:
@@ -148,14 +149,8 @@ def _rolling_append(file_bytes: int):
     real = ResultsLog.append
 
     def append(self, data):
-        from shmbroker import results_log
-
-        old = results_log.LOG_FILE_BYTES
-        results_log.LOG_FILE_BYTES = file_bytes
-        try:
-            return real(self, data)
-        finally:
-            results_log.LOG_FILE_BYTES = old
+        self.file_bytes = file_bytes
+        return real(self, data)
 
     return append
 

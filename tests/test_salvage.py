@@ -48,3 +48,42 @@ def test_salvage_appends_what_a_dead_brokers_ring_holds_and_closes_it(tmp_path):
             backlog.close()
     finally:
         owner.close()
+
+
+def test_items_an_ingest_process_left_at_a_stop_are_salvaged_not_unlinked(tmp_path):
+    """Before: an ingest process that died during the stop (or could not drain on a full disk) left
+    its producers' rings full, and the supervisor unlinked them with the rest of the shared memory:
+    every item in them, accepted by `submit`, was lost."""
+    import os
+    import signal
+    import time
+
+    from brokerproc import BrokerProc
+
+    from shmbroker.client import Producer
+
+    count = 500
+    broker = BrokerProc(tmp_path)
+    broker.start()
+    try:
+        ingest = broker.role_pids()["ingest-0"]
+        os.kill(ingest, signal.SIGSTOP)  # it drains nothing from here on
+        with Producer("stuck", data_dir=broker.data_dir) as p:
+            flat = np.arange(count * 4, dtype=np.uint32)
+            ids = set(p.submit_many(flat, np.arange(count + 1, dtype=np.int64) * 4, max_new_tokens=1).tolist())
+            p._auto_ack = False
+        broker.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(ingest, signal.SIGKILL)  # dies during the stop
+        assert broker.proc.wait(60) == 0
+        assert "salvaged to the backlog" in broker.log()
+        broker.start()
+        with Producer("stuck", data_dir=broker.data_dir) as p:
+            got: set[int] = set()
+            deadline = time.monotonic() + 60
+            while len(got) < count:
+                assert time.monotonic() < deadline, f"{len(got)} of {count}"
+                got.update(r.item_id for r in p.results(timeout_seconds=1.0))
+        assert got == ids
+    finally:
+        broker.stop()

@@ -654,3 +654,25 @@ def test_opening_a_segment_its_writer_cuts_that_instant_looks_at_its_size_again(
         assert seg.size == real(seg.fd).st_size
     finally:
         seg.close()
+
+
+def test_segments_shrunk_for_a_full_disk_recover_with_the_rest(tmp_path):
+    """The salvage at a start on a full disk goes on in segments that fit the free space
+    (`shrink_segments`): they sit beside full-size ones and recover with them, no sequence reused."""
+    backlog, _ = Backlog.open(tmp_path, segment_bytes=1 << 20)
+    writer = backlog.writer(0, fsync="never")
+    first = make_batch([200] * 300, seed=1)
+    writer.append_many(*first, cluster=False)
+    writer.shrink_segments(64 << 10)
+    second = make_batch([200] * 2000, seed=2)  # fills the first segment, then small ones
+    seqs, _, _ = writer.append_many(*second, cluster=False)
+    writer.close()
+    backlog.close()
+    sizes = sorted(p.stat().st_size for p in (tmp_path / "backlog" / "w000").glob("*.seg"))
+    assert sizes[0] <= 64 << 10 and sizes[-1] > 64 << 10 and len(sizes) > 3  # small ones beside the first
+    again, report = Backlog.open(tmp_path, segment_bytes=1 << 20)
+    pending = again.pending()
+    assert pending["seq"].tolist() == list(range(2300))
+    assert sorted(pending["item_id"].tolist()) == sorted(first[2]["item_id"].tolist() + second[2]["item_id"].tolist())
+    assert seqs.min() == 300
+    again.close()

@@ -16,6 +16,12 @@ For `seconds`, on a scratch data directory:
   sometimes killed again during its recovery); at the end it SIGKILLs a child while the broker
   stops.
 
+With `fs_mib` (`--fs-mib N`), the data directory is a tmpfs of N MiB (mounted for the run; it
+needs the right to mount: without it the run goes on on the ordinary disk and says why in
+`small_fs`), and a filler takes all but FILL_LEFT_BYTES of its free space every few seconds for
+a second or two, as another tenant of a small disk would: ingest, the results log and every
+bookkeeping file meet a full disk again and again.
+
 Then a fresh broker drains: every name's results are read until each accepted item has one.
 Figures: `items` accepted, `kills`, `lost` (accepted, no result), `duplicated` (result rows
 beyond the first of an item, across every reader's output), `wrong` (an `ok` result whose tokens
@@ -50,6 +56,10 @@ VOCAB = 32_000
 SHORT_NAME_SECONDS = 0.5
 DRAIN_IDLE_SECONDS = 60.0
 WARMUP_SHARE = 0.25  # memory is taken after this share of the run, and at its end
+FILL_LEFT_BYTES = 256 << 10  # what the filler leaves free on a small filesystem
+FILL_FILE = "filler.ballast"
+# on a small filesystem: the silent producer's results leave the shared log early (behind.py)
+SMALL_FS_CONFIG = "results_name_bytes = 1048576\n"
 
 # poison_attempts: here every death is the killer's, not an engine's; a GPU process killed while it
 # holds a batch counts as a delivery of it (gpu/deliveries.py), so the default 3 would fail items
@@ -184,9 +194,9 @@ class _Reader(threading.Thread):
 
 
 class _Broker:
-    def __init__(self, tmp: str, instance: str):
+    def __init__(self, tmp: str, instance: str, extra: str = ""):
         self.tmp = tmp
-        self.config = f'instance = "{instance}"\n' + CONFIG
+        self.config = f'instance = "{instance}"\n' + extra + CONFIG
         self.b: BenchBroker | None = None
         self.starts = 0
 
@@ -230,13 +240,92 @@ class _Broker:
         return self.b.stop()
 
 
-def run(seconds: float = 30.0, seed: int = 0) -> dict:
+class _Filler(threading.Thread):
+    """Every 2-5 s, take all but FILL_LEFT_BYTES of a filesystem's free space for 0.5-2 s."""
+
+    def __init__(self, directory: str, seed: int):
+        super().__init__(daemon=True)
+        self.path = os.path.join(directory, FILL_FILE)
+        self.directory = directory
+        self.rng = random.Random(seed)
+        self.halt = threading.Event()
+        self.fills = 0
+        self.min_free_bytes: int | None = None
+
+    def _free(self) -> int:
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        self.min_free_bytes = free if self.min_free_bytes is None else min(self.min_free_bytes, free)
+        return free
+
+    def run(self) -> None:
+        while not self.halt.wait(self.rng.uniform(2.0, 5.0)):
+            take = self._free() - FILL_LEFT_BYTES
+            if take <= 0:
+                continue
+            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, take)
+                self.fills += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            end = time.monotonic() + self.rng.uniform(0.5, 2.0)
+            while time.monotonic() < end and not self.halt.is_set():
+                self._free()
+                time.sleep(0.1)
+            os.unlink(self.path)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _mount_small_fs(tmp: str, mib: int) -> tuple[str | None, str | None]:
+    """(the mounted data directory, None) or (None, why it could not be mounted)."""
+    path = os.path.join(tmp, "data")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(mib)}m,mode=0700", "tmpfs", path],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, str(exc)
+    if r.returncode != 0:
+        return None, (r.stderr or r.stdout).strip() or f"mount exited {r.returncode}"
+    return path, None
+
+
+def run(seconds: float = 30.0, seed: int = 0, fs_mib: int | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="shmbroker-chaos-")
     instance = "chaos" + secrets.token_hex(3)
     rng = random.Random(seed)
     ctx = mp.get_context("spawn")
-    broker = _Broker(tmp, instance)
+    mounted, why = _mount_small_fs(tmp, fs_mib) if fs_mib else (None, None)
+    broker = _Broker(tmp, instance, SMALL_FS_CONFIG if mounted else "")
+    filler = _Filler(mounted, seed) if mounted else None
+    try:
+        out = _run(tmp, instance, rng, ctx, broker, filler, seconds, seed)
+    finally:
+        if filler is not None:
+            filler.stop()
+        if mounted:
+            subprocess.run(["umount", "-l", mounted], capture_output=True, timeout=60)
+    out["small_fs"] = None if not fs_mib else {
+        "mib": fs_mib, "mounted": bool(mounted), "why_not": why,
+        "fills": filler.fills if filler else 0, "min_free_bytes": filler.min_free_bytes if filler else None}
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed: int) -> dict:
     broker.start()
+    if filler is not None:
+        filler.start()
     data_dir = broker.b.data_dir
     stop = ctx.Event()
     names = [f"chaos-{i}" for i in range(PRODUCERS)] + ["chaos-silent"]
@@ -259,6 +348,8 @@ def run(seconds: float = 30.0, seed: int = 0) -> dict:
                 memory_warm = _memory(broker, procs[0].pid)
             kills += _strike(broker, readers, rng)
         memory_end = _memory(broker, procs[0].pid)
+        if filler is not None:
+            filler.stop()  # the drain has the whole (small) filesystem
         stop.set()
         for p in procs:
             p.join(60)
@@ -286,9 +377,8 @@ def run(seconds: float = 30.0, seed: int = 0) -> dict:
            "failed": figures["failed"], "names": figures["names"], "lost_by_name": figures["lost_by_name"],
            "memory_growth_ratio": round(ratio, 3) if ratio is not None else None,
            "memory_warm_bytes": memory_warm, "memory_end_bytes": memory_end,
-           "results_dir_bytes": sum(p.stat().st_size for p in results_dir.glob("*") if p.is_file()),
+           "results_dir_bytes": sum(p.stat().st_size for p in results_dir.rglob("*") if p.is_file()),
            "shm_left_bytes": shm_left, "broker_starts": broker.starts, "final_stop_code": code}
-    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

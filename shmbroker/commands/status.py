@@ -103,9 +103,14 @@ def _render(report: dict) -> None:
             ("scheduler", "batches", _fmt(sch.get("batches"))), ("", "items packed", _fmt(sch.get("items"))),
             ("results", "results", _fmt(res.get("results"))), ("", "delivered", _fmt(res.get("delivered"))),
             ("", "acked", _fmt(res.get("acked"))), ("", "parked", _fmt(res.get("parked"))),
+            ("", "names far behind", _fmt(res.get("names_behind"))),
+            ("", "their results on disk", format_bytes(res.get("behind_bytes", 0))),
             ("backlog", "pending items", _fmt(bl["pending_items"])), ("", "pending tokens", _fmt(bl["pending_tokens"])),
             ("", "families", _fmt(bl["families"])), ("", "oldest age s", _fmt(bl["oldest_age_seconds"])),
             ("", "on disk", format_bytes(bl["disk_bytes"])), ("", "segment files", _fmt(bl["segments"]))]
     for row in rows:
         t.add_row(*row)
     console.print(t)
+    for b in res.get("behind", []):
+        console.print(f"results of {b['name']!r} wait on disk ({format_bytes(b['bytes'])}): its reader is more than "
+                      "results_name_bytes behind")

@@ -390,6 +390,16 @@ class SegmentWriter:
     def end_offset(self) -> int:
         return self._end
 
+    def shrink_segments(self, segment_bytes: int) -> None:
+        """Make the segments this writer starts from now on `segment_bytes` (smaller: a full disk
+        that has no room for a whole one, as the salvage at a start may meet), its spares freed.
+        Recovery reads each segment's size from its header: segments of mixed sizes are sound."""
+        for spare in self._spares:
+            durable.unlink(spare, missing_ok=True)
+        self._spares.clear()
+        self.segment_bytes = segment_bytes
+        self.max_tokens = max_tokens(segment_bytes)
+
     def close(self, clean: bool = True) -> None:
         """Stop the sync thread, make everything durable, leave a clean-shutdown marker (idempotent)."""
         self._stop.set()
