@@ -19,6 +19,7 @@ import numpy as np
 from . import durable
 from .errors import DiskFull
 from .ingest import BATCH_RECORDS, BacklogAppender
+from .ring import layout as L
 from .ring.owner import Manifest
 from .ring.shm import Segment
 from .ring.wire import close_ring, peek_closed, set_closed_tail
@@ -63,9 +64,17 @@ def salvage(backlog, cfg) -> int:
     shrunk = False
     try:
         for producer_id, seg in rings:
+            h = seg.buf[: L.HEADER_BYTES].view(np.int64)
+            if int(h[L.H_CLOSED_REASON]):
+                continue  # closed because its producer broke it: the broker reads no more of it
+            words = (seg.buf.size - L.HEADER_BYTES) // 4
+            first = int(h[L.H_CLOSED_TAIL])
             while True:
+                before = int(h[L.H_CLOSED_TAIL])
                 n, tail = peek_closed(seg.buf, positions, positions.size)
-                if n == 0:
+                # a producer that rewrites its header cannot keep this loop going: at most one
+                # ring's worth, always forward
+                if n == 0 or int(tail) <= before or int(tail) - first > words:
                     break
                 try:
                     appender.append(producer_id, seg.buf, positions, n)
