@@ -190,3 +190,29 @@ def test_a_damaged_last_record_with_a_whole_frame_is_told_not_cut_silently(tmp_p
         assert int(last[8:16].view(np.uint64)[0]) == base + 3 and int(last[24:28].view(np.uint32)[0]) == 4
     finally:
         router.close()
+
+
+def test_blocks_are_allocated_ahead_and_a_full_disk_refuses_before_any_byte(tmp_path, monkeypatch):
+    """The results log allocates its blocks ahead of its writes (the file size unchanged: a replay
+    sees only what was written); a disk that cannot allocate refuses the append before any byte."""
+    import errno
+    import os as os_mod
+
+    from shmbroker import results_log
+
+    log = ResultsLog(tmp_path / "results", fsync="never", file_bytes=8 << 20)
+    first = _records(5, 1 << 40)
+    log.append(first)
+    st = os_mod.stat(log.path(0))
+    assert st.st_size == first.size
+    assert st.st_blocks * 512 >= results_log.PREALLOCATE_BYTES  # allocated ahead, beyond the size
+    log.allocated = log.end  # as if the allocation were used up
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results_log, "preallocate", full)
+    with pytest.raises(OSError):
+        log.append(_records(5, (1 << 40) + 5))
+    assert log.end == first.size and os_mod.fstat(log.fd).st_size == first.size
+    log.close()

@@ -311,6 +311,9 @@ def run(seconds: float = 30.0, seed: int = 0, fs_mib: int | None = None) -> dict
     try:
         out = _run(tmp, instance, rng, ctx, broker, filler, seconds, seed)
     finally:
+        if broker.b is not None and broker.b.proc.poll() is None:  # a run that failed: no broker left behind
+            broker.b.proc.kill()
+            broker.b.proc.wait(30)
         if filler is not None:
             filler.stop()
         if mounted:
