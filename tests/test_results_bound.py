@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from test_results_log import _Cfg as _LogCfg
+from test_results_log import _Control
 
 from shmbroker.behind import BEHIND_DIR
 from shmbroker.registry import ProducerBook
@@ -18,16 +20,7 @@ TOKENS = 60
 RECORD = res_bytes(TOKENS)
 
 
-class _Control:
-    table_version = 0
-
-    def producers(self):
-        return []
-
-
-class _Cfg:
-    fsync = "never"
-    segment_bytes = 1 << 22
+class _Cfg(_LogCfg):
     results_name_bytes = 1 << 16  # files of FILE_BYTES_MIN
 
 
