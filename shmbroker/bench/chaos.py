@@ -33,6 +33,7 @@ instance's /dev/shm hold at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -55,6 +56,7 @@ PRODUCERS = 2
 VOCAB = 32_000
 SHORT_NAME_SECONDS = 0.5
 DRAIN_IDLE_SECONDS = 60.0
+DRAIN_READ_SECONDS = 0.1  # a drain read ends after this long without a result (it comes round again)
 WARMUP_SHARE = 0.25  # memory is taken after this share of the run, and at its end
 FILL_LEFT_BYTES = 256 << 10  # what the filler leaves free on a small filesystem
 FILL_FILE = "filler.ballast"
@@ -466,6 +468,8 @@ def _accepted(tmp: str, names: list[str]) -> dict[str, dict[int, tuple[int, int]
 def _drain(data_dir: str, accepted: dict, outs: dict[str, str]) -> None:
     """Read every name's results until each accepted item has one, or none came for
     DRAIN_IDLE_SECONDS."""
+    from .. import cli
+
     for name in accepted:
         outs.setdefault(name, os.path.join(os.path.dirname(data_dir), f"{name}.results.jsonl"))
     missing = dict(accepted)
@@ -473,9 +477,10 @@ def _drain(data_dir: str, accepted: dict, outs: dict[str, str]) -> None:
     while missing and time.monotonic() - last < DRAIN_IDLE_SECONDS:
         for name in list(missing):
             before = len(_ids_in(outs[name]))
-            subprocess.run([sys.executable, "-m", "shmbroker.cli", "results", "--name", name, "--data-dir", data_dir,
-                            "--out", outs[name], "--timeout", "0.5"], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            # in this process (no interpreter start per name: a long run leaves a thousand names)
+            with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+                cli.main(["results", "--name", name, "--data-dir", data_dir, "--out", outs[name],
+                          "--timeout", str(DRAIN_READ_SECONDS)])
             have = _ids_in(outs[name])
             if len(have) > before:
                 last = time.monotonic()
