@@ -99,6 +99,19 @@ def prompt(seed: int, producer: int, k: int) -> tuple[np.ndarray, int]:
     return tokens, 1 + k % 8
 
 
+def _anon_bytes(pid: int) -> int:
+    """Resident anonymous memory (RssAnon): the heap and private pages, not mapped files (a GPU
+    process maps up to 64 backlog segments, whose touched pages count in its resident size)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm") as fh:
@@ -345,14 +358,17 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
         r.start()
     kills = 0
     memory_warm: dict[str, int] = {}
+    anon_warm: dict[str, int] = {}
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < seconds:
             time.sleep(rng.uniform(0.3, 1.5))
             if not memory_warm and time.monotonic() - t0 > WARMUP_SHARE * seconds:
                 memory_warm = _memory(broker, procs[0].pid)
+                anon_warm = _memory(broker, procs[0].pid, _anon_bytes)
             kills += _strike(broker, readers, rng)
         memory_end = _memory(broker, procs[0].pid)
+        anon_end = _memory(broker, procs[0].pid, _anon_bytes)
         if filler is not None:
             filler.stop()  # the drain has the whole (small) filesystem
         stop.set()
@@ -375,6 +391,7 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
             r.kill()
     figures = _score(accepted, outs, seed)
     ratio = max((memory_end.get(k, 0) / v for k, v in memory_warm.items() if v), default=None)
+    anon_ratio = max((anon_end.get(k, 0) / v for k, v in anon_warm.items() if v and anon_end.get(k)), default=None)
     results_dir = Path(data_dir) / "results"
     shm_left = sum(p.stat().st_size for p in Path("/dev/shm").glob(f"*shmb.{instance}.*"))
     out = {"seconds": round(time.monotonic() - t0, 1), "items": figures["items"], "kills": kills,
@@ -382,6 +399,8 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
            "failed": figures["failed"], "names": figures["names"], "lost_by_name": figures["lost_by_name"],
            "memory_growth_ratio": round(ratio, 3) if ratio is not None else None,
            "memory_warm_bytes": memory_warm, "memory_end_bytes": memory_end,
+           "anon_growth_ratio": round(anon_ratio, 3) if anon_ratio is not None else None,
+           "anon_warm_bytes": anon_warm, "anon_end_bytes": anon_end,
            "results_dir_bytes": sum(p.stat().st_size for p in results_dir.rglob("*") if p.is_file()),
            "shm_left_bytes": shm_left, "broker_starts": broker.starts, "final_stop_code": code}
     return out
@@ -440,12 +459,12 @@ def _kill_during_stop(broker: _Broker, rng: random.Random) -> int:
     return killed
 
 
-def _memory(broker: _Broker, client_pid: int) -> dict[str, int]:
+def _memory(broker: _Broker, client_pid: int, measure=_rss_bytes) -> dict[str, int]:
     pids = broker.role_pids()
-    out = {"client": _rss_bytes(client_pid), "sched": _rss_bytes(pids.get("sched", 0))}
+    out = {"client": measure(client_pid), "sched": measure(pids.get("sched", 0))}
     for role, pid in pids.items():
         if role.startswith("gpu-"):
-            out[role] = _rss_bytes(pid)
+            out[role] = measure(pid)
     return out
 
 
