@@ -56,6 +56,7 @@ PRODUCERS = 2
 VOCAB = 32_000
 SHORT_NAME_SECONDS = 0.5
 DRAIN_IDLE_SECONDS = 60.0
+KEEP_ENV = "SHMBROKER_CHAOS_KEEP"  # set: the scratch directory is kept (`scratch_dir` in the figures)
 DRAIN_READ_SECONDS = 0.1  # a drain read ends after this long without a result (it comes round again)
 WARMUP_SHARE = 0.25  # memory is taken after this share of the run, and at its end
 FILL_LEFT_BYTES = 256 << 10  # what the filler leaves free on a small filesystem
@@ -336,7 +337,10 @@ def run(seconds: float = 30.0, seed: int = 0, fs_mib: int | None = None) -> dict
     out["small_fs"] = None if not fs_mib else {
         "mib": fs_mib, "mounted": bool(mounted), "why_not": why,
         "fills": filler.fills if filler else 0, "min_free_bytes": filler.min_free_bytes if filler else None}
-    shutil.rmtree(tmp, ignore_errors=True)
+    if os.environ.get(KEEP_ENV):  # to look into a run afterwards: its data directory, logs and outputs
+        out["scratch_dir"] = tmp
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
