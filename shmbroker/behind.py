@@ -23,6 +23,7 @@ before the crash, so ring indexes (`delivery.py`) still hold. A directory not na
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -31,10 +32,14 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from .delivery import IndexedOffsets
 from .results_log import ResultsLog
+from .stats import slot_of
 
 BEHIND_DIR = "behind"
 COPY_CHUNK_BYTES = 4 << 20
+C_DISK_FULL, C_BEHIND, C_BEHIND_BYTES, C_MOVED = (
+    slot_of("results", k) for k in ("disk_full", "names_behind", "behind_bytes", "names_moved"))
 
 
 def record_sizes(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -128,6 +133,67 @@ def names_behind(results_dir: Path, cursors) -> list[dict]:
             size = sum(p.stat().st_size for p in d.glob("*.log")) if d.is_dir() else 0
             out.append({"name": name, "bytes": size})
     return out
+
+
+class BehindNames:
+    """`results.Router`'s handling of names read far behind (it uses the router's log, outlets,
+    parked queues, held names and counters)."""
+
+    def _log_of(self, name: str) -> ResultsLog:
+        """The log a name's offsets are in: its own while it is read far behind, else the shared one."""
+        behind = self.behind.get(name)
+        return self.log if behind is None else behind.log
+
+    def _rebalance(self) -> None:
+        """Move a name whose cursor is more than `results_name_bytes` behind the shared log's end to
+        a log of its own; bring a name far behind whose reader has caught up back."""
+        end = self.log.end
+        for name, entry in self._entries().items():
+            behind = self.behind.get(name)
+            if behind is not None:
+                if entry[0] >= behind.log.end and name not in self.held:  # it owes the name nothing
+                    del self.behind[name]
+                    self.dropped.append(behind)
+            elif end - entry[0] > self.name_bytes:
+                try:
+                    self._move_behind(name)
+                except OSError as exc:  # a full disk: the name stays where it was; tried again next time
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    self.counters[C_DISK_FULL] += 1
+                    return
+
+    def _move_behind(self, name: str) -> None:
+        """Copy what the name is owed to its own log, then switch its offsets there; all or nothing (a
+        full disk midway leaves the name as it was, its copy deleted, and raises)."""
+        behind = NameLog(self.root, name, self.fsync, self.log.file_bytes)
+        outlet = self.by_name.get(name)
+        queue = self.parked.get(name)
+        try:
+            unacked = behind.copy_from(self.log, outlet.unacked_offsets()) if outlet is not None else None
+            waiting = [behind.copy_from(self.log, part) for part in outlet.waiting.peek_all()] if outlet else []
+            parked = [behind.copy_from(self.log, part) for part in queue.peek_all()] if queue is not None else []
+        except BaseException:
+            behind.remove()
+            raise
+        if outlet is not None:
+            inflight = IndexedOffsets(outlet.inflight.base)
+            inflight.append(unacked)
+            outlet.inflight = inflight
+            outlet.waiting.take_all()
+            for part in waiting:
+                outlet.waiting.extend(part)
+        if queue is not None:
+            queue.take_all()
+            for part in parked:
+                queue.extend(part)
+        behind.through = self.log.end
+        self.behind[name] = behind
+        self.counters[C_MOVED] += 1
+
+    def behind_now(self) -> tuple[int, int]:
+        """(names read far behind, bytes their own logs hold)."""
+        return len(self.behind), sum(b.log.size_bytes() for b in self.behind.values())
 
 
 def remove_strays(root: Path, keep: set[str]) -> int:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .behind import NameLog, remove_strays
+from .behind import C_BEHIND, C_BEHIND_BYTES, BehindNames, NameLog, remove_strays
 from .control import Control
-from .delivery import Cursors, IndexedOffsets, Outlet, ReplayPlan
+from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
 from .replay import C_BAD_BYTES, C_BAD_RECORDS, C_NOTICES, Replayer, _scan_all  # noqa: F401 (re-exported)
 from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
@@ -54,11 +54,10 @@ RECLAIM_SECONDS = 2.0
 SCAN_MAX = 1 << 16
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
-C_READERS, C_REDELIVERED, C_BEHIND, C_BEHIND_BYTES, C_MOVED = (
-    slot_of("results", k) for k in ("readers", "redelivered", "names_behind", "behind_bytes", "names_moved"))
+C_READERS, C_REDELIVERED = (slot_of("results", k) for k in ("readers", "redelivered"))
 
 
-class Router(Replayer):
+class Router(Replayer, BehindNames):
     def __init__(self, data_dir: str, cfg, control: Control, counters=None):
         self.data_dir = data_dir
         self.root = Path(data_dir) / RESULTS_DIR
@@ -270,11 +269,6 @@ class Router(Replayer):
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def _log_of(self, name: str) -> ResultsLog:
-        """The log a name's offsets are in: its own while it is read far behind, else the shared one."""
-        behind = self.behind.get(name)
-        return self.log if behind is None else behind.log
-
     def _entries(self, again: dict | None = None) -> dict[str, list]:
         """Every name's cursor entry as of now (`again`: names about to be reset for a new reader,
         with the offsets they will get again). Only once replayed: every record appended is routed."""
@@ -318,57 +312,6 @@ class Router(Replayer):
     def consumed_floor(self) -> int:
         """The shared-log offset below which nothing waits for a producer."""
         return self._floor(self._entries())
-
-    def _rebalance(self) -> None:
-        """Move a name whose cursor is more than `results_name_bytes` behind the shared log's end to
-        a log of its own; bring a name far behind whose reader has caught up back."""
-        end = self.log.end
-        for name, entry in self._entries().items():
-            behind = self.behind.get(name)
-            if behind is not None:
-                if entry[0] >= behind.log.end and name not in self.held:  # it owes the name nothing
-                    del self.behind[name]
-                    self.dropped.append(behind)
-            elif end - entry[0] > self.name_bytes:
-                try:
-                    self._move_behind(name)
-                except OSError as exc:  # a full disk: the name stays where it was; tried again next time
-                    if exc.errno not in DISK_ERRNOS:
-                        raise
-                    self.counters[6] += 1
-                    return
-
-    def _move_behind(self, name: str) -> None:
-        """Copy what the name is owed to its own log, then switch its offsets there; all or nothing (a
-        full disk midway leaves the name as it was, its copy deleted, and raises)."""
-        behind = NameLog(self.root, name, self.fsync, self.log.file_bytes)
-        outlet = self.by_name.get(name)
-        queue = self.parked.get(name)
-        try:
-            unacked = behind.copy_from(self.log, outlet.unacked_offsets()) if outlet is not None else None
-            waiting = [behind.copy_from(self.log, part) for part in outlet.waiting.peek_all()] if outlet else []
-            parked = [behind.copy_from(self.log, part) for part in queue.peek_all()] if queue is not None else []
-        except BaseException:
-            behind.remove()
-            raise
-        if outlet is not None:
-            inflight = IndexedOffsets(outlet.inflight.base)
-            inflight.append(unacked)
-            outlet.inflight = inflight
-            outlet.waiting.take_all()
-            for part in waiting:
-                outlet.waiting.extend(part)
-        if queue is not None:
-            queue.take_all()
-            for part in parked:
-                queue.extend(part)
-        behind.through = self.log.end
-        self.behind[name] = behind
-        self.counters[C_MOVED] += 1
-
-    def behind_now(self) -> tuple[int, int]:
-        """(names read far behind, bytes their own logs hold)."""
-        return len(self.behind), sum(b.log.size_bytes() for b in self.behind.values())
 
     def checkpoint(self, force: bool = False) -> None:
         now = time.monotonic()

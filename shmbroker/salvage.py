@@ -11,6 +11,7 @@ for a push that had reserved its room, and appends every committed record to the
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -25,6 +26,8 @@ from .ring.shm import Segment
 from .ring.wire import close_ring, peek_closed, set_closed_tail
 
 SALVAGE_GRACE_SECONDS = 0.02
+SALVAGE_RETRY_SECONDS = 0.2
+log = logging.getLogger("shmbroker.salvage")
 SMALL_SEGMENT_BYTES = 64 << 10  # the smallest segment a salvage on a full disk makes
 INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
 
@@ -97,3 +100,39 @@ def salvage(backlog, cfg) -> int:
         for _, seg in rings:
             seg.close()
     return appender.num_items
+
+
+def salvage_when_room(backlog, cfg) -> int:
+    """`salvage` at a start; on a full disk wait for room (the rings keep their items meanwhile,
+    and what was appended is not appended again). The count is of the last try's items."""
+    warned = 0.0
+    while True:
+        try:
+            return salvage(backlog, cfg)
+        except DiskFull as exc:
+            now = time.monotonic()
+            if now - warned > 5.0:
+                log.warning("salvage: %s; waiting for room (the rings keep their items)", exc)
+                warned = now
+            time.sleep(SALVAGE_RETRY_SECONDS)
+
+
+def salvage_at_stop(cfg) -> bool:
+    """At a stop: what the ingest processes did not drain (one died during the stop, or the disk was
+    full) goes to the backlog before the shared memory is unlinked. False when it could not: the
+    shared memory must then stay (listed in the manifest) for the next start to salvage."""
+    from .spill.store import Backlog
+
+    try:
+        backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
+        try:
+            n = salvage(backlog, cfg)
+        finally:
+            backlog.close()
+    except Exception as exc:  # a full disk, or worse: nothing accepted is unlinked
+        log.warning("stop: the ingest rings could not be salvaged (%s); their shared memory is left for the "
+                    "next start to salvage", exc)
+        return False
+    if n:
+        log.info("stop: %d items the ingest processes left in their rings salvaged to the backlog", n)
+    return True

@@ -45,7 +45,7 @@ from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, C
 from .lockfile import AlreadyRunning, InstanceLock
 from .ring.owner import Owner
 from .ring.ring import CONSUMER, PRODUCER, create_ring
-from .salvage import salvage
+from .salvage import salvage_at_stop, salvage_when_room
 from .watch import describe, remove_description, write_description
 from .watchdog import Limits, Supervision, describe_status, note_exception
 
@@ -57,7 +57,6 @@ WATCH_SECONDS = 0.05
 BATCH_RING_BYTES = 4 << 20
 APPENDED_RING_BYTES = 16 << 20
 RESULTS_RING_BYTES = 16 << 20
-SALVAGE_RETRY_SECONDS = 0.2
 
 _stopping = 0  # in a child: 0 run, 1 stop gracefully, 2 stop now
 
@@ -101,22 +100,6 @@ class Supervisor:
             self.close()
             raise
 
-    def _salvage(self, backlog) -> int:
-        """Salvage the dead broker's rings; on a full disk wait for room (the rings keep their items
-        meanwhile, and what was appended is not appended again)."""
-        from .errors import DiskFull
-
-        warned = 0.0
-        while True:
-            try:
-                return salvage(backlog, self.cfg)  # (the count is of the last try's items only)
-            except DiskFull as exc:
-                now = time.monotonic()
-                if now - warned > 5.0:
-                    log.warning("salvage: %s; waiting for room (the rings keep their items)", exc)
-                    warned = now
-                time.sleep(SALVAGE_RETRY_SECONDS)
-
     def _start(self, t0: float) -> None:
         from . import warmup
         from .registry import Registry
@@ -133,7 +116,7 @@ class Supervisor:
             log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
-            salvaged = self._salvage(backlog)
+            salvaged = salvage_when_room(backlog, cfg)
         finally:
             backlog.close()
         self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged}
@@ -311,28 +294,8 @@ class Supervisor:
         gpus = [r for r in self.roles if r.startswith("gpu-")]
         for group in (ingest, ["sched"], gpus, ["results"], [r for r in self.roles if r == "metrics"]):
             self._stop_group(group)
-        self._salvage_at_stop()
+        self.keep_shm = not salvage_at_stop(self.cfg)
         self.close()
-
-    def _salvage_at_stop(self) -> None:
-        """What the ingest processes did not drain (one died during the stop, or the disk was full)
-        goes to the backlog before the shared memory is unlinked; when it cannot, the shared memory
-        stays (listed in the manifest) for the next start to salvage."""
-        from .spill.store import Backlog
-
-        try:
-            backlog, _ = Backlog.open(self.cfg.data_dir, segment_bytes=self.cfg.segment_bytes)
-            try:
-                n = salvage(backlog, self.cfg)
-            finally:
-                backlog.close()
-        except Exception as exc:  # a full disk, or worse: nothing accepted is unlinked
-            log.warning("stop: the ingest rings could not be salvaged (%s); their shared memory is left for the "
-                        "next start to salvage", exc)
-            self.keep_shm = True
-            return
-        if n:
-            log.info("stop: %d items the ingest processes left in their rings salvaged to the backlog", n)
 
     def _stop_group(self, roles: list[str]) -> None:
         live = [r for r in roles if r in self.role_pid]
