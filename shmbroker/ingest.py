@@ -37,7 +37,7 @@ from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring.items import NO_PREFIX
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
-from .ring.shm import Doorbell
+from .ring.shm import Doorbell, Segment, unlink_name
 from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
 from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
 from .spill.collect import REFUSALS, collect
@@ -184,8 +184,50 @@ def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh:
                 return
 
 
-def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -> None:
-    """Ingest process k: drain the rings of producers assigned to it into backlog writer k."""
+LEFT_RETRY_SECONDS = 1.0
+
+
+class LeftRings:
+    """Ingest rings a dead broker left that the start could not salvage for lack of room
+    (`salvage.salvage_at_start`): ingest process 0 tries them every `LEFT_RETRY_SECONDS` and
+    announces their records like any producer's; a ring emptied is unlinked (the supervisor drops
+    its name from the manifest at the stop)."""
+
+    def __init__(self, left: list[tuple[int, str]], positions: np.ndarray) -> None:
+        self.left = list(left)
+        self.positions = positions
+        self.next_try = 0.0
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def drain(self, announcer, now: float) -> int:
+        """One try when due: how many records appended. DiskFull propagates (retried later)."""
+        if not self.left or now < self.next_try:
+            return 0
+        self.next_try = now + LEFT_RETRY_SECONDS
+        done = 0
+        while self.left:
+            producer_id, name = self.left[0]
+            try:
+                seg = Segment.attach(name)
+            except (FileNotFoundError, ValueError):
+                self.left.pop(0)
+                continue
+            try:
+                entry = ProducerEntry(producer_id, name, 0, 0, None, None)
+                if not int(seg.buf[: L.HEADER_BYTES].view(np.int64)[L.H_CLOSED_REASON]):
+                    done += drain_closed(seg.buf, lambda pos, n, e=entry, s=seg: announcer(e, s, pos, n), self.positions)
+            finally:
+                seg.close()
+            self.left.pop(0)
+            unlink_name("segment", name)
+        return done
+
+
+def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, left=()) -> None:
+    """Ingest process k: drain the rings of producers assigned to it into backlog writer k (and, in
+    process 0, the rings `left` from a dead broker that its start had no room to salvage)."""
     from .spill.store import Backlog
     from .stats import StatsWriter
 
@@ -197,6 +239,7 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -
     stats = StatsWriter(control, role)
     announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, stats.values)
     rings = RingSet(bell)
+    left_rings = LeftRings(left, np.empty(BATCH_RECORDS, np.int64))
     seen_version = -1
     closed_seen = 0
     try:
@@ -219,6 +262,8 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping) -
                 continue
             try:
                 n = rings.drain_once(announcer)
+                if left_rings:
+                    n += left_rings.drain(announcer, time.monotonic())
             except DiskFull:
                 stats.values[I_DISK_FULL] += 1
                 stats.publish()
@@ -260,11 +305,23 @@ def _final_drain(rings: RingSet, announcer, stopping) -> bool:
         close_ring(src.ring.buf)
     time.sleep(0.005)
     for src in rings.sources:
-        positions = rings._positions
-        while True:
-            n, new_tail = peek_closed(src.ring.buf, positions, positions.size)
-            if n == 0:
-                break
-            announcer(src.entry, src.ring, positions, n)
-            set_closed_tail(src.ring.buf, new_tail)
+        drain_closed(src.ring.buf, lambda pos, n, src=src: announcer(src.entry, src.ring, pos, n), rings._positions)
     return True
+
+
+def drain_closed(buf: np.ndarray, on_records, positions: np.ndarray) -> int:
+    """Hand the records a closed ring (`wire.close_ring`) still holds to `on_records(positions, n)`,
+    moving its closed tail past each batch once the callback returns; how many records. A producer
+    that rewrites its header cannot keep this going: at most one ring's worth, always forward."""
+    h = buf[: L.HEADER_BYTES].view(np.int64)
+    words = (buf.size - L.HEADER_BYTES) // 4
+    first = int(h[L.H_CLOSED_TAIL])
+    total = 0
+    while True:
+        before = int(h[L.H_CLOSED_TAIL])
+        n, tail = peek_closed(buf, positions, positions.size)
+        if n == 0 or int(tail) <= before or int(tail) - first > words:
+            return total
+        on_records(positions, n)
+        set_closed_tail(buf, tail)
+        total += n

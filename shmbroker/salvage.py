@@ -7,6 +7,11 @@ the shm manifest (role `p<producer id>i`), closes it (`ring/wire.close_ring`: it
 sees it full and its consumer dead, so the client reconnects to the new broker), waits a moment
 for a push that had reserved its room, and appends every committed record to the backlog
 (writer 0), with the item ids the producer was given.
+
+A start on a disk that the backlog has filled cannot wait for room (only a running broker frees
+any): what does not fit stays in its ring, `salvage_at_start` returns those rings ("left"), the
+supervisor keeps them in the shm manifest (`Owner(keep=...)`) and ingest process 0 appends them
+(`LeftRings`) once its writer finds room; a stop or a later start salvages what is still there.
 """
 
 from __future__ import annotations
@@ -19,14 +24,13 @@ import numpy as np
 
 from . import durable
 from .errors import DiskFull
-from .ingest import BATCH_RECORDS, BacklogAppender
+from .ingest import BATCH_RECORDS, BacklogAppender, drain_closed
 from .ring import layout as L
 from .ring.owner import Manifest
 from .ring.shm import Segment
-from .ring.wire import close_ring, peek_closed, set_closed_tail
+from .ring.wire import close_ring
 
 SALVAGE_GRACE_SECONDS = 0.02
-SALVAGE_RETRY_SECONDS = 0.2
 log = logging.getLogger("shmbroker.salvage")
 SMALL_SEGMENT_BYTES = 64 << 10  # the smallest segment a salvage on a full disk makes
 INGEST_RING_RE = re.compile(r"\.p([0-9]+)i$")
@@ -40,13 +44,15 @@ def _fitting_segment_bytes(root, segment_bytes: int) -> int | None:
     return size if size >= SMALL_SEGMENT_BYTES else None
 
 
-def salvage(backlog, cfg) -> int:
-    """Append what a dead broker's ingest rings still hold to the backlog (writer 0); how many items."""
+def salvage(backlog, cfg, left: list[tuple[int, str]] | None = None) -> int:
+    """Append what a dead broker's ingest rings still hold to the backlog (writer 0); how many items.
+    On a full disk raise DiskFull or, given `left`, add to it (producer id, name) of each ring not
+    emptied and return (what was appended is not appended again: the ring's closed tail moved)."""
     try:
         names = Manifest(cfg.data_dir).names()["segments"]
     except ValueError:
         return 0
-    rings = []
+    rings: list[tuple[int, Segment, str]] = []
     for name in names:
         m = INGEST_RING_RE.search(name)
         if m is None:
@@ -55,66 +61,72 @@ def salvage(backlog, cfg) -> int:
             seg = Segment.attach(name)
         except (FileNotFoundError, ValueError):
             continue
-        rings.append((int(m.group(1)), seg))
+        rings.append((int(m.group(1)), seg, name))
     if not rings:
         return 0
-    for _, seg in rings:
+    for _, seg, _ in rings:
         close_ring(seg.buf)
     time.sleep(SALVAGE_GRACE_SECONDS)  # a push that reserved its room before the close lands
     writer = backlog.writer(0, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
     appender = BacklogAppender(writer, cfg.block_tokens)
+    append = _Salvager(appender, backlog.root, cfg.segment_bytes)
     positions = np.empty(BATCH_RECORDS, np.int64)
-    shrunk = False
     try:
-        for producer_id, seg in rings:
+        for k, (producer_id, seg, _) in enumerate(rings):
             h = seg.buf[: L.HEADER_BYTES].view(np.int64)
             if int(h[L.H_CLOSED_REASON]):
                 continue  # closed because its producer broke it: the broker reads no more of it
-            words = (seg.buf.size - L.HEADER_BYTES) // 4
-            first = int(h[L.H_CLOSED_TAIL])
-            while True:
-                before = int(h[L.H_CLOSED_TAIL])
-                n, tail = peek_closed(seg.buf, positions, positions.size)
-                # a producer that rewrites its header cannot keep this loop going: at most one
-                # ring's worth, always forward
-                if n == 0 or int(tail) <= before or int(tail) - first > words:
-                    break
-                try:
-                    appender.append(producer_id, seg.buf, positions, n)
-                except DiskFull:
-                    # no room for a whole segment: the broker cannot start to free any, so once go on
-                    # in segments that fit what is free (the space reserve given up too)
-                    size = _fitting_segment_bytes(backlog.root, cfg.segment_bytes)
-                    if shrunk or size is None:
-                        raise
-                    writer.shrink_segments(size)
-                    shrunk = True
-                    continue
-                except ValueError:  # a record larger than the small segments: wait for room as for a full disk
-                    if not shrunk:
-                        raise
-                    raise DiskFull("no room for a segment as large as a salvaged record") from None
-                set_closed_tail(seg.buf, tail)
+            try:
+                drain_closed(seg.buf, lambda pos, n, p=producer_id, b=seg.buf: append(p, b, pos, n), positions)
+            except DiskFull as exc:
+                if left is None:
+                    raise
+                log.warning("salvage: %s", exc)
+                left.extend((p, name) for p, s, name in rings[k:]
+                            if not int(s.buf[: L.HEADER_BYTES].view(np.int64)[L.H_CLOSED_REASON]))
+                break
     finally:
         writer.close()
-        for _, seg in rings:
+        for _, seg, _ in rings:
             seg.close()
     return appender.num_items
 
 
-def salvage_when_room(backlog, cfg) -> int:
-    """`salvage` at a start; on a full disk wait for room (the rings keep their items meanwhile,
-    and what was appended is not appended again). The count is of the last try's items."""
-    warned = 0.0
-    while True:
+class _Salvager:
+    """`drain_closed` callback of the salvage: append to writer 0; on a full disk once go on in
+    segments that fit what is free (the broker cannot start to free any; the space reserve given up too)."""
+
+    def __init__(self, appender: BacklogAppender, root, segment_bytes: int) -> None:
+        self.appender = appender
+        self.root = root
+        self.segment_bytes = segment_bytes
+        self.shrunk = False
+
+    def __call__(self, producer_id: int, buf: np.ndarray, positions: np.ndarray, n: int) -> None:
         try:
-            return salvage(backlog, cfg)
-        except DiskFull as exc:
-            now = time.monotonic()
-            if now - warned > 5.0:
-                log.warning("salvage: %s; waiting for room (the rings keep their items)", exc)
-                warned = now
-            time.sleep(SALVAGE_RETRY_SECONDS)
+            self.appender.append(producer_id, buf, positions, n)
+            return
+        except DiskFull:
+            size = _fitting_segment_bytes(self.root, self.segment_bytes)
+            if self.shrunk or size is None:
+                raise
+        self.appender.writer.shrink_segments(size)
+        self.shrunk = True
+        try:
+            self.appender.append(producer_id, buf, positions, n)
+        except ValueError:  # a record larger than the small segments: as a full disk
+            raise DiskFull("no room for a segment as large as a salvaged record") from None
+
+
+def salvage_at_start(backlog, cfg) -> tuple[int, list[tuple[int, str]]]:
+    """`salvage` at a start, which does not wait for room: (items appended, the rings left with
+    items in them for lack of room, as (producer id, name))."""
+    left: list[tuple[int, str]] = []
+    n = salvage(backlog, cfg, left)
+    if left:
+        log.warning("salvage: no room on the disk for what %d ingest rings of the last broker hold; they stay "
+                    "in shared memory and ingest-0 appends them once there is room", len(left))
+    return n, left
 
 
 def salvage_at_stop(cfg) -> bool:

@@ -45,7 +45,7 @@ from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, C
 from .lockfile import AlreadyRunning, InstanceLock
 from .ring.owner import Owner
 from .ring.ring import CONSUMER, PRODUCER, create_ring
-from .salvage import salvage_at_stop, salvage_when_room
+from .salvage import salvage_at_start, salvage_at_stop
 from .watch import describe, remove_description, write_description
 from .watchdog import Limits, Supervision, describe_status, note_exception
 
@@ -84,6 +84,7 @@ class Supervisor:
         self.lock = None
         self.owner = None
         self.keep_shm = False  # set when a stop could not salvage the ingest rings
+        self.left_rings: list[tuple[int, str]] = []  # a dead broker's ingest rings the start had no room for
         self.registry = None
         self.report: dict = {}
 
@@ -116,10 +117,11 @@ class Supervisor:
             log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
-            salvaged = salvage_when_room(backlog, cfg)
+            salvaged, self.left_rings = salvage_at_start(backlog, cfg)
         finally:
             backlog.close()
-        self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged}
+        self.report = {"recovery": report.as_dict(), "salvaged_items": salvaged,
+                       "rings_left_unsalvaged": len(self.left_rings)}
         if report.torn_bytes or report.quarantined:
             log.warning("backlog recovery: cut %d torn bytes, quarantined %d records (%d answered corrupt, %d lost "
                         "with no item named)", report.torn_bytes, len(report.quarantined), report.corrupt_records,
@@ -128,7 +130,7 @@ class Supervisor:
             log.warning("backlog recovery: %s: %s; %s", damaged["file"], damaged["reason"], damaged["action"])
         log.info("backlog: %d records pending (%d tokens), recovered in %.3f s; %d items salvaged from rings",
                  report.pending_records, report.pending_tokens, report.seconds, salvaged)
-        self.owner = Owner(cfg.data_dir, cfg.instance)
+        self.owner = Owner(cfg.data_dir, cfg.instance, keep={name for _, name in self.left_rings})
         warmup.warm_all()
         owner = self.owner
         self.control = Control.create(owner, self.roles)
@@ -209,7 +211,8 @@ class Supervisor:
             from .ingest import ingest_main
 
             k = int(role.split("-", 1)[1])
-            ingest_main(k, cfg, self.control, self.appended[k], self.ingest_bells[k], stopping)
+            ingest_main(k, cfg, self.control, self.appended[k], self.ingest_bells[k], stopping,
+                        self.left_rings if k == 0 else ())
         elif role == "sched":
             from .sched import sched_main
 
@@ -295,6 +298,8 @@ class Supervisor:
         for group in (ingest, ["sched"], gpus, ["results"], [r for r in self.roles if r == "metrics"]):
             self._stop_group(group)
         self.keep_shm = not salvage_at_stop(self.cfg)
+        if not self.keep_shm and self.owner is not None:  # the rings a dead broker left are salvaged now
+            self.owner.manifest.sweep(self.owner.names())
         self.close()
 
     def _stop_group(self, roles: list[str]) -> None:

@@ -13,6 +13,18 @@ from shmbroker.salvage import salvage
 from shmbroker.spill.store import Backlog
 
 
+def result_ids(p, count: int, timeout_seconds: float = 60.0) -> set[int]:
+    """The item ids of a producer's results until `count` came (within the time)."""
+    import time
+
+    got: set[int] = set()
+    deadline = time.monotonic() + timeout_seconds
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count}"
+        got.update(r.item_id for r in p.results(timeout_seconds=1.0))
+    return got
+
+
 def test_salvage_appends_what_a_dead_brokers_ring_holds_and_closes_it(tmp_path):
     data = str(tmp_path / "data")
     cfg = settings.load(None, data_dir=data)
@@ -79,11 +91,51 @@ def test_items_an_ingest_process_left_at_a_stop_are_salvaged_not_unlinked(tmp_pa
         assert "salvaged to the backlog" in broker.log()
         broker.start()
         with Producer("stuck", data_dir=broker.data_dir) as p:
-            got: set[int] = set()
-            deadline = time.monotonic() + 60
-            while len(got) < count:
-                assert time.monotonic() < deadline, f"{len(got)} of {count}"
-                got.update(r.item_id for r in p.results(timeout_seconds=1.0))
-        assert got == ids
+            assert result_ids(p, count) == ids
     finally:
         broker.stop()
+
+
+def test_a_start_on_a_disk_too_full_to_salvage_comes_up_and_appends_the_rings_once_there_is_room(tmp_path):
+    """Before: a start whose salvage found no room waited for room forever (only a running broker
+    frees any), so a broker on a disk its backlog had filled never came back. Now it starts, keeps
+    the dead broker's ring (its items in shared memory), and ingest-0 appends them once room is back."""
+    import os
+    import secrets
+    import signal
+    import time
+
+    from brokerproc import BrokerProc
+    from conftest import shm_leftovers
+    from smallfs import fill, mounted_tmpfs
+
+    from shmbroker.client import Producer
+
+    count = 300
+    instance = "ls" + secrets.token_hex(3)
+    broker = BrokerProc(tmp_path, instance=instance)
+    with mounted_tmpfs(tmp_path / "fs", mib=40) as mnt:
+        broker.data_dir = str(mnt / "data")
+        broker.start()
+        try:
+            os.kill(broker.role_pids()["ingest-0"], signal.SIGSTOP)  # it drains nothing from here on
+            with Producer("stuck", data_dir=broker.data_dir) as p:
+                ids = set(p.submit_many(np.arange(count * 4, dtype=np.uint32), np.arange(count + 1, dtype=np.int64) * 4,
+                                        max_new_tokens=1).tolist())
+                p._auto_ack = False
+            broker.kill()  # the whole broker dies; its ingest ring, with every item, stays in /dev/shm
+            for reserve in mnt.rglob(".reserve"):  # spent by the full disk that came before
+                reserve.unlink()
+            filler = fill(mnt, leave_bytes=32 << 10)  # no room for even a small salvage segment
+            broker.start(ready_timeout_seconds=60)
+            assert "no room on the disk for what 1 ingest rings" in broker.log()
+            time.sleep(1.5)
+            with Producer("stuck", data_dir=broker.data_dir) as p:
+                assert not list(p.results(timeout_seconds=0.5))  # nowhere to go yet
+                filler.unlink()  # room again
+                assert result_ids(p, count) == ids
+            assert broker.stop() == 0
+            assert shm_leftovers(instance) == []  # the dead broker's ring too, once salvaged
+        finally:
+            if broker.proc is not None and broker.proc.poll() is None:
+                broker.kill()

@@ -20,12 +20,12 @@ import os
 import shutil
 import stat
 import struct
-import subprocess
 from pathlib import Path
 
 import crc32c
 import numpy as np
 import pytest
+from smallfs import fill, mounted_tmpfs
 
 from shmbroker.errors import DiskFull
 from shmbroker.spill import segment as segment_mod
@@ -513,43 +513,8 @@ def test_bit_flip_in_a_seal_index_falls_back_to_scanning_that_segment(tmp_path, 
 @pytest.fixture
 def small_fs(tmp_path):
     """A 2 MiB tmpfs mounted for the test (skipped when this machine cannot mount one)."""
-    mnt = tmp_path / "small_fs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root (CAP_SYS_ADMIN)")
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot run mount for a size-limited tmpfs: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "small_fs", mib=2) as mnt:
         yield mnt
-    finally:
-        undone = subprocess.run(["umount", str(mnt)], capture_output=True, text=True, timeout=20)
-        if undone.returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, text=True, timeout=20)
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def fill(path: Path, leave_bytes: int) -> Path:
-    """A file that takes all free space of the filesystem but leave_bytes."""
-    filler = path / "filler"
-    size = free_bytes(path) - leave_bytes
-    assert size > 0
-    fd = os.open(filler, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
-    assert free_bytes(path) == leave_bytes
-    return filler
 
 
 def batch_ids(k: int, count: int) -> np.ndarray:

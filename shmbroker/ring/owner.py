@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Callable, TypeVar
+from typing import Callable, Collection, TypeVar
 
 from .shm import KINDS, MODE, NAME_RE, Doorbell, Segment, make_name, unlink_name
 
@@ -62,11 +62,12 @@ class Manifest:
             listed.remove(name)
             self._write(names)
 
-    def sweep(self) -> list[str]:
-        """Unlink every listed name that still exists, clear the file; return those unlinked."""
+    def sweep(self, keep: Collection[str] = ()) -> list[str]:
+        """Unlink every listed name that still exists but those to `keep` (they stay listed); return
+        those unlinked."""
         names = self.names()
-        unlinked = [n for kind in KINDS for n in names[self._key(kind)] if unlink_name(kind, n)]
-        self._write({"segments": [], "doorbells": []})
+        unlinked = [n for kind in KINDS for n in names[self._key(kind)] if n not in keep and unlink_name(kind, n)]
+        self._write({key: [n for n in listed if n in keep] for key, listed in names.items()})
         return unlinked
 
     @staticmethod
@@ -95,11 +96,13 @@ class Owner:
     """The creating side (the broker). Creates segments and doorbells for one
     instance, records each in the manifest first, unlinks them all on close."""
 
-    def __init__(self, data_dir: str | os.PathLike[str], instance: str, sweep: bool = True) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], instance: str, sweep: bool = True,
+                 keep: Collection[str] = ()) -> None:
+        """`keep`: names of a dead owner that the sweep leaves (listed, not unlinked)."""
         make_name(instance, "probe")  # validate early
         self.instance = instance
         self.manifest = Manifest(data_dir)
-        self.swept: list[str] = self.manifest.sweep() if sweep else []
+        self.swept: list[str] = self.manifest.sweep(keep) if sweep else []
         self._objects: dict[str, Segment | Doorbell] = {}
         self._closed = False
 
@@ -121,6 +124,10 @@ class Owner:
             raise
         self._objects[name] = obj
         return obj
+
+    def names(self) -> set[str]:
+        """The names of what this owner created (and has not released)."""
+        return set(self._objects)
 
     def release(self, obj: Segment | Doorbell) -> None:
         """Close and unlink one object this owner created, and forget it."""
