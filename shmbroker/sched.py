@@ -32,8 +32,8 @@ from .ring.items import STATUS_CODES
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
 from .spill.locate import record_locations
-from .spill.recovered import RecoveredQueue
 from .spill.store import BACKLOG_DIR, Backlog
+from .spill.waiting import WaitingQueue
 from .stats import MAX_MODELS, SCHED, slot_of
 
 POP_RECORDS = 64
@@ -43,16 +43,16 @@ CORRUPT = STATUS_CODES["corrupt"]
 NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
-REFILL_ROWS = 1 << 16  # recovered records read back from disk (and hashed) at a time
+REFILL_ROWS = 1 << 16  # waiting items read back from disk (and hashed) at a time
 
 # statistics words (stats.SCHED)
 (S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
  S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED,
- S_HELD_BACK, S_RECOVERED_WAITING) = (
+ S_HELD_BACK, S_WAITING) = (
     slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
                                   "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
                                   "overflow_items", "families", "oldest_ns", "num_models", "recovered_corrupt",
-                                  "recovered_unnamed_corrupt", "held_back", "recovered_waiting"))
+                                  "recovered_unnamed_corrupt", "held_back", "waiting_items"))
 S_MODEL_ITEMS = slot_of("sched", "model0_items")
 S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
 
@@ -82,11 +82,13 @@ class Scheduler:
         self.slots = np.zeros(self.capacity, LOC_DTYPE)
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
         self.num_free = self.capacity
-        self.overflow: deque = deque()  # (locs, hash_offsets, hashes) not yet in the index (it was full)
-        # what a start recovered beyond the index: on disk, indexed as room frees (before the overflow)
-        self.recovered: RecoveredQueue | None = None
-        self.recovered_backlog: Backlog | None = None  # maps the segments of the records read back
-        self.recovered_ns = 0  # their arrival: the start
+        # beyond the index: what a start recovered and what came while the index was full waits on
+        # disk in arrival order (`spill.waiting`), indexed as batches free room; `front` holds, in
+        # memory and ahead of it, the (locs, hash_offsets, hashes, arrival_ns) the index could not
+        # take of what was read back (at most REFILL_ROWS items)
+        self.front: deque = deque()
+        self.waiting: WaitingQueue | None = None
+        self.waiting_backlog: Backlog | None = None  # maps the segments of the items read back
         self.failed: list[np.ndarray] = []  # LOC rows with aux = status, waiting for a batch record
         self.high: dict[int, int] = {}  # per writer: sequence numbers below were seen by the start scan
         self.t0 = time.monotonic()
@@ -125,31 +127,47 @@ class Scheduler:
         # every recovered record counts as pending now; they wait on disk and are read back, their
         # block hashes computed, as the index has room (`_refill`)
         self._count_pending(pending["model"], pending["num_tokens"], 1)
-        self.recovered = RecoveredQueue(data_dir, pending)
+        queue = self._queue()
+        for at in range(0, pending.size, REFILL_ROWS):
+            queue.append(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
         del pending
-        self.recovered_backlog = Backlog(Path(data_dir) / BACKLOG_DIR, self.cfg.segment_bytes)
-        self.recovered_ns = time.monotonic_ns()
-        self.values[S_RECOVERED_WAITING] = len(self.recovered)
+        self._waited()
         self._refill()
         return {"seconds": time.perf_counter() - t0, "items": items, "tokens": tokens, "corrupt": int(corrupt.size),
-                "unnamed_corrupt": report.unnamed_corrupt, "on_disk": self.recovered.on_disk, "scan": report.as_dict()}
+                "unnamed_corrupt": report.unnamed_corrupt, "on_disk": queue.in_memory == 0, "scan": report.as_dict()}
 
-    def _recovering(self) -> bool:
-        return self.recovered is not None and len(self.recovered) > 0
+    def _queue(self) -> WaitingQueue:
+        if self.waiting is None:
+            self.waiting = WaitingQueue(self.cfg.data_dir)
+        return self.waiting
+
+    def _behind(self) -> bool:
+        """Whether items wait beyond the index (a new one goes behind them)."""
+        return bool(self.front) or (self.waiting is not None and len(self.waiting) > 0)
+
+    def _in_memory(self) -> int:
+        """Items beyond the index held in memory: `front`, and those waiting while the disk was full."""
+        return sum(e[0].size for e in self.front) + (self.waiting.in_memory if self.waiting is not None else 0)
+
+    def _waited(self) -> None:
+        """Refresh the gauges of what waits beyond the index."""
+        self.values[S_OVERFLOW] = self._in_memory()
+        self.values[S_WAITING] = len(self.waiting) - self.waiting.in_memory if self.waiting is not None else 0
 
     def take_announcements(self) -> int:
-        """Take what ingest appended, while the overflow (items beyond a full index, in memory) is
-        below `overflow_items`; past it, announcements wait in their rings (back-pressure: ingest,
-        then producers, wait), so the scheduler's memory is bounded by the index and that (plus one
-        announcement: up to ingest.BATCH_RECORDS items)."""
+        """Take what ingest appended. Beyond a full index items wait on disk; only when the disk is
+        full do they wait in memory, and past `overflow_items` of those announcements wait in their
+        rings (back-pressure: ingest, then producers, wait), so the scheduler's memory is bounded by
+        the index and that (plus one announcement: up to ingest.BATCH_RECORDS items)."""
         tokens, offsets, keys, meta = self._pop
         total = 0
         for ring in self.appended:
-            if self.values[S_OVERFLOW] >= self.cfg.overflow_items:
+            held = self.waiting.in_memory if self.waiting is not None else 0
+            if held >= self.cfg.overflow_items:
                 self.values[S_HELD_BACK] += 1
                 break
-            # with an overflow, one announcement at a time: the bound holds to one announcement
-            n = ring.pop_many(tokens, offsets, keys, meta, 1 if self.values[S_OVERFLOW] else POP_RECORDS)
+            # with items held in memory, one announcement at a time: the bound holds to one announcement
+            n = ring.pop_many(tokens, offsets, keys, meta, 1 if held else POP_RECORDS)
             for r in range(n):
                 count, nh = int(meta[r, 0]), int(meta[r, 1])
                 words = tokens[offsets[r] : offsets[r + 1]]
@@ -188,9 +206,9 @@ class Scheduler:
             return
         self._pending(locs, 1)
         now_ns = time.monotonic_ns()
-        if self.overflow or self._recovering():  # behind what is older
-            self.overflow.append((locs, hash_offsets, hashes, now_ns))
-            self.values[S_OVERFLOW] += locs.size
+        if self._behind():  # behind what is older; its block hashes are computed again when read back
+            self._queue().append(locs, now_ns)
+            self._waited()
             return
         self._index(locs, hash_offsets, hashes, now_ns)
 
@@ -242,29 +260,30 @@ class Scheduler:
             self.values[S_INDEXED_ITEMS] += added
             self.values[S_INDEXED_TOKENS] += int(lengths[:added].sum())
             n = added
-        if n < locs.size:
-            self.overflow.appendleft((*_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n), arrival_ns))
-            self.values[S_OVERFLOW] += locs.size - n
+        if n < locs.size:  # ahead of what waits on disk
+            self.front.appendleft((*_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n), arrival_ns))
+            self._waited()
         return n
 
     def _refill(self) -> None:
-        """Move what a start recovered, then the overflow, into the index as batches free its room."""
-        while self.num_free and self._recovering():
-            (_rows, locs, hash_offsets, hashes), gone = self.recovered.take(
-                min(self.num_free, REFILL_ROWS), self.recovered_backlog, self.cfg.block_tokens)
-            self._count_pending(gone["model"], gone["num_tokens"], -1)  # done since the scan
-            self.values[S_RECOVERED_WAITING] = len(self.recovered)
-            locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
-            if locs.size:
-                self._index(locs, hash_offsets, hashes, self.recovered_ns)
-        if self.recovered_backlog is not None and not self._recovering():
-            self.recovered_backlog.close()
-            self.recovered_backlog = None
-        while self.overflow and self.num_free:
-            entry = self.overflow.popleft()
-            self.values[S_OVERFLOW] -= entry[0].size
+        """Move what waits beyond the index into it (`front`, then the disk) as batches free room."""
+        while self.num_free and self.front:
+            entry = self.front.popleft()
             if self._index(*entry) == 0:
                 break
+        while self.num_free and not self.front and self.waiting is not None and len(self.waiting):
+            if self.waiting_backlog is None:
+                self.waiting_backlog = Backlog(Path(self.cfg.data_dir) / BACKLOG_DIR, self.cfg.segment_bytes)
+            (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(
+                min(self.num_free, REFILL_ROWS), self.waiting_backlog, self.cfg.block_tokens)
+            self._count_pending(gone["model"], gone["length"], -1)  # done meanwhile
+            locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
+            if locs.size:
+                self._index(locs, hash_offsets, hashes, arrival_ns)
+        if self.waiting_backlog is not None and not (self.waiting is not None and len(self.waiting)):
+            self.waiting_backlog.close()
+            self.waiting_backlog = None
+        self._waited()
 
     def _unservable(self, locs):
         """(status, keep) of items no consumer can ever take, counted by reason; None when all can be."""
@@ -301,7 +320,7 @@ class Scheduler:
         while active:
             active = [c for c in active if self._push_one(c, now)]
             pushed += len(active)
-        if self.overflow or self._recovering():
+        if self._behind():
             self._refill()
         return pushed
 
@@ -368,6 +387,15 @@ class Scheduler:
         self.free[self.num_free : self.num_free + k] = slots
         self.num_free += k
 
+    def close(self) -> None:
+        """Drop what waits on disk (the next start's scan finds it again)."""
+        if self.waiting_backlog is not None:
+            self.waiting_backlog.close()
+            self.waiting_backlog = None
+        if self.waiting is not None:
+            self.waiting.close()
+            self.waiting = None
+
     def refresh_gauges(self) -> None:
         """The gauges a loop round does not keep: families in the index, the oldest waiting item."""
         v = self.values
@@ -376,10 +404,11 @@ class Scheduler:
         while arrivals and not (self.arrival_ns[arrivals[0][1]] == arrivals[0][0]).any():
             arrivals.popleft()
         oldest = int(arrivals[0][0]) if arrivals else NO_ITEM_NS
-        if self.overflow:
-            oldest = min(oldest, int(self.overflow[0][3]))
-        if self._recovering():
-            oldest = min(oldest, self.recovered_ns)
+        if self.front:
+            oldest = min(oldest, int(self.front[0][3]))
+        head = self.waiting.head_arrival_ns() if self.waiting is not None else None
+        if head is not None:
+            oldest = min(oldest, head)
         v[S_OLDEST] = 0 if oldest == NO_ITEM_NS else oldest
 
     # -- waiting ------------------------------------------------------------------------------
@@ -416,7 +445,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
     role = control.roles.index("sched")
     slot = control.role(role)
     stats = StatsWriter(control, role)
-    gauges = (S_PENDING_ITEMS, S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST)
+    gauges = (S_PENDING_ITEMS, S_PENDING_TOKENS, S_OVERFLOW, S_WAITING, S_FAMILIES, S_OLDEST)
     gauges += tuple(range(S_MODEL_ITEMS, S_MODEL_ITEMS + MAX_MODELS))
     gauges += tuple(range(S_MODEL_TOKENS, S_MODEL_TOKENS + MAX_MODELS))
     stats.values[list(gauges)] = 0  # this incarnation's own view: it rebuilds the index from disk
@@ -443,5 +472,6 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
                 except PeerDead:
                     pass
     finally:
+        sched.close()
         for r in appended + batches:
             r.close()

@@ -120,10 +120,11 @@ SCHED = (
     _c("rejected_no_consumer", "rejected_items_total", "Items failed back at intake.", (("reason", "no_consumer"),)),
     _c("rejected_too_long", "rejected_items_total", "Items failed back at intake.", (("reason", "too_long"),)),
     # exported per model (metrics.py: shmbroker_backlog_pending_items{model}), from the words below
-    _g("pending_items", None, "Items waiting for a batch (index and overflow)."),
-    _g("pending_tokens", None, "Tokens waiting for a batch (index and overflow)."),
+    _g("pending_items", None, "Items waiting for a batch (in the index or beyond it)."),
+    _g("pending_tokens", None, "Tokens waiting for a batch (in the index or beyond it)."),
     _g("overflow_items", "sched_overflow_items",
-       "Items waiting in the scheduler's memory for room in the packing index (at most overflow_items)."),
+       "Items waiting in the scheduler's memory for room in the packing index (read back from disk, "
+       "or come while the disk was full: at most overflow_items of those)."),
     _g("families", "backlog_families", "Prefix families in the packing index."),
     _g("oldest_ns", None, "CLOCK_MONOTONIC time the oldest waiting item entered the scheduler (0: none)."),
     _g("num_models", None, "Models with per-model pending counts below."),
@@ -133,8 +134,8 @@ SCHED = (
        "Backlog records the scheduler's start found lost to damage that names no item (no result can be sent)."),
     _c("held_back", "sched_held_back_total",
        "Times the scheduler left announcements in their rings because its overflow was full (back-pressure)."),
-    _g("recovered_waiting", "sched_recovered_waiting_items",
-       "Items a start recovered that wait on disk (not in memory) for room in the packing index."),
+    _g("waiting_items", "sched_waiting_items",
+       "Items waiting on disk (not in memory) for room in the packing index: recovered by a start, or come while it was full."),
 ) + tuple(_g(f"model{m}_items", None, "") for m in range(MAX_MODELS)) \
   + tuple(_g(f"model{m}_tokens", None, "") for m in range(MAX_MODELS))
 

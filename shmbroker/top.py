@@ -117,7 +117,7 @@ def _backlog(b: dict) -> Panel:
         rows.append((f"  {model}", f"{m['items']:,} items, {m['tokens']:,} tokens"))
     rows += [("families", _num(b.get("families"))), ("oldest item", _duration(b.get("oldest_age_seconds"))),
              ("segments", _num(b.get("segments"))), ("on disk", format_bytes(b.get("disk_bytes", 0))),
-             ("overflow items", _num(b.get("overflow_items")))]
+             ("waiting on disk", _num(b.get("waiting_items"))), ("in memory beyond", _num(b.get("overflow_items")))]
     return Panel(_pairs(rows), title="backlog", title_align="left")
 
 

@@ -208,6 +208,7 @@ class BrokerView:
             per_model[name] = {"items": sched.get(f"model{m}_items", 0), "tokens": sched.get(f"model{m}_tokens", 0)}
         return {"pending_items": sched.get("pending_items", 0), "pending_tokens": sched.get("pending_tokens", 0),
                 "families": sched.get("families", 0), "overflow_items": sched.get("overflow_items", 0),
+                "waiting_items": sched.get("waiting_items", 0),
                 "oldest_age_seconds": max(0.0, (now_ns - oldest) / 1e9) if oldest else 0.0,
                 "models": per_model, **backlog_on_disk(self.data_dir)}
 

@@ -1,5 +1,5 @@
-"""The scheduler's memory beyond its index is bounded: past `overflow_items` it takes no more
-announcements, and ingest then producers wait (issue 14, hole 15)."""
+"""The scheduler's memory beyond its index is bounded: what the index cannot hold waits on disk,
+live or recovered (issue 14, hole 15); only a full disk keeps it in memory, at most `overflow_items`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from brokerproc import BrokerProc
 
 from shmbroker.client import Producer
+from shmbroker.sources import BATCH_RECORDS
 
 CONFIG = """
 ingest_ring_bytes = 1048576
@@ -36,23 +37,37 @@ def _sched(broker) -> dict:
     return json.loads(out)["scheduler"]
 
 
-def test_overflow_is_bounded_and_the_rest_waits_upstream(tmp_path):
-    """Before: every announcement that came while the index was full was kept in a list in the
-    scheduler's memory, however many."""
+def test_items_beyond_a_full_index_wait_on_disk_not_in_memory_and_all_come_back(tmp_path):
+    """Before: every announcement that came while the index was full was kept in the scheduler's
+    memory, with its block hashes (here up to 6000 - 1024 items in `overflow_items`), and past
+    `overflow_items` the scheduler took no more: producers waited with a disk that had room."""
     count = 6000
-    with BrokerProc(tmp_path, config=CONFIG) as broker:
+    with BrokerProc(tmp_path, config=CONFIG.replace("pace_seconds = 50.0", f"pace_seconds = {PACE}")) as broker:
         with Producer("flood", data_dir=broker.data_dir, timeout_seconds=30.0) as p:
             flat = np.arange(count * 8, dtype=np.uint32) % 30_000
-            p.submit_many(flat, np.arange(count + 1, dtype=np.int64) * 8, max_new_tokens=1)
-            deadline = time.monotonic() + 60
-            while True:
+            ids = set(p.submit_many(flat, np.arange(count + 1, dtype=np.int64) * 8, max_new_tokens=1).tolist())
+            most_waiting = most_in_memory = 0
+            waiting_dir = Path(broker.data_dir) / "sched" / "waiting"
+            modes = set()
+            got: list[int] = []
+            deadline = time.monotonic() + 120
+            while len(got) < count:
+                assert time.monotonic() < deadline, f"{len(got)} of {count}"
                 s = _sched(broker)
-                if s.get("held_back", 0) > 0 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert s["held_back"] > 0, s
-            assert s["overflow_items"] <= 1024 + 4096, s  # the bound, and at most one announcement more
-            assert s["pending_items"] < count  # the rest waits upstream, on disk and in the rings
+                most_waiting = max(most_waiting, s["waiting_items"])
+                most_in_memory = max(most_in_memory, s["overflow_items"])
+                if s["waiting_items"]:
+                    modes.update(f.stat().st_mode & 0o777 for f in waiting_dir.glob("*.bin"))
+                got.extend(r.item_id for r in p.results(timeout_seconds=0.5))
+        assert len(got) == count and set(got) == ids  # each once, through the disk and back
+        assert most_waiting >= count - 1024 - 2 * 4096, most_waiting  # the flood beyond the index: on disk
+        assert most_in_memory <= BATCH_RECORDS, most_in_memory  # in memory at most what the index could not take of one announcement
+        assert s["held_back"] == 0, s  # producers never waited on a disk with room
+        assert modes == {0o600} and waiting_dir.stat().st_mode & 0o777 == 0o700
+        deadline = time.monotonic() + 10
+        while list(waiting_dir.glob("*.bin")):  # read to their end: the files go
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
 
 
 def _ingested(broker) -> int:
@@ -61,6 +76,7 @@ def _ingested(broker) -> int:
     return json.loads(out)["ingest"].get("items", 0)
 
 
+PACE = 0.5
 FAST = CONFIG.replace("pace_seconds = 50.0", "pace_seconds = 0.0")
 
 
@@ -86,13 +102,13 @@ def test_a_restart_keeps_what_the_index_cannot_hold_on_disk_not_in_memory(tmp_pa
         deadline = time.monotonic() + 30
         while True:
             s = _sched(broker)
-            if s.get("recovered_waiting", 0) > 0 or time.monotonic() > deadline:
+            if s.get("waiting_items", 0) > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
-        assert s["recovered_waiting"] >= count - 1024 - 256, s  # on disk, read back as the index frees room
+        assert s["waiting_items"] >= count - 1024 - 256, s  # on disk, read back as the index frees room
         assert s["overflow_items"] == 0, s  # nothing of it in memory beyond the index
-        assert s["pending_items"] >= max(s["recovered_waiting"], count - 256), s  # and it all counts as pending
-        assert (Path(broker.data_dir) / "sched" / "recovered.bin").stat().st_mode & 0o777 == 0o600
+        assert s["pending_items"] >= max(s["waiting_items"], count - 256), s  # and it all counts as pending
+        assert {f.stat().st_mode & 0o777 for f in (Path(broker.data_dir) / "sched" / "waiting").glob("*.bin")} == {0o600}
         broker.kill()
         broker.config_path.write_text(FAST)
         broker.start()
@@ -104,8 +120,45 @@ def test_a_restart_keeps_what_the_index_cannot_hold_on_disk_not_in_memory(tmp_pa
                 got.extend(r.item_id for r in p.results(timeout_seconds=1.0))
         assert len(got) == count and set(got) == ids
         deadline = time.monotonic() + 10
-        while (Path(broker.data_dir) / "sched" / "recovered.bin").exists():  # drained: the scratch file goes
+        while list((Path(broker.data_dir) / "sched" / "waiting").glob("*.bin")):  # drained: the scratch files go
             assert time.monotonic() < deadline
             time.sleep(0.2)
     finally:
         broker.stop()
+
+
+def test_the_waiting_queue_keeps_arrival_order_across_files_and_a_full_disk(tmp_path, monkeypatch):
+    """Rows go to files of CHUNK_ROWS, read back in order, each file deleted once read; a full disk
+    keeps the rest in memory behind those on disk, and the disk is tried again once all is read."""
+    import errno
+
+    from shmbroker.ring.wire import LOC_DTYPE
+    from shmbroker.spill import waiting as W
+
+    monkeypatch.setattr(W, "CHUNK_ROWS", 100)
+    q = W.WaitingQueue(tmp_path)
+
+    def locs(first, n):
+        rows = np.zeros(n, LOC_DTYPE)
+        rows["item_id"] = np.arange(first, first + n)
+        return rows
+
+    q.append(locs(0, 250), 7)
+    assert len(q) == 250 and q.in_memory == 0 and q.files == 3
+    real = W.os.pwrite
+    monkeypatch.setattr(W.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    q.append(locs(250, 30), 8)  # the disk is full: in memory, behind
+    monkeypatch.setattr(W.os, "pwrite", real)
+    q.append(locs(280, 20), 9)  # room again, but behind rows in memory: memory too (the order holds)
+    assert len(q) == 300 and q.in_memory == 50 and q.head_arrival_ns() == 7
+    seen = []
+    while len(q):
+        rows = q._read(64)
+        seen += rows["item_id"].tolist()
+        if len(seen) == 100:
+            assert q.files == 2  # the first file, read to its end, is gone
+    assert seen == list(range(300)) and q.files == 0 and q.in_memory == 0
+    q.append(locs(300, 5), 10)  # all read: the disk again
+    assert q.in_memory == 0 and q.files == 1 and q.head_arrival_ns() == 10
+    q.close()
+    assert not (tmp_path / "sched" / "waiting").exists()

@@ -1,4 +1,4 @@
-"""Item locations and block hashes of recovered backlog records, for a scheduler rebuilding its index.
+"""Item locations and block hashes of backlog records read back from disk, for a scheduler (re)filling its index.
 
 The family key is in every record's header (`prefix_key`); the block hashes below it are chained
 from it over the tokens past the family root (the declared prefix, else the first block), so an
@@ -28,13 +28,19 @@ def record_locations(records: np.ndarray) -> np.ndarray:
 
 def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
     """(LOC_DTYPE rows, hash_offsets, hashes) of pending records (spill.layout.PENDING_DTYPE)."""
-    n = pending.size
     locs = record_locations(pending)
+    return (locs, *block_hashes(backlog, locs, block_tokens))
+
+
+def block_hashes(backlog, locs: np.ndarray, block_tokens: int):
+    """(hash_offsets, hashes) of backlog records at LOC_DTYPE rows, their `aux` set to each one's
+    count; `backlog` maps their segments (`segment()`/`forget_segment()`), one at a time."""
+    n = locs.size
     hash_offsets = np.zeros(n + 1, np.int64)
     if n == 0:
-        return locs, hash_offsets, np.zeros(0, np.uint64)
-    lengths = pending["num_tokens"].astype(np.int64)
-    declared = pending["prefix_len"]
+        return hash_offsets, np.zeros(0, np.uint64)
+    lengths = locs["length"].astype(np.int64)
+    declared = locs["prefix_len"]
     prefixes = np.where(declared == NO_PREFIX, 0, declared).astype(np.int64)
     ends = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=ends[1:])
@@ -43,7 +49,7 @@ def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
     hashes = np.zeros(total, np.uint64)
     if total:
         need = np.diff(hash_offsets) > 0
-        writers, segments = pending["writer"], pending["segment"]
+        writers, segments = locs["writer"], locs["segment"]
         idx = np.flatnonzero(need)
         keys = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
@@ -52,8 +58,8 @@ def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
             sel = idx[a:b]
             key = (int(writers[sel[0]]), int(segments[sel[0]]))
             seg = backlog.segment(*key)
-            starts = (pending["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
-            chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], pending["prefix_key"][sel],
+            starts = (locs["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
+            chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], locs["family"][sel],
                         block_tokens, hash_offsets[sel], hashes)
             backlog.forget_segment(*key)  # unmapped at once: memory stays one segment, not the backlog
-    return locs, hash_offsets, hashes
+    return hash_offsets, hashes
