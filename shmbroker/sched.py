@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from .ring.items import STATUS_CODES
 from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
 from .spill.locate import record_locations
-from .spill.store import BACKLOG_DIR, Backlog
+from .spill.store import Backlog
 from .spill.waiting import WaitingQueue
 from .stats import MAX_MODELS, SCHED, slot_of
 
@@ -87,8 +86,7 @@ class Scheduler:
         # memory and ahead of it, the (locs, hash_offsets, hashes, arrival_ns) the index could not
         # take of what was read back (at most REFILL_ROWS items)
         self.front: deque = deque()
-        self.waiting: WaitingQueue | None = None
-        self.waiting_backlog: Backlog | None = None  # maps the segments of the items read back
+        self.waiting = WaitingQueue(cfg.data_dir, cfg.segment_bytes)
         self.failed: list[np.ndarray] = []  # LOC rows with aux = status, waiting for a batch record
         self.high: dict[int, int] = {}  # per writer: sequence numbers below were seen by the start scan
         self.t0 = time.monotonic()
@@ -127,32 +125,26 @@ class Scheduler:
         # every recovered record counts as pending now; they wait on disk and are read back, their
         # block hashes computed, as the index has room (`_refill`)
         self._count_pending(pending["model"], pending["num_tokens"], 1)
-        queue = self._queue()
         for at in range(0, pending.size, REFILL_ROWS):
-            queue.append(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
+            self.waiting.append(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
         del pending
         self._waited()
         self._refill()
         return {"seconds": time.perf_counter() - t0, "items": items, "tokens": tokens, "corrupt": int(corrupt.size),
-                "unnamed_corrupt": report.unnamed_corrupt, "on_disk": queue.in_memory == 0, "scan": report.as_dict()}
-
-    def _queue(self) -> WaitingQueue:
-        if self.waiting is None:
-            self.waiting = WaitingQueue(self.cfg.data_dir)
-        return self.waiting
+                "unnamed_corrupt": report.unnamed_corrupt, "on_disk": self.waiting.in_memory == 0, "scan": report.as_dict()}
 
     def _behind(self) -> bool:
         """Whether items wait beyond the index (a new one goes behind them)."""
-        return bool(self.front) or (self.waiting is not None and len(self.waiting) > 0)
+        return bool(self.front) or len(self.waiting) > 0
 
     def _in_memory(self) -> int:
         """Items beyond the index held in memory: `front`, and those waiting while the disk was full."""
-        return sum(e[0].size for e in self.front) + (self.waiting.in_memory if self.waiting is not None else 0)
+        return sum(e[0].size for e in self.front) + self.waiting.in_memory
 
     def _waited(self) -> None:
         """Refresh the gauges of what waits beyond the index."""
         self.values[S_OVERFLOW] = self._in_memory()
-        self.values[S_WAITING] = len(self.waiting) - self.waiting.in_memory if self.waiting is not None else 0
+        self.values[S_WAITING] = len(self.waiting) - self.waiting.in_memory
 
     def take_announcements(self) -> int:
         """Take what ingest appended. Beyond a full index items wait on disk; only when the disk is
@@ -162,7 +154,7 @@ class Scheduler:
         tokens, offsets, keys, meta = self._pop
         total = 0
         for ring in self.appended:
-            held = self.waiting.in_memory if self.waiting is not None else 0
+            held = self.waiting.in_memory
             if held >= self.cfg.overflow_items:
                 self.values[S_HELD_BACK] += 1
                 break
@@ -207,7 +199,7 @@ class Scheduler:
         self._pending(locs, 1)
         now_ns = time.monotonic_ns()
         if self._behind():  # behind what is older; its block hashes are computed again when read back
-            self._queue().append(locs, now_ns)
+            self.waiting.append(locs, now_ns)
             self._waited()
             return
         self._index(locs, hash_offsets, hashes, now_ns)
@@ -271,18 +263,13 @@ class Scheduler:
             entry = self.front.popleft()
             if self._index(*entry) == 0:
                 break
-        while self.num_free and not self.front and self.waiting is not None and len(self.waiting):
-            if self.waiting_backlog is None:
-                self.waiting_backlog = Backlog(Path(self.cfg.data_dir) / BACKLOG_DIR, self.cfg.segment_bytes)
+        while self.num_free and not self.front and len(self.waiting):
             (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(
-                min(self.num_free, REFILL_ROWS), self.waiting_backlog, self.cfg.block_tokens)
+                min(self.num_free, REFILL_ROWS), self.cfg.block_tokens)
             self._count_pending(gone["model"], gone["length"], -1)  # done meanwhile
             locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
             if locs.size:
                 self._index(locs, hash_offsets, hashes, arrival_ns)
-        if self.waiting_backlog is not None and not (self.waiting is not None and len(self.waiting)):
-            self.waiting_backlog.close()
-            self.waiting_backlog = None
         self._waited()
 
     def _unservable(self, locs):
@@ -389,12 +376,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Drop what waits on disk (the next start's scan finds it again)."""
-        if self.waiting_backlog is not None:
-            self.waiting_backlog.close()
-            self.waiting_backlog = None
-        if self.waiting is not None:
-            self.waiting.close()
-            self.waiting = None
+        self.waiting.close()
 
     def refresh_gauges(self) -> None:
         """The gauges a loop round does not keep: families in the index, the oldest waiting item."""
@@ -406,7 +388,7 @@ class Scheduler:
         oldest = int(arrivals[0][0]) if arrivals else NO_ITEM_NS
         if self.front:
             oldest = min(oldest, int(self.front[0][3]))
-        head = self.waiting.head_arrival_ns() if self.waiting is not None else None
+        head = self.waiting.head_arrival_ns()
         if head is not None:
             oldest = min(oldest, head)
         v[S_OLDEST] = 0 if oldest == NO_ITEM_NS else oldest

@@ -136,7 +136,7 @@ def test_the_waiting_queue_keeps_arrival_order_across_files_and_a_full_disk(tmp_
     from shmbroker.spill import waiting as W
 
     monkeypatch.setattr(W, "CHUNK_ROWS", 100)
-    q = W.WaitingQueue(tmp_path)
+    q = W.WaitingQueue(tmp_path, 1 << 20)
 
     def locs(first, n):
         rows = np.zeros(n, LOC_DTYPE)

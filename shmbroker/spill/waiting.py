@@ -28,6 +28,7 @@ from .. import durable
 from ..ring.wire import LOC_DTYPE
 from .layout import writer_dir_name
 from .locate import block_hashes
+from .store import BACKLOG_DIR, Backlog
 
 SCRATCH_DIR = "sched"
 WAITING_DIR = "waiting"
@@ -40,7 +41,10 @@ class WaitingQueue:
     """Items waiting for room in the index, first in first out: `append(locs, arrival_ns)`,
     `take(n, backlog, block_tokens)`."""
 
-    def __init__(self, data_dir: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike, segment_bytes: int):
+        self.backlog_dir = Path(data_dir) / BACKLOG_DIR
+        self.segment_bytes = segment_bytes
+        self.backlog: Backlog | None = None  # maps the segments of the rows read back, while any wait
         self.dir = Path(data_dir) / SCRATCH_DIR / WAITING_DIR
         shutil.rmtree(self.dir, ignore_errors=True)  # a dead scheduler's: the scan found its rows again
         self.dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -119,12 +123,7 @@ class WaitingQueue:
         if on_disk:
             chunk, within = divmod(self.next, CHUNK_ROWS)
             n = min(n, on_disk, CHUNK_ROWS - within)
-            fd = self._fd if chunk == self._fd_chunk else os.open(self._path(chunk), os.O_RDONLY)
-            try:
-                data = os.pread(fd, n * ROW_BYTES, within * ROW_BYTES)
-            finally:
-                if fd != self._fd:
-                    os.close(fd)
+            data = self._pread(chunk, within, n)
             assert len(data) == n * ROW_BYTES, "a waiting file is shorter than written"
             rows = np.frombuffer(data, WAIT_DTYPE).copy()
             self.next += n
@@ -141,6 +140,16 @@ class WaitingQueue:
             self.memory.pop(0)
         self.in_memory -= rows.size
         return rows
+
+    def _pread(self, chunk: int, within: int, n: int) -> bytes:
+        """n rows from row `within` of file `chunk` (through the write descriptor when it is that one)."""
+        if chunk == self._fd_chunk:
+            return os.pread(self._fd, n * ROW_BYTES, within * ROW_BYTES)
+        fd = os.open(self._path(chunk), os.O_RDONLY)
+        try:
+            return os.pread(fd, n * ROW_BYTES, within * ROW_BYTES)
+        finally:
+            os.close(fd)
 
     def _drop_read(self) -> None:
         """Delete the files read to their end; when all on disk is read, start again from row 0."""
@@ -160,18 +169,20 @@ class WaitingQueue:
         if self.written > self.next:
             chunk, within = divmod(self.next, CHUNK_ROWS)
             try:
-                data = (os.pread(self._fd, ROW_BYTES, within * ROW_BYTES) if chunk == self._fd_chunk
-                        else _pread_once(self._path(chunk), within * ROW_BYTES))
+                data = self._pread(chunk, within, 1)
             except OSError:
                 return None
             return int(np.frombuffer(data, WAIT_DTYPE)["arrival_ns"][0])
         return int(self.memory[0]["arrival_ns"][0]) if self.memory else None
 
-    def take(self, n: int, backlog, block_tokens: int):
+    def take(self, n: int, block_tokens: int):
         """The next `n` (at most) waiting items' (LOC rows, hash_offsets, hashes, arrival_ns of the
-        first), their block hashes computed from the backlog (`backlog` maps the segments). Rows whose
-        segment is gone (every record in it done meanwhile) are dropped and returned apart: (taken, gone)."""
+        first), their block hashes computed from the backlog's segments. Rows whose segment is gone
+        (every record in it done meanwhile) are dropped and returned apart: (taken, gone)."""
         rows = self._read(n)
+        if self.backlog is None:
+            self.backlog = Backlog(self.backlog_dir, self.segment_bytes)
+        backlog = self.backlog
         gone = np.zeros(rows.size, bool)
         for w, s in {(int(w), int(s)) for w, s in zip(rows["writer"].tolist(), rows["segment"].tolist())}:
             if not (backlog.root / writer_dir_name(w) / f"{s:020d}.seg").exists():
@@ -181,19 +192,20 @@ class WaitingQueue:
         for name in LOC_DTYPE.names:
             locs[name] = live[name]
         hash_offsets, hashes = block_hashes(backlog, locs, block_tokens)
+        if not len(self):
+            self._close_backlog()
         arrival = int(live["arrival_ns"][0]) if live.size else 0
         return (locs, hash_offsets, hashes, arrival), rows[gone]
 
+    def _close_backlog(self) -> None:
+        if self.backlog is not None:
+            self.backlog.close()
+            self.backlog = None
+
     def close(self) -> None:
+        self._close_backlog()
         self._close_fd()
         shutil.rmtree(self.dir, ignore_errors=True)
         self.memory.clear()
         self.in_memory = 0
 
-
-def _pread_once(path: Path, at: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.pread(fd, ROW_BYTES, at)
-    finally:
-        os.close(fd)
