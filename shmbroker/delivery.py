@@ -32,7 +32,6 @@ is replayed, so results come again (duplicates at the client), none is lost.
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 
 import crc32c
@@ -49,52 +48,36 @@ class IndexedOffsets:
 
     def __init__(self, base: int = 0):
         self.base = base  # ring index of the first offset held
-        self._parts: deque = deque()
-        self._head = 0  # position in the first part
-        self._size = 0
+        self._queue = OffsetQueue()
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._queue)
 
     @property
     def end(self) -> int:
         """The ring index the next push gets."""
-        return self.base + self._size
+        return self.base + len(self._queue)
 
     def append(self, offsets: np.ndarray) -> None:
-        if offsets.size:
-            self._parts.append(np.array(offsets, np.int64))
-            self._size += offsets.size
+        self._queue.extend(offsets)
 
     def drop_below(self, index: int) -> None:
         """Forget the offsets whose ring index is below `index` (acknowledged)."""
-        while self._parts and self.base < index:
-            part = self._parts[0]
-            take = min(part.size - self._head, index - self.base)
-            self._head += take
-            self.base += take
-            self._size -= take
-            if self._head == part.size:
-                self._parts.popleft()
-                self._head = 0
+        if index > self.base:
+            count = min(index - self.base, len(self._queue))
+            self._queue.drop(count)
+            self.base += count
 
     def first(self) -> int | None:
-        return int(self._parts[0][self._head]) if self._parts else None
+        return self._queue.first() if self._queue else None
 
     def peek_all(self) -> np.ndarray:
-        parts = list(self._parts)
-        if parts:
-            parts[0] = parts[0][self._head :]
+        parts = self._queue.peek_all()
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def take_all(self) -> np.ndarray:
-        parts = list(self._parts)
-        if parts:
-            parts[0] = parts[0][self._head :]
-        self._parts.clear()
-        self._head = 0
-        self.base += self._size
-        self._size = 0
+        self.base += len(self._queue)
+        parts = self._queue.take_all()
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 

@@ -174,43 +174,79 @@ class ResultsLog:
             self.fd = -1
 
 
+OFFSET_CHUNK = 4096  # offsets a chunk of an OffsetQueue holds (32 KiB)
+
+
 class OffsetQueue:
-    """Log offsets waiting for delivery, in increasing order, held as arrays (8 bytes a result)."""
+    """Log offsets waiting for delivery, in order, packed 8 bytes a result into chunks of
+    OFFSET_CHUNK (a result ring pushes a few at a time: one small array each would cost about
+    100 bytes a result, and a reader far behind holds millions). Chunks start small and double:
+    a name with one result waiting holds 128 bytes."""
 
     def __init__(self):
-        self._parts: deque = deque()
-        self._head = 0  # position in the first part
+        self._chunks: deque = deque()  # int64 arrays; the last is filled up to _fill
+        self._head = 0  # position in the first chunk
+        self._fill = 0
+        self._size = 0
 
     def extend(self, offsets: np.ndarray) -> None:
-        if offsets.size:
-            self._parts.append(np.asarray(offsets, np.int64))
+        offsets = np.asarray(offsets, np.int64).reshape(-1)
+        done, n = 0, offsets.size
+        while done < n:
+            if not self._chunks or self._fill == self._chunks[-1].size:
+                grow = min(OFFSET_CHUNK, 2 * self._chunks[-1].size) if self._chunks else 16
+                self._chunks.append(np.empty(max(grow, n - done), np.int64))
+                self._fill = 0
+            last = self._chunks[-1]
+            k = min(n - done, last.size - self._fill)
+            last[self._fill : self._fill + k] = offsets[done : done + k]
+            self._fill += k
+            done += k
+        self._size += n
 
     def __bool__(self) -> bool:
-        return bool(self._parts)
+        return self._size > 0
 
     def __len__(self) -> int:
-        return sum(p.size for p in self._parts) - self._head
+        return self._size
 
     def first(self) -> int:
-        return int(self._parts[0][self._head])
+        return int(self._chunks[0][self._head])
 
     def pop(self) -> None:
-        self._head += 1
-        if self._head == self._parts[0].size:
-            self._parts.popleft()
-            self._head = 0
+        self.drop(1)
+
+    def drop(self, count: int) -> None:
+        """Forget the first `count` offsets (at most all of them)."""
+        count = min(count, self._size)
+        self._size -= count
+        if self._size == 0:
+            self.clear()
+            return
+        while count:
+            end = self._fill if len(self._chunks) == 1 else self._chunks[0].size
+            k = min(count, end - self._head)
+            self._head += k
+            count -= k
+            if self._head == end:
+                self._chunks.popleft()
+                self._head = 0
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._head = self._fill = self._size = 0
 
     def peek_all(self) -> list:
         """The offsets, as arrays in order (views; nothing changes)."""
-        parts = list(self._parts)
-        if parts:
-            parts[0] = parts[0][self._head :]
+        if not self._size:
+            return []
+        parts = list(self._chunks)
+        parts[-1] = parts[-1][: self._fill]
+        parts[0] = parts[0][self._head :]
         return parts
 
     def take_all(self) -> list:
-        parts = list(self._parts)
-        if parts:
-            parts[0] = parts[0][self._head :]
-        self._parts.clear()
-        self._head = 0
+        parts = self.peek_all()
+        self._chunks = deque()
+        self._head = self._fill = self._size = 0
         return parts

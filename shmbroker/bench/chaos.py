@@ -26,8 +26,8 @@ Then a fresh broker drains: every name's results are read until each accepted it
 Figures: `items` accepted, `kills`, `lost` (accepted, no result), `duplicated` (result rows
 beyond the first of an item, across every reader's output), `wrong` (an `ok` result whose tokens
 are not the simulated engine's output for that item's prompt), `failed` (a result other than
-`ok`), `memory_growth_ratio` (the largest resident size of the long-lived client, a GPU process
-and the scheduler at the end over the same after warm-up), and what `results/` and the
+`ok`), `memory_growth_ratio` (the largest resident size of the long-lived client, a GPU process,
+the scheduler and the results process at the end over the same after warm-up), and what `results/` and the
 instance's /dev/shm hold at the end.
 """
 
@@ -465,7 +465,8 @@ def _kill_during_stop(broker: _Broker, rng: random.Random) -> int:
 
 def _memory(broker: _Broker, client_pid: int, measure=_rss_bytes) -> dict[str, int]:
     pids = broker.role_pids()
-    out = {"client": measure(client_pid), "sched": measure(pids.get("sched", 0))}
+    out = {"client": measure(client_pid), "sched": measure(pids.get("sched", 0)),
+           "results": measure(pids.get("results", 0))}
     for role, pid in pids.items():
         if role.startswith("gpu-"):
             out[role] = measure(pid)
