@@ -251,25 +251,20 @@ class Router(Replayer, BehindNames):
             if outlet.name in self.held:
                 continue
             log = self._log_of(outlet.name)
-            sent = []  # recorded as pushed in one array, also when a read fails part way
-            try:
-                while outlet.waiting:
-                    at = outlet.waiting.first()
-                    head = log.read(at, RES_HEADER_BYTES)
-                    size = int(head.view(np.uint32)[0])
-                    data = log.read(at, size)
-                    pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
-                    if wake:
-                        outlet.ring.data_bell.ring()
-                    if not pushed:
-                        break
-                    outlet.waiting.pop()
-                    sent.append(at)
-            finally:
-                if sent:
-                    outlet.pushed(np.array(sent, np.int64))
-                    self.counters[1] += len(sent)
-                    moved += len(sent)
+            while outlet.waiting:
+                at = outlet.waiting.first()
+                head = log.read(at, RES_HEADER_BYTES)
+                size = int(head.view(np.uint32)[0])
+                data = log.read(at, size)
+                pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
+                if wake:
+                    outlet.ring.data_bell.ring()
+                if not pushed:
+                    break
+                outlet.waiting.pop()
+                outlet.pushed(np.array([at], np.int64))
+                self.counters[1] += 1
+                moved += 1
         return moved
 
     # -- checkpoints --------------------------------------------------------------------

@@ -247,6 +247,5 @@ class OffsetQueue:
 
     def take_all(self) -> list:
         parts = self.peek_all()
-        self._chunks = deque()
-        self._head = self._fill = self._size = 0
+        self.clear()
         return parts
