@@ -363,6 +363,7 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
     kills = 0
     memory_warm: dict[str, int] = {}
     anon_warm: dict[str, int] = {}
+    backlog_warm: dict[str, int] = {}
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < seconds:
@@ -370,9 +371,11 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
             if not memory_warm and time.monotonic() - t0 > WARMUP_SHARE * seconds:
                 memory_warm = _memory(broker, procs[0].pid)
                 anon_warm = _memory(broker, procs[0].pid, _anon_bytes)
+                backlog_warm = _backlog(data_dir)
             kills += _strike(broker, readers, rng)
         memory_end = _memory(broker, procs[0].pid)
         anon_end = _memory(broker, procs[0].pid, _anon_bytes)
+        backlog_end = _backlog(data_dir)
         if filler is not None:
             filler.stop()  # the drain has the whole (small) filesystem
         stop.set()
@@ -405,6 +408,7 @@ def _run(tmp: str, instance: str, rng, ctx, broker, filler, seconds: float, seed
            "memory_warm_bytes": memory_warm, "memory_end_bytes": memory_end,
            "anon_growth_ratio": round(anon_ratio, 3) if anon_ratio is not None else None,
            "anon_warm_bytes": anon_warm, "anon_end_bytes": anon_end,
+           "backlog_warm": backlog_warm, "backlog_end": backlog_end,
            "results_dir_bytes": sum(p.stat().st_size for p in results_dir.rglob("*") if p.is_file()),
            "shm_left_bytes": shm_left, "broker_starts": broker.starts, "final_stop_code": code}
     return out
@@ -471,6 +475,27 @@ def _memory(broker: _Broker, client_pid: int, measure=_rss_bytes) -> dict[str, i
         if role.startswith("gpu-"):
             out[role] = measure(pid)
     return out
+
+
+def _backlog(data_dir: str) -> dict[str, int]:
+    """Items waiting for a batch (in the scheduler's memory, and on disk only) and results waiting
+    for readers far behind, as the broker's shared counters say now; {} if it cannot be read."""
+    from ..errors import BrokerError
+    from ..watch import BrokerView
+
+    try:  # a role being restarted: its segment may be gone for a moment
+        view = BrokerView.attach(data_dir)
+    except (BrokerError, OSError, ValueError):
+        return {}
+    try:
+        report = view.snapshot()
+    except (BrokerError, OSError, ValueError):
+        return {}
+    finally:
+        view.close()
+    b, r = report["backlog"], report["results"]
+    return {"pending_items": int(b["pending_items"]), "waiting_items": int(b["waiting_items"]),
+            "overflow_items": int(b["overflow_items"]), "behind_bytes": int(r.get("behind_bytes", 0))}
 
 
 def _accepted(tmp: str, names: list[str]) -> dict[str, dict[int, tuple[int, int]]]:
