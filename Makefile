@@ -2,21 +2,28 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.stamp-install
+CORE_STAMP := $(VENV)/.stamp-core
+TEST_STAMP := $(VENV)/.stamp-test
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test soak bench warm clean vllm
+.PHONY: install demo test lint soak bench warm clean vllm
 
-install: $(STAMP)
+install: $(CORE_STAMP)
 
-$(STAMP): pyproject.toml
+# the core: what `make demo` needs (the simulated engine; no torch)
+$(CORE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE_STAMP)
+
+# the test extra: the hf engine on the CPU, the openai engine's client, the import contracts
+$(TEST_STAMP): $(CORE_STAMP)
 	# torch first, pinned: this release is a CPU build on these machines (an unpinned one pulls a CUDA
 	# build of several GB that a CPU-only test run does not need)
 	$(PY) -m pip install --quiet 'torch==$(TORCH_VERSION)'
 	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 # A real vLLM on the CPU in its own environment (it pins its own torch and transformers < 5.20):
 # `.venv-vllm/bin/shmbroker` runs consumers with engine = "vllm"; tests/test_vllm_real.py uses it.
@@ -41,13 +48,17 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # Compile every numba kernel into the on-disk cache (keyed on the kernel sources).
-warm: install
+warm: $(CORE_STAMP)
 	$(PY) -m shmbroker.cli warm
 
 demo: warm
 	$(VENV)/bin/shmbroker demo
 
-test: warm
+# DESIGN.md "Layout": imports run downward only (the contracts are in pyproject.toml)
+lint: $(TEST_STAMP)
+	$(VENV)/bin/lint-imports
+
+test: $(TEST_STAMP) warm lint
 	@$(MAKE) vllm || echo "make vllm failed: tests/test_vllm_real.py will skip (no usable .venv-vllm)"
 	$(PY) -m pytest -q
 
@@ -56,12 +67,12 @@ test: warm
 # simulation with SOAK_ITERATIONS times its seeds (15,000 at 50).
 SOAK_ITERATIONS ?= 50
 SOAK_SECONDS ?= 600
-soak: warm
+soak: $(TEST_STAMP) warm
 	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py tests/test_power_loss.py
 	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --json
 	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --fs-mib 48 --json
 
-bench: warm
+bench: $(TEST_STAMP) warm
 	$(VENV)/bin/shmbroker bench ring --json
 	$(VENV)/bin/shmbroker bench backlog --json
 	$(VENV)/bin/shmbroker bench pack --json

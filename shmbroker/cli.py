@@ -1,4 +1,8 @@
-"""The `shmbroker` command: demo, bench, warm."""
+"""shmbroker: a token-aware work broker for GPU LLM inference.
+
+Run the broker (supervise), check its configuration (config), feed it (submit) and read what it
+made (results), watch it (status, top), try it end to end on the simulated engine (demo), measure
+it against a baseline (bench), and compile its kernels ahead (warm)."""
 
 from __future__ import annotations
 
@@ -170,9 +174,11 @@ def _commands(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="two producers push a seeded workload through the rings into the backlog; prints throughput")
+    p = sub.add_parser("demo", help="start the broker on its built-in configuration (two simulated consumers), feed it a seeded "
+                       "workload from two producers, check every result, and compare with FIFO feeding")
     p.add_argument("--data-dir", default=None, help="data directory (default $SHMBROKER_DATA_DIR or ./shmbroker-data)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("bench", help="run a benchmark against its baseline in the same run")
@@ -242,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes, at most 0.5 (default 0.5)")
     p.set_defaults(func=_top)
-    p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache")
+    p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache (make demo and make test do)")
     p.set_defaults(func=_warm)
     return parser
 

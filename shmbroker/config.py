@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+DEFAULT_CONFIG_FILE = "shmbroker.toml"
 DEFAULT_DATA_DIR = "shmbroker-data"
 DEFAULT_INSTANCE = "main"
 DEFAULT_SUBMIT_TIMEOUT_SECONDS = 10.0
@@ -21,6 +22,8 @@ def data_dir(explicit: str | os.PathLike | None = None) -> str:
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_FSYNC = "interval"
 DEFAULT_FSYNC_INTERVAL_MS = 5.0
+DEFAULT_MAX_WAIT_SECONDS = 30.0  # an item waiting longer decides its consumer's next family (aging, pack/policy.py)
+DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait in its overflow
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"  # the Prometheus exporter; loopback unless configured otherwise
 # the simulated engine's pace in `supervise` and `demo`: wall seconds per modeled second, so that
 # consumers of different sizes split the work as real cards would (0: unpaced, as fast as the CPU)

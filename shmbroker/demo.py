@@ -4,7 +4,7 @@
    `big` and `small` on the simulated engine, packed mode, modeled cost), on a fresh data
    directory under the given one and a unique instance name; the demo waits until every broker
    process runs.
-2. The generator's workload (`bench/workload.py`: Zipf prefix families, multi-turn chains,
+2. The generator's workload (`workloads/synthetic.py`: Zipf prefix families, multi-turn chains,
    log-normal lengths; the default model only) is split between two forked producers: `chat`
    submits its half one item at a time, `batch` in chunks with `submit_many`. Each reads its
    results while it submits and checks that every item id came back exactly once, ok, with the
@@ -14,7 +14,7 @@
    switches, families, modeled engine seconds and modeled throughput; wall-clock items/s are
    the producers' (first submit to last result).
 4. FIFO feeding of the same workload to the same two consumers, in virtual time with the packing
-   benchmark's simulation (`bench/packsim.py`), beside it.
+   benchmark's simulation (`workloads/packsim.py`), beside it.
 5. The broker is stopped (SIGTERM), must exit 0 and leave none of its shared memory behind.
 """
 
@@ -52,7 +52,7 @@ SHM_DIR = "/dev/shm"
 def workload(items: int, seed: int, max_new_tokens: int | None = None):
     """The generator's workload, default model only: a consumer without a model name serves model id 0.
     `max_new_tokens`: every item's (None: the generator's, per item)."""
-    from .bench.workload import Workload, generate
+    from .workloads.synthetic import Workload, generate
 
     wl = generate(items, seed=seed)
     if max_new_tokens is not None:
@@ -277,9 +277,8 @@ def fifo_figures(wl, cfg) -> dict:
 
     The engines see the blocks the broker's simulated engines see (they hash each batch's tokens
     without the declared prefixes), so the cache hit rates compare like for like."""
-    from .bench.pack import distinct_blocks
-    from .bench.packsim import FifoFeeder, SimConsumer, simulate
-    from .pack.shapes import shape_items
+    from .pack.shapes import distinct_blocks, shape_items
+    from .workloads.packsim import FifoFeeder, SimConsumer, simulate
 
     consumers = [SimConsumer(c.name, c.contract, c.engine_settings.cache_tokens) for c in cfg.consumers]
     modes = {c.engine_settings.mode for c in cfg.consumers}

@@ -52,3 +52,7 @@ class DiskFull(BrokerError):
     def __init__(self, message: str, appended: int = 0):
         super().__init__(message)
         self.appended = appended
+
+
+class ConfigError(BrokerError, ValueError):
+    """The configuration names an unknown key or an impossible value; the message names the key."""

@@ -66,26 +66,25 @@ The defaults live in `config.py`; every key is documented in the README.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field
 
 from . import config
-from .errors import BrokerError
-from .gpu.engines.options import SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
+from .errors import ConfigError
+from .gpu.engines import options
+from .gpu.engines.options import SimSettings
 from .gpu.engines.registry import ENGINES as ENGINE_REGISTRY
-from .gpu.engines.sim import SimCost
-from .gpu.tiers import GIB, Card, Tier
-from .pack.contract import MODES, Contract
+from .pack.contract import Contract
 from .pack.policy import DEFAULT_PADDING_TOLERANCE
 from .pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
 from .ring.items import model_id
 from .stats import MAX_MODELS
+from .validator import Validator
 
-DEFAULT_CONFIG_FILE = "shmbroker.toml"
-DEFAULT_MAX_WAIT_SECONDS = 30.0
+__all__ = ["ConfigError"]  # raised here; declared in errors.py
+
 ENGINES = tuple(ENGINE_REGISTRY)
 INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -93,14 +92,37 @@ RING_BYTES_MIN = 1 << 16
 SEGMENT_BYTES_MIN = 1 << 20
 
 
-DEFAULT_INDEX_ITEMS = 1 << 20  # items the scheduler's packing index holds; more wait in its overflow
 FAILURE_SECONDS_KEYS = ("batch_deadline_seconds", "batch_deadline_token_seconds", "heartbeat_timeout_seconds",
                         "startup_timeout_seconds", "restart_backoff_max_seconds", "crash_loop_window_seconds",
                         "engine_retry_min_seconds", "engine_retry_max_seconds")
 
 
-class ConfigError(BrokerError, ValueError):
-    """The configuration names an unknown key or an impossible value; the message names the key."""
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Tier:
+    """What a card with at least `min_memory_gib` of memory runs (one `[[tiers]]` table; gpu/tiers.py
+    picks one per card)."""
+
+    name: str
+    min_memory_gib: float  # the smallest card it fits, in GiB (2^30 bytes) of total memory
+    engine: str
+    engine_settings: object  # SimSettings, or the engine's own (gpu/engines/options.py)
+    max_batch_size: int
+    max_batch_tokens: int
+    max_input_len: int
+    model: str | None = None  # the model name producers submit with; None: the default model
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU: NVML's (nvidia-smi's) index, its name, its total memory (or one `[[gpus]]` table)."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,12 @@ class ConsumerConfig:
     # (set by `supervise --gpus auto`, gpu/tiers.py)
     device: int | None = None
 
+    @classmethod
+    def on_card(cls, card: Card, tier: Tier) -> ConsumerConfig:
+        """`card<index>`: the tier's engine, settings and contract, pinned to the card."""
+        contract = Contract(tier.max_batch_size, tier.max_batch_tokens, tier.max_input_len, model_id(tier.model))
+        return cls(f"card{card.index}", contract, tier.model, tier.engine, tier.engine_settings, device=card.index)
+
 
 @dataclass(frozen=True)
 class BrokerConfig:
@@ -126,9 +154,9 @@ class BrokerConfig:
     fsync: str = config.DEFAULT_FSYNC
     fsync_interval_ms: float = config.DEFAULT_FSYNC_INTERVAL_MS
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
+    max_wait_seconds: float = config.DEFAULT_MAX_WAIT_SECONDS
     padding_tolerance: float = DEFAULT_PADDING_TOLERANCE
-    index_items: int = DEFAULT_INDEX_ITEMS
+    index_items: int = config.DEFAULT_INDEX_ITEMS
     overflow_items: int = config.DEFAULT_OVERFLOW_ITEMS
     metrics_addr: str = config.DEFAULT_METRICS_ADDR  # "" = no exporter
     # failures (config.py has each default and what it means)
@@ -178,9 +206,9 @@ def as_dict(cfg: BrokerConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def parse(raw: dict, where: str = DEFAULT_CONFIG_FILE, *, data_dir: str | None = None) -> BrokerConfig:
+def parse(raw: dict, where: str = config.DEFAULT_CONFIG_FILE, *, data_dir: str | None = None) -> BrokerConfig:
     """Validate a parsed TOML document into a BrokerConfig."""
-    v = _Validator(where)
+    v = Validator(where)
     known = {f.name for f in dataclasses.fields(BrokerConfig)} - {"source"}
     v.no_unknown(raw, known, "")
     out: dict = {}
@@ -265,7 +293,7 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
+def _consumer(v: Validator, raw: dict, at: str) -> ConsumerConfig:
     v.no_unknown(raw, {"name", "max_batch_size", "max_batch_tokens", "max_input_len", "model", "engine",
                        "engine_settings"}, at)
     for key in ("name", "max_batch_size", "max_batch_tokens", "max_input_len"):
@@ -276,7 +304,7 @@ def _consumer(v: _Validator, raw: dict, at: str) -> ConsumerConfig:
     return ConsumerConfig(name, contract, model, engine, settings)
 
 
-def _tiers(v: _Validator, items) -> tuple[Tier, ...]:
+def _tiers(v: Validator, items) -> tuple[Tier, ...]:
     if not isinstance(items, list) or not items or not all(isinstance(t, dict) for t in items):
         v.fail("tiers", "must be a non-empty array of tables ([[tiers]])", items)
     tiers = []
@@ -307,7 +335,7 @@ def _tiers(v: _Validator, items) -> tuple[Tier, ...]:
     return tuple(tiers)
 
 
-def _gpus(v: _Validator, items) -> tuple[Card, ...]:
+def _gpus(v: Validator, items) -> tuple[Card, ...]:
     if not isinstance(items, list) or not items or not all(isinstance(g, dict) for g in items):
         v.fail("gpus", "must be a non-empty array of tables ([[gpus]])", items)
     cards = []
@@ -328,7 +356,7 @@ def _gpus(v: _Validator, items) -> tuple[Card, ...]:
     return tuple(cards)
 
 
-def _contract_engine(v: _Validator, raw: dict, at: str):
+def _contract_engine(v: Validator, raw: dict, at: str):
     """(contract, model name, engine, engine settings) of a consumer or a tier."""
     bs = v.integer(raw, "max_batch_size", 1, 1 << 20, at=at)
     bt = v.integer(raw, "max_batch_tokens", 1, 1 << 31, at=at)
@@ -342,90 +370,9 @@ def _contract_engine(v: _Validator, raw: dict, at: str):
     if not isinstance(settings, dict):
         v.fail(f"{at}.engine_settings", "must be a table", settings)
     if engine == "sim":
-        return contract, model, engine, _sim_settings(v, settings, f"{at}.engine_settings")
-    from .gpu.engines import options
-
+        return contract, model, engine, options.sim_settings(v, settings, f"{at}.engine_settings")
     try:
         parsed = options.parse(engine, settings, f"{at}.engine_settings")
     except ValueError as exc:
         raise ConfigError(f"{v.where}: {exc}") from None
     return contract, model, engine, parsed
-
-
-def _sim_settings(v: _Validator, raw: dict, at: str) -> SimSettings:
-    cost_keys = {f.name for f in dataclasses.fields(SimCost)}
-    faults = set(SIM_FAULT_TOKENS) | {"fail_after", "poison_kill"}
-    v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys | faults, at)
-    mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
-    cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
-    cost = {}
-    for key in sorted(cost_keys & raw.keys()):
-        if key == "zero_cost":
-            if not isinstance(raw[key], bool):
-                v.fail(f"{at}.{key}", "must be true or false", raw[key])
-            cost[key] = raw[key]
-        else:
-            cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
-    extra = {"pace_seconds": v.number(raw, "pace_seconds", 0.0, 3600.0, at=at)} if "pace_seconds" in raw else {}
-    for key in (*SIM_FAULT_TOKENS, "fail_after"):
-        if key in raw:
-            extra[key] = v.integer(raw, key, 0, (1 << 32) - 1, at=at)
-    if "poison_kill" in raw:
-        extra["poison_kill"] = v.choice(raw, "poison_kill", SIM_KILLS, at)
-    return SimSettings(mode, cache, SimCost(**cost), **extra)
-
-
-class _Validator:
-    def __init__(self, where: str):
-        self.where = where
-
-    def fail(self, key: str, why: str, value) -> None:
-        got = "" if value is None else f", got {value!r}"
-        raise ConfigError(f"{self.where}: {key}: {why}{got}")
-
-    def no_unknown(self, raw: dict, known: set, at: str) -> None:
-        for key in raw:
-            if key not in known:
-                name = f"{at}.{key}" if at else key
-                raise ConfigError(f"{self.where}: unknown key {name!r} (known: {', '.join(sorted(known))})")
-
-    def _key(self, key: str, at: str) -> str:
-        return f"{at}.{key}" if at else key
-
-    def string(self, raw: dict, key: str, at: str = "") -> str:
-        value = raw[key]
-        if not isinstance(value, str) or not value:
-            self.fail(self._key(key, at), "must be a non-empty string", value)
-        return value
-
-    def pattern(self, raw: dict, key: str, regex, what: str, at: str = "") -> str:
-        value = self.string(raw, key, at)
-        if not regex.fullmatch(value):
-            self.fail(self._key(key, at), f"must be {what}", value)
-        return value
-
-    def choice(self, raw: dict, key: str, options, at: str = "") -> str:
-        value = raw[key]
-        if value not in options:
-            self.fail(self._key(key, at), f"must be one of {', '.join(options)}", value)
-        return value
-
-    def integer(self, raw: dict, key: str, lo: int, hi: int, *, multiple_of: int = 1, at: str = "") -> int:
-        value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(self._key(key, at), "must be an integer", value)
-        if not lo <= value <= hi:
-            what = "a positive integer" if lo == 1 else f"an integer in {lo}..{hi}"
-            self.fail(self._key(key, at), f"must be {what}", value)
-        if value % multiple_of:
-            self.fail(self._key(key, at), f"must be a multiple of {multiple_of}", value)
-        return value
-
-    def number(self, raw: dict, key: str, lo: float, hi: float, *, low_open: bool = False, at: str = "") -> float:
-        value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.fail(self._key(key, at), "must be a number", value)
-        if value < lo or value > hi or (low_open and value == lo):
-            bound = f"> {lo}" if low_open else f">= {lo}"
-            self.fail(self._key(key, at), f"must be {bound} and <= {hi}", value)
-        return float(value)

@@ -44,11 +44,11 @@ def warm_pack() -> None:
     """Both policies on a tiny workload (aging on and off), the guard, the trace synthesis."""
     import numpy as np
 
-    from .bench import trace
     from .pack.contract import Contract, Shape
     from .pack.guard import Guard
     from .pack.packer import ConsumerSpec, Packer
     from .pack.shapes import shape_items
+    from .workloads import trace
 
     tokens = np.arange(2000, dtype=np.uint32)
     shapes = shape_items(tokens, np.array([0, 600, 1300, 2000], np.int64), np.array([0, 100, 0], np.int64))
@@ -74,8 +74,9 @@ def warm_spill() -> None:
 
     import numpy as np
 
+    from . import crc
     from .ring import layout
-    from .spill import collect, crc
+    from .spill import collect
     from .spill.layout import ITEM_DTYPE
     from .spill.store import Backlog
 

@@ -182,7 +182,7 @@ def _mooncake(path: Path) -> Path:
 
 
 def test_trace_reader_synthesises_what_bench_trace_does(tmp_path):
-    from shmbroker.bench import trace
+    from shmbroker.workloads import trace
 
     src = _mooncake(tmp_path / "trace.jsonl")
     out = sorted(_read_trace(str(src), 4), key=lambda o: o.line)  # errors come before buffered lines

@@ -17,12 +17,12 @@ from brokerproc import SMALL_CONFIG, BrokerProc
 from prometheus_client.parser import text_string_to_metric_families
 
 from shmbroker import settings
-from shmbroker.bench.workload import generate
 from shmbroker.client import Producer
 from shmbroker.control import Control
 from shmbroker.demo import consumer_figures
 from shmbroker.stats import read_role
 from shmbroker.watch import BrokerView
+from shmbroker.workloads.synthetic import generate
 
 RESULT_SECONDS = 60.0
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import shmbroker.spill.segment as segment_mod
+from shmbroker import crc as kcrc
 from shmbroker.errors import DiskFull
-from shmbroker.spill import crc as kcrc
 from shmbroker.spill import records
 from shmbroker.spill.acks import ACKS_FILE, AckFileCorrupt, Acks
 from shmbroker.spill.layout import (

@@ -1,4 +1,4 @@
-"""The Mooncake trace replayer (bench/trace.py) and the seeded workload generator (bench/workload.py)."""
+"""The Mooncake trace replayer (workloads/trace.py) and the seeded workload generator (workloads/synthetic.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmbroker.bench.trace import TRACE_BLOCK_TOKENS, load
-from shmbroker.bench.workload import generate
 from shmbroker.pack.shapes import shape_items
+from shmbroker.workloads.synthetic import generate
+from shmbroker.workloads.trace import TRACE_BLOCK_TOKENS, load
 
 BT = TRACE_BLOCK_TOKENS
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

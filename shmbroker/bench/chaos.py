@@ -33,6 +33,7 @@ instance's /dev/shm hold at the end.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import multiprocessing as mp
@@ -517,7 +518,7 @@ def _accepted(tmp: str, names: list[str]) -> dict[str, dict[int, tuple[int, int]
 def _drain(data_dir: str, accepted: dict, outs: dict[str, str]) -> None:
     """Read every name's results until each accepted item has one, or none came for
     DRAIN_IDLE_SECONDS."""
-    from .. import cli
+    from ..commands import results
 
     for name in accepted:
         outs.setdefault(name, os.path.join(os.path.dirname(data_dir), f"{name}.results.jsonl"))
@@ -528,8 +529,8 @@ def _drain(data_dir: str, accepted: dict, outs: dict[str, str]) -> None:
             before = len(_ids_in(outs[name]))
             # in this process (no interpreter start per name: a long run leaves a thousand names)
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
-                cli.main(["results", "--name", name, "--data-dir", data_dir, "--out", outs[name],
-                          "--timeout", str(DRAIN_READ_SECONDS)])
+                results(argparse.Namespace(name=name, data_dir=data_dir, config=None, out=outs[name],
+                                           timeout=DRAIN_READ_SECONDS))
             have = _ids_in(outs[name])
             if len(have) > before:
                 last = time.monotonic()

@@ -92,7 +92,7 @@ def conversation_turns(rows: list, conversations: int = CONVERSATIONS, min_turns
 
 
 def workload(trace: str | os.PathLike | None, max_new_tokens: int, vocab: int) -> Items:
-    from . import trace as tr
+    from ..workloads import trace as tr
 
     path = Path(trace) if trace else TRACE
     if not path.exists():

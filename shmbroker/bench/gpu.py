@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..pack.contract import Contract
-from .workload import Workload
+from ..workloads.synthetic import Workload
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -79,7 +79,7 @@ class _Consumer:
 def backlog(setup: Setup, trace: str | os.PathLike | None, scale: float, seed: int) -> Workload:
     """The scaled backlog: the first items of the trace (or the generator's), hash blocks of
     `setup.block_tokens` tokens, lengths capped at max_input_len."""
-    from . import trace as tr
+    from ..workloads import trace as tr
 
     n = max(8, int(setup.items * scale))
     vocab = int(setup.model["vocab_size"])
@@ -105,7 +105,7 @@ def backlog(setup: Setup, trace: str | os.PathLike | None, scale: float, seed: i
         lengths_a = np.diff(offsets)
         name = f"trace({path.name}, {len(rows)} items, {b} tokens a block)"
     else:
-        from .workload import generate
+        from ..workloads.synthetic import generate
 
         wl = generate(n, seed=seed, max_len=setup.contract.max_input_len - setup.max_new_tokens,
                       system_tokens_median=setup.block_tokens * 4, turn_tokens_median=setup.block_tokens * 2,
@@ -282,7 +282,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     from ..gpu.engines.hf import HF
     from ..gpu.engines.options import HFSettings
     from ..pack.shapes import shape_items
-    from .packsim import FifoFeeder, PackerFeeder
+    from ..workloads.packsim import FifoFeeder, PackerFeeder
 
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     setup = GPU_SETUP if cuda else CPU_SETUP

@@ -7,9 +7,9 @@ figures sit at the top level; measured in the same run, FIFO feeding's under
 "fifo" (arrival-order batches, one at a time) and the engine alone's under
 "engine_alone" (no broker: packed, every item in arrival order through one
 shared queue to whichever engine has room, each batching continuously;
-padded, arrival-order rectangle batches; `packsim.py` says exactly). A packed
+padded, arrival-order rectangle batches; `workloads/packsim.py` says exactly). A packed
 consumer fed by the broker keeps an in-flight window in its engine, topped up
-from the packer's batch records in order (`packsim.py`). Offline: the whole
+from the packer's batch records in order (`workloads/packsim.py`). Offline: the whole
 workload is the backlog. Streaming: items arrive by their timestamps,
 rescaled so they arrive at twice the rate the consumers serve them (measured
 by the offline run), so a backlog forms.
@@ -54,8 +54,8 @@ import numpy as np
 from ..gpu.engines.sim import SimCost
 from ..pack.contract import Contract
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
-from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
-from .packsim import EngineAloneFeeder, FifoFeeder, PackerFeeder, SimConsumer, simulate
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items
+from ..workloads.packsim import EngineAloneFeeder, FifoFeeder, PackerFeeder, SimConsumer, simulate
 
 CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
@@ -66,27 +66,16 @@ MODES = ("padded", "packed")
 
 def workload_for(trace: str | None, scale: float, seed: int):
     if trace:
-        from .trace import load
+        from ..workloads.trace import load
 
         if scale >= 1:
             return load(trace)
         with open(trace) as fh:
             lines = sum(1 for line in fh if line.strip())
         return load(trace, limit=max(100, int(lines * scale)))
-    from .workload import generate
+    from ..workloads.synthetic import generate
 
     return generate(max(200, int(20_000 * scale)), seed=seed)
-
-
-def distinct_blocks(shapes) -> tuple[int, int, int]:
-    """(all blocks, distinct blocks, tokens of the distinct blocks), the family root counting as a block."""
-    seen: dict[int, int] = {}
-    total = 0
-    for i in range(len(shapes)):
-        blocks = shapes.sized_blocks(i)
-        seen.update(blocks)  # equal hashes cover equal tokens
-        total += len(blocks)
-    return total, len(seen), sum(seen.values())
 
 
 def lower_bound_seconds(distinct_tokens: int, max_new: np.ndarray, cost: SimCost) -> float:

@@ -65,8 +65,8 @@ def _read_prompts(path: str, default_max_new: int | None):
 
 
 def _read_trace(path: str, default_max_new: int | None):
-    """Mooncake trace lines as Prompts (tokens synthesised as `bench.trace.load` does), LineError per bad line."""
-    from ..bench.trace import TRACE_BLOCK_TOKENS, synthesise
+    """Mooncake trace lines as Prompts (tokens synthesised as `workloads.trace.load` does), LineError per bad line."""
+    from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise
 
     rows: list[tuple[int, int, int, list[int]]] = []
 

@@ -13,8 +13,9 @@ first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so the GPU process sets that with
 that order too. A `GPU-<uuid>` entry (or a unique prefix of one) is matched against NVML's UUIDs;
 a `MIG-` entry is refused: a MIG slice's memory is not the card's, and tiers size whole cards.
 
-This module imports nothing heavy: `pynvml` only inside `detect_cards`, the configuration types
-only where a consumer is built (`settings.py` imports this module for `Tier` and `Card`).
+This module imports nothing heavy: `pynvml` only inside `probe_nvml`. It sits above `settings.py`,
+which declares `Tier`, `Card` and `ConsumerConfig`: `assign` gives each card its tier, and
+`ConsumerConfig.on_card` builds the consumer.
 """
 
 from __future__ import annotations
@@ -23,41 +24,18 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..errors import BrokerError
+from ..settings import GIB, Card, ConsumerConfig, Tier
+
+__all__ = ["GIB", "Card", "Tier", "TierError", "apply_gpus_auto", "assign", "consumers_for", "detect_cards",
+           "probe_nvml", "select_tier", "visible"]
 
 log = logging.getLogger("shmbroker.tiers")
-
-GIB = 1 << 30
 
 
 class TierError(BrokerError, ValueError):
     """No card to run on, no tier to choose from, or a card too small for every tier."""
-
-
-@dataclass(frozen=True)
-class Tier:
-    """What a card with at least `min_memory_gib` of memory runs (one `[[tiers]]` table)."""
-
-    name: str
-    min_memory_gib: float  # the smallest card it fits, in GiB (2^30 bytes) of total memory
-    engine: str
-    engine_settings: object  # SimSettings, or the engine's own (gpu/engines/options.py)
-    max_batch_size: int
-    max_batch_tokens: int
-    max_input_len: int
-    model: str | None = None  # the model name producers submit with; None: the default model
-
-
-@dataclass(frozen=True)
-class Card:
-    """One GPU: NVML's (nvidia-smi's) index, its name, its total memory."""
-
-    index: int
-    name: str
-    memory_bytes: int
-    uuid: str | None = None
 
 
 def gib(memory_bytes: int) -> str:
@@ -77,18 +55,14 @@ def select_tier(card: Card, tiers) -> Tier:
     return max(fits, key=lambda t: t.min_memory_gib)
 
 
-def consumers_for(cards, tiers) -> tuple:
-    """One ConsumerConfig per card, `card<index>`, its tier's engine, settings and contract, pinned to the card."""
-    from ..pack.contract import Contract
-    from ..ring.items import model_id
-    from ..settings import ConsumerConfig
+def assign(cards, tiers) -> list[tuple[Card, Tier]]:
+    """Each card with the tier it runs (settings.ConsumerConfig.on_card makes its consumer)."""
+    return [(card, select_tier(card, tiers)) for card in cards]
 
-    out = []
-    for card in cards:
-        t = select_tier(card, tiers)
-        contract = Contract(t.max_batch_size, t.max_batch_tokens, t.max_input_len, model_id(t.model))
-        out.append(ConsumerConfig(f"card{card.index}", contract, t.model, t.engine, t.engine_settings, device=card.index))
-    return tuple(out)
+
+def consumers_for(cards, tiers) -> tuple[ConsumerConfig, ...]:
+    """One ConsumerConfig per card, `card<index>`, its tier's engine, settings and contract, pinned to the card."""
+    return tuple(ConsumerConfig.on_card(card, tier) for card, tier in assign(cards, tiers))
 
 
 def detect_cards() -> list[Card]:
@@ -178,10 +152,12 @@ def apply_gpus_auto(cfg, say: Callable[[str], None] = log.info):
             raise TierError(f"no cards: {why}, and of the [[gpus]] of {cfg.source}: {hidden}")
         source = f"[[gpus]] of {cfg.source} ({why})"
     say(f"{len(cards)} card(s) from {source}")
-    consumers = consumers_for(cards, cfg.tiers)
-    for card, c in zip(cards, consumers):
-        say(f"card {card.index} {card.name} {gib(card.memory_bytes)} -> tier {select_tier(card, cfg.tiers).name} "
-            f"({c.engine}) as consumer {c.name}")
+    consumers = []
+    for card, tier in assign(cards, cfg.tiers):
+        c = ConsumerConfig.on_card(card, tier)
+        say(f"card {card.index} {card.name} {gib(card.memory_bytes)} -> tier {tier.name} ({c.engine}) as consumer {c.name}")
+        consumers.append(c)
+    consumers = tuple(consumers)
     return dataclasses.replace(cfg, consumers=consumers)
 
 

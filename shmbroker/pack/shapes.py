@@ -214,3 +214,14 @@ def shape_items(tokens: np.ndarray, offsets: np.ndarray, prefixes=None, models=N
     bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, block_tokens))
     pooled = (prefixes == 0) & (lengths < block_tokens)
     return ItemShapes(families, hash_offsets, hashes, lengths, models, bases, block_tokens, pooled)
+
+
+def distinct_blocks(shapes) -> tuple[int, int, int]:
+    """(all blocks, distinct blocks, tokens of the distinct blocks), the family root counting as a block."""
+    seen: dict[int, int] = {}
+    total = 0
+    for i in range(len(shapes)):
+        blocks = shapes.sized_blocks(i)
+        seen.update(blocks)  # equal hashes cover equal tokens
+        total += len(blocks)
+    return total, len(seen), sum(seen.values())

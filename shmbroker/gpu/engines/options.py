@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 
 from ... import config
+from ...pack.contract import MODES
+from ...validator import Validator
 from .sim import SimCost
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -162,3 +164,27 @@ def parse(engine: str, raw: dict, at: str):
         if key in out and not 0 < out[key] <= 1:
             raise ValueError(f"{at}.{key}: must be in (0, 1], got {out[key]!r}")
     return cls(**out)
+
+
+def sim_settings(v: Validator, raw: dict, at: str) -> SimSettings:
+    """engine_settings of the simulated engine (a consumer's or a tier's), read through the settings' validator."""
+    cost_keys = {f.name for f in dataclasses.fields(SimCost)}
+    faults = set(SIM_FAULT_TOKENS) | {"fail_after", "poison_kill"}
+    v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys | faults, at)
+    mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
+    cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
+    cost = {}
+    for key in sorted(cost_keys & raw.keys()):
+        if key == "zero_cost":
+            if not isinstance(raw[key], bool):
+                v.fail(f"{at}.{key}", "must be true or false", raw[key])
+            cost[key] = raw[key]
+        else:
+            cost[key] = v.number(raw, key, 0.0, 3600.0, at=at)
+    extra = {"pace_seconds": v.number(raw, "pace_seconds", 0.0, 3600.0, at=at)} if "pace_seconds" in raw else {}
+    for key in (*SIM_FAULT_TOKENS, "fail_after"):
+        if key in raw:
+            extra[key] = v.integer(raw, key, 0, (1 << 32) - 1, at=at)
+    if "poison_kill" in raw:
+        extra["poison_kill"] = v.choice(raw, "poison_kill", SIM_KILLS, at)
+    return SimSettings(mode, cache, SimCost(**cost), **extra)

@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ..jit import kernel
+from .jit import kernel
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 POLY_REFLECTED = 0x82F63B78

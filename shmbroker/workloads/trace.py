@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from ..jit import kernel
-from .workload import Workload
+from .synthetic import Workload
 
 TRACE_BLOCK_TOKENS = 512
 

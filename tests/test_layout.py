@@ -1,0 +1,24 @@
+"""DESIGN.md "Layout": imports run downward only, checked by import-linter's contracts in pyproject.toml."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_import_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    if not lint.exists():
+        found = shutil.which("lint-imports")
+        if found is None:
+            pytest.skip("import-linter is not installed (it is in the test extra: pip install -e '.[test]')")
+        lint = Path(found)
+    run = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "0 broken" in run.stdout
