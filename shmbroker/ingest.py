@@ -36,8 +36,9 @@ from .pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring.items import NO_PREFIX
-from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, Ring
+from .ring.ring import CONSUMER, PRODUCER, Ring
 from .ring.shm import Doorbell, Segment, unlink_name
+from .ring.waits import SLEEP_SLICE_SECONDS
 from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
 from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
 from .spill.collect import REFUSALS, collect

@@ -181,7 +181,7 @@ class ResultReader:
             return 0
         tokens, offsets, keys, meta = self._result_out
         keep = self._fresh(keys[:n])
-        first = int(self._results.header[L.H_NUM_POPPED]) - n  # ring index of the first record popped
+        first = self._results.num_popped() - n  # ring index of the first record popped
         for i in np.flatnonzero(keep).tolist():
             ntok = int(meta[i, 1])
             body = tokens[offsets[i] : offsets[i + 1]]

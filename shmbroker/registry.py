@@ -52,8 +52,8 @@ from .ring.layout import (
     HEADER_BYTES,
 )
 from .ring.liveness import is_alive, start_ticks
+from .ring.owned import OwnedRing, create_ring
 from .ring.owner import Owner
-from .ring.ring import OwnedRing, create_ring
 
 SOCKET_NAME = "broker.sock"
 PROTOCOL_VERSION = 1

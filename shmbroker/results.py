@@ -40,7 +40,8 @@ from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
 from .ring import layout as L
 from .ring import spsc
 from .ring.items import SEQ_BITS
-from .ring.ring import CONSUMER, PRODUCER, Ring, sleep_on
+from .ring.ring import CONSUMER, PRODUCER, Ring
+from .ring.waits import sleep_on
 from .ring.wire import (
     RES_HEADER_BYTES,
     push_results,
@@ -280,7 +281,7 @@ class Router(Replayer, BehindNames):
             if again is not None and name in again:
                 first = again[name]
                 at = int(first[0]) if first.size else (outlet.waiting.first() if outlet.waiting else end)
-                entries[name] = [at, outlet.ring_id, int(outlet.ring.header[L.H_NUM_PUSHED])]
+                entries[name] = [at, outlet.ring_id, outlet.ring.num_pushed()]
             else:
                 entries[name] = outlet.cursor(end)
         for name, behind in self.behind.items():

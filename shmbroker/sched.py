@@ -28,7 +28,8 @@ from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
 from .ring import layout as L
 from .ring.items import STATUS_CODES
-from .ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS, sleep_on
+from .ring.ring import CONSUMER, PRODUCER
+from .ring.waits import SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
 from .spill.locate import record_locations
 from .spill.store import Backlog
@@ -315,9 +316,8 @@ class Scheduler:
         """Push consumer c's next record if its ring wants one; False when it wants none, there is
         none, or the ring is full."""
         ring = self.batches[c]
-        h = ring.header
         sizes = self.pushed_items[c]
-        undone = int(h[L.H_NUM_PUSHED]) - int(h[L.H_NUM_POPPED])
+        undone = ring.num_queued()
         while len(sizes) > undone:  # released since: their items are done
             self.undone_items[c] -= sizes.popleft()
         if undone >= AHEAD and self.undone_items[c] >= self.queued_items[c]:

@@ -18,8 +18,9 @@ from .errors import RingCorrupt
 from .registry import ProducerEntry, Registry
 from .ring import layout as L
 from .ring import spsc
-from .ring.ring import CONSUMER, SLEEP_SLICE_SECONDS, Ring
+from .ring.ring import CONSUMER, Ring
 from .ring.shm import Doorbell
+from .ring.waits import SLEEP_SLICE_SECONDS
 from .ring.wire import close_ring_for
 
 BATCH_RECORDS = 4096

@@ -43,8 +43,9 @@ from pathlib import Path
 
 from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, Control
 from .lockfile import AlreadyRunning, InstanceLock
+from .ring.owned import create_ring
 from .ring.owner import Owner
-from .ring.ring import CONSUMER, PRODUCER, create_ring
+from .ring.ring import CONSUMER, PRODUCER
 from .salvage import salvage_at_start, salvage_at_stop
 from .watch import describe, remove_description, write_description
 from .watchdog import Limits, Supervision, describe_status, note_exception

@@ -43,7 +43,8 @@ from shmbroker.ring.atomics import (
     load_relaxed,
     store_release,
 )
-from shmbroker.ring.ring import CONSUMER, PRODUCER, create_ring
+from shmbroker.ring.owned import create_ring
+from shmbroker.ring.ring import CONSUMER, PRODUCER
 from shmbroker.ring.shm import Segment
 
 pytestmark = pytest.mark.timeout(60)

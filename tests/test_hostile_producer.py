@@ -34,8 +34,9 @@ from shmbroker.registry import Registry
 from shmbroker.ring import layout as L
 from shmbroker.ring import spsc, wire
 from shmbroker.ring.items import NO_PREFIX, SEQ_BITS, item_id, push_item
+from shmbroker.ring.owned import create_ring
 from shmbroker.ring.owner import Owner
-from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring, create_ring
+from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring
 from shmbroker.spill.collect import REFUSALS
 from shmbroker.spill.store import Backlog
 from shmbroker.stats import read_role

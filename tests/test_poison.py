@@ -349,7 +349,8 @@ def test_the_watchdog_tells_startup_waiting_and_progress_from_a_hang(owner):
     one waiting on a ring (its ring side beats), one that beats and one that missed its deadline;
     only the silent and the late ones are judged hung."""
     from shmbroker.control import R_BEAT, R_DEADLINE, R_PID, R_STARTED
-    from shmbroker.ring.ring import CONSUMER, create_ring
+    from shmbroker.ring.owned import create_ring
+    from shmbroker.ring.ring import CONSUMER
     from shmbroker.watchdog import Limits, Watchdog
 
     roles = ["slow-start", "waiting", "beating", "silent", "late"]

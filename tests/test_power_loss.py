@@ -73,8 +73,9 @@ import pytest
 from shmbroker import durable
 from shmbroker.registry import ProducerBook
 from shmbroker.results import Router
+from shmbroker.ring.owned import create_ring
 from shmbroker.ring.owner import Owner
-from shmbroker.ring.ring import CONSUMER, PRODUCER, create_ring
+from shmbroker.ring.ring import CONSUMER, PRODUCER
 from shmbroker.ring.wire import RES_HEADER_BYTES, encode_results, res_bytes, result_fields, scan_results
 from shmbroker.settings import BrokerConfig
 from shmbroker.spill import writer as writer_mod

@@ -23,7 +23,8 @@ from shmbroker.ring import layout as L
 from shmbroker.ring import ring as ring_mod
 from shmbroker.ring import spsc
 from shmbroker.ring.digest import OUT_OF_ORDER, digest_records, expected_digest
-from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring, RingNames, create_ring
+from shmbroker.ring.owned import create_ring
+from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring, RingNames
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -622,9 +623,9 @@ def commits_without_publishing(conn, names: dict, published: int, unpublished: i
         for key in range(published, published + unpublished):
             tokens = np.full(5, key, np.uint32)
             size = L.record_words(tokens.size)
-            skip = int(spsc._reserve(h, w.size, head, size))
+            skip = int(spsc.reserve(h, w.size, head, size))
             assert skip != spsc.NO_SPACE
-            head = int(spsc._write_record(w, w64, h, head, skip, size, tokens, 0, tokens.size, key, key, 0, 0, 0))
+            head = int(spsc.write_record(w, w64, h, head, skip, size, tokens, 0, tokens.size, key, key, 0, 0, 0))
         say(conn, head)
         conn.recv()  # SIGKILLed here, head and next_key not yet stored
         raise AssertionError("not killed")

@@ -7,8 +7,9 @@ import numpy as np
 from shmbroker import settings
 from shmbroker.ring import layout as L
 from shmbroker.ring.items import SEQ_BITS, item_id
+from shmbroker.ring.owned import create_ring
 from shmbroker.ring.owner import Owner
-from shmbroker.ring.ring import PRODUCER, create_ring
+from shmbroker.ring.ring import PRODUCER
 from shmbroker.salvage import salvage
 from shmbroker.spill.store import Backlog
 

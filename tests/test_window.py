@@ -14,7 +14,8 @@ from shmbroker.gpu.window import Window
 from shmbroker.pack.contract import Contract
 from shmbroker.pack.feeding import window_items
 from shmbroker.ring import layout as L
-from shmbroker.ring.ring import CONSUMER, PRODUCER, create_ring
+from shmbroker.ring.owned import create_ring
+from shmbroker.ring.ring import CONSUMER, PRODUCER
 from shmbroker.ring.wire import LOC_DTYPE
 
 

@@ -24,7 +24,8 @@ from ..control import R_BEAT, R_DEADLINE
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
-from ..ring.ring import CONSUMER, PRODUCER, SLEEP_SLICE_SECONDS
+from ..ring.ring import CONSUMER, PRODUCER
+from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
 from .core import CODE_OK, ConsumerCore
 from .deliveries import Deliveries

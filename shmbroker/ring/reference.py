@@ -8,7 +8,7 @@ TOO_LARGE), which records a pop returns and where it stops, what `readable`
 and `writable_words` say, and the header counters after every call.
 `tests/test_ring_model.py` drives it side by side with `spsc.py`.
 
-Space accounting (as `spsc._reserve`): a record of n tokens takes
+Space accounting (as `spsc.reserve`): a record of n tokens takes
 `layout.record_words(n)` words; a record larger than
 `layout.max_record_words(capacity)` is TOO_LARGE; a record that would run past
 the end of the data region is preceded by a skip to word 0 (the wrap); a push

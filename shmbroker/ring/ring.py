@@ -3,7 +3,7 @@
 A ring is a shared-memory segment (`layout.py`, kernels in `spsc.py`) plus two
 doorbells: `data` (the consumer sleeps on it when the ring is empty) and
 `space` (the producer sleeps on it when the ring is full). Only the owner
-(`create_ring`) creates and unlinks them; each side attaches by name.
+(`owned.create_ring`) creates and unlinks them; each side attaches by name.
 
 Waiting: spin briefly on the shared words (with a CPU pause), then announce
 the sleep in the header, look once more, and sleep on the doorbell for at most
@@ -35,15 +35,11 @@ from ..errors import Full, PeerDead, RingClosed, RingCorrupt
 from . import layout as L
 from . import spsc, wire
 from .liveness import is_alive, start_ticks
-from .owner import Owner
 from .shm import Doorbell, Segment
+from .waits import SLEEP_SLICE_SECONDS, SPIN_ROUNDS, STALE_SECONDS, yield_until
 
 PRODUCER = "producer"
 CONSUMER = "consumer"
-
-SPIN_ROUNDS = 4000  # ~100-300 µs of pause-spinning before sleeping
-SLEEP_SLICE_SECONDS = 0.05  # longest single doorbell sleep
-STALE_SECONDS = 0.1  # a heartbeat older than this triggers a liveness check
 
 _SIDE_FIELDS = {
     PRODUCER: (L.H_PRODUCER_PID, L.H_PRODUCER_START, L.H_PRODUCER_BEAT, L.H_PRODUCER_WAITING),
@@ -74,70 +70,6 @@ class Record:
     key: int
     meta: tuple[int, int, int, int]
     tokens: np.ndarray
-
-
-@dataclass
-class OwnedRing:
-    """The owner's objects for one ring (it unlinks them through its `Owner`)."""
-
-    names: RingNames
-    segment: Segment
-    data_bell: Doorbell
-    space_bell: Doorbell
-
-    def attach(self, side: str, *, untrusted: bool = False) -> Ring:
-        """A side's handle in the owner's process, sharing the owner's mapping."""
-        return Ring(self.segment, self.data_bell, self.space_bell, side, owns_handles=False, untrusted=untrusted)
-
-
-def create_ring(owner: Owner, role: str, data_bytes: int, data_bell: Doorbell | None = None,
-                space_bell: Doorbell | None = None) -> OwnedRing:
-    """Create a ring of at least `data_bytes` of data (rounded up to a power of two).
-
-    A consumer that drains many rings passes one shared `data_bell` for all of
-    them, so it can sleep on one doorbell (see `ingest.RingSet`); a producer that feeds many
-    rings (the scheduler) passes one shared `space_bell` the same way.
-    """
-    cap = L.capacity_for_bytes(data_bytes)
-    segment = owner.segment(role, L.segment_bytes(cap))
-    own_bell = data_bell is None
-    try:
-        L.init_header(segment.buf, cap)
-        if own_bell:
-            data_bell = owner.doorbell(role + "-d")
-        try:
-            if space_bell is None:
-                space_bell = owner.doorbell(role + "-s")
-        except BaseException:
-            if own_bell:
-                owner.release(data_bell)
-            raise
-    except BaseException:
-        owner.release(segment)
-        raise
-    return OwnedRing(RingNames(segment.name, data_bell.name, space_bell.name), segment, data_bell, space_bell)
-
-
-def sleep_on(bell: Doorbell, readable: list, space: list = (), timeout_seconds: float = SLEEP_SLICE_SECONDS) -> None:
-    """Sleep on one doorbell shared by several rings: announce the sleep as the consumer of each ring
-    in `readable` and as the producer of each in `space`, look once more (a record in any `readable`
-    ring cancels the sleep), sleep at most `timeout_seconds`, withdraw the announcements. Each ring's
-    peer rings the shared doorbell when it sees the announcement."""
-    flags = [(r.buf, L.H_CONSUMER_WAITING) for r in readable] + [(r.buf, L.H_PRODUCER_WAITING) for r in space]
-    for buf, f in flags:
-        spsc.set_waiting(buf, f)
-    if not any(spsc.readable(r.buf) for r in readable):
-        bell.sleep(timeout_seconds)
-    for buf, f in flags:
-        spsc.clear_waiting(buf, f)
-
-
-def _yield_until(buf: np.ndarray, rounds: int) -> bool:
-    for _ in range(rounds):
-        os.sched_yield()
-        if spsc.readable(buf):
-            return True
-    return False
 
 
 def untrusted_capacity(segment: Segment, side: str) -> int:
@@ -289,7 +221,7 @@ class Ring:
         wake-up, without spinning on a core the producer needs), then spin and sleep as usual."""
         buf = self.buf
         return self._wait(
-            lambda: _yield_until(buf, yield_rounds) or spsc.spin_until_readable(buf, SPIN_ROUNDS),
+            lambda: yield_until(buf, yield_rounds) or spsc.spin_until_readable(buf, SPIN_ROUNDS),
             lambda: spsc.readable(buf),
             time.monotonic() + timeout_seconds,
         )
@@ -426,16 +358,22 @@ class Ring:
     def used_words(self) -> int:
         return int(self.header[L.H_HEAD]) - int(self.header[L.H_TAIL])
 
+    def num_pushed(self) -> int:
+        """Records pushed since the ring was made (its ring index of the next push)."""
+        return int(self.header[L.H_NUM_PUSHED])
+
+    def num_popped(self) -> int:
+        """Records popped (or released after a peek) since the ring was made."""
+        return int(self.header[L.H_NUM_POPPED])
+
+    def num_queued(self) -> int:
+        """Records pushed and not yet popped."""
+        return self.num_pushed() - self.num_popped()
+
     def counters(self) -> dict[str, int]:
         h = self.header
-        return {
-            "head": int(h[L.H_HEAD]),
-            "tail": int(h[L.H_TAIL]),
-            "capacity_words": self.capacity_words,
-            "num_pushed": int(h[L.H_NUM_PUSHED]),
-            "num_popped": int(h[L.H_NUM_POPPED]),
-            "num_full": int(h[L.H_NUM_FULL]),
-        }
+        return {"head": int(h[L.H_HEAD]), "tail": int(h[L.H_TAIL]), "capacity_words": self.capacity_words,
+                "num_pushed": self.num_pushed(), "num_popped": self.num_popped(), "num_full": int(h[L.H_NUM_FULL])}
 
     def close(self) -> None:
         """Detach this side (idempotent); closes the handles this side opened itself."""

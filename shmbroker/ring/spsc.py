@@ -62,11 +62,11 @@ from .layout import (
 )
 
 PUBLISH_EVERY = 256
-NO_SPACE = -1  # _reserve: the record does not fit yet
+NO_SPACE = -1  # reserve: the record does not fit yet
 
 
 @kernel
-def _claim_waiter(h, flag_index, counter_index, count):
+def claim_waiter(h, flag_index, counter_index, count):
     """After publishing: count `count` records, then True when the peer sleeps and must be woken.
 
     The count is a locked add on this side's own cache line: the full barrier
@@ -80,7 +80,7 @@ def _claim_waiter(h, flag_index, counter_index, count):
 
 
 @kernel
-def _reserve(h, cap, head, size):
+def reserve(h, cap, head, size):
     """Words to skip before a record of `size` words (a wrap), or NO_SPACE when it does not fit yet."""
     off = head & (cap - 1)
     skip = 0
@@ -95,7 +95,7 @@ def _reserve(h, cap, head, size):
 
 
 @kernel
-def _write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, m3):
+def write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, m3):
     """Write and commit one record at `head` (after `skip` words); return the new head."""
     cap = w.size
     start = (head + skip) & (cap - 1)
@@ -126,13 +126,13 @@ def push(buf, tokens, key, m0, m1, m2, m3):
     if size > max_record_words(w.size):
         return TOO_LARGE
     head = h[H_HEAD]
-    skip = _reserve(h, w.size, head, size)
+    skip = reserve(h, w.size, head, size)
     if skip == NO_SPACE:
         h[H_NUM_FULL] += 1
         return FULL
-    head = _write_record(w, w64, h, head, skip, size, tokens, 0, n, key, m0, m1, m2, m3)
+    head = write_record(w, w64, h, head, skip, size, tokens, 0, n, key, m0, m1, m2, m3)
     store_release(h, H_HEAD, head)
-    if _claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, 1):
+    if claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, 1):
         return OK_WAKE
     return OK
 
@@ -162,20 +162,20 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
         if size > max_record:
             status = TOO_LARGE
             break
-        skip = _reserve(h, cap, head, size)
+        skip = reserve(h, cap, head, size)
         if skip == NO_SPACE:
             h[H_NUM_FULL] += 1
             status = FULL
             break
         r = i if meta.shape[0] > 1 else 0
-        head = _write_record(w, w64, h, head, skip, size, flat, lo, n, key0 + i, meta[r, 0], meta[r, 1], meta[r, 2], meta[r, 3])
+        head = write_record(w, w64, h, head, skip, size, flat, lo, n, key0 + i, meta[r, 0], meta[r, 1], meta[r, 2], meta[r, 3])
         i += 1
         if (i - first) % PUBLISH_EVERY == 0:
             store_release(h, H_HEAD, head)
-            if _claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, PUBLISH_EVERY):
+            if claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, PUBLISH_EVERY):
                 wake = True
     store_release(h, H_HEAD, head)
-    if _claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, (i - first) % PUBLISH_EVERY):
+    if claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, (i - first) % PUBLISH_EVERY):
         wake = True
     return i - first, status, wake
 
@@ -202,7 +202,7 @@ def check_batch(offsets, flat_size, max_tokens):
 
 
 @kernel
-def _next_record(w, tail):
+def next_record(w, tail):
     """(word offset, new tail, status) of the committed record at `tail`, following a wrap."""
     cap = w.size
     off = tail & (cap - 1)
@@ -244,7 +244,7 @@ def pop_many(buf, out_tokens, out_offsets, out_keys, out_meta, max_records):
     status = OK
     out_offsets[0] = 0
     while n < limit:
-        off, new_tail, st = _next_record(w, tail)
+        off, new_tail, st = next_record(w, tail)
         if st != OK:
             status = st
             break
@@ -267,7 +267,7 @@ def pop_many(buf, out_tokens, out_offsets, out_keys, out_meta, max_records):
             store_release(h, H_TAIL, tail)
             published = tail
     store_release(h, H_TAIL, tail)
-    return n, status, _claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, n)
+    return n, status, claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, n)
 
 
 @kernel
@@ -285,7 +285,7 @@ def peek_many(buf, out_positions, max_records):
     n = 0
     status = OK
     while n < limit:
-        off, new_tail, st = _next_record(w, tail)
+        off, new_tail, st = next_record(w, tail)
         if st != OK:
             status = st
             break
@@ -303,7 +303,7 @@ def release(buf, new_tail, count):
     """Consume through `new_tail` (from `peek_many`); True when the producer must be woken."""
     h = buf[:HEADER_BYTES].view(np.int64)
     store_release(h, H_TAIL, new_tail)
-    return _claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, count)
+    return claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, count)
 
 
 @kernel
@@ -355,7 +355,7 @@ def spin_until_writable(buf, num_tokens, spins):
     cap = (buf.size - HEADER_BYTES) // 4
     size = (RECORD_HEADER_WORDS + num_tokens + 1) & ~1
     for _ in range(spins):
-        if _reserve(h, cap, h[H_HEAD], size) != NO_SPACE:
+        if reserve(h, cap, h[H_HEAD], size) != NO_SPACE:
             return True
         cpu_pause()
     return False
@@ -377,7 +377,7 @@ def recover_head(buf):
     tail = load_acquire(h, H_TAIL)
     pos = max(h[H_HEAD], tail)
     for _ in range(cap // RECORD_HEADER_WORDS + 1):
-        off, new_pos, status = _next_record(w, pos)
+        off, new_pos, status = next_record(w, pos)
         if status != OK or new_pos - tail > cap:
             break
         pos = new_pos

@@ -60,7 +60,7 @@ from .layout import (
     RECORD_HEADER_WORDS,
     max_record_words,
 )
-from .spsc import NO_SPACE, _claim_waiter, _next_record, _reserve, _write_record
+from .spsc import NO_SPACE, claim_waiter, next_record, reserve, write_record
 
 LOC_DTYPE = np.dtype([("writer", "<u4"), ("length", "<u4"), ("segment", "<u8"), ("offset", "<u8"), ("seq", "<u8"),
                       ("item_id", "<u8"), ("family", "<u8"), ("max_new", "<u4"), ("model", "<u4"),
@@ -215,14 +215,14 @@ def push_results(ring, buf, pos, first, count):
         size = (RECORD_HEADER_WORDS + payload + 1) & ~1
         if size > max_record:
             break
-        skip = _reserve(h, cap, head, size)
+        skip = reserve(h, cap, head, size)
         if skip == NO_SPACE:
             break
-        head = _write_record(w, w64, h, head, skip, size, words, (at + RES_HEADER_BYTES) // 4, payload, r64[1],
+        head = write_record(w, w64, h, head, skip, size, words, (at + RES_HEADER_BYTES) // 4, payload, r64[1],
                              r[6], ntok, 0, nerr)
         i += 1
     store_release(h, H_HEAD, head)
-    return i - first, _claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, i - first)
+    return i - first, claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, i - first)
 
 
 # -- closing a ring: a stopping (or salvaging) consumer takes what is left, producers see it full -----
@@ -268,7 +268,7 @@ def peek_closed(buf, out_positions, max_records):
     start = tail
     n = 0
     while n < min(max_records, out_positions.size):
-        off, new_tail, st = _next_record(w, tail)
+        off, new_tail, st = next_record(w, tail)
         if st != OK or new_tail - start > w.size:
             break
         out_positions[n] = off
