@@ -16,11 +16,10 @@ import time
 import numpy as np
 
 from .delivery import Outlet, ReplayPlan
-from .ring.items import SEQ_BITS, STATUS_CODES
+from .ring.items import SEQ_BITS, Status
 from .ring.wire import RES_BAD, RES_HEADER_BYTES, RES_OK, encode_error, res_bytes, resync_results, scan_results
 from .stats import slot_of
 
-CORRUPT = STATUS_CODES["corrupt"]
 C_BAD_RECORDS, C_BAD_BYTES, C_NOTICES = (
     slot_of("results", k) for k in ("log_bad_records", "log_bad_bytes", "corrupt_notices"))
 
@@ -121,7 +120,7 @@ class Replayer:
             return None  # its backlog record is not done: the item runs again and gets its result
         err = np.frombuffer(b"its result record was damaged in the results log on disk (crc mismatch)", np.uint8)
         out = np.zeros(res_bytes(0, err.size), np.uint8)
-        encode_error(out, 0, item_id, seq, CORRUPT, writer, err)
+        encode_error(out, 0, item_id, seq, int(Status.CORRUPT), writer, err)
         return out
 
     def _plan(self, name: str | None, outlet: Outlet | None, offsets: np.ndarray) -> np.ndarray:

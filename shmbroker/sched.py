@@ -27,7 +27,7 @@ from .pack.feeding import AHEAD, queued_items
 from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
 from .ring import layout as L
-from .ring.items import STATUS_CODES
+from .ring.items import Status
 from .ring.ring import CONSUMER, PRODUCER
 from .ring.waits import SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, LOC_WORDS
@@ -37,9 +37,6 @@ from .spill.waiting import WaitingQueue
 from .stats import MAX_MODELS, SCHED, slot_of
 
 POP_RECORDS = 64
-TOO_LONG = STATUS_CODES["too_long"]
-INVALID = STATUS_CODES["invalid"]
-CORRUPT = STATUS_CODES["corrupt"]
 NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
@@ -118,7 +115,7 @@ class Scheduler:
         finally:
             backlog.close()
         if corrupt.size:
-            corrupt["aux"] = CORRUPT
+            corrupt["aux"] = Status.CORRUPT
             self.failed.append(corrupt)
         self.values[S_RECOVERED_CORRUPT] = corrupt.size
         self.values[S_RECOVERED_UNNAMED] = report.unnamed_corrupt
@@ -278,18 +275,18 @@ class Scheduler:
         status = np.zeros(locs.size, np.uint32)
         lengths = locs["length"]
         empty = lengths == 0
-        status[empty] = INVALID
+        status[empty] = Status.INVALID
         models = locs["model"]
         for m in np.unique(models).tolist():
             mine = models == m
             top = self.model_max.get(int(m))
             if top is None:
                 nobody = mine & ~empty
-                status[nobody] = INVALID
+                status[nobody] = Status.INVALID
                 self.values[S_NO_CONSUMER] += int(nobody.sum())
             else:
                 long = mine & (lengths > top) & (status == 0)
-                status[long] = TOO_LONG
+                status[long] = Status.TOO_LONG
                 self.values[S_TOO_LONG] += int(long.sum())
         keep = status == 0
         if keep.all():
@@ -355,7 +352,7 @@ class Scheduler:
             if batch.failed:
                 keys = np.array([k for k, _ in batch.failed], np.int64)
                 bad = self.slots[keys].copy()
-                bad["aux"] = TOO_LONG
+                bad["aux"] = Status.TOO_LONG
                 rows.append(bad)
                 self._free(keys)
                 self._pending(bad, -1)

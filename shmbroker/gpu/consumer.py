@@ -24,10 +24,11 @@ from ..control import R_BEAT, R_DEADLINE
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
+from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER
 from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
-from .core import CODE_OK, ConsumerCore
+from .core import ConsumerCore
 from .deliveries import Deliveries
 from .engines.base import BatchResults
 from .segments import SegmentViews
@@ -53,7 +54,7 @@ class ResultWriter:
     def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
         """Runs of plain records in one kernel call each; a failed item with an error text alone."""
         n = len(res)
-        texts = sorted(k for k in res.errors if res.status[k] != CODE_OK)
+        texts = sorted(k for k in res.errors if res.status[k] != Status.OK)
         i = at = 0
         for stop in texts + [n]:
             while i < stop:

@@ -30,14 +30,10 @@ import numpy as np
 
 from ..pack.contract import Batch, Contract
 from ..pack.guard import Guard
+from ..ring.items import Status
 from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
 from .engines.base import (
-    CORRUPT,
-    ENGINE_ERROR,
-    INVALID,
     RUN_DEADLINE_SECONDS,
-    STATUS_CODES,
-    TOO_LONG,
     BatchResults,
     BatchStream,
     EngineBatch,
@@ -48,9 +44,7 @@ from .engines.base import (
 )
 from .segments import BatchTokens
 
-CODE_OK, CODE_TOO_LONG, CODE_INVALID, CODE_ENGINE_ERROR, CODE_CORRUPT = (
-    STATUS_CODES[s] for s in ("ok", TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT))
-NUM_CODES = max(STATUS_CODES.values()) + 1
+NUM_CODES = len(Status)
 MAX_FAMILIES_TRACKED = 1 << 16  # families a consumer remembers for its excess-switch count
 CORRUPT_REASONS = {
     CHECK_CRC: "its backlog record fails its crc32c check: the prompt was damaged on disk",
@@ -153,13 +147,13 @@ class ConsumerCore:
         if not bad.any():
             return None, np.arange(n)
         rows = np.flatnonzero(bad)
-        status = np.where(lengths[rows] == 0, CODE_INVALID, CODE_TOO_LONG).astype(np.uint32)
+        status = np.where(lengths[rows] == 0, Status.INVALID, Status.TOO_LONG).astype(np.uint32)
         errors = {k: ("no tokens" if lengths[r] == 0 else f"{int(lengths[r])} tokens > max_input_len {limit}")
                   for k, r in enumerate(rows.tolist())}
         if checks is not None:
             for k, r in enumerate(rows.tolist()):
                 if checks[r] != CHECK_OK:
-                    status[k] = CODE_CORRUPT
+                    status[k] = Status.CORRUPT
                     errors[k] = CORRUPT_REASONS.get(int(checks[r]), CORRUPT_FRAME)
         failed = _empty(batch.keys[rows].astype(np.uint64), status, errors)
         self._count(failed)
@@ -277,11 +271,11 @@ class ConsumerCore:
     def _count(self, res: BatchResults) -> BatchResults:
         counts = np.bincount(res.status, minlength=NUM_CODES)
         s = self.stats
-        s.ok += int(counts[CODE_OK])
-        s.too_long += int(counts[CODE_TOO_LONG])
-        s.invalid += int(counts[CODE_INVALID])
-        s.engine_errors += int(counts[CODE_ENGINE_ERROR])
-        s.corrupt += int(counts[CODE_CORRUPT])
+        s.ok += int(counts[Status.OK])
+        s.too_long += int(counts[Status.TOO_LONG])
+        s.invalid += int(counts[Status.INVALID])
+        s.engine_errors += int(counts[Status.ENGINE_ERROR])
+        s.corrupt += int(counts[Status.CORRUPT])
         return res
 
 
@@ -291,7 +285,7 @@ def _in_order(ids: np.ndarray, parts: list) -> BatchResults:
     for p in parts:
         for r in p.items():
             by_id[r.item_id] = r
-    return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
+    return BatchResults.of([by_id.get(int(i)) or ItemResult(int(i), Status.ENGINE_ERROR.label, error="the engine returned no result")
                             for i in ids])
 
 

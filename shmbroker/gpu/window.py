@@ -36,8 +36,9 @@ from .. import config
 from ..pack.contract import BATCH_ROW, Batch, Shape
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
+from ..ring.items import Status
 from ..ring.wire import LOC_DTYPE, LOC_WORDS
-from .core import CODE_CORRUPT, CODE_ENGINE_ERROR, CODE_TOO_LONG, RECOVERED_CORRUPT, ConsumerCore, rows_of
+from .core import RECOVERED_CORRUPT, ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
 from .engines.base import ENGINE_FAILURES_MAX, BatchResults, EngineDead, EngineDown
 from .segments import BatchTokens
@@ -266,7 +267,7 @@ class Window:
         item_id = int(t.locs["item_id"][row])
         text = poison_message(self.deliveries.attempts)
         log.warning("item %#x: %s; it fails (engine_error)", item_id, text)
-        res = BatchResults(np.array([item_id], np.uint64), np.array([CODE_ENGINE_ERROR], np.uint32),
+        res = BatchResults(np.array([item_id], np.uint64), np.array([Status.ENGINE_ERROR], np.uint32),
                            np.zeros(0, np.uint32), np.zeros(2, np.int64), {0: text})
         self.core._count(res)
         self.counts["poisoned"] += 1
@@ -449,8 +450,8 @@ def _failed_results(failed: np.ndarray) -> BatchResults:
     status = failed["aux"].astype(np.uint32)
     errors = {}
     for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
-        errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == CODE_TOO_LONG
-                     else RECOVERED_CORRUPT if code == CODE_CORRUPT
+        errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == Status.TOO_LONG
+                     else RECOVERED_CORRUPT if code == Status.CORRUPT
                      else "no consumer serves its model" if length else "no tokens")
     return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
                         np.zeros(failed.size + 1, np.int64), errors)

@@ -28,6 +28,8 @@ producer is readable from it.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 from numba.core import types
 
@@ -45,10 +47,30 @@ MAX_PRODUCER_ID = (1 << (64 - SEQ_BITS)) - 1
 ITEM_EMPTY = 10
 ITEM_BAD_MAX_NEW = 11
 
-# corrupt: the item's backlog record failed its CRC (or its frame was broken) where the broker read
-# it back; its tokens cannot be trusted, so it is not run
-STATUS_CODES = {"ok": 0, "too_long": 1, "invalid": 2, "engine_error": 3, "corrupt": 4}
-STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
+
+
+class Status(IntEnum):
+    """An item's outcome: the one table of status codes (a result record's status word, `wire.py`).
+
+    Two owners fail an item: the scheduler at admission (TOO_LONG for every consumer of its model,
+    INVALID, CORRUPT when its backlog record cannot be read back) and the GPU process against its
+    consumer's contract and its engine (TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT). A status is a
+    string (`label`) only where a person, a script or an engine adapter reads it: the client's
+    `Result`, the CLI's JSONL and the engines' `ItemResult` (STATUS_CODES, STATUS_NAMES)."""
+
+    OK = 0
+    TOO_LONG = 1
+    INVALID = 2  # no tokens, or fields no consumer can run
+    ENGINE_ERROR = 3  # the engine refused or failed the item (or died on it POISON_ATTEMPTS times)
+    CORRUPT = 4  # its backlog record failed its CRC (or its frame was broken) where read back: not run
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+STATUS_CODES = {s.label: int(s) for s in Status}  # label -> code, for the string boundaries above
+STATUS_NAMES = {int(s): s.label for s in Status}
 
 assert OK == 0 and RECORD_HEADER_WORDS == 8
 

@@ -54,14 +54,15 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import BrokerError
-from ...ring.items import STATUS_CODES as _STATUS_CODES
+from ...ring.items import STATUS_CODES, STATUS_NAMES, Status
 
-OK = "ok"
-TOO_LONG = "too_long"
-INVALID = "invalid"
-ENGINE_ERROR = "engine_error"
-CORRUPT = "corrupt"
-STATUSES = (OK, TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT)
+# an engine reports each item's status by its label (ItemResult.status; ring.items.Status is the table)
+OK = Status.OK.label
+TOO_LONG = Status.TOO_LONG.label
+INVALID = Status.INVALID.label
+ENGINE_ERROR = Status.ENGINE_ERROR.label
+CORRUPT = Status.CORRUPT.label
+STATUSES = tuple(STATUS_CODES)
 
 
 
@@ -113,11 +114,6 @@ class ItemResult:
         assert self.status in STATUSES, self.status
 
 
-STATUS_CODES = _STATUS_CODES  # the one table (ring.items)
-assert all(s in STATUS_CODES for s in STATUSES)
-STATUS_OF = {code: name for name, code in STATUS_CODES.items()}
-
-
 @dataclass
 class BatchResults:
     """One result per item, in columns: what a GPU process writes (no Python object per item)."""
@@ -142,7 +138,7 @@ class BatchResults:
                    {i: r.error for i, r in enumerate(results) if r.error is not None})
 
     def items(self) -> list[ItemResult]:
-        return [ItemResult(int(self.item_ids[i]), STATUS_OF[int(self.status[i])],
+        return [ItemResult(int(self.item_ids[i]), STATUS_NAMES[int(self.status[i])],
                            self.flat[self.offsets[i] : self.offsets[i + 1]], self.errors.get(i))
                 for i in range(len(self))]
 
