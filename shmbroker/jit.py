@@ -29,7 +29,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 # layout constants). Globbed, so a new kernel module is covered by default.
 KERNEL_SOURCES = ("jit.py", "ring/*.py", "pack/*.py", "spill/*.py", "crc.py", "workloads/trace.py")
 # Pure-Python reference models: no kernel imports them, so editing one needs no recompile.
-NOT_KERNEL_SOURCES = ("ring/reference.py", "spill/model.py", "pack/reference.py")
+NOT_KERNEL_SOURCES = ("ring/reference.py", "spill/model.py", "pack/reference.py", "pack/reference_index.py")
 
 
 def _source_files() -> list[Path]:

@@ -61,10 +61,9 @@ class Scheduler:
         self.capacity = cfg.index_items
         self.packer = Packer(specs, capacity=self.capacity, max_wait_seconds=cfg.max_wait_seconds,
                              tolerance=cfg.padding_tolerance)
-        self.model_max: dict[int, int] = {}
-        for c in cfg.consumers:
-            m = c.contract.model
-            self.model_max[m] = max(self.model_max.get(m, 0), c.contract.max_input_len)
+        # per model: the longest item some consumer takes; longer ones are failed at admission
+        # (`_unservable`), so the packer's walks never meet one (its `batch.failed` stays empty)
+        self.model_max: dict[int, int] = self.packer.model_max
         self.appended = appended
         self.batches = batch_rings
         self.bell = bell

@@ -29,18 +29,12 @@ from hypothesis import strategies as st
 from shmbroker.pack import packer as packer_mod
 from shmbroker.pack import shapes
 from shmbroker.pack.contract import Contract
-from shmbroker.pack.index import C_BAND, S_HKEYS
 from shmbroker.pack.packer import ConsumerSpec, Packer
 from shmbroker.pack.policy import DEFAULT_PADDING_TOLERANCE
-from shmbroker.pack.reference import (
-    FAILED_MAX,
-    NUM_BANDS,
-    ReferencePacker,
-    band_floor,
-    band_of,
-    hint_slots,
-)
+from shmbroker.pack.reference import FAILED_MAX, ReferencePacker
+from shmbroker.pack.reference_index import NUM_BANDS, band_floor, band_of, hint_slots
 from shmbroker.pack.shapes import shape_items
+from shmbroker.pack.state import C_BAND
 
 EXAMPLES = 50
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -199,7 +193,7 @@ def test_reference_constants_and_bands_are_the_packers():
         assert band_floor(b) == shapes.band_floor(b), b
     for capacity in (1, 16, 40_000, 100_000):
         p = Packer([ConsumerSpec("one", Contract(2, 100, 50))], capacity=capacity)
-        assert hint_slots(capacity) == p.index.S[S_HKEYS].size
+        assert hint_slots(capacity) == p.index.state.hint_keys.size
 
 
 # ---- hand-written cases: the expected batches, literally -----------------------------------

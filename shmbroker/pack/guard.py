@@ -19,7 +19,7 @@ Checks, in order (the first failure is the reason):
   family     an item of another family than the batch's shape
   band       an item outside the shape's length band, or (padded engines) a
              prefill-only batch wider than the padding tolerance: longest > (1 + tol) x
-             shortest (a batch that generates is shaped by its decode: select.py)
+             shortest (a batch that generates is shaped by its decode: sweep.py)
 """
 
 from __future__ import annotations

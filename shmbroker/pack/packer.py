@@ -1,14 +1,18 @@
 """The packer: one shape-pure batch for one consumer, to its contract.
 
     packer = Packer([ConsumerSpec("big", Contract(256, 131072, 131072), "padded"), ...])
-    packer.add(key, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
+    packer.add(item_id, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
     batch = packer.next_batch(consumer, now)                           # O(batch + trie depth)
 
 A decision: the consumer's policy picks a family (and band or branch) and
 selects items without removing them; the guard checks the batch; only then
 are the items removed from the index. Items no consumer of their model can
 take come back in `batch.failed` with reason "too_long" (a batch may hold
-only failures). Nothing here knows about rings, disks or engines.
+only failures), when a walk meets them. Only this standalone use (tests,
+`bench pack`, `workloads.packsim`) gives the packer such items: the scheduler
+fails them at admission against `model_max` (`Scheduler._unservable`), so in
+the broker `batch.failed` is always empty. Nothing here knows about rings,
+disks or engines.
 """
 
 from __future__ import annotations
@@ -50,15 +54,16 @@ class Packer:
         self.consumers = list(consumers)
         self.index = PackIndex([(c.contract.model, c.contract.max_input_len) for c in consumers],
                                items=capacity, nodes=nodes, families=families, num_consumers=len(consumers))
-        model_max: dict[int, int] = {}
+        # per model: the longest item some consumer of it takes (longer ones are failed back)
+        self.model_max: dict[int, int] = {}
         for c in consumers:
             m = c.contract.model
-            model_max[m] = max(model_max.get(m, 0), c.contract.max_input_len)
+            self.model_max[m] = max(self.model_max.get(m, 0), c.contract.max_input_len)
         self.policies = []
         self.guards = []
         for i, c in enumerate(consumers):
             kw = {"tol": tolerance} if c.mode == "padded" else {}
-            policy = POLICIES[c.mode](self.index, i, c.contract, model_max[c.contract.model],
+            policy = POLICIES[c.mode](self.index, i, c.contract, self.model_max[c.contract.model],
                                       max_wait_seconds, **kw)
             self.policies.append(policy)
             self.guards.append(Guard(policy.tol, c.mode))
@@ -66,20 +71,20 @@ class Packer:
         self._out = np.empty(size, np.int32)
         self._failed = np.empty(FAILED_MAX, np.int32)
         self._rows = np.zeros(size, BATCH_ROW)
-        self._fail_keys = np.zeros(FAILED_MAX, np.uint64)
+        self._failed_ids = np.zeros(FAILED_MAX, np.uint64)
         self._models = [c.contract.model for c in consumers]
         self.max_wait_seconds = max_wait_seconds
 
-    def add(self, key: int, arrival: float, length: int, max_new: int, model: int, family: int,
+    def add(self, item_id: int, arrival: float, length: int, max_new: int, model: int, family: int,
             hashes: np.ndarray) -> int:
-        return self.index.insert(key, arrival, length, max_new, model, family, hashes)
+        return self.index.insert(item_id, arrival, length, max_new, model, family, hashes)
 
-    def add_many(self, keys, arrivals, shapes, max_new) -> int:
-        """Add every item of `shapes` (pack.shapes.ItemShapes) in one compiled call: keys, arrivals and
+    def add_many(self, item_ids, arrivals, shapes, max_new) -> int:
+        """Add every item of `shapes` (pack.shapes.ItemShapes) in one compiled call: item ids, arrivals and
         max_new_tokens one per item. The number added; fewer means the index is full (the rest, whole
         items, stay out). A scheduler rebuilding its index from a recovered backlog uses this."""
         n = len(shapes)
-        return self.index.insert_many(keys, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
+        return self.index.insert_many(item_ids, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
                                       np.broadcast_to(np.asarray(max_new, np.int64), (n,)), shapes.models,
                                       shapes.families, shapes.hash_offsets, shapes.hashes)
 
@@ -88,12 +93,13 @@ class Packer:
 
     def next_batch(self, c: int, now: float = 0.0) -> Batch | None:
         """The next batch for consumer c, or None when there is nothing it can take."""
-        n, nf, f, code, lo, hi, key = self.policies[c].decide(float(now), self._out, self._failed, self._rows,
-                                                              self._fail_keys)
-        if f == -1:
+        d = self.policies[c].decide(float(now), self._out, self._failed, self._rows, self._failed_ids)
+        if d.family == -1:
             return None
-        if code != 0:
-            self.guards[c].count(code)
+        n = d.num_items
+        if d.code != 0:
+            self.guards[c].count(d.code)
             n = 0
-        failed = [(k, "too_long") for k in self._fail_keys[:nf].tolist()] if nf else []
-        return Batch(c, Shape(self._models[c], int(key), int(lo), int(hi)), self._rows[:n].copy(), failed)
+        failed = [(i, "too_long") for i in self._failed_ids[:d.num_failed].tolist()] if d.num_failed else []
+        return Batch(c, Shape(self._models[c], int(d.family_key), int(d.length_min), int(d.length_max)),
+                     self._rows[:n].copy(), failed)

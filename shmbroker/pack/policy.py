@@ -1,6 +1,6 @@
 """The policy: which family, band and branch each consumer is served next.
 
-Mechanism (select.py: the walks, the guard, the commit) and policy are
+Mechanism (the walks: sweep.py, branches.py; the guard and the commit: commit.py) and policy are
 apart: the packer asks the consumer's policy object for a decision; nothing in
 the packer branches on a mode. A decision is one compiled call (numba's call
 overhead with the index's arrays is a few microseconds, paid once).
@@ -18,7 +18,7 @@ Shared by both modes (`choose_family`):
    steps goes first (longest processing time first, so a drain does not end on
    a long generation or on a family one card drains alone): at least its
    longest generation, its pending tokens over max_batch_tokens, its pending
-   generations over max_batch_size (`select.family_steps`; ties keep the
+   generations over max_batch_size (`family_steps`; ties keep the
    list's order). Every consumer takes the longest first (the smaller cards
    taking the shortest measured worse: they end on the long ones). Packed
    consumers only: a padded one takes the head of the list (it runs batches
@@ -43,7 +43,7 @@ for one row or the whole batch), so when its band within the tolerance
 cannot fill the rectangle, its batches are grouped by generation first and
 the tolerance no longer cuts the input band: the contract does
 (count x longest <= max_batch_tokens), the tolerance only spacing the input
-caps tried (select.py `generation_cap`). Measured (bench pack, the trace's own
+caps tried (sweep.py `generation_cap`). Measured (bench pack, the trace's own
 output lengths): a 1/16 input band on the generator's small families made
 batches of 4.6 items and lost to FIFO (1.11x); so did a cap on the padded
 share of the whole rectangle counted in token cells (1.37x at 1/16).
@@ -64,12 +64,19 @@ window holds, whose blocks the engine keeps while they run.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..jit import kernel
-from .index import C_BAND, C_FAM, C_MAXIN, S_CONS, S_FM, S_IT
-from .select import claim_item_branch, contains, finish, generates, oldest, release_family, select_packed, select_padded, take_family
+from .ages import oldest
+from .branches import claim_item_branch, goes_before, select_packed
+from .commit import finish
+from .links import _family_list_set
+from .listing import family_reclass
 from .shapes import NUM_BANDS, band_of
+from .state import C_BAND, C_FAM, C_MAXIN, State
+from .sweep import generates, select_padded
 
 DEFAULT_PADDING_TOLERANCE = 1 / 16
 FAMILY_ATTEMPTS = 8
@@ -77,23 +84,93 @@ CANDIDATES_PER_SLOT = 4  # padded: a batch picks its items among up to 4 x max_b
 NO_AGING = -1.0
 
 
+class Decision(NamedTuple):
+    """What a decision did: the batch is out[:num_items] (rows gathered), the failures out of the
+    index are failed[:num_failed] (their item ids in failed_ids); family is its slot, -1 when no
+    family had anything for the consumer; code is the guard's (0: passed)."""
+
+    num_items: int
+    num_failed: int
+    family: int
+    code: int
+    length_min: int
+    length_max: int
+    family_key: int
+
+
+# ---- families: which one a consumer takes next ------------------------------------------------
+
+@kernel(inline="always", _nrt=False)
+def contains(values, n, x):
+    for i in range(n):
+        if values[i] == x:
+            return True
+    return False
+
+
+@kernel(inline="always", _nrt=False)
+def family_steps(fm, f, bs, bt):
+    """The engine steps family f takes at least on a consumer of max_batch_size bs and max_batch_tokens
+    bt: its longest generation, its pending tokens over bt, its pending generations over bs."""
+    return max(np.int64(fm[f].maxnew), fm[f].tokens // bt, fm[f].generate // bs)
+
+
+@kernel(_nrt=False)
+def take_family(S, c, cls_order, skip, nskip, scan, longest, bs, bt):
+    """Claim an unclaimed family not in skip[:nskip] from the first class list (in cls_order) that
+    has one: of its first `scan` such families, the one that takes the most steps (`family_steps`;
+    `longest`, else the fewest; the first among equals); or -1."""
+    fm = S.families
+    gh = S.family_heads
+    for k in range(cls_order.size):
+        best = -1
+        most = 0
+        seen = 0
+        f = gh[cls_order[k]]
+        while f != -1 and seen < scan:
+            if not contains(skip, nskip, f):
+                seen += 1
+                steps = family_steps(fm, f, bs, bt)
+                if best == -1 or goes_before(steps, most, longest):
+                    best = f
+                    most = steps
+            f = fm[f].gnext
+        if best != -1:
+            _family_list_set(fm, gh, S.family_tails, best, -1)
+            fm[best].claimed = c + 1
+            return best
+    return -1
+
+
+@kernel(_nrt=False)
+def release_family(S, c):
+    """c leaves its current family: unclaim it if c held it."""
+    f = S.consumers[c, C_FAM]
+    if f == -1:
+        return
+    S.consumers[c, C_FAM] = -1
+    if S.families[f].claimed == c + 1:
+        S.families[f].claimed = 0
+        family_reclass(S, f)
+
+
 @kernel(_nrt=False)
 def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model, scan, longest, bs, bt):
     """(family or -1, aged item slot or -1).
 
     Aging looks first at the classes no smaller consumer can take (age_own), then at all of c's."""
-    cons = S[S_CONS]
-    fm = S[S_FM]
+    cons = S.consumers
+    fm = S.families
     if attempt == 0 and max_wait >= 0.0:
-        s = oldest(S, age_own, now - max_wait)
-        if s == -1:
-            s = oldest(S, cls_order, now - max_wait)
-        if s != -1:
-            f = S[S_IT][s].fam
+        slot = oldest(S, age_own, now - max_wait)
+        if slot == -1:
+            slot = oldest(S, cls_order, now - max_wait)
+        if slot != -1:
+            f = S.items[slot].fam
             if cons[c, C_FAM] != f:
                 release_family(S, c)
                 cons[c, C_FAM] = f
-            return f, s
+            return f, slot
     if attempt > 0:
         skip[attempt - 1] = cons[c, C_FAM]
         release_family(S, c)
@@ -119,27 +196,28 @@ F_MAXWAIT, F_TOL = range(2)
 
 
 @kernel(_nrt=False)
-def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys):
+def overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, failed_ids):
     """Rather than idle, serve the oldest overdue item c can take on its own (its shape is then
     held by another consumer or mixed with longer work)."""
     if fp[F_MAXWAIT] < 0.0:
         return 0, 0, -1, 0, 0, 0, np.uint64(0)
-    s = oldest(S, cls_order, now - fp[F_MAXWAIT])
-    if s == -1:
+    slot = oldest(S, cls_order, now - fp[F_MAXWAIT])
+    if slot == -1:
         return 0, 0, -1, 0, 0, 0, np.uint64(0)
-    out[0] = s
-    f = S[S_IT][s].fam
-    n = np.int64(S[S_IT][s].length)
-    key = S[S_FM][f].key
-    code = finish(S, out, 1, failed, 0, key, ip[P_MODEL], n, n, 0.0, ip[P_BS], ip[P_BT], ip[P_MAXIN], True, rows,
-                  fail_keys)
-    return 1, 0, f, code, n, n, key
+    out[0] = slot
+    f = S.items[slot].fam
+    n = np.int64(S.items[slot].length)
+    family_key = S.families[f].key
+    code = finish(S, out, 1, failed, 0, family_key, ip[P_MODEL], n, n, 0.0, ip[P_BS], ip[P_BT], ip[P_MAXIN], True, rows,
+                  failed_ids)
+    return 1, 0, f, code, n, n, family_key
 
 
 @kernel(_nrt=False)
-def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys, cand, keys):
-    """(items, failed, family slot, guard code, shortest, longest, family key)."""
-    cons = S[S_CONS]
+def decide_padded(arrays, now, ip, fp, cls_order, age_own, skip, out, failed, rows, failed_ids, cand, sort_keys):
+    """(items, failed, family slot, guard code, shortest, longest, family key): a `Decision`."""
+    S = State(*arrays)
+    cons = S.consumers
     c = ip[P_C]
     descending = ip[P_DESC] != 0
     far = NUM_BANDS - 1 if descending else 0
@@ -149,26 +227,27 @@ def decide_padded(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
         if f == -1:
             break
         if aged != -1:
-            cons[c, C_BAND] = band_of(S[S_IT][aged].length)
+            cons[c, C_BAND] = band_of(S.items[aged].length)
         start = cons[c, C_BAND]
         if start == -1:
             start = far
         n, nf, band, lo, hi = select_padded(S, f, start, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN],
-                                            ip[P_MODELMAX], fp[F_TOL], out, failed, cand, keys)
+                                            ip[P_MODELMAX], fp[F_TOL], out, failed, cand, sort_keys)
         cons[c, C_BAND] = far if band == -1 else band
         if n or nf:
-            key = S[S_FM][f].key
-            # a generating batch's input band is bounded by the contract, not the tolerance (select.py)
-            tol = np.inf if generates(S[S_FM], f, fp[F_TOL]) else fp[F_TOL]
-            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], lo, hi, tol, ip[P_BS], ip[P_BT],
-                          ip[P_MAXIN], True, rows, fail_keys)
-            return n, nf, f, code, lo, hi, key
-    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
+            family_key = S.families[f].key
+            # a generating batch's input band is bounded by the contract, not the tolerance (sweep.py)
+            tol = np.inf if generates(S.families, f, fp[F_TOL]) else fp[F_TOL]
+            code = finish(S, out, n, failed, nf, family_key, ip[P_MODEL], lo, hi, tol, ip[P_BS], ip[P_BT],
+                          ip[P_MAXIN], True, rows, failed_ids)
+            return n, nf, f, code, lo, hi, family_key
+    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, failed_ids)
 
 
 @kernel(_nrt=False)
-def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, fail_keys, cand, keys):
-    """(items, failed, family slot, guard code, 1, max_input_len, family key)."""
+def decide_packed(arrays, now, ip, fp, cls_order, age_own, skip, out, failed, rows, failed_ids, cand, sort_keys):
+    """(items, failed, family slot, guard code, 1, max_input_len, family key): a `Decision`."""
+    S = State(*arrays)
     c = ip[P_C]
     for attempt in range(FAMILY_ATTEMPTS):
         f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL],
@@ -180,11 +259,11 @@ def decide_packed(S, now, ip, fp, cls_order, age_own, skip, out, failed, rows, f
         n, nf = select_packed(S, f, c, ip[P_BS], ip[P_MAXIN], ip[P_MODELMAX], cls_order, ip[P_SCAN], True,
                               out, failed)
         if n or nf:
-            key = S[S_FM][f].key
-            code = finish(S, out, n, failed, nf, key, ip[P_MODEL], 1, ip[P_MAXIN], np.inf, ip[P_BS], ip[P_BT],
-                          ip[P_MAXIN], False, rows, fail_keys)
-            return n, nf, f, code, np.int64(1), ip[P_MAXIN], key
-    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, fail_keys)
+            family_key = S.families[f].key
+            code = finish(S, out, n, failed, nf, family_key, ip[P_MODEL], 1, ip[P_MAXIN], np.inf, ip[P_BS], ip[P_BT],
+                          ip[P_MAXIN], False, rows, failed_ids)
+            return n, nf, f, code, np.int64(1), ip[P_MAXIN], family_key
+    return overdue_alone(S, now, ip, fp, cls_order, out, failed, rows, failed_ids)
 
 
 class Policy:
@@ -212,15 +291,15 @@ class Policy:
         index.cons[c, C_MAXIN] = contract.max_input_len
         self.ip = np.array([c, contract.model, contract.max_batch_size, contract.max_batch_tokens,
                             contract.max_input_len, model_max, int(largest), contract.max_batch_size], np.int64)
-        # padded: the candidates a batch's items are chosen from (select_padded)
+        # padded: the candidates a batch's items are chosen from (sweep.select_padded)
         self.cand = np.empty(CANDIDATES_PER_SLOT * contract.max_batch_size, np.int64)
-        self.keys = np.empty(self.cand.size, np.int64)
+        self.sort_keys = np.empty(self.cand.size, np.int64)
         self.fp = np.array([self.max_wait, 0.0], np.float64)
 
-    def decide(self, now: float, out, failed, rows, fail_keys) -> tuple:
-        """(items, failed, family slot, guard code, shortest, longest, family key)."""
-        return self.kernel(self.index.S, now, self.ip, self.fp, self.cls_order, self.age_own, self.skip, out,
-                           failed, rows, fail_keys, self.cand, self.keys)
+    def decide(self, now: float, out, failed, rows, failed_ids) -> Decision:
+        """One decision for this consumer; out, failed, rows and failed_ids are filled (`Decision`)."""
+        return Decision._make(self.kernel(self.index.arrays, now, self.ip, self.fp, self.cls_order, self.age_own,
+                                          self.skip, out, failed, rows, failed_ids, self.cand, self.sort_keys))
 
 
 class PaddedPolicy(Policy):

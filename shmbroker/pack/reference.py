@@ -1,9 +1,10 @@
 """A pure-Python reference model of the packer, for one consumer, without aging.
 
-The packer (`packer.py`, `policy.py`, `select.py`, `index.py`) is numba kernels over record arrays,
+The packer (`packer.py`, `policy.py`, `sweep.py`, `branches.py`, `index.py`) is numba kernels over record arrays,
 linked lists threaded through slots and bitmaps. This module says what those kernels compute in
 plain Python (dicts and lists, no slots, no bitmaps), so a test can feed both the same calls and
-compare every batch (`tests/test_pack_reference.py`).
+compare every batch (`tests/test_pack_reference.py`). Its index (families, trie, lists) is
+`reference_index.py`; this module is its decisions.
 
 What it models, exactly (the batch sequence: keys in order, failed keys in order, the shape's
 family and length bounds), for a `Packer([ConsumerSpec(name, contract, mode)], max_wait_seconds=None,
@@ -73,85 +74,26 @@ and the index's capacity limits (`IndexFull`). Block hashes are taken as given (
 them); a family key colliding with a block hash is assumed not to happen.
 """
 
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .contract import Contract
+from .reference_index import (
+    BRANCH_CLAIM_ORDER,
+    FAMILY_TAKE_ORDER,
+    TOP_BAND,
+    ReferenceIndex,
+    RefFamily,
+    RefItem,
+    RefNode,
+    move_to,
+)
 
 FAILED_MAX = 64  # failures collected per decision
 CANDIDATES_PER_SLOT = 4  # padded: candidates a decision chooses from, per max_batch_size
-BAND_SUB_BITS = 8  # 256 bands per octave above 256 tokens, exact below
-BAND_SUB = 1 << BAND_SUB_BITS
-LENGTH_BITS = 24
-NUM_BANDS = BAND_SUB + (LENGTH_BITS - BAND_SUB_BITS) * BAND_SUB
-TOP_BAND = NUM_BANDS - 1
 DEFAULT_TOLERANCE = 1 / 16
-BRANCH_CLAIM_ORDER = ("affine", "overflow", "fits")
-FAMILY_TAKE_ORDER = ("overflow", "fits")
-
-
-def band_of(n: int) -> int:
-    """Length band of n tokens: n itself below 256, then 256 bands per octave."""
-    if n < BAND_SUB:
-        return n
-    e = n.bit_length() - 1
-    sub = (n >> (e - BAND_SUB_BITS)) & (BAND_SUB - 1)
-    return (e - BAND_SUB_BITS + 1) * BAND_SUB + sub
-
-
-def band_floor(band: int) -> int:
-    """The shortest length in `band`."""
-    if band < BAND_SUB:
-        return band
-    e = band // BAND_SUB + BAND_SUB_BITS - 1
-    return (BAND_SUB + band % BAND_SUB) << (e - BAND_SUB_BITS)
-
-
-def hint_slots(capacity: int) -> int:
-    """Slots of the index's branch hint table for an item capacity."""
-    return 1 << max(16, (2 * capacity - 1).bit_length())
-
-
-@dataclass(eq=False)
-class _Item:
-    key: int
-    length: int
-    family: _Family
-    node: _Node | None = None
-    max_new: int = 1
-
-
-@dataclass(eq=False)
-class _Node:
-    key: int  # block hash (the family key for a root)
-    parent: _Node | None
-    depth: int  # 0: the family root, 1: a branch
-    family: _Family
-    items: list = field(default_factory=list)  # items ending here, in insert order
-    children: list = field(default_factory=list)  # live children, in the order they became live
-    # branches only
-    maxlen: int = 0  # longest item ever inserted under it while it lived
-    maxnew: int = 0  # largest max_new ever inserted under it while it lived
-    claimed: bool = False
-    affine: bool = False  # created while the hint table held its key: the consumer drained it before
-    listed: str | None = None  # the family's branch list it is in
-
-
-@dataclass(eq=False)
-class _Family:
-    key: int
-    model: int
-    bands: dict = field(default_factory=dict)  # band -> [items], oldest insert first; no empty lists
-    root: _Node | None = None
-    claimed: bool = False
-    listed: str | None = None  # the family list it is in
-    maxnew: int = 0  # largest max_new ever inserted while it lived
-    branch_lists: dict = field(default_factory=lambda: {name: [] for name in BRANCH_CLAIM_ORDER})
-
-    @property
-    def pending(self) -> int:
-        return sum(len(items) for items in self.bands.values())
 
 
 @dataclass(frozen=True)
@@ -165,137 +107,16 @@ class RefBatch:
     length_max: int
 
 
-def _move(lists: dict, member, name: str | None) -> None:
-    """Move `member` to the tail of lists[name] (None: out of every list); no-op when already there."""
-    if member.listed == name:
-        return
-    if member.listed is not None:
-        lists[member.listed].remove(member)
-    member.listed = name
-    if name is not None:
-        lists[name].append(member)
-
-
-class ReferencePacker:
+class ReferencePacker(ReferenceIndex):
     """The packer's decisions for one consumer (`contract`, `mode`), without aging. See the module doc."""
 
     def __init__(self, contract: Contract, mode: str, *, capacity: int, tolerance: float = DEFAULT_TOLERANCE):
         if mode not in ("padded", "packed"):
             raise ValueError(f"mode must be 'padded' or 'packed', got {mode!r}")
-        self.contract = contract
+        super().__init__(contract, capacity=capacity)
         self.mode = mode
         self.tol = float(tolerance)
-        self.hint_slots = hint_slots(capacity)
-        self.families: dict[int, _Family] = {}  # family key -> family with items
-        self.family_lists = {name: [] for name in FAMILY_TAKE_ORDER}
-        self.nodes: dict[int, _Node] = {}  # block hash -> live non-root node, every family
-        self.hints: dict[int, int] = {}  # slot -> branch key the consumer drained last there
-        self.num_items = 0
-        # the consumer
-        self.family: _Family | None = None  # held until it has no items
         self.band = TOP_BAND  # padded: the sweep's cursor
-        self.branch: _Node | None = None  # packed: the branch being drained
-
-    def __len__(self) -> int:
-        return self.num_items
-
-    # ---- the index ----------------------------------------------------------------------------
-
-    def add(self, key: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1) -> None:
-        """Index one item: its family key and block hashes as `shape_items` gives them."""
-        hashes = [int(h) for h in hashes]
-        fam = self.families.get(family)
-        if fam is None:
-            fam = self.families[family] = _Family(family, model)
-        item = _Item(key, length, fam, max_new=max_new)
-        fam.maxnew = max(fam.maxnew, max_new)
-        if fam.root is None:
-            fam.root = _Node(family, None, 0, fam)
-        node = fam.root
-        if hashes:
-            node = self.nodes.get(hashes[0]) or self._new_node(hashes[0], fam.root, 1, fam)
-        if len(hashes) >= 2:
-            last = len(hashes) - 1
-            end = self.nodes.get(hashes[last])
-            if end is None:
-                parent = node  # the branch, unless a deeper ancestor has a node
-                for d in range(last - 1, 0, -1):
-                    if hashes[d] in self.nodes:
-                        parent = self.nodes[hashes[d]]
-                        break
-                end = self._new_node(hashes[last], parent, last + 1, fam)
-            node = end
-        node.items.append(item)
-        item.node = node
-        branch = self._branch_of(node)
-        if branch is not None:
-            branch.maxlen = max(branch.maxlen, length)
-            branch.maxnew = max(branch.maxnew, max_new)
-            self._relist_branch(branch)
-        fam.bands.setdefault(band_of(length), []).append(item)
-        self.num_items += 1
-        self._relist_family(fam)
-
-    def _new_node(self, key: int, parent: _Node, depth: int, fam: _Family) -> _Node:
-        """A node gets an item or a child in the insert that creates it: it is live at once."""
-        node = _Node(key, parent, depth, fam)
-        if depth == 1:
-            node.affine = self.hints.get(key % self.hint_slots) == key
-        parent.children.append(node)
-        self.nodes[key] = node
-        return node
-
-    @staticmethod
-    def _branch_of(node: _Node) -> _Node | None:
-        while node.depth > 1:
-            node = node.parent
-        return node if node.depth == 1 else None
-
-    def _relist_branch(self, branch: _Node) -> None:
-        name = None
-        if not branch.claimed and (branch.items or branch.children):
-            fits = branch.maxlen <= self.contract.max_input_len
-            name = "affine" if branch.affine and fits else ("fits" if fits else "overflow")
-        _move(branch.family.branch_lists, branch, name)
-
-    def _relist_family(self, fam: _Family) -> None:
-        name = None
-        if not fam.claimed and fam.bands and fam.model == self.contract.model:
-            name = "fits" if band_floor(min(fam.bands)) <= self.contract.max_input_len else "overflow"
-        _move(self.family_lists, fam, name)
-
-    def _remove(self, item: _Item) -> None:
-        fam = item.family
-        band = fam.bands[band_of(item.length)]
-        band.remove(item)
-        if not band:
-            del fam.bands[band_of(item.length)]
-        node = item.node
-        node.items.remove(item)
-        while node is not None and not node.items and not node.children:  # the node dies
-            parent = node.parent
-            if parent is not None:
-                parent.children.remove(node)
-                del self.nodes[node.key]
-            else:
-                fam.root = None
-            if node.depth == 1:
-                _move(fam.branch_lists, node, None)
-                if node.claimed or node.affine:  # the consumer served it: remember for its next turn
-                    self.hints[node.key % self.hint_slots] = node.key
-                if self.branch is node:
-                    self.branch = None
-            node = parent
-        self.num_items -= 1
-        if not fam.bands:
-            _move(self.family_lists, fam, None)
-            del self.families[fam.key]
-            if self.family is fam:
-                self.family = None
-        else:
-            self._relist_family(fam)
-
-    # ---- decisions ----------------------------------------------------------------------------
 
     def next_batch(self) -> RefBatch | None:
         """The consumer's next batch (its items and failures leave the model), or None."""
@@ -311,7 +132,7 @@ class ReferencePacker:
             else:
                 return None
             self.family.claimed = True
-            _move(self.family_lists, self.family, None)
+            move_to(self.family_lists, self.family, None)
             self.band = TOP_BAND
         fam = self.family
         if self.mode == "padded":
@@ -326,12 +147,12 @@ class ReferencePacker:
             self._remove(item)
         return RefBatch(tuple(i.key for i in taken), tuple(i.key for i in failed), fam.key, *bounds)
 
-    def _steps(self, fam: _Family) -> int:
+    def _steps(self, fam: RefFamily) -> int:
         items = [i for band in fam.bands.values() for i in band]
         return max(fam.maxnew, sum(i.length for i in items) // self.contract.max_batch_tokens,
                    sum(i.max_new for i in items) // self.contract.max_batch_size)
 
-    def _select_padded(self, fam: _Family) -> tuple[list, list]:
+    def _select_padded(self, fam: RefFamily) -> tuple[list, list]:
         con = self.contract
         generating = False  # widened: a generating family's band that cannot fill the rectangle
         start = self.band
@@ -409,12 +230,12 @@ class ReferencePacker:
         self.band = left[0] if left else (TOP_BAND if stop is None else stop)
         return taken, failed
 
-    def _select_packed(self, fam: _Family) -> tuple[list, list]:
+    def _select_packed(self, fam: RefFamily) -> tuple[list, list]:
         con = self.contract
         taken: list = []
         failed: list = []
 
-        def take(item: _Item) -> bool:
+        def take(item: RefItem) -> bool:
             """Take or fail item; False when the batch stops before it."""
             if item.length > con.max_input_len:
                 if len(failed) == FAILED_MAX:
@@ -440,7 +261,7 @@ class ReferencePacker:
                     return taken, failed
             self.branch = None  # wholly in this batch: it dies when the batch's items leave
 
-    def _claim_branch(self, fam: _Family) -> _Node | None:
+    def _claim_branch(self, fam: RefFamily) -> RefNode | None:
         for name in BRANCH_CLAIM_ORDER:
             if fam.branch_lists[name]:
                 branch = fam.branch_lists[name][0]
@@ -448,13 +269,13 @@ class ReferencePacker:
                     for other in fam.branch_lists[name][:self.contract.max_batch_size]:
                         if other.maxnew > branch.maxnew:
                             branch = other
-                _move(fam.branch_lists, branch, None)
+                move_to(fam.branch_lists, branch, None)
                 branch.claimed = True
                 return branch
         return None
 
 
-def _depth_first(node: _Node):
+def _depth_first(node: RefNode):
     """Items of node's subtree: the node's own, then each live child's subtree in order."""
     yield from node.items
     for child in node.children:

@@ -207,12 +207,12 @@ class PackerFeeder:
                 return out, sizes
 
     def overdue(self, c: int, now: float) -> bool:
-        from ..pack.select import oldest
+        from ..pack.ages import oldest_entry
 
         policy = self.packer.policies[c]
         if self.packer.max_wait_seconds is None:
             return False
-        return oldest(self.packer.index.S, policy.cls_order, now - self.packer.max_wait_seconds) != -1
+        return oldest_entry(self.packer.index.arrays, policy.cls_order, now - self.packer.max_wait_seconds) != -1
 
     @property
     def guard_refusals(self) -> int:
