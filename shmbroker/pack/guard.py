@@ -61,7 +61,7 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
             return FAMILY
     if lo < length_min or hi > length_max:
         return BAND
-    generating = False  # a padded batch that generates is shaped by its decode (`select.select_padded`),
+    generating = False  # a padded batch that generates is shaped by its decode (`sweep.select_padded`),
     for i in range(n):  # not by the input band: the tolerance bounds prefill-only batches
         if rows[i].max_new > 1:
             generating = True

@@ -8,8 +8,8 @@ Each list keeps head/tail slots in its owner and prev/next slots in its members;
 | a band's items        | BUCKET head, tail        | ITEM bprev, bnext     |
 | a node's items        | NODE ihead, itail        | ITEM nprev, nnext     |
 | a node's live children| NODE chead, ctail        | NODE sprev, snext     |
-| a family's branch list| fbh[f, k], fbt[f, k]     | NODE cprev, cnext     |
-| a family class list   | gh[c], gt[c]             | FAMILY gprev, gnext   |
+| a family's branch list| branch_heads/tails[f, k] | NODE cprev, cnext     |
+| a family class list   | family_heads/tails[c]    | FAMILY gprev, gnext   |
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ from ..jit import kernel
 
 
 @kernel(_nrt=False)
-def _bucket_append(it, bk, b, s):
-    it[s].bucket = b
-    it[s].bnext = -1
-    it[s].bprev = bk[b].tail
+def _bucket_append(it, bk, b, slot):
+    it[slot].bucket = b
+    it[slot].bnext = -1
+    it[slot].bprev = bk[b].tail
     if bk[b].tail != -1:
-        it[bk[b].tail].bnext = s
+        it[bk[b].tail].bnext = slot
     else:
-        bk[b].head = s
-    bk[b].tail = s
+        bk[b].head = slot
+    bk[b].tail = slot
     bk[b].count += 1
 
 
 @kernel(_nrt=False)
-def _bucket_unlink(it, bk, s):
-    b = it[s].bucket
-    p = it[s].bprev
-    n = it[s].bnext
+def _bucket_unlink(it, bk, slot):
+    b = it[slot].bucket
+    p = it[slot].bprev
+    n = it[slot].bnext
     if p != -1:
         it[p].bnext = n
     else:
@@ -48,23 +48,23 @@ def _bucket_unlink(it, bk, s):
 
 
 @kernel(_nrt=False)
-def _nitem_append(it, nd, x, s):
-    it[s].node = x
-    it[s].nnext = -1
-    it[s].nprev = nd[x].itail
+def _nitem_append(it, nd, x, slot):
+    it[slot].node = x
+    it[slot].nnext = -1
+    it[slot].nprev = nd[x].itail
     if nd[x].itail != -1:
-        it[nd[x].itail].nnext = s
+        it[nd[x].itail].nnext = slot
     else:
-        nd[x].ihead = s
-    nd[x].itail = s
+        nd[x].ihead = slot
+    nd[x].itail = slot
     nd[x].nitems += 1
 
 
 @kernel(_nrt=False)
-def _nitem_unlink(it, nd, s):
-    x = it[s].node
-    p = it[s].nprev
-    n = it[s].nnext
+def _nitem_unlink(it, nd, slot):
+    x = it[slot].node
+    p = it[slot].nprev
+    n = it[slot].nnext
     if p != -1:
         it[p].nnext = n
     else:
