@@ -3,7 +3,10 @@
 Mechanism (the walks: sweep.py, branches.py; the guard and the commit: commit.py) and policy are
 apart: the packer asks the consumer's policy object for a decision; nothing in
 the packer branches on a mode. A decision is one compiled call (numba's call
-overhead with the index's arrays is a few microseconds, paid once).
+overhead with the index's arrays is a few microseconds, paid once) and comes
+back as a `Decision`. The lists this policy takes from (which class list an
+unclaimed family or branch waits in, a branch's affine consumer) are kept by
+the index as items come and go, by the rules of `listing.py`.
 
 Shared by both modes (`choose_family`):
 1. Aging: the oldest item this consumer can take that has waited longer than
