@@ -144,3 +144,28 @@ def idx_name(first_seq: int) -> str:
 
 def writer_dir_name(writer: int) -> str:
     return f"w{writer:03d}"
+
+
+def pending_from_headers(headers: np.ndarray, writer: int, segment: int, offsets: np.ndarray) -> np.ndarray:
+    """PENDING_DTYPE rows from (n, 64) record header bytes (the record table above), the records
+    at `offsets` of one writer's segment."""
+    n = headers.shape[0]
+    out = np.empty(n, PENDING_DTYPE)
+    if n == 0:
+        return out
+    h = np.ascontiguousarray(headers)
+    w32 = h.view("<u4").reshape(n, RECORD_HEADER_WORDS)
+    w64 = h.view("<u8").reshape(n, RECORD_HEADER_WORDS // 2)
+    out["writer"] = writer
+    out["segment"] = segment
+    out["offset"] = offsets
+    out["seq"] = w64[:, R64_SEQ]
+    out["item_id"] = w64[:, R64_ITEM]
+    out["prefix_key"] = w64[:, R64_PREFIX_KEY]
+    out["producer"] = w32[:, R_PRODUCER]
+    out["model"] = w32[:, R_MODEL]
+    out["prefix_len"] = w32[:, R_PREFIX_LEN]
+    out["num_tokens"] = w32[:, R_NUM_TOKENS]
+    out["max_new_tokens"] = w32[:, R_MAX_NEW]
+    out["shape_band"] = w32[:, R_BAND]
+    return out
