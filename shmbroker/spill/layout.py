@@ -92,36 +92,32 @@ R_NUM_TOKENS = 13
 R_MAX_NEW = 14
 R_BAND = 15
 
-# One pending record as recovery returns it (and as the index layer will consume it).
+# An item's metadata as a record header holds it (bytes 24..63 of the record table above, but
+# num_tokens, which the payload gives), in the order appends and recovery carry it.
+ITEM_META_FIELDS = [
+    ("item_id", np.uint64),
+    ("prefix_key", np.uint64),
+    ("producer", np.uint32),
+    ("model", np.uint32),
+    ("prefix_len", np.uint32),
+    ("max_new_tokens", np.uint32),
+    ("shape_band", np.uint32),
+]
+
+# Item metadata passed to an append (one row per record; flags: 0, the writer sets FLAG_CONT).
+ITEM_DTYPE = np.dtype(ITEM_META_FIELDS + [("flags", np.uint32)])
+
+# One pending record as recovery returns it: where it lies, then its header's fields
+# (`pending_from_headers` decodes them).
 PENDING_DTYPE = np.dtype(
     [
         ("writer", np.uint32),
         ("segment", np.uint64),  # first_seq of its segment file
         ("offset", np.uint64),  # byte offset of the record in that file
         ("seq", np.uint64),
-        ("item_id", np.uint64),
-        ("prefix_key", np.uint64),
-        ("producer", np.uint32),
-        ("model", np.uint32),
-        ("prefix_len", np.uint32),
         ("num_tokens", np.uint32),
-        ("max_new_tokens", np.uint32),
-        ("shape_band", np.uint32),
     ]
-)
-
-# Item metadata passed to an append (one row per record).
-ITEM_DTYPE = np.dtype(
-    [
-        ("item_id", np.uint64),
-        ("prefix_key", np.uint64),
-        ("producer", np.uint32),
-        ("model", np.uint32),
-        ("prefix_len", np.uint32),
-        ("max_new_tokens", np.uint32),
-        ("shape_band", np.uint32),
-        ("flags", np.uint32),
-    ]
+    + ITEM_META_FIELDS
 )
 
 

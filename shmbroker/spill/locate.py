@@ -65,15 +65,15 @@ def block_hashes(backlog, locs: np.ndarray, block_tokens: int):
         need = np.diff(hash_offsets) > 0
         writers, segments = locs["writer"], locs["segment"]
         idx = np.flatnonzero(need)
-        keys = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        seg_ids = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
+        starts = np.flatnonzero(np.r_[True, seg_ids[1:] != seg_ids[:-1]])
         ends = np.r_[starts[1:], idx.size]
         for a, b in zip(starts.tolist(), ends.tolist()):
             sel = idx[a:b]
-            key = (int(writers[sel[0]]), int(segments[sel[0]]))
-            seg = backlog.segment(*key)
+            where = (int(writers[sel[0]]), int(segments[sel[0]]))
+            seg = backlog.segment(*where)
             starts = (locs["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
             chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], locs["family"][sel],
                         block_tokens, hash_offsets[sel], hashes)
-            backlog.forget_segment(*key)  # unmapped at once: memory stays one segment, not the backlog
+            backlog.forget_segment(*where)  # unmapped at once: memory stays one segment, not the backlog
     return hash_offsets, hashes

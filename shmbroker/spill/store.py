@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import durable
 from .acks import AckFileCorrupt, Acks
-from .layout import DEFAULT_SEGMENT_BYTES, PENDING_DTYPE, RECORD_HEADER_BYTES, idx_name, writer_dir_name
+from .layout import DEFAULT_SEGMENT_BYTES, PENDING_DTYPE, RECORD_HEADER_BYTES, idx_name, segment_name, writer_dir_name
 from .records import gather
 from .recovery import Recovery, RecoveryReport, WriterState
 from .segment import SegmentFile
@@ -133,7 +133,7 @@ class Backlog:
         active = None
         if state.segments and not (wdir / idx_name(state.segments[-1])).exists():
             # the newest segment is unsealed: continue in it (a sealed one makes the writer start a new one)
-            active = SegmentFile.open(wdir / f"{state.segments[-1]:020d}.seg", writable=True)
+            active = SegmentFile.open(wdir / segment_name(state.segments[-1]), writable=True)
         # Never below a number the ack file marks done (a power loss can take the last
         # records' pages but keep their acks): a new record there would vanish. Sequence
         # numbers run without gaps inside a segment, so a jump starts a new one.
@@ -156,11 +156,11 @@ class Backlog:
 
     def segment(self, writer: int, first_seq: int) -> SegmentFile:
         """A read-only mapping of a segment (cached)."""
-        key = (writer, first_seq)
-        seg = self._maps.get(key)
+        where = (writer, first_seq)
+        seg = self._maps.get(where)
         if seg is None or seg.fd < 0:
-            seg = SegmentFile.open(self.root / writer_dir_name(writer) / f"{first_seq:020d}.seg")
-            self._maps[key] = seg
+            seg = SegmentFile.open(self.root / writer_dir_name(writer) / segment_name(first_seq))
+            self._maps[where] = seg
         return seg
 
     def forget_segment(self, writer: int, first_seq: int) -> None:
@@ -211,7 +211,7 @@ class Backlog:
                     if seg is not None:
                         seg.close()
                     (wdir / idx_name(first)).unlink(missing_ok=True)
-                    (wdir / f"{first:020d}.seg").unlink(missing_ok=True)
+                    (wdir / segment_name(first)).unlink(missing_ok=True)
                     remaining.remove(first)
                     removed += 1
             if remaining:
