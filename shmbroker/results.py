@@ -48,6 +48,7 @@ from .ring.wire import (
     chunk_bytes,
     push_results,
     result_fields,
+    result_head,
 )
 from .spill.store import BACKLOG_DIR, Backlog
 from .stats import slot_of
@@ -257,7 +258,7 @@ class Router(Replayer, BehindNames, CursorSaves):
             while outlet.waiting:
                 at = outlet.waiting.first()
                 head = log.read(at, RES_HEADER_BYTES)
-                size = int(head.view(np.uint32)[0])
+                size = result_head(head, 0)[0]
                 data = log.read(at, size)
                 pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
                 if wake:

@@ -198,6 +198,14 @@ def resync_results(buf, start, end):
     return end
 
 
+def result_head(buf: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
+    """(length, item_id, seq, status, writer) of the result record header at buf[at:] (unchecked:
+    a damaged record's header is read too, `scan_results` says whether it is whole)."""
+    h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+    h64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
+    return int(h[0]), int(h64[1]), int(h64[2]), int(h[6]), int(h[7])
+
+
 @kernel
 def result_fields(buf, pos, count, item_ids, seqs, writers, status):
     """Columns of the result records at buf[pos[i]]."""
