@@ -165,12 +165,12 @@ class Announcer:
             c[I_BATCHES] += 1
 
 
-def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh: int, stopping) -> None:
+def push_announcement(ring: Ring, payload: np.ndarray, seq: int, count: int, nh: int, stopping) -> None:
     """Push one record, waiting as long as it takes: the scheduler may be restarting (its ring
     persists); only a stop that has run out of time gives up (the records are on disk either way)."""
     while True:
         try:
-            ring.push_wait(payload, key, count, nh, 0, 0, SLEEP_SLICE_SECONDS * 4)
+            ring.push_wait(payload, seq, count, nh, 0, 0, SLEEP_SLICE_SECONDS * 4)
             return
         except (Full, PeerDead):
             ring.heartbeat()

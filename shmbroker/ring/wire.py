@@ -42,7 +42,7 @@ The ring records that carry them (`layout.py` frames each: key, meta[0..3], payl
 | batch (sched->GPU)      | batch number     | rows to run     | rows failed | packed_ns lo | packed_ns hi  | LOC rows               |
 | results (GPU->results)  | 0                | payload bytes   | 0           | 0            | 0             | result records         |
 
-`batch_meta` / `batch_meta_words` and `chunk_bytes` are their decoders and encoder.
+`batch_meta_words` / `batch_meta` and `chunk_meta_words` / `chunk_bytes` are their encoders and decoders.
 
 A producer's result ring record: key = item id, meta[0] = status, meta[1] =
 generated tokens, meta[3] = error bytes; payload = tokens then the error text.
@@ -92,6 +92,11 @@ def batch_locations(data: np.ndarray, pos: int, count: int) -> np.ndarray:
     """The `count` LOC rows (a view) of the batch ring record at word `pos` of `data`."""
     start = pos + RECORD_HEADER_WORDS
     return data[start : start + count * LOC_WORDS].view(LOC_DTYPE)
+
+
+def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:
+    """meta[0..3] of a results ring record of `nbytes` payload bytes."""
+    return nbytes, 0, 0, 0
 
 
 def chunk_bytes(data: np.ndarray, pos: int) -> int:
