@@ -43,6 +43,7 @@ from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed
 from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
 from .spill.collect import REFUSALS, collect
 from .spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
+from .spill.locate import fill_locations
 from .spill.writer import SegmentWriter
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
@@ -151,16 +152,8 @@ class Announcer:
                     app.block_tokens, hash_offsets, hashes)
         payload = np.empty(count * LOC_WORDS + 2 * nh, np.uint32)
         locs = payload[: count * LOC_WORDS].view(LOC_DTYPE)
-        locs["writer"] = self.writer.writer
-        locs["length"] = np.diff(offsets)
-        locs["segment"] = segments
-        locs["offset"] = rec_offsets
-        locs["seq"] = seqs
-        locs["item_id"] = items["item_id"]
-        locs["family"] = items["prefix_key"]
-        locs["max_new"] = items["max_new_tokens"]
-        locs["model"] = items["model"]
-        locs["prefix_len"] = declared
+        fill_locations(locs, items, writer=self.writer.writer, segment=segments, offset=rec_offsets, seq=seqs,
+                       length=np.diff(offsets))
         locs["aux"] = np.diff(hash_offsets)
         payload[count * LOC_WORDS :].view(np.uint64)[:] = hashes
         push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
@@ -172,12 +165,12 @@ class Announcer:
             c[I_BATCHES] += 1
 
 
-def push_announcement(ring: Ring, payload: np.ndarray, key: int, count: int, nh: int, stopping) -> None:
+def push_announcement(ring: Ring, payload: np.ndarray, seq: int, count: int, nh: int, stopping) -> None:
     """Push one record, waiting as long as it takes: the scheduler may be restarting (its ring
     persists); only a stop that has run out of time gives up (the records are on disk either way)."""
     while True:
         try:
-            ring.push_wait(payload, key, count, nh, 0, 0, SLEEP_SLICE_SECONDS * 4)
+            ring.push_wait(payload, seq, count, nh, 0, 0, SLEEP_SLICE_SECONDS * 4)
             return
         except (Full, PeerDead):
             ring.heartbeat()

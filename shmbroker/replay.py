@@ -17,7 +17,16 @@ import numpy as np
 
 from .delivery import Outlet, ReplayPlan
 from .ring.items import SEQ_BITS, Status
-from .ring.wire import RES_BAD, RES_HEADER_BYTES, RES_OK, encode_error, res_bytes, resync_results, scan_results
+from .ring.wire import (
+    RES_BAD,
+    RES_HEADER_BYTES,
+    RES_OK,
+    encode_error,
+    res_bytes,
+    result_head,
+    resync_results,
+    scan_results,
+)
 from .stats import slot_of
 
 C_BAD_RECORDS, C_BAD_BYTES, C_NOTICES = (
@@ -109,11 +118,9 @@ class Replayer:
         is done (acked: it will not run again); else None."""
         if nxt - at < RES_HEADER_BYTES:
             return None
-        h = data[at : at + RES_HEADER_BYTES].view(np.uint32)
-        h64 = data[at : at + RES_HEADER_BYTES].view(np.uint64)
-        if int(h[0]) != nxt - at:
+        length, item_id, seq, _status, writer = result_head(data, at)
+        if length != nxt - at:
             return None
-        item_id, seq, writer = int(h64[1]), int(h64[2]), int(h[7])
         if self._name_of(item_id >> SEQ_BITS) is None:
             return None
         if not self.backlog.acks.done_mask(writer, np.array([seq], np.uint64))[0]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from .behind import C_BEHIND, C_BEHIND_BYTES, BehindNames, NameLog, remove_strays
 from .control import Control
+from .cursor_save import CursorSaves
 from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
 from .replay import C_BAD_BYTES, C_BAD_RECORDS, C_NOTICES, Replayer, _scan_all  # noqa: F401 (re-exported)
@@ -44,8 +45,10 @@ from .ring.ring import CONSUMER, PRODUCER, Ring
 from .ring.waits import sleep_on
 from .ring.wire import (
     RES_HEADER_BYTES,
+    chunk_bytes,
     push_results,
     result_fields,
+    result_head,
 )
 from .spill.store import BACKLOG_DIR, Backlog
 from .stats import slot_of
@@ -58,7 +61,7 @@ DISK_FULL_BACKOFF_SECONDS = 0.05
 C_READERS, C_REDELIVERED = (slot_of("results", k) for k in ("readers", "redelivered"))
 
 
-class Router(Replayer, BehindNames):
+class Router(Replayer, BehindNames, CursorSaves):
     def __init__(self, data_dir: str, cfg, control: Control, counters=None):
         self.data_dir = data_dir
         self.root = Path(data_dir) / RESULTS_DIR
@@ -183,7 +186,7 @@ class Router(Replayer, BehindNames):
             if n == 0:
                 return taken
             pos = int(positions[0])
-            nbytes = int(words[pos + 4])
+            nbytes = chunk_bytes(words, pos)
             start = (pos + L.RECORD_HEADER_WORDS) * 4
             data = ring.buf[L.HEADER_BYTES + start : L.HEADER_BYTES + start + nbytes]
             at = self.log.append(data)
@@ -255,7 +258,7 @@ class Router(Replayer, BehindNames):
             while outlet.waiting:
                 at = outlet.waiting.first()
                 head = log.read(at, RES_HEADER_BYTES)
-                size = int(head.view(np.uint32)[0])
+                size = result_head(head, 0)[0]
                 data = log.read(at, size)
                 pushed, wake = push_results(outlet.ring.buf, data, np.zeros(1, np.int64), 0, 1)
                 if wake:
@@ -268,51 +271,7 @@ class Router(Replayer, BehindNames):
                 moved += 1
         return moved
 
-    # -- checkpoints --------------------------------------------------------------------
-
-    def _entries(self, again: dict | None = None) -> dict[str, list]:
-        """Every name's cursor entry as of now (`again`: names about to be reset for a new reader,
-        with the offsets they will get again). Only once replayed: every record appended is routed."""
-        entries = {name: [self._log_of(name).end, None, 0] for name in self.cursors.names}
-        for name, queue in self.parked.items():
-            entries[name] = [queue.first() if queue else self._log_of(name).end, None, 0]
-        for name, outlet in self.by_name.items():
-            end = self._log_of(name).end
-            if again is not None and name in again:
-                first = again[name]
-                at = int(first[0]) if first.size else (outlet.waiting.first() if outlet.waiting else end)
-                entries[name] = [at, outlet.ring_id, outlet.ring.num_pushed()]
-            else:
-                entries[name] = outlet.cursor(end)
-        for name, behind in self.behind.items():
-            entries.setdefault(name, [behind.log.end, None, 0]).append(behind.details(self.log.end))
-        return entries
-
-    def _floor(self, entries: dict[str, list]) -> int:
-        """The shared-log offset below which no name needs anything (a name far behind: its `through`)."""
-        return min([self.log.end] + [e[3]["through"] if len(e) > 3 else e[0] for e in entries.values()])
-
-    def _save_cursors(self, again: dict | None = None) -> None:
-        # every offset an entry names is synced first: a cursor past what a power loss leaves would
-        # skip the results that item runs again write there
-        self.log.sync()
-        for behind in self.behind.values():
-            behind.log.sync()
-        entries = self._entries(again)
-        floor = self._floor(entries)
-        if self.cursors.save(entries, floor):
-            self.floor = floor
-            self.log.trim(floor)
-            for name, behind in self.behind.items():
-                behind.through = self.log.end
-                behind.log.trim(entries[name][0])
-        for behind in self.dropped:  # no entry names their logs any more
-            behind.remove()
-        self.dropped.clear()
-
-    def consumed_floor(self) -> int:
-        """The shared-log offset below which nothing waits for a producer."""
-        return self._floor(self._entries())
+    # -- checkpoints (the cursor file: `cursor_save.py`) ---------------------------------
 
     def checkpoint(self, force: bool = False) -> None:
         now = time.monotonic()

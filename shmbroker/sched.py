@@ -30,7 +30,7 @@ from .ring import layout as L
 from .ring.items import Status
 from .ring.ring import CONSUMER, PRODUCER
 from .ring.waits import SLEEP_SLICE_SECONDS, sleep_on
-from .ring.wire import LOC_DTYPE, LOC_WORDS
+from .ring.wire import LOC_DTYPE, LOC_WORDS, batch_meta_words
 from .spill.locate import record_locations
 from .spill.store import Backlog
 from .spill.waiting import WaitingQueue
@@ -324,7 +324,7 @@ class Scheduler:
             if record is None:
                 return False
         payload, n_run, n_failed, packed_ns = record  # the GPU process counts its wait from packed_ns
-        if ring.push(payload, self.num_batches, n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32) != L.OK:
+        if ring.push(payload, self.num_batches, *batch_meta_words(n_run, n_failed, packed_ns)) != L.OK:
             self.held[c] = record
             return False
         self.held[c] = None

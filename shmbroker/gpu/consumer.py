@@ -27,7 +27,7 @@ from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER
 from ..ring.waits import SLEEP_SLICE_SECONDS
-from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, encode_error, encode_results
+from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_results
 from .core import ConsumerCore
 from .deliveries import Deliveries
 from .engines.base import BatchResults
@@ -78,7 +78,7 @@ class ResultWriter:
             payload = self.buf[:at].view(np.uint32)
             while True:
                 try:
-                    self.ring.push_wait(payload, 0, at, 0, 0, 0, SLEEP_SLICE_SECONDS * 4)
+                    self.ring.push_wait(payload, 0, *chunk_meta_words(at), SLEEP_SLICE_SECONDS * 4)
                     break
                 except (Full, PeerDead):  # the results process may be restarting: its ring stays
                     self.ring.heartbeat()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spill.layout import RECORD_HEADER_BYTES, writer_dir_name
+from ..spill.layout import RECORD_HEADER_BYTES, segment_name, writer_dir_name
 from ..spill.records import CHECK_GONE, check_records
 from ..spill.segment import SegmentFile
 
@@ -22,17 +22,17 @@ class SegmentViews:
     def segment(self, writer: int, segment: int) -> SegmentFile | None:
         """The mapping of a segment file (cached); None when it cannot be mapped (gone, or its header
         fails its checks)."""
-        key = (writer, segment)
-        seg = self.maps.get(key)
+        where = (writer, segment)
+        seg = self.maps.get(where)
         if seg is None:
             if len(self.maps) >= self.MAX_OPEN:
                 old = next(iter(self.maps))
                 self.maps.pop(old).close()
             try:
-                seg = SegmentFile.open(self.root / writer_dir_name(writer) / f"{segment:020d}.seg")
+                seg = SegmentFile.open(self.root / writer_dir_name(writer) / segment_name(segment))
             except (OSError, ValueError):
                 return None
-            self.maps[key] = seg
+            self.maps[where] = seg
         return seg
 
     def tokens(self, writer: int, segment: int, offset: int, length: int) -> np.ndarray:

@@ -37,7 +37,7 @@ from ..pack.contract import BATCH_ROW, Batch, Shape
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
-from ..ring.wire import LOC_DTYPE, LOC_WORDS
+from ..ring.wire import batch_locations, batch_meta
 from .core import RECOVERED_CORRUPT, ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
 from .engines.base import ENGINE_FAILURES_MAX, BatchResults, EngineDead, EngineDown
@@ -167,12 +167,10 @@ class Window:
             self.counts["redelivered"] += 1
             self.events += 1
         data = self.ring.data_words
-        n_run, n_failed = int(data[pos + 4]), int(data[pos + 5])
-        packed_ns = int(data[pos + 6]) | int(data[pos + 7]) << 32
+        n_run, n_failed, packed_ns = batch_meta(data, pos)
         if packed_ns:
             self.wait_ns += max(0, time.monotonic_ns() - packed_ns)
-        locs = data[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + (n_run + n_failed) * LOC_WORDS] \
-            .view(LOC_DTYPE)
+        locs = batch_locations(data, pos, n_run + n_failed)
         run = locs[:n_run]
         results = []
         runnable = np.zeros(0, np.int64)

@@ -4,7 +4,7 @@ Ingest ring record (producer -> broker), see `layout.py` for the record frame:
 
 | field   | meaning                                                   |
 |---------|-----------------------------------------------------------|
-| key     | the item's sequence number within its producer            |
+| key     | seq: the item's sequence number within its producer       |
 | meta[0] | max_new_tokens                                            |
 | meta[1] | declared prefix_len, or NO_PREFIX                         |
 | meta[2] | model id (`model_id(name)`; 0 = the broker's default)     |
@@ -15,12 +15,15 @@ Result ring record (broker -> producer):
 
 | field   | meaning                                                   |
 |---------|-----------------------------------------------------------|
-| key     | the item's sequence number                                |
-| meta[0] | status code (STATUS_CODES)                                |
+| key     | the item's id (see below; `wire.push_results`)            |
+| meta[0] | status code (Status)                                      |
 | meta[1] | reserved (0)                                              |
 | meta[2] | model id                                                  |
 | meta[3] | flags (0)                                                 |
 | tokens  | generated token ids                                       |
+
+`ingest_meta` decodes an ingest record's words (the only reader of them: `spill/collect.py`).
+The result record's words are `wire.push_results`'s (meta[1] generated tokens, meta[3] error bytes).
 
 An item id is `producer_id << SEQ_BITS | seq`: unique per broker, and the
 producer is readable from it.
@@ -82,6 +85,15 @@ def _push_item(buf, tokens, seq, max_new_tokens, prefix_len, model):
     if max_new_tokens < 0 or max_new_tokens > U32_MAX:
         return ITEM_BAD_MAX_NEW
     return push(buf, tokens, seq, max_new_tokens, prefix_len, model, 0)
+
+
+@kernel
+def ingest_meta(words, words64, pos):
+    """(num_tokens, seq, max_new_tokens, prefix_len, model, flags) of the ingest record at word
+    `pos` of a ring's data words (`words64`: the same words as uint64). Each word is read once: the
+    producer may still write them, so a caller checks these values, never the words again."""
+    return (words[pos + 1], words64[(pos >> 1) + 1], words[pos + 4], words[pos + 5], words[pos + 6],
+            words[pos + 7])
 
 
 def _signature(readonly: bool):

@@ -34,6 +34,16 @@ the results log on disk holds the same bytes):
 | 36   | 4    | error_bytes | UTF-8 error text after the tokens                         |
 | 40   | ...  | tokens, error text, zero padding to 8 bytes                             |
 
+The ring records that carry them (`layout.py` frames each: key, meta[0..3], payload):
+
+| ring (writer -> reader) | key              | meta[0]         | meta[1]     | meta[2]      | meta[3]       | payload                |
+|-------------------------|------------------|-----------------|-------------|--------------|---------------|------------------------|
+| appended (ingest->sched) | highest seq     | locations       | hashes      | 0            | 0             | LOC rows, uint64 hashes |
+| batch (sched->GPU)      | batch number     | rows to run     | rows failed | packed_ns lo | packed_ns hi  | LOC rows               |
+| results (GPU->results)  | 0                | payload bytes   | 0           | 0            | 0             | result records         |
+
+`batch_meta_words` / `batch_meta` and `chunk_meta_words` / `chunk_bytes` are their encoders and decoders.
+
 A producer's result ring record: key = item id, meta[0] = status, meta[1] =
 generated tokens, meta[3] = error bytes; payload = tokens then the error text.
 """
@@ -67,6 +77,32 @@ LOC_DTYPE = np.dtype([("writer", "<u4"), ("length", "<u4"), ("segment", "<u8"), 
                       ("prefix_len", "<u4"), ("aux", "<u4")])
 LOC_WORDS = LOC_DTYPE.itemsize // 4
 assert LOC_DTYPE.itemsize == 64
+
+def batch_meta_words(n_run: int, n_failed: int, packed_ns: int) -> tuple[int, int, int, int]:
+    """meta[0..3] of a batch ring record."""
+    return n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32
+
+
+def batch_meta(data: np.ndarray, pos: int) -> tuple[int, int, int]:
+    """(rows to run, rows failed back, packed_ns) of the batch ring record at word `pos` of `data`."""
+    return int(data[pos + 4]), int(data[pos + 5]), int(data[pos + 6]) | int(data[pos + 7]) << 32
+
+
+def batch_locations(data: np.ndarray, pos: int, count: int) -> np.ndarray:
+    """The `count` LOC rows (a view) of the batch ring record at word `pos` of `data`."""
+    start = pos + RECORD_HEADER_WORDS
+    return data[start : start + count * LOC_WORDS].view(LOC_DTYPE)
+
+
+def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:
+    """meta[0..3] of a results ring record of `nbytes` payload bytes."""
+    return nbytes, 0, 0, 0
+
+
+def chunk_bytes(data: np.ndarray, pos: int) -> int:
+    """Payload bytes of the results ring record at word `pos` of `data`."""
+    return int(data[pos + 4])
+
 
 RES_HEADER_BYTES = 40
 RES_MAX_ERROR_BYTES = 4096
@@ -165,6 +201,14 @@ def resync_results(buf, start, end):
             return at
         at += 8
     return end
+
+
+def result_head(buf: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
+    """(length, item_id, seq, status, writer) of the result record header at buf[at:] (unchecked:
+    a damaged record's header is read too, `scan_results` says whether it is whole)."""
+    h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
+    h64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
+    return int(h[0]), int(h64[1]), int(h64[2]), int(h[6]), int(h[7])
 
 
 @kernel

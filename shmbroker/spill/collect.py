@@ -1,7 +1,7 @@
 """From ingest-ring records to a backlog append batch, in one kernel.
 
 `collect` reads records zero-copy at `positions` in a producer's ring
-(`ring/layout.py`, `ring/items.py`) and fills what `SegmentWriter.append_many`
+(`ring/layout.py`; their words decoded by `ring.items.ingest_meta`) and fills what `SegmentWriter.append_many`
 takes: the tokens (flat + offsets) and one ITEM_DTYPE row per item. It also
 derives each item's shape for clustering on disk:
 
@@ -18,7 +18,7 @@ records around it go on). A record is refused (REFUSALS) when
 
 | reason | what the producer wrote                                               |
 |--------|-----------------------------------------------------------------------|
-| key    | a key above SEQ_MASK: not a sequence number (the item id is the       |
+| key    | a key word above SEQ_MASK: not a seq (the item id is the              |
 |        | producer's id over its sequence number, so such a key would name      |
 |        | another producer's item and route its result into that stream)        |
 | prefix | a declared prefix_len longer than the item                           |
@@ -36,7 +36,7 @@ import numpy as np
 from ..jit import kernel
 from ..pack.shapes import DEFAULT_SEED, family_key
 from ..ring.atomics import memcpy
-from ..ring.items import NO_PREFIX, SEQ_BITS
+from ..ring.items import NO_PREFIX, SEQ_BITS, ingest_meta
 from ..ring.layout import RECORD_HEADER_WORDS as RING_HEADER_WORDS
 
 REFUSALS = ("key", "prefix", "model", "flags", "frame")
@@ -54,16 +54,11 @@ def collect(words, words64, positions, count, producer_id, block_tokens, out_fla
     out_offsets[0] = 0
     for r in range(count):
         pos = positions[r]
-        n = words[pos + 1]
-        key = words64[(pos >> 1) + 1]
-        max_new = words[pos + 4]
-        prefix = words[pos + 5]
-        model = words[pos + 6]
-        flags = words[pos + 7]
+        n, seq, max_new, prefix, model, flags = ingest_meta(words, words64, pos)
         if pos + RING_HEADER_WORDS + n > cap or used + n > out_flat.size:
             refused[REFUSED_FRAME] += 1
             continue
-        if key >> np.uint64(SEQ_BITS) != np.uint64(0):
+        if seq >> np.uint64(SEQ_BITS) != np.uint64(0):
             refused[REFUSED_KEY] += 1
             continue
         if prefix != NO_PREFIX and prefix > n:
@@ -78,7 +73,7 @@ def collect(words, words64, positions, count, producer_id, block_tokens, out_fla
         memcpy(out_flat, used, words, pos + RING_HEADER_WORDS, n)
         declared = prefix if prefix != NO_PREFIX and prefix > 0 else 0
         it = items[kept]
-        it.item_id = (np.uint64(producer_id) << np.uint64(SEQ_BITS)) | key
+        it.item_id = (np.uint64(producer_id) << np.uint64(SEQ_BITS)) | seq
         it.prefix_key = family_key(out_flat, used, n, declared, model, block_tokens, DEFAULT_SEED)
         it.producer = producer_id
         it.model = model

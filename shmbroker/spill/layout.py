@@ -92,36 +92,32 @@ R_NUM_TOKENS = 13
 R_MAX_NEW = 14
 R_BAND = 15
 
-# One pending record as recovery returns it (and as the index layer will consume it).
+# An item's metadata as a record header holds it (bytes 24..63 of the record table above, but
+# num_tokens, which the payload gives), in the order appends and recovery carry it.
+ITEM_META_FIELDS = [
+    ("item_id", np.uint64),
+    ("prefix_key", np.uint64),
+    ("producer", np.uint32),
+    ("model", np.uint32),
+    ("prefix_len", np.uint32),
+    ("max_new_tokens", np.uint32),
+    ("shape_band", np.uint32),
+]
+
+# Item metadata passed to an append (one row per record; flags: 0, the writer sets FLAG_CONT).
+ITEM_DTYPE = np.dtype(ITEM_META_FIELDS + [("flags", np.uint32)])
+
+# One pending record as recovery returns it: where it lies, then its header's fields
+# (`pending_from_headers` decodes them).
 PENDING_DTYPE = np.dtype(
     [
         ("writer", np.uint32),
         ("segment", np.uint64),  # first_seq of its segment file
         ("offset", np.uint64),  # byte offset of the record in that file
         ("seq", np.uint64),
-        ("item_id", np.uint64),
-        ("prefix_key", np.uint64),
-        ("producer", np.uint32),
-        ("model", np.uint32),
-        ("prefix_len", np.uint32),
         ("num_tokens", np.uint32),
-        ("max_new_tokens", np.uint32),
-        ("shape_band", np.uint32),
     ]
-)
-
-# Item metadata passed to an append (one row per record).
-ITEM_DTYPE = np.dtype(
-    [
-        ("item_id", np.uint64),
-        ("prefix_key", np.uint64),
-        ("producer", np.uint32),
-        ("model", np.uint32),
-        ("prefix_len", np.uint32),
-        ("max_new_tokens", np.uint32),
-        ("shape_band", np.uint32),
-        ("flags", np.uint32),
-    ]
+    + ITEM_META_FIELDS
 )
 
 
@@ -144,3 +140,28 @@ def idx_name(first_seq: int) -> str:
 
 def writer_dir_name(writer: int) -> str:
     return f"w{writer:03d}"
+
+
+def pending_from_headers(headers: np.ndarray, writer: int, segment: int, offsets: np.ndarray) -> np.ndarray:
+    """PENDING_DTYPE rows from (n, 64) record header bytes (the record table above), the records
+    at `offsets` of one writer's segment."""
+    n = headers.shape[0]
+    out = np.empty(n, PENDING_DTYPE)
+    if n == 0:
+        return out
+    h = np.ascontiguousarray(headers)
+    w32 = h.view("<u4").reshape(n, RECORD_HEADER_WORDS)
+    w64 = h.view("<u8").reshape(n, RECORD_HEADER_WORDS // 2)
+    out["writer"] = writer
+    out["segment"] = segment
+    out["offset"] = offsets
+    out["seq"] = w64[:, R64_SEQ]
+    out["item_id"] = w64[:, R64_ITEM]
+    out["prefix_key"] = w64[:, R64_PREFIX_KEY]
+    out["producer"] = w32[:, R_PRODUCER]
+    out["model"] = w32[:, R_MODEL]
+    out["prefix_len"] = w32[:, R_PREFIX_LEN]
+    out["num_tokens"] = w32[:, R_NUM_TOKENS]
+    out["max_new_tokens"] = w32[:, R_MAX_NEW]
+    out["shape_band"] = w32[:, R_BAND]
+    return out

@@ -1,4 +1,4 @@
-"""Item locations and block hashes of backlog records read back from disk, for a scheduler (re)filling its index.
+"""Item locations (`ring.wire.LOC_DTYPE` rows, built by `fill_locations` only) and block hashes of backlog records read back from disk, for a scheduler (re)filling its index.
 
 The family key is in every record's header (`prefix_key`); the block hashes below it are chained
 from it over the tokens past the family root (the declared prefix, else the first block), so an
@@ -15,15 +15,29 @@ from ..ring.wire import LOC_DTYPE
 from .layout import RECORD_HEADER_BYTES
 
 
+def fill_locations(locs: np.ndarray, items: np.ndarray, *, writer, segment, offset, seq, length) -> np.ndarray:
+    """Fill LOC_DTYPE rows (aux 0) of backlog records: `items` holds their metadata
+    (spill.layout.ITEM_DTYPE or PENDING_DTYPE rows), the keywords where each record lies. The one
+    place a location row is built: ingest announcing what it appended, recovery what it found."""
+    locs["writer"] = writer
+    locs["length"] = length
+    locs["segment"] = segment
+    locs["offset"] = offset
+    locs["seq"] = seq
+    locs["item_id"] = items["item_id"]
+    locs["family"] = items["prefix_key"]
+    locs["max_new"] = items["max_new_tokens"]
+    locs["model"] = items["model"]
+    locs["prefix_len"] = items["prefix_len"]
+    locs["aux"] = 0
+    return locs
+
+
 def record_locations(records: np.ndarray) -> np.ndarray:
     """LOC_DTYPE rows (aux 0) of backlog records (spill.layout.PENDING_DTYPE), read from their headers only."""
-    locs = np.zeros(records.size, LOC_DTYPE)
-    for name in ("writer", "segment", "offset", "seq", "item_id", "model", "prefix_len"):
-        locs[name] = records[name]
-    locs["length"] = records["num_tokens"]
-    locs["family"] = records["prefix_key"]
-    locs["max_new"] = records["max_new_tokens"]
-    return locs
+    return fill_locations(np.zeros(records.size, LOC_DTYPE), records, writer=records["writer"],
+                          segment=records["segment"], offset=records["offset"], seq=records["seq"],
+                          length=records["num_tokens"])
 
 
 def recovered_locations(backlog, pending: np.ndarray, block_tokens: int):
@@ -51,15 +65,15 @@ def block_hashes(backlog, locs: np.ndarray, block_tokens: int):
         need = np.diff(hash_offsets) > 0
         writers, segments = locs["writer"], locs["segment"]
         idx = np.flatnonzero(need)
-        keys = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        seg_ids = writers[idx].astype(np.uint64) << np.uint64(48) | segments[idx]
+        starts = np.flatnonzero(np.r_[True, seg_ids[1:] != seg_ids[:-1]])
         ends = np.r_[starts[1:], idx.size]
         for a, b in zip(starts.tolist(), ends.tolist()):
             sel = idx[a:b]
-            key = (int(writers[sel[0]]), int(segments[sel[0]]))
-            seg = backlog.segment(*key)
+            where = (int(writers[sel[0]]), int(segments[sel[0]]))
+            seg = backlog.segment(*where)
             starts = (locs["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
             chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], locs["family"][sel],
                         block_tokens, hash_offsets[sel], hashes)
-            backlog.forget_segment(*key)  # unmapped at once: memory stays one segment, not the backlog
+            backlog.forget_segment(*where)  # unmapped at once: memory stays one segment, not the backlog
     return hash_offsets, hashes

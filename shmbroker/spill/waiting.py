@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import durable
 from ..ring.wire import LOC_DTYPE
-from .layout import writer_dir_name
+from .layout import segment_name, writer_dir_name
 from .locate import block_hashes
 from .store import BACKLOG_DIR, Backlog
 
@@ -185,7 +185,7 @@ class WaitingQueue:
         backlog = self.backlog
         gone = np.zeros(rows.size, bool)
         for w, s in {(int(w), int(s)) for w, s in zip(rows["writer"].tolist(), rows["segment"].tolist())}:
-            if not (backlog.root / writer_dir_name(w) / f"{s:020d}.seg").exists():
+            if not (backlog.root / writer_dir_name(w) / segment_name(s)).exists():
                 gone |= (rows["writer"] == w) & (rows["segment"] == s)
         live = rows[~gone]
         locs = np.zeros(live.size, LOC_DTYPE)

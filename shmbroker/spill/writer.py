@@ -6,9 +6,8 @@ few sequential reads) and returns each item's (sequence number, segment,
 offset) in input order. Records are staged in memory in runs of up to
 STAGING_BYTES and each run is written with one `pwrite` whose first length
 word is 0, then that word is written: the run is committed (in the page
-cache) when that last 4-byte write lands. Two staging buffers and one write
-thread overlap staging a run with writing the previous one; `append_many`
-returns when all its runs have landed. What happens next depends on `fsync`:
+cache) when that last 4-byte write lands (`runs.py`: two staging buffers and
+one write thread); `append_many` returns when all its runs have landed. What happens next depends on `fsync`:
 
 | fsync    | the data is on disk                        | survives                                  |
 |----------|--------------------------------------------|-------------------------------------------|
@@ -23,19 +22,9 @@ full disk fails there with `DiskFull` before anything of the batch is
 written (all or nothing: the ingest side keeps the batch in its ring, which
 is back-pressure on the producers), and the next call tries again.
 
-Sequence numbers are never reused, even after a power loss took records whose
-results or acks reached the disk (the results process would ack a new record
-that took such a number from its old result, and the new item would never
-run): before a batch takes numbers at or above the writer's reservation, the
-reservation is raised (`RESERVED`, atomic replace: written and synced before
-any of those numbers is on disk) by RESERVE_SEQS past the batch. A writer that
-starts in another boot than the one that wrote the reservation (the machine
-went down: the page cache is gone, and with it perhaps records whose numbers
-were handed out) continues at the reservation, in a new segment, and that
-number is the boot's floor; in the same boot (a killed process: its page
-cache is intact from the floor on) it continues where recovery found the last
-record, never below the floor. A close brings the reservation down to
-`next_seq`.
+Sequence numbers are never reused, even after a power loss took records
+whose results or acks reached the disk: `reservation.py` says how (the
+`RESERVED` file, raised by RESERVE_SEQS past a batch before it takes numbers).
 
 All of it goes through `durable.py`, the seam the power-loss simulation
 (`tests/test_power_loss.py`) watches.
@@ -45,17 +34,13 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
 from .. import durable
 from ..config import DEFAULT_FSYNC_INTERVAL_MS
-from ..errors import DiskFull
 from ..lockfile import flock_exclusive
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
@@ -68,6 +53,8 @@ from .layout import (
     record_bytes,
 )
 from .records import segments_needed, write_records
+from .reservation import continue_at, lower_to, raise_to
+from .runs import RunLander
 from .segment import CLEAN_FILE, SegmentFile, allocate_spare, idx_bytes, write_clean_marker, write_idx
 
 FSYNC_POLICIES = ("never", "interval", "always")
@@ -76,19 +63,6 @@ SEAL_QUEUE_MAX = 2  # segments waiting for the sync thread to seal them; more se
 STAGING_BYTES = 2 << 20  # one run (pwrite) at most, unless a single record is larger
 RESERVE_SEQS = 1 << 20  # a reservation reaches this far past the batch that raises it
 
-# <writer dir>/RESERVED: which sequence numbers may have been handed out
-#
-# | byte | size | field                                                                  |
-# |------|------|------------------------------------------------------------------------|
-# | 0    | 8    | RESERVED_MAGIC                                                         |
-# | 8    | 16   | boot id of the boot that wrote it                                      |
-# | 24   | 8    | floor: where that boot's writers began (below it, numbers of an earlier |
-# |      |      | boot, perhaps lost with its page cache)                                |
-# | 32   | 8    | reserved: no number at or above it handed out                          |
-# | 40   | 4    | crc32c of bytes 0..39                                                  |
-RESERVED_FILE = "RESERVED"
-RESERVED_MAGIC = int.from_bytes(b"SHMBRSV2", "little")
-_RESERVED = struct.Struct("<Q16sQQ")
 
 
 class SegmentWriter:
@@ -126,17 +100,14 @@ class SegmentWriter:
         self._end = active_end
         self._offsets = active_offsets  # record offsets of the active segment, for its seal index
         self._lock = threading.Lock()
-        self._dirty = active is not None  # a recovered segment: a killed writer's unsynced pages get synced too
         self._error: OSError | None = None
         self._stop = threading.Event()
         self._thread = None
         self.num_segments_created = 0
         self.num_unindexed_seals = 0  # seals whose index did not fit on a full disk
         self.num_seq_jumps = 0  # starts above a reservation of an earlier boot (or a damaged one)
-        self._staging = [np.empty(0, np.uint8), np.empty(0, np.uint8)]  # double buffer: stage one, write the other
-        self._in_flight: list[Future | None] = [None, None]
-        self._next_slot = 0
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pwrite-w{writer}")
+        # a recovered segment is dirty: a killed writer's unsynced pages get synced too
+        self._runs = RunLander(writer, dirty=active is not None)
         self._sealing: list[tuple[SegmentFile, np.ndarray, int]] = []  # rolled away from, not yet sealed
         self._spares: list[Path] = []  # allocated, unnamed segment files for the batch being written
         self._reserved = self._continue_above_reservation()
@@ -149,20 +120,8 @@ class SegmentWriter:
 
     def _continue_above_reservation(self) -> int:
         """Where to start, from RESERVED (sets next_seq and the boot's floor); returns the reservation in force."""
-        found = read_reservation(self.directory)
-        recovered, reserved = self.next_seq, self.next_seq
-        if found is None:
-            # a new writer (or one from before reservations): nothing handed out above what recovery found;
-            # damaged: jump the most a reservation reaches past its batch
-            damaged = (self.directory / RESERVED_FILE).exists()
-            start = self._floor = recovered + (RESERVE_SEQS if damaged else 0)
-        else:
-            boot, floor, reserved = found
-            if boot == durable.boot_id():
-                # a process of this boot left it: the page cache holds all it wrote from the floor on
-                start, self._floor = max(recovered, floor), floor
-            else:
-                start = self._floor = max(recovered, reserved)
+        recovered = self.next_seq
+        start, self._floor, reserved = continue_at(self.directory, recovered, RESERVE_SEQS)
         self.num_seq_jumps += start != recovered
         if self._active is not None and start != self._active_next():
             # numbers of the active segment's lost tail may have results or acks on disk (or recovery
@@ -185,12 +144,7 @@ class SegmentWriter:
     def _raise_reservation(self, top: int) -> None:
         """Make `top` and everything below it usable: RESERVED says so on disk first."""
         reserved = top + RESERVE_SEQS
-        try:
-            write_reservation(self.directory, self._floor, reserved)
-        except OSError as exc:
-            if exc.errno not in durable.DISK_FULL_ERRNOS:
-                raise
-            raise DiskFull(f"no space for the sequence reservation in {self.directory}: {exc.strerror}") from None
+        raise_to(self.directory, self._floor, reserved)
         self._reserved = reserved
 
     # -- appending -----------------------------------------------------------------
@@ -250,39 +204,20 @@ class SegmentWriter:
         """
         room = seg.size - self._end
         want = min(room, max(STAGING_BYTES, record_bytes(int(sizes[order[done]]))))
-        slot = self._next_slot
-        self._next_slot ^= 1
-        pending = self._in_flight[slot]
-        if pending is not None:
-            pending.result()  # this staging buffer's previous run has landed
-        if self._staging[slot].size < want:
-            self._staging[slot] = np.empty(want, np.uint8)
-        staging = self._staging[slot]
+        slot, staging = self._runs.buffer(want)
         n, used = write_records(staging, 0, want, flat, offsets, items, order, done, self.next_seq, seqs, rec_offsets)
-        commit = staging[:4].copy()
-        staging[:4] = 0
-        # one writer thread, runs in order: this run's data and then its commit word land
-        # while the next run is staged
-        self._in_flight[slot] = self._io.submit(self._land_run, seg.fd, staging[:used], commit, self._end)
+        self._runs.submit(slot, seg.fd, staging[:used], self._end)
         rec_offsets[order[done : done + n]] += self._end
         return n, self._end + used
-
-    def _land_run(self, fd: int, data: np.ndarray, commit: np.ndarray, offset: int) -> None:
-        _pwrite_all(fd, data, offset)
-        _pwrite_all(fd, commit, offset)  # the run's commit word, last
-        self._dirty = True
 
     def _wait_writes(self) -> None:
         """Wait for the runs in flight. A failed write (EIO) leaves a hole behind the writer's
         position: the writer refuses further appends (recovery resynchronises past it)."""
-        for slot, pending in enumerate(self._in_flight):
-            if pending is not None:
-                self._in_flight[slot] = None
-                try:
-                    pending.result()
-                except OSError as exc:
-                    self._error = exc
-                    raise
+        try:
+            self._runs.wait()
+        except OSError as exc:
+            self._error = exc
+            raise
 
     def _reserve(self, sizes: np.ndarray, order: np.ndarray) -> None:
         """Allocate, before writing, every new segment this batch will need (spare files).
@@ -361,9 +296,9 @@ class SegmentWriter:
         """Make everything appended so far durable now."""
         self._drain_seals()
         with self._lock:  # held only to pick the file: appends never wait for a flush
-            if self._active is None or not self._dirty:
+            if self._active is None or not self._runs.dirty:
                 return
-            self._dirty = False
+            self._runs.dirty = False
             fd = os.dup(self._active.fd)  # stays valid if the segment is sealed meanwhile
         try:
             durable.fdatasync(fd)
@@ -407,7 +342,7 @@ class SegmentWriter:
             self._thread.join()
             self._thread = None
         self._wait_writes()
-        self._io.shutdown(wait=True)
+        self._runs.close()
         self._drain_seals()
         for spare in self._spares:
             durable.unlink(spare, missing_ok=True)
@@ -431,15 +366,8 @@ class SegmentWriter:
 
     def _lower_reservation(self) -> None:
         """On close: nothing at or above next_seq was handed out (a full disk keeps the higher one)."""
-        if self._reserved == self.next_seq or not (self.directory / RESERVED_FILE).exists():
-            return
-        try:
-            write_reservation(self.directory, self._floor, self.next_seq)
-        except OSError as exc:
-            if exc.errno not in durable.DISK_FULL_ERRNOS:
-                raise
-            return
-        self._reserved = self.next_seq
+        if self._reserved != self.next_seq and lower_to(self.directory, self._floor, self.next_seq):
+            self._reserved = self.next_seq
 
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
@@ -459,28 +387,3 @@ def _lock_writer_dir(directory: Path, writer: int) -> int:
     if fd is None:
         raise RuntimeError(f"backlog writer {writer} ({directory}) is held by another live process")
     return fd
-
-
-def read_reservation(directory: Path) -> tuple[bytes, int, int] | None:
-    """(boot id, floor, reserved) from a writer directory's RESERVED, or None when missing or damaged."""
-    try:
-        data = (Path(directory) / RESERVED_FILE).read_bytes()
-    except FileNotFoundError:
-        return None
-    if len(data) != _RESERVED.size + 4 or struct.unpack("<I", data[-4:])[0] != crc32c.crc32c(data[:-4]):
-        return None
-    magic, boot, floor, reserved = _RESERVED.unpack(data[:-4])
-    return (boot, floor, reserved) if magic == RESERVED_MAGIC and floor <= reserved else None
-
-
-def write_reservation(directory: Path, floor: int, reserved: int) -> None:
-    body = _RESERVED.pack(RESERVED_MAGIC, durable.boot_id(), floor, reserved)
-    durable.atomic_write(Path(directory) / RESERVED_FILE, body + struct.pack("<I", crc32c.crc32c(body)))
-
-
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        done = durable.pwrite(fd, view, offset)
-        view = view[done:]
-        offset += done
