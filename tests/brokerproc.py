@@ -7,16 +7,26 @@
         broker.kill()                          # SIGKILL the supervisor (its children die with it)
         broker.start()                         # a new supervisor on the same data directory
     # leaving the block stops it with SIGTERM and checks that it exited 0
+
+    @pytest.fixture(scope="module")            # a module's broker fixture
+    def broker(tmp_path_factory):
+        with serve(tmp_path_factory.mktemp("broker"), "cmd") as b:
+            yield b                            # afterwards: exited 0, nothing of its instance in /dev/shm
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from harness import sweep_shm
 
 # Small rings and segments: a test broker needs little memory and starts fast.
 SMALL_CONFIG = """
@@ -48,6 +58,7 @@ EPHEMERAL_METRICS = 'metrics_addr = "127.0.0.1:0"\n'
 class BrokerProc:
     def __init__(self, tmp_path, config: str | None = SMALL_CONFIG, instance: str | None = None):
         self.tmp = Path(tmp_path)
+        self.instance = instance  # None: the configuration's default
         self.data_dir = str(self.tmp / "data")
         # every test broker's exporter on a free port (the default 9464 may be taken on a test machine)
         text = (config or "") if "metrics_addr" in (config or "") else EPHEMERAL_METRICS + (config or "")
@@ -128,3 +139,15 @@ class BrokerProc:
         code = self.stop()
         if exc_type is None:
             assert code == 0, f"supervisor exited with {code}:\n{self.log()}"
+
+
+@contextmanager
+def serve(tmp_path, prefix: str = "t", config: str | None = SMALL_CONFIG) -> Iterator[BrokerProc]:
+    """A started BrokerProc on a fresh instance (`prefix` + a random token, in `broker.instance`);
+    after the block it has stopped with exit 0 and left nothing of its instance in /dev/shm."""
+    instance = prefix + secrets.token_hex(3)
+    broker = BrokerProc(tmp_path, config=config, instance=instance)
+    with broker:
+        yield broker
+    left = sweep_shm(instance)
+    assert left == [], f"broker left {left}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from brokerproc import SMALL_CONFIG, BrokerProc
-from conftest import shm_leftovers
+from harness import Workload, shm_leftovers
 
 from shmbroker.client import Producer
 from shmbroker.gpu.engines.sim import Sim
@@ -124,66 +124,6 @@ def assert_all_delivered(expect: Expect, broker: BrokerProc | None = None, what:
     problems = expect.problems()
     log = f"\nsupervisor.log:\n{broker.log()}" if broker is not None else ""
     assert not problems, f"{what} {len(expect.max_new)} items submitted: {problems}{log}"
-
-
-class Workload:
-    """Seeded prompts of 1..3000 tokens, most sharing one of a few long prefixes."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.prefixes = [self.rng.integers(0, 1 << 32, size=n, dtype=np.uint32)
-                         for n in (8, 300, 512, 700, 1024, 1500, 2048, 2900)]
-
-    def length(self) -> int:
-        u = self.rng.random()
-        if u < 0.6:
-            return int(self.rng.integers(1, 257))
-        if u < 0.9:
-            return int(self.rng.integers(257, 1501))
-        return int(self.rng.integers(1501, 3001))
-
-    def item(self) -> tuple[np.ndarray, int]:
-        """One prompt and the length of the prefix it shares (0: none)."""
-        n = self.length()
-        if self.rng.random() < 0.3:
-            return self.rng.integers(0, 1 << 32, size=n, dtype=np.uint32), 0
-        prefix = self.prefixes[int(self.rng.integers(len(self.prefixes)))]
-        shared = min(n, prefix.size)
-        tail = self.rng.integers(0, 1 << 32, size=n - shared, dtype=np.uint32)
-        return np.concatenate([prefix[:shared], tail]), shared
-
-    def max_new(self) -> int:
-        return int(self.rng.integers(1, 17))
-
-    def submit_some(self, producer: Producer, expect: Expect, budget: int) -> int:
-        """Submit up to `budget` items in one way picked at random (submit or submit_many, with
-        or without prefix_len, one max_new_tokens or one per item); returns how many."""
-        rng = self.rng
-        how = rng.random()
-        if how < 0.4:
-            tokens, shared = self.item()
-            m = self.max_new()
-            form = int(rng.integers(3))
-            data = tokens if form == 0 else tokens.tolist() if form == 1 else tokens.astype(np.int64)
-            prefix = shared if shared and rng.random() < 0.5 else None
-            expect.add(producer.submit(data, max_new_tokens=m, prefix_len=prefix), m, tokens)
-            return 1
-        count = int(min(budget, rng.integers(1, 97)))
-        items = [self.item() for _ in range(count)]
-        lengths = np.array([t.size for t, _ in items], np.int64)
-        offsets = np.zeros(count + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.concatenate([t for t, _ in items])
-        if how < 0.7:
-            m = self.max_new()
-            prefix = None
-        else:
-            m = rng.integers(1, 17, size=count).astype(np.int64)
-            prefix = np.array([s for _, s in items], np.int64)
-        ids = producer.submit_many(flat, offsets, max_new_tokens=m, prefix_len=prefix)
-        assert ids.dtype == np.uint64 and ids.size == count
-        expect.add(ids, m, (flat, offsets))
-        return count
 
 
 def _run_producer(name: str, data_dir: str, seed: int, n_items: int) -> dict:

@@ -41,13 +41,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from brokerproc import BrokerProc
+from harness import Workload, shm_leftovers
 
 ITERATIONS = max(1, int(os.environ.get("SHMBROKER_SOAK_ITERATIONS", "1")))
 BASE_SEED = int(os.environ.get("SHMBROKER_CHAOS_SEED", "20261130"))
 VICTIMS = ["ingest-0", "sched", "results", "gpu-big", "gpu-small", "supervisor"]
 PRODUCERS = 2
-VOCAB = 32_000
-MAX_LEN = 3000
 MAX_NEW = 48
 MAX_ITEMS = 1500  # per producer and iteration: bounds the drain
 RESULTS_SECONDS = 60.0  # a producer's deadline for all its results once it stopped submitting
@@ -57,45 +56,6 @@ JOIN_SLACK_SECONDS = 30.0
 ITERATION_SECONDS = 150.0  # for the pytest timeout: well above what one iteration can take
 
 pytestmark = pytest.mark.timeout(120 + ITERATION_SECONDS * ITERATIONS)
-
-DEV_SHM = Path("/dev/shm")
-
-
-def shm_leftovers(instance: str) -> list[Path]:
-    return sorted(DEV_SHM.glob(f"shmb.{instance}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{instance}.*"))
-
-
-# -- the workload (seeded) -------------------------------------------------------------------
-
-
-class Workload:
-    """Seeded items: lengths 1..MAX_LEN (mostly short, some long, some at the edges), half of them
-    starting with one of a few prefixes (two shared by both producers, two of this producer's)."""
-
-    def __init__(self, seed: int, k: int, name: str):
-        self.rng = random.Random(f"{seed}/{name}")
-        self.np = np.random.default_rng(list(f"{seed}/{name}".encode()))
-        common = np.random.default_rng([seed])
-        self.prefixes = [common.integers(0, VOCAB, n, dtype=np.uint32) for n in (512, 1500)]
-        self.prefixes += [self.np.integers(0, VOCAB, n, dtype=np.uint32) for n in (700, 2048)]
-
-    def item(self) -> tuple[np.ndarray, int]:
-        """(tokens, prefix_len or 0)."""
-        rng = self.rng
-        r = rng.random()
-        if r < 0.05:
-            length = rng.choice([1, 2, 511, 512, 513, MAX_LEN - 1, MAX_LEN])
-        elif r < 0.75:
-            length = rng.randint(1, 600)
-        else:
-            length = rng.randint(600, MAX_LEN)
-        if length > 1 and rng.random() < 0.5:
-            prefix = rng.choice(self.prefixes)
-            plen = min(prefix.size, length - rng.randint(1, max(1, length // 4)))
-            tokens = np.concatenate([prefix[:plen], self.np.integers(0, VOCAB, length - plen, dtype=np.uint32)])
-            return tokens, plen
-        return self.np.integers(0, VOCAB, length, dtype=np.uint32), 0
-
 
 # -- a producer process ------------------------------------------------------------------------
 
@@ -145,7 +105,7 @@ def _producer_main(conn, name: str, data_dir: str, seed: int, k: int, ready, go,
         report["producer_ids"].append(p.producer_id)
         ready.set()
         go.wait(READY_SECONDS)
-        work = Workload(seed, k, name)
+        work = Workload(seed, name)
         rng = random.Random(f"{seed}/{name}/ops")
         try:
             while not stop.is_set() and len(max_new_of) < MAX_ITEMS:

@@ -1,6 +1,6 @@
 """The producer client against a real registry and real shared-memory rings.
 
-Every test runs its own broker side (an `Owner` and a `Registry` on its own
+Every test runs its own broker side (conftest's `broker`: an `Owner` and a `Registry` on its own
 tmp data directory, a random instance) and reads what the producer wrote
 from the ingest ring the way the broker does (`ingest.RingSet`, zero-copy).
 Submit: every accepted input form arrives exactly; every bad input is
@@ -12,150 +12,26 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import socket
 import threading
 import time
-from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pytest
+from harness import DRAIN_SECONDS, BrokerSide, Rec
 
-from shmbroker import registry as registry_module
 from shmbroker.client import Producer, Result
 from shmbroker.errors import BrokerError, Full, NotRunning
-from shmbroker.ingest import RingSet
-from shmbroker.registry import Registry
 from shmbroker.ring import items
 from shmbroker.ring import layout as L
 from shmbroker.ring.items import NO_PREFIX, STATUS_CODES, U32_MAX, model_id
-from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import PRODUCER
 
 pytestmark = pytest.mark.timeout(60)
 
-DEV_SHM = Path("/dev/shm")
-DRAIN_SECONDS = 20.0  # bound on every wait for records that must arrive
 JOIN_SECONDS = 30.0
 SMALL_RING_BYTES = 1024  # 256 words: max 118 tokens per item, ~14 items of 10 tokens
-
-
-class Rec(NamedTuple):
-    """One ingest record as the broker reads it."""
-
-    key: int
-    max_new_tokens: int
-    prefix_len: int
-    model: int
-    flags: int
-    tokens: np.ndarray
-
-
-class BrokerSide:
-    """Owner + Registry on one data directory, and a RingSet that drains every producer."""
-
-    def __init__(self, data_dir: Path, *, ingest_ring_bytes: int = 1 << 16, result_ring_bytes: int = 1 << 14):
-        self.data_dir = str(data_dir)
-        self.instance = "t" + secrets.token_hex(3)
-        self.owner = Owner(self.data_dir, self.instance)
-        try:
-            self.reg = Registry(
-                self.owner, self.data_dir, ingest_ring_bytes=ingest_ring_bytes, result_ring_bytes=result_ring_bytes
-            )
-            self.reg.start()
-        except BaseException:
-            self.owner.close()
-            raise
-        self.rings = RingSet(self.reg.ingest_bell)
-        self.received: dict[str, list[Rec]] = {}
-
-    def entry(self, name: str):
-        matches = [e for e in self.reg.producers() if e.name == name]
-        assert len(matches) == 1, f"producer {name!r}: {matches}"
-        return matches[0]
-
-    def header(self, name: str) -> dict[str, int]:
-        """The ingest ring's counters, read straight from the shared header."""
-        h = self.entry(name).ingest.segment.buf[: L.HEADER_BYTES].view(np.int64)
-        return {
-            "head": int(h[L.H_HEAD]),
-            "tail": int(h[L.H_TAIL]),
-            "num_pushed": int(h[L.H_NUM_PUSHED]),
-            "num_full": int(h[L.H_NUM_FULL]),
-            "next_key": int(h[L.H_NEXT_KEY]),
-        }
-
-    def _on_records(self, entry, ring, positions, n) -> None:
-        words = ring.data_words
-        words64 = ring.buf[L.HEADER_BYTES :].view(np.uint64)
-        out = self.received.setdefault(entry.name, [])
-        for i in range(n):
-            pos = int(positions[i])
-            ntok = int(words[pos + 1])
-            meta = [int(x) for x in words[pos + 4 : pos + 8]]
-            tokens = words[pos + L.RECORD_HEADER_WORDS : pos + L.RECORD_HEADER_WORDS + ntok].copy()
-            out.append(Rec(int(words64[(pos >> 1) + 1]), *meta, tokens))
-
-    def drain_once(self) -> int:
-        self.rings.refresh(self.reg)
-        return self.rings.drain_once(self._on_records)
-
-    def collect(self, name: str, count: int, timeout_seconds: float = DRAIN_SECONDS) -> list[Rec]:
-        """Drain until `name` has delivered `count` records in all; fail on a timeout or on extras."""
-        deadline = time.monotonic() + timeout_seconds
-        while len(self.received.get(name, [])) < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{name}: {len(self.received.get(name, []))} of {count} records in {timeout_seconds} s")
-            if self.drain_once() == 0:
-                self.rings.refresh(self.reg)
-                if self.rings.sources:
-                    self.rings.wait(0.05)
-                else:
-                    time.sleep(0.005)
-        self.drain_once()
-        got = self.received.get(name, [])
-        assert len(got) == count, f"{name}: {len(got)} records delivered, expected {count}"
-        return got
-
-    def close(self) -> None:
-        try:
-            self.rings.close()
-            self.reg.close()
-        finally:
-            self.owner.close()
-
-
-def shm_leftovers(instance: str) -> list[Path]:
-    return sorted(DEV_SHM.glob(f"shmb.{instance}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{instance}.*"))
-
-
-@pytest.fixture
-def make_broker(tmp_path, monkeypatch):
-    # The accept thread polls its stop flag every ACCEPT_POLL_SECONDS (0.2 s), which is what
-    # Registry.close() waits for; a shorter poll keeps ~100 broker teardowns within the time budget.
-    monkeypatch.setattr(registry_module, "ACCEPT_POLL_SECONDS", 0.01)
-    made: list[BrokerSide] = []
-
-    def make(**kwargs) -> BrokerSide:
-        side = BrokerSide(tmp_path / f"data{len(made)}", **kwargs)
-        made.append(side)
-        return side
-
-    yield make
-    for side in made:
-        side.close()
-    for side in made:
-        left = shm_leftovers(side.instance)
-        for path in left:
-            path.unlink(missing_ok=True)
-        assert left == [], f"test left shared memory behind: {left}"
-
-
-@pytest.fixture
-def broker(make_broker) -> BrokerSide:
-    return make_broker()
 
 
 @pytest.fixture

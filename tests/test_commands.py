@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from brokerproc import BrokerProc
-from conftest import shm_leftovers
+from brokerproc import serve
 
 from shmbroker.cli import main
 from shmbroker.commands.submit import _read_trace
@@ -25,13 +24,8 @@ REAL_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
-    instance = "cmd" + secrets.token_hex(3)
-    with BrokerProc(tmp_path_factory.mktemp("broker"), instance=instance) as b:
+    with serve(tmp_path_factory.mktemp("broker"), "cmd") as b:
         yield b
-    left = shm_leftovers(instance)
-    for path in left:
-        path.unlink(missing_ok=True)
-    assert left == [], f"broker left {left}"
 
 
 def _name() -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from brokerproc import BrokerProc
+from brokerproc import serve
 
 from shmbroker.cli import main
 from shmbroker.client import Producer
@@ -24,7 +24,7 @@ ITEMS = 6000
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
-    with BrokerProc(tmp_path_factory.mktemp("delivery")) as b:
+    with serve(tmp_path_factory.mktemp("delivery")) as b:
         yield b
 
 

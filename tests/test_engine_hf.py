@@ -261,7 +261,7 @@ def test_bench_gpu_checks_bf16_samples_on_a_float32_copy():
     of the same weights (here: the same path on the CPU)."""
     from shmbroker.bench import gpu
     from shmbroker.pack.shapes import shape_items
-    from shmbroker.workloads.packsim import PackerFeeder
+    from shmbroker.workloads.feeders import PackerFeeder
 
     setup = dataclasses.replace(gpu.CPU_SETUP, dtype="bfloat16", items=24)
     wl = gpu.backlog(setup, None, 1.0, 0)

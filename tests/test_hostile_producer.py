@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import secrets
 import time
 
 import numpy as np
 import pytest
 from brokerproc import SMALL_CONFIG, BrokerProc
+from harness import ingest_side
 
 from shmbroker.client import Producer
 from shmbroker.control import R_RESTARTS, Control
 from shmbroker.errors import RingClosed
-from shmbroker.ingest import BacklogAppender, RingSet, pump
-from shmbroker.registry import Registry
+from shmbroker.ingest import BacklogAppender, pump
 from shmbroker.ring import layout as L
 from shmbroker.ring import spsc, wire
 from shmbroker.ring.items import NO_PREFIX, SEQ_BITS, item_id, push_item
 from shmbroker.ring.owned import create_ring
-from shmbroker.ring.owner import Owner
 from shmbroker.ring.ring import CONSUMER, PRODUCER, Ring
 from shmbroker.spill.collect import REFUSALS
 from shmbroker.spill.store import Backlog
@@ -46,20 +44,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def broker(tmp_path):
-    owner = Owner(tmp_path, "t" + secrets.token_hex(3))
-    registry = Registry(owner, tmp_path, ingest_ring_bytes=64 << 10, result_ring_bytes=4096)
-    registry.start()
-    rings = RingSet(registry.ingest_bell)
-    backlog, _ = Backlog.open(tmp_path, segment_bytes=1 << 20)
-    writer = backlog.writer(0, fsync="never")
-    try:
-        yield registry, rings, backlog, writer
-    finally:
-        writer.close()
-        backlog.close()
-        rings.close()
-        registry.close()
-        owner.close()
+    with ingest_side(tmp_path) as side:
+        yield side
 
 
 def _drain(registry, rings, appender, expect: int) -> None:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
+from harness import ingest_side
 
 from shmbroker.client import Producer
 from shmbroker.errors import DiskFull, Full
-from shmbroker.ingest import BacklogAppender, RingSet, pump
+from shmbroker.ingest import BacklogAppender, pump
 from shmbroker.pack.shapes import shape_items
-from shmbroker.registry import Registry
 from shmbroker.ring.items import NO_PREFIX, model_id
-from shmbroker.ring.owner import Owner
 from shmbroker.spill.store import Backlog
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,20 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def broker(tmp_path):
-    owner = Owner(tmp_path, "t" + secrets.token_hex(3))
-    registry = Registry(owner, tmp_path, ingest_ring_bytes=64 << 10, result_ring_bytes=4096)
-    registry.start()
-    rings = RingSet(registry.ingest_bell)
-    backlog, _ = Backlog.open(tmp_path, segment_bytes=1 << 20)
-    writer = backlog.writer(0, fsync="never")
-    try:
-        yield registry, rings, backlog, writer
-    finally:
-        writer.close()
-        backlog.close()
-        rings.close()
-        registry.close()
-        owner.close()
+    with ingest_side(tmp_path) as side:
+        yield side
 
 
 def drain_all(registry, rings, appender, expect: int) -> None:

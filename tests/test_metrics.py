@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shmbroker import settings
 from shmbroker.client import Producer
 from shmbroker.control import Control
-from shmbroker.demo import consumer_figures
+from shmbroker.demo_figures import consumer_figures
 from shmbroker.stats import read_role
 from shmbroker.watch import BrokerView
 from shmbroker.workloads.synthetic import generate

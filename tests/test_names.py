@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import secrets
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from brokerproc import SMALL_CONFIG, BrokerProc
+from brokerproc import SMALL_CONFIG, serve
 
 from shmbroker.client import Producer
 
@@ -23,10 +22,8 @@ def _shm(instance: str) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
-    instance = "nm" + secrets.token_hex(3)
     config = f"producer_retire_seconds = {RETIRE}\n" + SMALL_CONFIG
-    with BrokerProc(tmp_path_factory.mktemp("names"), config=config, instance=instance) as b:
-        b.instance = instance
+    with serve(tmp_path_factory.mktemp("names"), "nm", config) as b:
         yield b
 
 

@@ -1,6 +1,6 @@
 """The registry's Unix socket: permissions, peer credentials, bad requests, lifetime, ring-name secrecy.
 
-Every test runs its own `Owner` + `Registry` on its own tmp data directory
+Every test runs its own `Owner` + `Registry` (conftest's `broker`) on its own tmp data directory
 with a random instance name, and checks that no shared memory of that
 instance is left afterwards.
 """
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import DEV_SHM, BrokerSide, shm_leftovers
 
-from shmbroker import registry as registry_module
 from shmbroker.client import Producer
 from shmbroker.errors import NotRunning
 from shmbroker.registry import (
@@ -35,58 +35,7 @@ from shmbroker.ring.owner import Owner
 
 pytestmark = pytest.mark.timeout(60)
 
-DEV_SHM = Path("/dev/shm")
 REPLY_SECONDS = 5.0
-
-
-class Broker:
-    def __init__(self, data_dir: Path, instance: str | None = None):
-        self.data_dir = str(data_dir)
-        self.instance = instance or "t" + secrets.token_hex(3)
-        self.owner = Owner(self.data_dir, self.instance)
-        try:
-            self.reg = Registry(self.owner, self.data_dir, ingest_ring_bytes=1 << 12, result_ring_bytes=1 << 12)
-            self.reg.start()
-        except BaseException:
-            self.owner.close()
-            raise
-
-    def close(self) -> None:
-        try:
-            self.reg.close()
-        finally:
-            self.owner.close()
-
-
-def shm_leftovers(instance: str) -> list[Path]:
-    return sorted(DEV_SHM.glob(f"shmb.{instance}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{instance}.*"))
-
-
-@pytest.fixture
-def make_broker(tmp_path, monkeypatch):
-    # The accept thread polls its stop flag every ACCEPT_POLL_SECONDS (0.2 s), which is what
-    # Registry.close() waits for; a shorter poll keeps ~100 broker teardowns within the time budget.
-    monkeypatch.setattr(registry_module, "ACCEPT_POLL_SECONDS", 0.01)
-    made: list[Broker] = []
-
-    def make(instance: str | None = None, data_dir: Path | None = None) -> Broker:
-        b = Broker(data_dir or tmp_path / f"data{len(made)}", instance)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-    for b in made:
-        left = shm_leftovers(b.instance)
-        for path in left:
-            path.unlink(missing_ok=True)
-        assert left == [], f"test left shared memory behind: {left}"
-
-
-@pytest.fixture
-def broker(make_broker) -> Broker:
-    return make_broker()
 
 
 def exchange(path: Path, payload: bytes, timeout_seconds: float = REPLY_SECONDS) -> dict:
@@ -116,7 +65,7 @@ def ring_names(reply: dict) -> set[str]:
     return {reply[ring][field] for ring in ("ingest", "results") for field in ("segment", "data_bell", "space_bell")}
 
 
-def assert_serving(b: Broker, name: str = "after") -> None:
+def assert_serving(b: BrokerSide, name: str = "after") -> None:
     """A real producer can still connect and submit."""
     with Producer(name, data_dir=b.data_dir, connect_timeout_seconds=REPLY_SECONDS) as p:
         assert p.submit([1, 2, 3], max_new_tokens=1) == p.producer_id << 40

@@ -107,7 +107,7 @@ def test_a_start_on_a_disk_too_full_to_salvage_comes_up_and_appends_the_rings_on
     import time
 
     from brokerproc import BrokerProc
-    from conftest import shm_leftovers
+    from harness import shm_leftovers
     from smallfs import fill, mounted_tmpfs
 
     from shmbroker.client import Producer

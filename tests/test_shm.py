@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import DEV_SHM, sweep_shm
 
 from shmbroker.ring.owner import Manifest, Owner
 from shmbroker.ring.shm import Doorbell, Segment, make_name
 
 pytestmark = pytest.mark.timeout(30)
 
-DEV_SHM = Path("/dev/shm")
 JOIN_SECONDS = 10.0
 
 
@@ -41,9 +41,7 @@ def instance():
     """A fresh instance name; after the test, nothing of it may be left in /dev/shm."""
     name = f"t{secrets.token_hex(4)}"
     yield name
-    left = sorted(DEV_SHM.glob(f"shmb.{name}.*")) + sorted(DEV_SHM.glob(f"sem.shmb.{name}.*"))
-    for path in left:
-        path.unlink(missing_ok=True)
+    left = sweep_shm(name)
     assert left == [], f"test left {left}"
 
 

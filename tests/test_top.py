@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 import pytest
-from brokerproc import BrokerProc
-from conftest import shm_leftovers
+from brokerproc import BrokerProc, serve
+from harness import sweep_shm
 from rich.console import Console
 
 from shmbroker import top
@@ -35,16 +35,12 @@ TAIL_CHARS = 400_000  # a few 60 x 200 frames with their escape sequences
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
-    instance = "top" + secrets.token_hex(3)
-    with BrokerProc(tmp_path_factory.mktemp("broker"), instance=instance) as b:
+    with serve(tmp_path_factory.mktemp("broker"), "top") as b:
         yield b
-    _no_leftovers(instance)
 
 
 def _no_leftovers(instance: str) -> None:
-    left = shm_leftovers(instance)
-    for path in left:
-        path.unlink(missing_ok=True)
+    left = sweep_shm(instance)
     assert left == [], f"broker left {left}"
 
 

@@ -55,7 +55,8 @@ while memory freed a moment ago refaults at ~5.5 GiB/s and the device absorbs
 an fdatasync at ~2 GB/s. A phase that happens to meet handed-back memory is
 slowed by that, not by the disk or by spill/. So every timed write phase (disk
 baseline and appends alike) starts right after touching and freeing V + 256 MiB
-of anonymous memory (`_prime_memory`), outside its clock.
+of anonymous memory (`backlog_write.prime_memory`), outside its clock. The workload and
+the write phases are `backlog_write.py`; this module reads back, drains and reports.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ingest import BATCH_RECORDS
 from ..spill import layout as L
 from ..spill.store import Backlog
+from .backlog_write import append_seconds, disk_write_seconds, record_sums, warm_kernels, workload
 from .sparse_backlog import (
     ID_MASK,
     RECOVERY_RECORD_TOKENS,
@@ -79,19 +80,10 @@ from .sparse_backlog import (
     verify_recovered,
 )
 
-SEED = 20261130
 VOLUME_BYTES = 1 << 30
-FAMILIES = 64
-MODELS = 2
-TOKENS_MIN, TOKENS_MAX, TOKENS_MEDIAN, TOKENS_SIGMA = 64, 4096, 512, 0.8
-APPEND_BATCH = BATCH_RECORDS  # what one ingest pass hands the writer at most
 READ_BATCH_ITEMS, READ_BATCH_TOKENS = 256, 131_072
-DISK_CHUNK_BYTES = 8 << 20
 PAGE_BYTES = 4096
 RECOVERY_TOKENS = 1_000_000_000
-SUM_CHUNK_TOKENS = 1 << 23
-PRIME_EXTRA_BYTES = 256 << 20
-PRODUCER_MAIN = 1
 
 
 def _plan(scale: float) -> dict:
@@ -103,118 +95,6 @@ def _plan(scale: float) -> dict:
         "recovery_tokens": max(RECOVERY_RECORD_TOKENS * 64, int(RECOVERY_TOKENS * scale)),
         "segment_bytes": seg,
     }
-
-
-# -- workload and checksums -----------------------------------------------------------
-
-
-def _workload(volume_bytes: int, seed: int = SEED):
-    """(flat uint32 tokens, offsets, ITEM_DTYPE items) of about volume_bytes of tokens."""
-    rng = np.random.default_rng(seed)
-    want = volume_bytes // 4
-    guess = int(want / (TOKENS_MEDIAN * np.exp(TOKENS_SIGMA**2 / 2)) * 1.2) + 16
-    lens = np.clip(rng.lognormal(np.log(TOKENS_MEDIAN), TOKENS_SIGMA, guess), TOKENS_MIN, TOKENS_MAX).astype(np.int64)
-    offsets = np.zeros(lens.size + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    count = int(np.searchsorted(offsets, want, side="right")) - 1
-    assert 0 < count < lens.size, "lognormal guess too small"
-    offsets = offsets[: count + 1]
-    flat = rng.integers(0, 1 << 17, size=int(offsets[-1]), dtype=np.uint32)
-    family = rng.integers(0, FAMILIES, count).astype(np.uint64)
-    items = np.zeros(count, L.ITEM_DTYPE)
-    items["item_id"] = (PRODUCER_MAIN << 40) | np.arange(count, dtype=np.uint64)
-    items["producer"] = PRODUCER_MAIN
-    items["prefix_key"] = (family + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps: a spread 64-bit key
-    items["model"] = family % np.uint64(MODELS)
-    items["shape_band"] = np.floor(np.log2(lens[:count])).astype(np.uint32)  # as spill/collect.py
-    items["max_new_tokens"] = 128
-    return flat, offsets, items
-
-
-def _record_sums(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per record (Σt, Σt·(i+1)) in wrapping uint32, i the index inside the record (ring.digest's checksum)."""
-    n = offsets.size - 1
-    assert n == 0 or int(np.diff(offsets).min()) > 0, "reduceat needs non-empty records"
-    s1 = np.empty(n, np.uint32)
-    s2 = np.empty(n, np.uint32)
-    i = 0
-    while i < n:
-        j = min(n, max(i + 1, int(np.searchsorted(offsets, offsets[i] + SUM_CHUNK_TOKENS, side="right")) - 1))
-        lo, hi = int(offsets[i]), int(offsets[j])
-        t = flat[lo:hi]
-        starts = offsets[i:j] - lo
-        a = np.add.reduceat(t, starts, dtype=np.uint32)
-        b = np.add.reduceat(t * np.arange(1, hi - lo + 1, dtype=np.uint32), starts, dtype=np.uint32)
-        s1[i:j] = a
-        s2[i:j] = b - starts.astype(np.uint32) * a  # Σ t·(start+k+1) − start·Σt = Σ t·(k+1)
-        i = j
-    return s1, s2
-
-
-# -- writing ----------------------------------------------------------------------------
-
-
-def _prime_memory(nbytes: int) -> None:
-    """Touch and free nbytes of memory, so that the next phase's page cache meets host-backed pages.
-
-    On this VM (virtio-balloon free page reporting) memory freed for a few
-    seconds goes back to the host, and faulting it in again runs at ~0.5 GiB/s:
-    slower than the device. Every timed write phase starts right after this,
-    so that the baseline and the appends meet the same memory.
-    """
-    np.ones(nbytes, np.uint8)
-
-
-def _disk_write_seconds(path: Path, flat: np.ndarray) -> float:
-    view = memoryview(flat).cast("B")
-    _prime_memory(flat.nbytes + PRIME_EXTRA_BYTES)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        for lo in range(0, len(view), DISK_CHUNK_BYTES):
-            chunk = view[lo : lo + DISK_CHUNK_BYTES]
-            while chunk:
-                chunk = chunk[os.write(fd, chunk) :]
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - t0
-    path.unlink()
-    return seconds
-
-
-def _append_seconds(data_dir: Path, segment_bytes: int, flat, offsets, items, *, fsync: str, cluster: bool = True) -> float:
-    """Append the workload with one writer in calls of APPEND_BATCH records; seconds including a final sync().
-
-    The clock starts after the writer exists (its directory made, its sync
-    thread started) and after memory is primed; the first segment's creation is on it.
-    """
-    backlog, _ = Backlog.open(data_dir, segment_bytes=segment_bytes)
-    writer = backlog.writer(0, fsync=fsync)
-    try:
-        count = items.size
-        _prime_memory(int(offsets[-1]) * 4 + PRIME_EXTRA_BYTES)
-        t0 = time.perf_counter()
-        for lo in range(0, count, APPEND_BATCH):
-            hi = min(count, lo + APPEND_BATCH)
-            writer.append_many(flat, offsets[lo : hi + 1], items[lo:hi], cluster=cluster)
-        writer.sync()
-        seconds = time.perf_counter() - t0
-    finally:
-        writer.close()
-        backlog.close()
-    return seconds
-
-
-def _warm_kernels(data_dir: Path, flat, offsets, items, segment_bytes: int) -> None:
-    """Load every kernel the timed phases call (numba's cache) outside the clocks."""
-    _append_seconds(data_dir, segment_bytes, flat, offsets[:9], items[:8], fsync="never")
-    backlog, _ = Backlog.open(data_dir, segment_bytes=segment_bytes)
-    recs = backlog.pending()
-    out = np.empty(int(offsets[8]), np.uint32)
-    backlog.gather(recs, out, np.empty(recs.size + 1, np.int64))
-    backlog.close()
-    shutil.rmtree(data_dir)
 
 
 # -- reading in shape order ---------------------------------------------------------------
@@ -288,7 +168,7 @@ def _read_back(backlog: Backlog, recs, bounds, lengths, sums) -> float:
         offs = out_offsets[: batch.size + 1]
         if total != int(lengths[idx].sum()) or not np.array_equal(np.diff(offs), lengths[idx]):
             raise AssertionError(f"batch {k}: record lengths differ from what was written")
-        s1, s2 = _record_sums(out, offs)
+        s1, s2 = record_sums(out, offs)
         if not (np.array_equal(s1, sums[0][idx]) and np.array_equal(s2, sums[1][idx])):
             bad = int(np.flatnonzero((s1 != sums[0][idx]) | (s2 != sums[1][idx]))[0])
             raise AssertionError(f"batch {k}: item {int(idx[bad])} read back with a different checksum")
@@ -323,14 +203,14 @@ def run(scale: float = 1.0) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(mode=0o700)
     try:
-        flat, offsets, items = _workload(plan["volume_bytes"])
+        flat, offsets, items = workload(plan["volume_bytes"])
         lengths = np.diff(offsets)
-        sums = _record_sums(flat, offsets)
+        sums = record_sums(flat, offsets)
         volume = flat.nbytes
-        _warm_kernels(root / "warm", flat, offsets, items, seg_bytes)
+        warm_kernels(root / "warm", flat, offsets, items, seg_bytes)
         (root / "interval").mkdir(mode=0o700)
-        disk_s = _disk_write_seconds(root / "interval" / "disk.bin", flat)
-        append_s = _append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
+        disk_s = disk_write_seconds(root / "interval" / "disk.bin", flat)
+        append_s = append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
 
         backlog, _ = Backlog.open(root / "interval", segment_bytes=seg_bytes)
         recs, bounds = _shape_batches(backlog.pending())
@@ -344,9 +224,9 @@ def run(scale: float = 1.0) -> dict:
         backlog.close()
         shutil.rmtree(root / "interval")
 
-        never_s = _append_seconds(root / "never", seg_bytes, flat, offsets, items, fsync="never")
+        never_s = append_seconds(root / "never", seg_bytes, flat, offsets, items, fsync="never")
         shutil.rmtree(root / "never")
-        fifo_s = _append_seconds(root / "fifo", seg_bytes, flat, offsets, items, fsync="never", cluster=False)
+        fifo_s = append_seconds(root / "fifo", seg_bytes, flat, offsets, items, fsync="never", cluster=False)
         backlog, _ = Backlog.open(root / "fifo", segment_bytes=seg_bytes)
         pages_fifo, extents_fifo = _layout_stats(*_shape_batches(backlog.pending()))
         backlog.close()

@@ -282,7 +282,7 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     from ..gpu.engines.hf import HF
     from ..gpu.engines.options import HFSettings
     from ..pack.shapes import shape_items
-    from ..workloads.packsim import FifoFeeder, PackerFeeder
+    from ..workloads.feeders import FifoFeeder, PackerFeeder
 
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     setup = GPU_SETUP if cuda else CPU_SETUP

@@ -7,7 +7,7 @@ figures sit at the top level; measured in the same run, FIFO feeding's under
 "fifo" (arrival-order batches, one at a time) and the engine alone's under
 "engine_alone" (no broker: packed, every item in arrival order through one
 shared queue to whichever engine has room, each batching continuously;
-padded, arrival-order rectangle batches; `workloads/packsim.py` says exactly). A packed
+padded, arrival-order rectangle batches; `workloads/feeders.py` says exactly). A packed
 consumer fed by the broker keeps an in-flight window in its engine, topped up
 from the packer's batch records in order (`workloads/packsim.py`). Offline: the whole
 workload is the backlog. Streaming: items arrive by their timestamps,
@@ -55,7 +55,8 @@ from ..gpu.engines.sim import SimCost
 from ..pack.contract import Contract
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items
-from ..workloads.packsim import EngineAloneFeeder, FifoFeeder, PackerFeeder, SimConsumer, simulate
+from ..workloads.feeders import EngineAloneFeeder, FifoFeeder, PackerFeeder
+from ..workloads.packsim import SimConsumer, simulate
 
 CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),

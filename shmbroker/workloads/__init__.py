@@ -2,6 +2,6 @@
 
 `synthetic` makes seeded prompt sets of known shape; `trace` replays the Mooncake conversation trace
 (its hash ids become token blocks); `packsim` runs the packer against simulated engines in virtual
-time (the offline half of `bench pack` and of the demo's FIFO comparison). None of them touches
-shared memory or a running broker.
+time, fed by one of `feeders` (the packer, FIFO, the engine alone): the offline half of `bench pack`
+and of the demo's FIFO comparison. None of them touches shared memory or a running broker.
 """
