@@ -12,7 +12,8 @@ the index; for each consumer whose batch ring holds fewer than AHEAD undone batc
 packer for its next batch and push its item locations. Items no consumer can ever take (no
 consumer serves their model, no tokens, longer than every contract of their model) ride the next
 batch record as failed rows, so a GPU process writes their result. When nothing is to be done it
-sleeps on one doorbell that both the appended rings (data) and the batch rings (space) ring.
+sleeps on one doorbell that both the appended rings (data) and the batch rings (space) ring. Its
+statistics words and gauges (pending items per model, the oldest item's age) are `pending.py`'s.
 """
 
 from __future__ import annotations

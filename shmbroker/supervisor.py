@@ -10,10 +10,11 @@ Start:
    appended to the backlog;
 3. recover the backlog (torn tails cut, segments of done records reclaimed);
 4. sweep the dead broker's shared memory, load every numba kernel (children never compile), create
-   the control segment, the rings between processes and the registry socket;
+   the control segment, the rings between processes (`wiring.py`) and the registry socket;
 5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
-6. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
-   consumer) and `metrics` (the Prometheus exporter, unless `metrics_addr` is ""). A child that
+6. fork one process per role (`roles.py`): `ingest-K` (one per `ingest_processes`), `sched`,
+   `results`, `gpu-<consumer>` (one per consumer) and `metrics` (the Prometheus exporter, unless
+   `metrics_addr` is ""); what a child runs is `wiring.run_child`'s. A child that
    dies is restarted after a back-off, a child that is hung is killed first, and a role that
    crash-loops is reported (`watchdog.py`); why it died is logged and kept in its role slot (a
    child that fails writes the last line of its exception there on its way out). Children die
