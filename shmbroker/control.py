@@ -90,11 +90,6 @@ SLOT_BYTES = 80 + 6 * NAME_BYTES
 MAX_PRODUCERS = 1024
 CONTROL_BYTES = TABLE_AT + MAX_PRODUCERS * SLOT_BYTES
 
-def role_kind(name: str) -> str:
-    """"ingest-0" -> "ingest", "gpu-big" -> "gpu", "sched" -> "sched"."""
-    return name.split("-", 1)[0]
-
-
 class Control:
     """A view of the control segment (the supervisor creates it; others attach by name)."""
 
@@ -188,6 +183,16 @@ class Control:
         self.table = None
         if not self.segment.creator:
             self.segment.close()
+
+
+def beat(slot: np.ndarray) -> None:
+    """A process's heartbeat: its loop is going (`watchdog.Watchdog` reads it against `R_STARTED`)."""
+    slot[R_BEAT] = time.monotonic_ns()
+
+
+def mark_started(slot: np.ndarray) -> None:
+    """The supervisor, before it forks a role's process: its first beat comes after this."""
+    slot[R_STARTED] = time.monotonic_ns()
 
 
 class ProducerSlot:

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from . import roles
+from .control import beat
 from .errors import DiskFull, Full, PeerDead
 from .pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
 from .registry import ProducerEntry, Registry
@@ -228,7 +230,7 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, l
     backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes, writers={k})
     writer = backlog.writer(k, fsync=cfg.fsync, fsync_interval_ms=cfg.fsync_interval_ms)
     appended = appended_ring.attach(PRODUCER)
-    role = control.roles.index(f"ingest-{k}")
+    role = control.roles.index(roles.ingest(k).name)
     slot = control.role(role)
     stats = StatsWriter(control, role)
     announcer = Announcer(BacklogAppender(writer, cfg.block_tokens), appended, stopping, stats.values)
@@ -238,7 +240,7 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, l
     closed_seen = 0
     try:
         while True:
-            slot[2] = time.monotonic_ns()
+            beat(slot)
             if control.table_version != seen_version:
                 seen_version = control.table_version
                 table = control.producers()

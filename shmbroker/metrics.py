@@ -23,7 +23,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import CollectorRegistry
 
+from .control import beat
 from .errors import BrokerError
+from .roles import Kind, parse
 from .stats import COUNTER, STATS
 from .watch import BrokerView, lower_priority
 
@@ -79,15 +81,15 @@ def _role_metrics(f: _Families, view: BrokerView, snap: dict) -> None:
     """The exported fields of every process's statistics (`stats.STATS`)."""
     consumers = {c["name"]: c for c in view.desc["consumers"]}
     for r, role in enumerate(view.roles):
-        kind, _, rest = role.partition("-")
-        fields = STATS.get(kind)
+        who = parse(role)
+        fields = STATS.get(who.kind)
         if not fields:
             continue
         values = view.last_values.get(r, {})
-        if kind == "gpu":
-            labels = {"consumer": rest, "model": consumers[rest]["model"]}
-        elif kind == "ingest":
-            labels = {"ingest": rest}
+        if who.kind is Kind.GPU:
+            labels = {"consumer": who.label, "model": consumers[who.label]["model"]}
+        elif who.kind is Kind.INGEST:
+            labels = {"ingest": who.label}
         else:
             labels = {}
         for field in fields:
@@ -233,7 +235,7 @@ def metrics_main(view: BrokerView, sock: socket.socket, slot, stopping) -> None:
     server = _Server(sock, MetricsHandler.factory(registry))
     try:
         while not stopping():
-            slot[2] = time.monotonic_ns()
+            beat(slot)
             server.handle_request()
     finally:
         server.server_close()

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .behind import C_BEHIND, C_BEHIND_BYTES, BehindNames, NameLog, remove_strays
-from .control import Control
+from .control import Control, beat
 from .cursor_save import CursorSaves
 from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
@@ -342,7 +342,7 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
         router.refresh()
         router.replay()
         while True:
-            slot[2] = time.monotonic_ns()
+            beat(slot)
             router.refresh()
             try:
                 got = sum(router.take(r) for r in rings)

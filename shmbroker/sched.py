@@ -12,7 +12,8 @@ the index; for each consumer whose batch ring holds fewer than AHEAD undone batc
 packer for its next batch and push its item locations. Items no consumer can ever take (no
 consumer serves their model, no tokens, longer than every contract of their model) ride the next
 batch record as failed rows, so a GPU process writes their result. When nothing is to be done it
-sleeps on one doorbell that both the appended rings (data) and the batch rings (space) ring.
+sleeps on one doorbell that both the appended rings (data) and the batch rings (space) ring. Its
+statistics words and gauges (pending items per model, the oldest item's age) are `pending.py`'s.
 """
 
 from __future__ import annotations
@@ -22,10 +23,32 @@ from collections import deque
 
 import numpy as np
 
+from . import roles
+from .control import beat
 from .errors import PeerDead
 from .pack.feeding import AHEAD, queued_items
 from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
+from .pending import (
+    GAUGES,
+    NO_ITEM_NS,
+    S_BATCHES,
+    S_EMPTY,
+    S_FAMILIES,
+    S_HELD_BACK,
+    S_INDEXED_ITEMS,
+    S_INDEXED_TOKENS,
+    S_ITEMS,
+    S_NO_CONSUMER,
+    S_OLDEST,
+    S_OVERFLOW,
+    S_RECOVERED_CORRUPT,
+    S_RECOVERED_UNNAMED,
+    S_TOO_LONG,
+    S_WAITING,
+    Arrivals,
+    Pending,
+)
 from .ring import layout as L
 from .ring.items import Status
 from .ring.ring import CONSUMER, PRODUCER
@@ -34,25 +57,11 @@ from .ring.wire import LOC_DTYPE, LOC_WORDS, batch_meta_words
 from .spill.locate import record_locations
 from .spill.store import Backlog
 from .spill.waiting import WaitingQueue
-from .stats import MAX_MODELS, SCHED, slot_of
+from .stats import SCHED
 
 POP_RECORDS = 64
-NO_ITEM_NS = np.iinfo(np.int64).max
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
-ARRIVAL_PIECE = 4096  # items per piece of the arrival-order list the oldest-item age is read from
 REFILL_ROWS = 1 << 16  # waiting items read back from disk (and hashed) at a time
-
-# statistics words (stats.SCHED)
-(S_INDEXED_ITEMS, S_INDEXED_TOKENS, S_BATCHES, S_ITEMS, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG, S_PENDING_ITEMS,
- S_PENDING_TOKENS, S_OVERFLOW, S_FAMILIES, S_OLDEST, S_NUM_MODELS, S_RECOVERED_CORRUPT, S_RECOVERED_UNNAMED,
- S_HELD_BACK, S_WAITING) = (
-    slot_of("sched", k) for k in ("indexed_items", "indexed_tokens", "batches", "items", "rejected_empty",
-                                  "rejected_no_consumer", "rejected_too_long", "pending_items", "pending_tokens",
-                                  "overflow_items", "families", "oldest_ns", "num_models", "recovered_corrupt",
-                                  "recovered_unnamed_corrupt", "held_back", "waiting_items"))
-S_MODEL_ITEMS = slot_of("sched", "model0_items")
-S_MODEL_TOKENS = slot_of("sched", "model0_tokens")
-
 
 class Scheduler:
     def __init__(self, cfg, modes: list[str], appended, batch_rings, bell, values=None):
@@ -69,12 +78,8 @@ class Scheduler:
         self.bell = bell
         # statistics (stats.SCHED): the StatsWriter's values in the process, a private array in tests
         self.values = values if values is not None else np.zeros(len(SCHED), np.int64)
-        self.models = models_of(cfg)  # model id -> its per-model pending counters' index
-        self.values[S_NUM_MODELS] = len(self.models)
-        self.arrival_ns = np.full(self.capacity, NO_ITEM_NS, np.int64)  # when each slot's item came in
-        # (arrival_ns, slots) in arrival order, pieces of at most ARRIVAL_PIECE: the oldest waiting
-        # item is the first piece with a slot still holding its arrival (dead pieces are dropped)
-        self.arrivals: deque = deque()
+        self.pending = Pending(cfg, self.values)
+        self.arrivals = Arrivals(self.capacity)
         self.slots = np.zeros(self.capacity, LOC_DTYPE)
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
         self.num_free = self.capacity
@@ -121,7 +126,7 @@ class Scheduler:
         items, tokens = int(pending.size), int(pending["num_tokens"].sum()) if pending.size else 0
         # every recovered record counts as pending now; they wait on disk and are read back, their
         # block hashes computed, as the index has room (`_refill`)
-        self._count_pending(pending["model"], pending["num_tokens"], 1)
+        self.pending.count(pending["model"], pending["num_tokens"], 1)
         for at in range(0, pending.size, REFILL_ROWS):
             self.waiting.append(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
         del pending
@@ -184,7 +189,7 @@ class Scheduler:
         failed["aux"] = status[~keep]
         self.failed.append(failed)
         if counted:
-            self._pending(failed, -1)
+            self.pending.count_locs(failed, -1)
         return _subset(locs, hash_offsets, hashes, keep)
 
     def add(self, locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> None:
@@ -193,41 +198,13 @@ class Scheduler:
         locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes)
         if locs.size == 0:
             return
-        self._pending(locs, 1)
+        self.pending.count_locs(locs, 1)
         now_ns = time.monotonic_ns()
         if self._behind():  # behind what is older; its block hashes are computed again when read back
             self.waiting.append(locs, now_ns)
             self._waited()
             return
         self._index(locs, hash_offsets, hashes, now_ns)
-
-    def _pending(self, locs, sign: int) -> None:
-        """Count items into (+1) or out of (-1) the pending gauges (items of unknown models never count:
-        they are failed back)."""
-        self._count_pending(locs["model"], locs["length"], sign)
-
-    def _count_pending(self, models: np.ndarray, lengths: np.ndarray, sign: int) -> None:
-        v = self.values
-        if models.size == 0:
-            return
-        first = int(models[0])
-        if (models == first).all():  # one model (the usual case): no per-item work
-            m = self.models.get(first)
-            if m is None:
-                return
-            n, tokens = models.size, int(lengths.sum())
-            v[S_MODEL_ITEMS + m] += sign * n
-            v[S_MODEL_TOKENS + m] += sign * tokens
-            v[S_PENDING_ITEMS] += sign * n
-            v[S_PENDING_TOKENS] += sign * tokens
-            return
-        for model, m in self.models.items():
-            mine = models == model
-            n, tokens = int(mine.sum()), int(lengths[mine].sum())
-            v[S_MODEL_ITEMS + m] += sign * n
-            v[S_MODEL_TOKENS + m] += sign * tokens
-            v[S_PENDING_ITEMS] += sign * n
-            v[S_PENDING_TOKENS] += sign * tokens
 
     def _index(self, locs, hash_offsets, hashes, arrival_ns: int) -> int:
         n = min(locs.size, self.num_free)
@@ -243,9 +220,7 @@ class Scheduler:
             added = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
                                          locs["max_new"][:n].astype(np.int64))
             self.num_free -= added
-            self.arrival_ns[slots[:added]] = arrival_ns
-            for at in range(0, added, ARRIVAL_PIECE):
-                self.arrivals.append((arrival_ns, slots[at : min(added, at + ARRIVAL_PIECE)]))
+            self.arrivals.add(slots[:added], arrival_ns)
             self.values[S_INDEXED_ITEMS] += added
             self.values[S_INDEXED_TOKENS] += int(lengths[:added].sum())
             n = added
@@ -263,7 +238,7 @@ class Scheduler:
         while self.num_free and not self.front and len(self.waiting):
             (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(
                 min(self.num_free, REFILL_ROWS), self.cfg.block_tokens)
-            self._count_pending(gone["model"], gone["length"], -1)  # done meanwhile
+            self.pending.count(gone["model"], gone["length"], -1)  # done meanwhile
             locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
             if locs.size:
                 self._index(locs, hash_offsets, hashes, arrival_ns)
@@ -347,14 +322,14 @@ class Scheduler:
             n_run = run.size
             self._free(slots)
             if n_run:
-                self._pending(run, -1)
+                self.pending.count_locs(run, -1)
             if batch.failed:
                 keys = np.array([k for k, _ in batch.failed], np.int64)
                 bad = self.slots[keys].copy()
                 bad["aux"] = Status.TOO_LONG
                 rows.append(bad)
                 self._free(keys)
-                self._pending(bad, -1)
+                self.pending.count_locs(bad, -1)
                 self.values[S_TOO_LONG] += keys.size
         if self.failed:
             rows.extend(self.failed)
@@ -365,7 +340,7 @@ class Scheduler:
         return locs.view(np.uint32).reshape(-1), n_run, locs.size - n_run, time.monotonic_ns()
 
     def _free(self, slots: np.ndarray) -> None:
-        self.arrival_ns[slots] = NO_ITEM_NS
+        self.arrivals.drop(slots)
         k = slots.size
         self.free[self.num_free : self.num_free + k] = slots
         self.num_free += k
@@ -378,10 +353,7 @@ class Scheduler:
         """The gauges a loop round does not keep: families in the index, the oldest waiting item."""
         v = self.values
         v[S_FAMILIES] = self.packer.index.num_families
-        arrivals = self.arrivals
-        while arrivals and not (self.arrival_ns[arrivals[0][1]] == arrivals[0][0]).any():
-            arrivals.popleft()
-        oldest = int(arrivals[0][0]) if arrivals else NO_ITEM_NS
+        oldest = self.arrivals.oldest_ns()
         if self.front:
             oldest = min(oldest, int(self.front[0][3]))
         head = self.waiting.head_arrival_ns()
@@ -408,25 +380,13 @@ def _subset(locs, hash_offsets, hashes, keep):
     return sub, new_offsets, sub_hashes
 
 
-def models_of(cfg) -> dict[int, int]:
-    """Model id -> index of its per-model statistics, in the order consumers name them (at most MAX_MODELS)."""
-    out: dict[int, int] = {}
-    for c in cfg.consumers:
-        out.setdefault(c.contract.model, len(out))
-    assert len(out) <= MAX_MODELS, "settings.load refuses more models"
-    return out
-
-
 def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping) -> None:
     from .stats import StatsWriter
 
-    role = control.roles.index("sched")
+    role = control.roles.index(roles.SCHED.name)
     slot = control.role(role)
     stats = StatsWriter(control, role)
-    gauges = (S_PENDING_ITEMS, S_PENDING_TOKENS, S_OVERFLOW, S_WAITING, S_FAMILIES, S_OLDEST)
-    gauges += tuple(range(S_MODEL_ITEMS, S_MODEL_ITEMS + MAX_MODELS))
-    gauges += tuple(range(S_MODEL_TOKENS, S_MODEL_TOKENS + MAX_MODELS))
-    stats.values[list(gauges)] = 0  # this incarnation's own view: it rebuilds the index from disk
+    stats.values[list(GAUGES)] = 0  # this incarnation's own view: it rebuilds the index from disk
     appended = [r.attach(CONSUMER) for r in appended_rings]
     batches = [r.attach(PRODUCER) for r in batch_rings]
     sched = Scheduler(cfg, modes, appended, batches, bell, stats.values)
@@ -434,7 +394,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
     try:
         sched.recover(cfg.data_dir)
         while not stopping():
-            slot[2] = time.monotonic_ns()
+            beat(slot)
             got = sched.take_announcements()
             sent = sched.dispatch()
             now = time.monotonic()

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .control import R_SEQ, R_VALUES, VALUE_WORDS, Control, role_kind
+from .control import R_SEQ, R_VALUES, VALUE_WORDS, Control
 from .ring import seqlock
+from .roles import Kind, kind_of
 
 COUNTER, GAUGE = "counter", "gauge"
 READ_TRIES = 1000
@@ -162,7 +163,7 @@ RESULTS = (
     _c("names_moved", "results_names_moved_total", "Times a producer name read far behind was moved to a log of its own."),
 )
 
-STATS = {"gpu": GPU, "ingest": INGEST, "sched": SCHED, "results": RESULTS}
+STATS = {Kind.GPU: GPU, Kind.INGEST: INGEST, Kind.SCHED: SCHED, Kind.RESULTS: RESULTS}
 for _kind, _fields in STATS.items():
     assert len(_fields) <= VALUE_WORDS, _kind
     assert len({f.key for f in _fields}) == len(_fields), _kind
@@ -180,7 +181,7 @@ class StatsWriter:
     """A process's statistics: `values` private, `publish()` into its role slot."""
 
     def __init__(self, control: Control, role: int):
-        self.fields = STATS[role_kind(control.roles[role])]
+        self.fields = STATS[kind_of(control.roles[role])]
         self.words = control.role(role)
         self.values = np.zeros(len(self.fields), np.int64)
         resumed = np.zeros(VALUE_WORDS, np.int64)
@@ -199,7 +200,7 @@ class StatsWriter:
 
 def read_role(control: Control, r: int, out: np.ndarray | None = None) -> dict[str, int] | None:
     """Role r's statistics by key, from one publication; None when the slot stayed mid-publication."""
-    fields = STATS.get(role_kind(control.roles[r]), ())
+    fields = STATS.get(kind_of(control.roles[r]), ())
     if not fields:
         return {}
     out = np.empty(len(fields), np.int64) if out is None else out[: len(fields)]

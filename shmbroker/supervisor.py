@@ -10,10 +10,11 @@ Start:
    appended to the backlog;
 3. recover the backlog (torn tails cut, segments of done records reclaimed);
 4. sweep the dead broker's shared memory, load every numba kernel (children never compile), create
-   the control segment, the rings between processes and the registry socket;
+   the control segment, the rings between processes (`wiring.py`) and the registry socket;
 5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
-6. fork: `ingest-K` (one per `ingest_processes`), `sched`, `results`, `gpu-<consumer>` (one per
-   consumer) and `metrics` (the Prometheus exporter, unless `metrics_addr` is ""). A child that
+6. fork one process per role (`roles.py`): `ingest-K` (one per `ingest_processes`), `sched`,
+   `results`, `gpu-<consumer>` (one per consumer) and `metrics` (the Prometheus exporter, unless
+   `metrics_addr` is ""); what a child runs is `wiring.run_child`'s. A child that
    dies is restarted after a back-off, a child that is hung is killed first, and a role that
    crash-loops is reported (`watchdog.py`); why it died is logged and kept in its role slot (a
    child that fails writes the last line of its exception there on its way out). Children die
@@ -31,7 +32,6 @@ after which the step is hurried (a second SIGTERM) and then killed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -41,29 +41,20 @@ import time
 import traceback
 from pathlib import Path
 
-from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_COMPILES, Control
+from .control import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_PID, R_RESTARTS, Control, mark_started
 from .lockfile import AlreadyRunning, InstanceLock
-from .ring.owned import create_ring
 from .ring.owner import Owner
-from .ring.ring import CONSUMER, PRODUCER
+from .roles import STOP_ORDER, broker_roles
 from .salvage import salvage_at_start, salvage_at_stop
 from .watch import describe, remove_description, write_description
 from .watchdog import Limits, Supervision, describe_status, note_exception
+from .wiring import Wiring, run_child
 
 log = logging.getLogger("shmbroker.supervisor")
 
 STOP_SECONDS = 10.0
 LOCK_WAIT_SECONDS = 5.0
 WATCH_SECONDS = 0.05
-BATCH_RING_BYTES = 4 << 20
-APPENDED_RING_BYTES = 16 << 20
-RESULTS_RING_BYTES = 16 << 20
-
-_stopping = 0  # in a child: 0 run, 1 stop gracefully, 2 stop now
-
-
-def stopping() -> int:
-    return _stopping
 
 
 class Supervisor:
@@ -71,8 +62,11 @@ class Supervisor:
         self.cfg = cfg
         self.modes = modes
         self.data_dir = Path(cfg.data_dir)
-        self.roles = ([f"ingest-{k}" for k in range(cfg.ingest_processes)] + ["sched", "results"]
-                      + [f"gpu-{c.name}" for c in cfg.consumers] + (["metrics"] if cfg.metrics_addr else []))
+        # the roles' names key the control segment's slots, broker.json and the logs (roles.py)
+        self.role_of = {r.name: r for r in broker_roles(cfg.ingest_processes, [c.name for c in cfg.consumers],
+                                                        bool(cfg.metrics_addr))}
+        self.roles = list(self.role_of)
+        self.wiring: Wiring | None = None
         self.metrics_sock = None
         self.metrics_addr: str | None = None
         self.desc: dict | None = None
@@ -138,32 +132,17 @@ class Supervisor:
         self.control.words[C_SUPERVISOR_PID] = os.getpid()
         if self.metrics_sock is not None:
             self.control.words[C_METRICS_PORT] = self.metrics_sock.getsockname()[1]
-        self.sched_bell = owner.doorbell("sched-d")
-        self.results_bell = owner.doorbell("results-d")
-        self.ingest_bells = [owner.doorbell(f"ingest{k}-d") for k in range(cfg.ingest_processes)]
-        self.appended = [create_ring(owner, f"ann{k}", APPENDED_RING_BYTES, data_bell=self.sched_bell)
-                         for k in range(cfg.ingest_processes)]
-        self.batch_rings = [create_ring(owner, f"batch{c}", BATCH_RING_BYTES, space_bell=self.sched_bell)
-                            for c in range(len(cfg.consumers))]
-        self.results_rings = [create_ring(owner, f"res{c}", RESULTS_RING_BYTES, data_bell=self.results_bell)
-                              for c in range(len(cfg.consumers))]
+        self.wiring = w = Wiring.create(owner, cfg, self.modes, self.control, self.left_rings)
         self.registry = Registry(owner, cfg.data_dir, ingest_ring_bytes=cfg.ingest_ring_bytes,
                                  result_ring_bytes=cfg.result_ring_bytes, control=self.control,
                                  retire_seconds=cfg.producer_retire_seconds,
-                                 ingest_bells=self.ingest_bells,
+                                 ingest_bells=w.ingest_bells,
                                  info={"control": self.control.segment.name, "pid": os.getpid(),
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
-        rings = {f"announce:{k}": r.names.segment for k, r in enumerate(self.appended)}
-        rings.update({f"batch:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.batch_rings)})
-        rings.update({f"done:{c.name}": r.names.segment for c, r in zip(cfg.consumers, self.results_rings)})
-        self.desc = describe(cfg, self.control, self.roles, rings, self.modes, self.metrics_addr)
-        sides = {f"ingest-{k}": [(r.segment.buf, PRODUCER)] for k, r in enumerate(self.appended)}
-        sides["sched"] = [(r.segment.buf, CONSUMER) for r in self.appended] + [
-            (r.segment.buf, PRODUCER) for r in self.batch_rings]
-        sides["results"] = [(r.segment.buf, CONSUMER) for r in self.results_rings]
-        for c, b, r in zip(cfg.consumers, self.batch_rings, self.results_rings):
-            sides[f"gpu-{c.name}"] = [(b.segment.buf, CONSUMER), (r.segment.buf, PRODUCER)]
-        self.supervision = Supervision(self.control, self.roles, Limits.of(cfg), sides)
+        self.desc = w.desc = describe(cfg, self.control, self.roles, w.ring_names(), self.modes, self.metrics_addr)
+        w.metrics_sock = self.metrics_sock
+        self.supervision = Supervision(self.control, self.roles, Limits.of(cfg),
+                                       {name: w.sides(role) for name, role in self.role_of.items()})
         for role in self.roles:
             self._spawn(role)
         write_description(cfg.data_dir, self.desc)  # before the registry answers: "ready" means watchable
@@ -176,13 +155,14 @@ class Supervisor:
         r = self.roles.index(role)
         slot = self.control.role(r)
         self.supervision.spawning(role)
-        slot[3] = time.monotonic_ns()  # before the fork: its first beat comes after
+        mark_started(slot)  # before the fork: its first beat comes after
         pid = os.fork()
         if pid == 0:  # the child
             code = 0
             try:
-                _child_setup(slot)
-                self._run_role(role)
+                if self.registry is not None and self.registry._sock is not None:
+                    self.registry._sock.close()
+                run_child(self.wiring, self.role_of[role], slot)
             except BaseException as exc:  # noqa: BLE001 - a child reports and exits, never returns
                 code = 1
                 note_exception(slot, exc)
@@ -193,40 +173,7 @@ class Supervisor:
         self.pids[pid] = role
         self.role_pid[role] = pid
         self.started[role] = time.monotonic()
-        slot[0] = pid
-
-    def _run_role(self, role: str) -> None:
-        cfg = self.cfg
-        if self.registry is not None and self.registry._sock is not None:
-            self.registry._sock.close()
-        if role == "metrics":
-            from .metrics import metrics_main
-            from .watch import BrokerView
-
-            view = BrokerView(cfg.data_dir, self.desc, self.control)
-            metrics_main(view, self.metrics_sock, self.control.role(self.roles.index(role)), stopping)
-            return
-        if self.metrics_sock is not None:
-            self.metrics_sock.close()
-        if role.startswith("ingest-"):
-            from .ingest import ingest_main
-
-            k = int(role.split("-", 1)[1])
-            ingest_main(k, cfg, self.control, self.appended[k], self.ingest_bells[k], stopping,
-                        self.left_rings if k == 0 else ())
-        elif role == "sched":
-            from .sched import sched_main
-
-            sched_main(cfg, self.modes, self.control, self.appended, self.batch_rings, self.sched_bell, stopping)
-        elif role == "results":
-            from .results import results_main
-
-            results_main(cfg, self.control, self.results_rings, self.results_bell, stopping)
-        else:
-            from .gpu.consumer import gpu_main
-
-            c = [f"gpu-{x.name}" for x in cfg.consumers].index(role)
-            gpu_main(c, cfg, self.control, self.batch_rings[c], self.results_rings[c], stopping)
+        slot[R_PID] = pid
 
     def reap(self) -> None:
         """Collect dead children; schedule their restart (unless stopping)."""
@@ -241,7 +188,7 @@ class Supervisor:
             if role is None:
                 continue
             self.role_pid.pop(role, None)
-            self.control.role(self.roles.index(role))[0] = 0
+            self.control.role(self.roles.index(role))[R_PID] = 0
             why = describe_status(status)
             if self.stop_requested:
                 log.info("%s (pid %d) stopped: %s", role, pid, why)
@@ -256,7 +203,7 @@ class Supervisor:
         for role, at in list(self.restart_at.items()):
             if at <= now:
                 del self.restart_at[role]
-                self.control.role(self.roles.index(role))[1] += 1
+                self.control.role(self.roles.index(role))[R_RESTARTS] += 1
                 self._spawn(role)
 
     def catch_stop(self) -> None:
@@ -294,10 +241,8 @@ class Supervisor:
         self.control.words[C_STOPPING] = 1
         if self.registry is not None:
             self.registry.close()
-        ingest = [r for r in self.roles if r.startswith("ingest-")]
-        gpus = [r for r in self.roles if r.startswith("gpu-")]
-        for group in (ingest, ["sched"], gpus, ["results"], [r for r in self.roles if r == "metrics"]):
-            self._stop_group(group)
+        for kind in STOP_ORDER:
+            self._stop_group([name for name, role in self.role_of.items() if role.kind is kind])
         self.keep_shm = not salvage_at_stop(self.cfg)
         if not self.keep_shm and self.owner is not None:  # the rings a dead broker left are salvaged now
             self.owner.manifest.sweep(self.owner.names())
@@ -366,36 +311,6 @@ def _acquire_lock(data_dir: Path) -> InstanceLock:
                     or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def _child_setup(slot) -> None:
-    """In a forked child: die with the supervisor, SIGTERM = stop, and count every numba compile
-    (or cache load) in its role slot: the supervisor loaded every kernel, so it stays 0."""
-    from numba.core import event
-
-    global _stopping
-    _stopping = 0
-
-    class CompileCounter(event.Listener):
-        def on_start(self, ev):
-            slot[R_COMPILES] += 1
-
-        def on_end(self, ev):
-            pass
-
-    event.install_listener("numba:compiler_lock", CompileCounter())
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:
-        os._exit(1)  # the supervisor died while we forked
-
-    def on_term(signum, _frame):
-        global _stopping
-        _stopping = min(2, _stopping + 1)
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _signal(pid: int, sig: int) -> None:

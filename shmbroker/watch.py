@@ -34,7 +34,6 @@ from .control import (
     R_RESTARTS,
     R_STARTED,
     Control,
-    role_kind,
 )
 from .delivery import Cursors
 from .errors import BrokerError
@@ -42,6 +41,7 @@ from .results_log import RESULTS_DIR
 from .ring import layout as L
 from .ring.liveness import is_alive, start_ticks
 from .ring.shm import Segment
+from .roles import Kind, gpu, kind_of
 from .stats import MAX_MODELS, read_role
 from .watchdog import death_report
 
@@ -157,17 +157,17 @@ class BrokerView:
             slot = self.control.role(r)
             pid, beat, started = int(slot[R_PID]), int(slot[R_BEAT]), int(slot[R_STARTED])
             ticks = start_ticks(pid) if pid > 0 else None
-            processes.append({"role": role, "kind": role_kind(role), "pid": pid, "restarts": int(slot[R_RESTARTS]),
+            processes.append({"role": role, "kind": str(kind_of(role)), "pid": pid, "restarts": int(slot[R_RESTARTS]),
                               "alive": ticks is not None and is_alive(pid, ticks),
                               "heartbeat_age_seconds": max(0.0, (now - beat) / 1e9) if beat else None,
                               "uptime_seconds": max(0.0, (now - started) / 1e9) if started else None,
                               "compiles": int(slot[R_COMPILES]), **death_report(slot, now)})
         consumers = {}
-        for c in self.desc["consumers"]:
-            v = dict(values.get(f"gpu-{c['name']}", {}))
+        for i, c in enumerate(self.desc["consumers"]):
+            v = dict(values.get(gpu(i, c["name"]).name, {}))
             v.pop("last_family", None)
             consumers[c["name"]] = {**c, **v, **derived(v, c["max_batch_tokens"])}
-        ingest_roles = [r for r in self.roles if r.startswith("ingest-")]
+        ingest_roles = [r for r in self.roles if kind_of(r) is Kind.INGEST]
         ingest = {k: sum(values[r].get(k, 0) for r in ingest_roles) for k in ("items", "tokens", "bytes", "batches",
                                                                                 "disk_full")}
         ingest["processes"] = {r: values[r] for r in ingest_roles}

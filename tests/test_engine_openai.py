@@ -26,7 +26,8 @@ import pytest
 
 from shmbroker.gpu.core import ConsumerCore
 from shmbroker.gpu.engines.base import EngineBatch, EngineUnavailable
-from shmbroker.gpu.engines.openai import ITEMS_PER_REQUEST_AUTO_MAX, NO_TOKEN_IDS, OpenAICompatible, default_items_per_request
+from shmbroker.gpu.engines.openai import ITEMS_PER_REQUEST_AUTO_MAX, OpenAICompatible, default_items_per_request
+from shmbroker.gpu.engines.openai_reply import NO_TOKEN_IDS
 from shmbroker.gpu.engines.options import OpenAISettings
 from shmbroker.gpu.engines.registry import load_engine
 from shmbroker.pack.contract import Batch, Contract, Shape

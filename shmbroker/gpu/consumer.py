@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from ..control import R_BEAT, R_DEADLINE
+from .. import roles
+from ..control import R_DEADLINE, beat
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
@@ -109,7 +110,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     from .engines.registry import load_engine
 
     consumer = cfg.consumers[c]
-    role = control.roles.index(f"gpu-{consumer.name}")
+    role = control.roles.index(roles.gpu(c, consumer.name).name)
     slot = control.role(role)
     stats = StatsWriter(control, role)
     engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens,
@@ -120,7 +121,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
 
     def held_up() -> None:  # the results ring is full: not the engine's time
-        slot[R_BEAT] = time.monotonic_ns()
+        beat(slot)
         slot[R_DEADLINE] = 0
 
     deliveries = Deliveries(control.own(role), int(ring.header[L.H_TAIL]), cfg.poison_attempts)
@@ -135,7 +136,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     idle_from = mark
     try:
         while True:
-            slot[R_BEAT] = time.monotonic_ns()
+            beat(slot)
             slot[R_DEADLINE] = window.deadline_ns()
             if window.events != events:
                 events = window.events

@@ -6,6 +6,7 @@ in parts; a padded engine's two rectangles); each item's result is written when 
 finishes, in any order; the oldest records are released once all their items have results (a
 crash redelivers what is not released; the client drops a result it has already yielded). The
 bookkeeping is columnar: the window's items are id/record/row columns, not a Python object each.
+A record taken and what its rows become are `taken.py`'s.
 
 Failures (issue 14, holes 6, 8 and 9):
 - the deliveries (`deliveries.py`): records a dead predecessor held are taken again alone, and
@@ -33,15 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import config
-from ..pack.contract import BATCH_ROW, Batch, Shape
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.wire import batch_locations, batch_meta
-from .core import RECOVERED_CORRUPT, ConsumerCore, rows_of
+from .core import ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
 from .engines.base import ENGINE_FAILURES_MAX, BatchResults, EngineDead, EngineDown
 from .segments import BatchTokens
+from .taken import Taken, engine_batch, failed_results
 
 log = logging.getLogger("shmbroker.gpu")
 
@@ -62,24 +63,6 @@ class WindowLimits:
 
 
 WINDOW_COUNTS = ("engine_retries", "redelivered", "split_batches", "poisoned")  # stats.GPU keys the window counts
-
-
-class Taken:
-    """A batch record in the window: its item locations, how many rows the engine was given, how
-    many still wait for a result. Released (in ring order) when that count is 0."""
-
-    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine", "start", "budget_ns", "counted")
-
-    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray, start: int = 0):
-        self.serial = serial  # the how-manyth record this window took
-        self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
-        self.run = run  # the rows the engine may run, in the scheduler's order
-        self.next_row = 0  # run[:next_row] were added to the engine
-        self.open = locs.size  # rows without a result yet
-        self.in_engine = 0  # rows added to the engine and not answered yet
-        self.start = start  # its ring position (deliveries.py)
-        self.budget_ns: int | None = None  # its deadline after the last progress (module docstring), once asked
-        self.counted = False  # a padded engine: it holds one of the PADDED_BATCHES_IN places
 
 
 class Window:
@@ -175,11 +158,11 @@ class Window:
         results = []
         runnable = np.zeros(0, np.int64)
         if n_run:
-            failed, runnable = self.core.take(_batch(self.c, run), BatchTokens(self.views, run))
+            failed, runnable = self.core.take(engine_batch(self.c, run), BatchTokens(self.views, run))
             if failed is not None:
                 results.append((failed, np.setdiff1d(np.arange(n_run), runnable)))
         if n_failed:
-            results.append((_failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
+            results.append((failed_results(locs[n_run:]), np.arange(n_run, n_run + n_failed)))
         ids = locs["item_id"][runnable].tolist()
         dup = None
         seen = set(ids)
@@ -431,25 +414,3 @@ class Window:
             self.num_released += k
             self.admit_at = max(self.admit_at, self.num_released)
         return k
-
-
-def _batch(c: int, run: np.ndarray) -> Batch:
-    rows = np.zeros(run.size, BATCH_ROW)
-    rows["key"] = run["item_id"]
-    rows["length"] = run["length"]
-    rows["max_new"] = run["max_new"]
-    rows["family"] = run["family"]
-    rows["model"] = run["model"]
-    return Batch(c, Shape(int(run["model"][0]), int(run["family"][0]), int(rows["length"].min()),
-                          int(rows["length"].max())), rows)
-
-
-def _failed_results(failed: np.ndarray) -> BatchResults:
-    status = failed["aux"].astype(np.uint32)
-    errors = {}
-    for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
-        errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == Status.TOO_LONG
-                     else RECOVERED_CORRUPT if code == Status.CORRUPT
-                     else "no consumer serves its model" if length else "no tokens")
-    return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
-                        np.zeros(failed.size + 1, np.int64), errors)

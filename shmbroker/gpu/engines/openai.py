@@ -61,7 +61,8 @@ Cache figures: `usage.prompt_tokens_details.cached_tokens` (vLLM with
 `reused_tokens`, with hit blocks = cached // block_tokens and queried blocks = prompt tokens //
 block_tokens; a server that does not report it counts 0 for both. Each poll reports the requests
 it returns. Its `engine_seconds` are the wall seconds since the last poll during which at least one
-request was at the server (`BusyClock`): the server's busy time as far as this consumer can see it.
+request was at the server (`BusyClock`): the server's busy time as far as this consumer can see it. Reading an answer (the token ids, the
+usage, a server's error text) is `openai_reply.py`'s.
 """
 
 from __future__ import annotations
@@ -71,24 +72,17 @@ import math
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from time import monotonic
 
 import httpx
-import numpy as np
 
 from .base import ENGINE_ERROR, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
+from .openai_reply import Reply, RequestFailed, parse_reply, server_message
 from .packed_args import BusyClock
 
-TOKEN_ID_PREFIX = "token_id:"
-ASKED_FIELDS = '"return_token_ids": true, and "return_tokens_as_token_ids": true with "logprobs": 0'
-READ_FIELDS = "choices[].token_ids, choices[].logprobs.tokens ('token_id:N'), choices[].output_ids"
-NO_TOKEN_IDS = (f"the server returned no token ids: it must return them (request fields sent: {ASKED_FIELDS}; "
-                f"response fields read: {READ_FIELDS})")
 RETRY_STATUSES = (408, 429)  # and every 5xx
 LOAD_STATUSES = (429, 503)  # the server's load: handed back (down) even while it answers others
 SPLIT_STATUSES = (400, 413, 422)  # the request's content was refused: maybe one prompt, so split
-MESSAGE_CHARS_MAX = 500  # of a server's error text kept in an item's error
 
 
 BACKOFF_MAX_SECONDS = 30.0  # no single wait between tries is longer (a server's Retry-After included)
@@ -114,32 +108,6 @@ def retry_after(resp) -> float | None:
     except (TypeError, ValueError):
         return None
     return value if value >= 0 else None
-
-
-class RequestFailed(Exception):
-    """A request that failed for good: its items fail with this reason; `down` (a connection error,
-    a timeout, 408, 429 or 5xx after the retries): the server is down and the items are handed back
-    instead, `always` (a connection error, 429, 503) or unless the server answered others since its
-    last try was `sent` (monotonic; module docstring)."""
-
-    def __init__(self, reason: str, status: int | None = None, *, down: bool = False, sent: float = 0.0,
-                 always: bool = False):
-        super().__init__(reason)
-        self.status = status
-        self.down = down
-        self.sent = sent
-        self.always = always
-
-
-@dataclass
-class Reply:
-    """One request's answer: per prompt its tokens or an error text; the usage's cache figures."""
-
-    tokens: list  # np.ndarray (uint32) or None per prompt
-    errors: list  # str or None per prompt
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    sub_replies: list = field(default_factory=list)  # a split request's halves, in order
 
 
 class OpenAICompatible(StreamingRun):
@@ -311,7 +279,10 @@ class OpenAICompatible(StreamingRun):
                 status = resp.status_code
                 if status == 200:
                     self.last_ok = monotonic()
-                    return self.parse(resp, prompts)
+                    reply, from_token_ids = parse_reply(resp, prompts)
+                    if from_token_ids:
+                        self.ask_logprobs = False
+                    return reply
                 reason = f"HTTP {status}: {server_message(resp)}"
                 if status not in RETRY_STATUSES and status < 500:
                     raise RequestFailed(reason, status)
@@ -323,37 +294,6 @@ class OpenAICompatible(StreamingRun):
         raise RequestFailed(f"{reason} (after {tries} tries)" if tries > 1 else reason, status, down=True, sent=sent,
                             always=transport or status in LOAD_STATUSES)
 
-    def parse(self, resp: httpx.Response, prompts: list) -> Reply:
-        n = len(prompts)
-        try:
-            data = resp.json()
-        except ValueError as exc:
-            raise RequestFailed(f"the server's answer is not JSON ({exc}): {resp.text[:MESSAGE_CHARS_MAX]!r}") from None
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not isinstance(choices, list):
-            raise RequestFailed(f"the server's answer has no choices: {resp.text[:MESSAGE_CHARS_MAX]!r}")
-        tokens: list = [None] * n
-        errors: list = ["the server returned no choice for it"] * n
-        for choice in choices:
-            index = choice.get("index") if isinstance(choice, dict) else None
-            if not isinstance(index, int) or not 0 <= index < n:
-                continue
-            if choice.get("finish_reason") in ("abort", "error"):
-                errors[index] = f"the server ended it with finish_reason {choice['finish_reason']!r}"
-                continue
-            out, from_token_ids = choice_tokens(choice)
-            if from_token_ids:
-                self.ask_logprobs = False
-            tokens[index], errors[index] = (out, None) if out is not None else (None, NO_TOKEN_IDS)
-        usage = data.get("usage") if isinstance(data, dict) else None
-        usage = usage if isinstance(usage, dict) else {}
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        prompt_tokens = usage.get("prompt_tokens")
-        if not isinstance(prompt_tokens, int):
-            prompt_tokens = sum(len(p) for p in prompts)
-        return Reply(tokens, errors, prompt_tokens, cached if isinstance(cached, int) and cached >= 0 else None)
-
     def close(self) -> None:
         """Requests not started are dropped, those at the server waited for (at most their timeout)."""
         if self.closed:
@@ -363,47 +303,3 @@ class OpenAICompatible(StreamingRun):
         self.client.close()
         self._requests.clear()
         self._pending = 0
-
-
-def choice_tokens(choice: dict) -> tuple:
-    """(uint32 token ids or None, whether they came from `token_ids`): the fields in the order the
-    module docstring gives."""
-    ids = choice.get("token_ids")
-    if isinstance(ids, list) and (out := as_tokens(ids)) is not None:
-        return out, True
-    logprobs = choice.get("logprobs")
-    strings = logprobs.get("tokens") if isinstance(logprobs, dict) else None
-    if isinstance(strings, list) and all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in strings):
-        try:
-            return as_tokens([int(t[len(TOKEN_ID_PREFIX):]) for t in strings]), False
-        except ValueError:
-            pass
-    ids = choice.get("output_ids")
-    if isinstance(ids, list):
-        return as_tokens(ids), False
-    return None, False
-
-
-def as_tokens(ids: list):
-    """uint32 token ids, or None when the list holds anything but ids."""
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in ids):
-        return None
-    return np.array(ids, np.uint32)
-
-
-def server_message(resp: httpx.Response) -> str:
-    """The server's error text: OpenAI's {"error": {"message"}}, vLLM/SGLang's {"message"}, FastAPI's
-    {"detail"}, else the body."""
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:MESSAGE_CHARS_MAX] or resp.reason_phrase
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:MESSAGE_CHARS_MAX]
-        for key in ("message", "detail", "error"):
-            if data.get(key):
-                value = data[key]
-                return (value if isinstance(value, str) else json.dumps(value))[:MESSAGE_CHARS_MAX]
-    return json.dumps(data)[:MESSAGE_CHARS_MAX]

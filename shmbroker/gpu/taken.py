@@ -1,0 +1,55 @@
+"""A batch record in a GPU process's window (`window.py`): its rows and how far they went
+(`Taken`), and what its rows become: the engine's `Batch` of the runnable ones, the results of the
+ones the scheduler failed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..pack.contract import BATCH_ROW, Batch, Shape
+from ..ring.items import Status
+from .core import RECOVERED_CORRUPT
+from .engines.base import BatchResults
+
+
+class Taken:
+    """A batch record in the window: its item locations, how many rows the engine was given, how
+    many still wait for a result. Released (in ring order) when that count is 0."""
+
+    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine", "start", "budget_ns", "counted")
+
+    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray, start: int = 0):
+        self.serial = serial  # the how-manyth record this window took
+        self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
+        self.run = run  # the rows the engine may run, in the scheduler's order
+        self.next_row = 0  # run[:next_row] were added to the engine
+        self.open = locs.size  # rows without a result yet
+        self.in_engine = 0  # rows added to the engine and not answered yet
+        self.start = start  # its ring position (deliveries.py)
+        self.budget_ns: int | None = None  # its deadline after the last progress (module docstring), once asked
+        self.counted = False  # a padded engine: it holds one of the PADDED_BATCHES_IN places
+
+
+def engine_batch(c: int, run: np.ndarray) -> Batch:
+    """The rows the engine may run of a record, as consumer c's Batch (its shape: the first row's)."""
+    rows = np.zeros(run.size, BATCH_ROW)
+    rows["key"] = run["item_id"]
+    rows["length"] = run["length"]
+    rows["max_new"] = run["max_new"]
+    rows["family"] = run["family"]
+    rows["model"] = run["model"]
+    return Batch(c, Shape(int(run["model"][0]), int(run["family"][0]), int(rows["length"].min()),
+                          int(rows["length"].max())), rows)
+
+
+def failed_results(failed: np.ndarray) -> BatchResults:
+    """The results of the rows the scheduler failed (`aux`: their status), with their errors in words."""
+    status = failed["aux"].astype(np.uint32)
+    errors = {}
+    for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
+        errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == Status.TOO_LONG
+                     else RECOVERED_CORRUPT if code == Status.CORRUPT
+                     else "no consumer serves its model" if length else "no tokens")
+    return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
+                        np.zeros(failed.size + 1, np.int64), errors)
