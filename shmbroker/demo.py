@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import config
+from . import config, roles
 from .demo_broker import read_counters, shm_left, stop, wait_ready
 from .demo_figures import consumer_figures, fifo_figures, total_figures
 from .demo_producers import CHUNK, RESULTS_SECONDS, producer, recv, workload
@@ -107,7 +107,7 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
                      "workload_seconds": t_broker - t_start, "broker_start_seconds": t_ready - t_broker,
                      "stop_seconds": stop_seconds,
                      "fifo_simulation_seconds": fifo_seconds},
-            "broker": {"ingest_items": sum(c["items"] for r, c in counters.items() if r.startswith("ingest-")),
+            "broker": {"ingest_items": sum(c["items"] for r, c in counters.items() if roles.kind_of(r) is roles.Kind.INGEST),
                        "sched_items": counters["sched"]["items"], "sched_failed": sum(counters["sched"][k] for k in (
                            "rejected_empty", "rejected_no_consumer", "rejected_too_long")),
                        "results": counters["results"]["results"]},

@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import roles
+
 READY_SECONDS = 120.0
 STOP_SECONDS = 120.0
 COUNTERS_SECONDS = 10.0
@@ -60,7 +62,7 @@ def read_counters(info: dict, items: int) -> dict[str, dict[str, int]]:
                     raise TimeoutError("a broker process's statistics stayed unreadable")
                 time.sleep(0.02)
                 continue
-            done = sum(c["items"] for role, c in out.items() if role.startswith("gpu-"))
+            done = sum(c["items"] for role, c in out.items() if roles.kind_of(role) is roles.Kind.GPU)
             if done >= items or time.monotonic() > deadline:
                 return out
             time.sleep(0.02)

@@ -41,7 +41,7 @@ from .ring.items import NO_PREFIX
 from .ring.ring import CONSUMER, PRODUCER, Ring
 from .ring.shm import Doorbell, Segment, unlink_name
 from .ring.waits import SLEEP_SLICE_SECONDS
-from .ring.wire import LOC_DTYPE, LOC_WORDS, close_ring, peek_closed, set_closed_tail
+from .ring.wire import close_ring, new_announcement, peek_closed, set_closed_tail
 from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
 from .spill.collect import REFUSALS, collect
 from .spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
@@ -152,12 +152,11 @@ class Announcer:
         # the family keys are collect's (`prefix_key`): hash only the blocks below them
         chain_items(flat, offsets[:-1], np.diff(offsets), prefixes, np.ascontiguousarray(items["prefix_key"]),
                     app.block_tokens, hash_offsets, hashes)
-        payload = np.empty(count * LOC_WORDS + 2 * nh, np.uint32)
-        locs = payload[: count * LOC_WORDS].view(LOC_DTYPE)
+        payload, locs, announced_hashes = new_announcement(count, nh)
         fill_locations(locs, items, writer=self.writer.writer, segment=segments, offset=rec_offsets, seq=seqs,
                        length=np.diff(offsets))
         locs["aux"] = np.diff(hash_offsets)
-        payload[count * LOC_WORDS :].view(np.uint64)[:] = hashes
+        announced_hashes[:] = hashes
         push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
         if self.counters is not None:
             c = self.counters

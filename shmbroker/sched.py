@@ -53,7 +53,7 @@ from .ring import layout as L
 from .ring.items import Status
 from .ring.ring import CONSUMER, PRODUCER
 from .ring.waits import SLEEP_SLICE_SECONDS, sleep_on
-from .ring.wire import LOC_DTYPE, LOC_WORDS, batch_meta_words
+from .ring.wire import LOC_DTYPE, announced_subset, batch_meta_words, read_announcement
 from .spill.locate import record_locations
 from .spill.store import Backlog
 from .spill.waiting import WaitingQueue
@@ -164,16 +164,12 @@ class Scheduler:
             n = ring.pop_many(tokens, offsets, keys, meta, 1 if held else POP_RECORDS)
             for r in range(n):
                 count, nh = int(meta[r, 0]), int(meta[r, 1])
-                words = tokens[offsets[r] : offsets[r + 1]]
-                locs = words[: count * LOC_WORDS].view(LOC_DTYPE).copy()
-                hashes = words[count * LOC_WORDS : count * LOC_WORDS + 2 * nh].view(np.uint64).copy()
-                hash_offsets = np.zeros(count + 1, np.int64)
-                np.cumsum(locs["aux"], out=hash_offsets[1:])
+                locs, hash_offsets, hashes = read_announcement(tokens[offsets[r] : offsets[r + 1]], count, nh)
                 if self.high:
                     hw = self.high.get(int(locs["writer"][0]))
                     if hw is not None and int(locs["seq"].min()) < hw:
                         keep = locs["seq"] >= hw  # the start scan saw these already
-                        locs, hash_offsets, hashes = _subset(locs, hash_offsets, hashes, keep)
+                        locs, hash_offsets, hashes = announced_subset(locs, hash_offsets, hashes, keep)
                 self.add(locs, hash_offsets, hashes)
                 total += count
         return total
@@ -190,7 +186,7 @@ class Scheduler:
         self.failed.append(failed)
         if counted:
             self.pending.count_locs(failed, -1)
-        return _subset(locs, hash_offsets, hashes, keep)
+        return announced_subset(locs, hash_offsets, hashes, keep)
 
     def add(self, locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> None:
         if locs.size == 0:
@@ -225,7 +221,7 @@ class Scheduler:
             self.values[S_INDEXED_TOKENS] += int(lengths[:added].sum())
             n = added
         if n < locs.size:  # ahead of what waits on disk
-            self.front.appendleft((*_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n), arrival_ns))
+            self.front.appendleft((*announced_subset(locs, hash_offsets, hashes, np.arange(locs.size) >= n), arrival_ns))
             self._waited()
         return n
 
@@ -323,14 +319,7 @@ class Scheduler:
             self._free(slots)
             if n_run:
                 self.pending.count_locs(run, -1)
-            if batch.failed:
-                keys = np.array([k for k, _ in batch.failed], np.int64)
-                bad = self.slots[keys].copy()
-                bad["aux"] = Status.TOO_LONG
-                rows.append(bad)
-                self._free(keys)
-                self.pending.count_locs(bad, -1)
-                self.values[S_TOO_LONG] += keys.size
+            assert not batch.failed, "too-long items are failed at admission (`_unservable`), not by the packer"
         if self.failed:
             rows.extend(self.failed)
             self.failed = []
@@ -366,18 +355,6 @@ class Scheduler:
     def wait(self, timeout_seconds: float) -> None:
         """Sleep on the shared doorbell until an announcement or a batch ring's space, or the timeout."""
         sleep_on(self.bell, self.appended, self.batches, timeout_seconds)
-
-
-def _subset(locs, hash_offsets, hashes, keep):
-    idx = np.flatnonzero(keep)
-    sub = locs[idx]
-    counts = np.diff(hash_offsets)[idx]
-    new_offsets = np.zeros(idx.size + 1, np.int64)
-    np.cumsum(counts, out=new_offsets[1:])
-    total = int(new_offsets[-1])
-    pick = np.repeat(hash_offsets[idx], counts) + np.arange(total) - np.repeat(new_offsets[:-1], counts)
-    sub_hashes = hashes[pick]
-    return sub, new_offsets, sub_hashes
 
 
 def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping) -> None:

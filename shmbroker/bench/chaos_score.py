@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from .. import roles
 from .chaos_fire import Broker
 from .chaos_procs import prompt
 
@@ -44,7 +45,7 @@ def memory(broker: Broker, client_pid: int, measure=rss_bytes) -> dict[str, int]
     out = {"client": measure(client_pid), "sched": measure(pids.get("sched", 0)),
            "results": measure(pids.get("results", 0))}
     for role, pid in pids.items():
-        if role.startswith("gpu-"):
+        if roles.kind_of(role) is roles.Kind.GPU:
             out[role] = measure(pid)
     return out
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import roles
 from ..pack.index import PackIndex
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..ring.items import NO_PREFIX, SEQ_BITS
@@ -96,7 +97,7 @@ def _serve(tmp: str, tokens: int, capacity: int) -> dict:
     try:
         info = broker.wait_ready(0.005)
         ctl = Control.attach(info["control"], info["roles"])
-        gpus = [r for r, name in enumerate(info["roles"]) if name.startswith("gpu-")]
+        gpus = [r for r, name in enumerate(info["roles"]) if roles.kind_of(name) is roles.Kind.GPU]
         res = info["roles"].index("results")
         first = None
         peaks: dict[str, int] = {}

@@ -141,7 +141,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
             if window.events != events:
                 events = window.events
                 counting.publish_window()
-            if stopping() == 2 or (stopping() and window.down):
+            if stopping() == 2 or (stopping() and window.backoff.down):
                 break  # stop now, or stop while the engine is down: what is not released comes again next start
             was_empty = window.empty
             taking = time.monotonic_ns()  # busy from here: taking adds to the engine, which may start at once
@@ -215,7 +215,7 @@ class GpuCounting:
             return
         for k in WINDOW_COUNTS:
             v[at[k]] = base[at[k]] + w.counts[k]
-        v[at["engine_down"]] = int(w.down)
+        v[at["engine_down"]] = int(w.backoff.down)
 
     def publish_window(self) -> None:
         """The window's counts changed (an engine down or up, a redelivery, a poison item)."""

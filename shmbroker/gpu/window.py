@@ -18,10 +18,8 @@ Failures (issue 14, holes 6, 8 and 9):
   a retry): `deadline_ns`, published in the role slot for the supervisor's watchdog, which kills
   a process that misses it (a long batch that keeps finishing items keeps moving its deadline);
 - an engine that is down hands items back (engines/base.py "Failures"): they stay in the window
-  (admitted, without results), nothing new goes to the engine, and after a back-off
-  (engine_retry_min_seconds, doubling to engine_retry_max_seconds while it stays down) they are
-  added again; no deadline runs meanwhile. After ENGINE_FAILURES_MAX failing polls in a row the
-  engine is dead: EngineDead, the process exits and is started afresh.
+  (admitted, without results), nothing new goes to the engine, and after a back-off they are
+  added again (`backoff.py`, which also says when the engine is dead); no deadline runs meanwhile.
 """
 
 from __future__ import annotations
@@ -38,9 +36,10 @@ from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.wire import batch_locations, batch_meta
+from .backoff import Backoff
 from .core import ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
-from .engines.base import ENGINE_FAILURES_MAX, BatchResults, EngineDead, EngineDown
+from .engines.base import BatchResults
 from .segments import BatchTokens
 from .taken import Taken, engine_batch, failed_results
 
@@ -83,11 +82,7 @@ class Window:
         self.floor_ns = int(floor * 1e9)
         self.token_ns = limits.deadline_token_seconds * 1e9
         self.progress_ns = 0  # the last progress (module docstring)
-        self.retry_ids = np.zeros(0, np.uint64)  # handed back by an engine that is down, to add again
-        self.retry_at = 0.0  # when (monotonic)
-        self.retry_seconds = limits.retry_min_seconds  # the next back-off
-        self.failures = 0  # polls in a row that raised
-        self.down = False  # the engine is down: items wait for a retry
+        self.backoff = Backoff(c, limits.retry_min_seconds, limits.retry_max_seconds)
         self.counts = dict.fromkeys(WINDOW_COUNTS, 0)
         self.counts["split_batches"] = int(self.deliveries.first_split)
         self.events = 0  # bumped whenever `down` or `counts` change (the process publishes its statistics)
@@ -197,7 +192,7 @@ class Window:
         taken = self.taken
         k = self.admit_at - self.num_released  # the first record not all in the engine yet
         while k < len(taken):
-            if self.retry_ids.size:
+            if self.backoff.waiting:
                 return  # the engine is down: nothing new until the retry
             t = taken[k]
             left = t.run.size - t.next_row
@@ -258,23 +253,18 @@ class Window:
     def poll(self, timeout_seconds: float) -> int:
         """Write the results of the items the engine finished; the number. Items an engine that is
         down handed back are added again when their back-off is over (module docstring)."""
-        if self.retry_ids.size:
-            wait = self.retry_at - time.monotonic()
+        if self.backoff.waiting:
+            wait = self.backoff.due_in()
             if wait > 0 and not self.core.in_flight.size:
                 time.sleep(min(timeout_seconds, wait))  # nothing else to wait for
-            if time.monotonic() >= self.retry_at:
+            if self.backoff.due_in() <= 0:
                 self._retry()
         res = self.core.poll(timeout_seconds)
         returned = self._returned()
         if res is None:
             return 0
-        if not returned:  # the engine answers again
-            self.failures = 0
-            self.retry_seconds = self.limits.retry_min_seconds
-            if self.down and not self.retry_ids.size:
-                self.down = False
-                self.events += 1
-                log.info("consumer %d: the engine is up again", self.c)
+        if not returned and self.backoff.answered():  # the engine answers again
+            self.events += 1
         self.finished(res)
         return len(res)
 
@@ -285,24 +275,12 @@ class Window:
         ids, why = self.core.take_returned()
         self.counts["engine_retries"] += ids.size
         self.events += 1
-        if not isinstance(why, EngineDown):
-            self.failures += 1
-            if self.failures >= ENGINE_FAILURES_MAX:
-                raise EngineDead(f"the engine failed {self.failures} polls in a row: {type(why).__name__}: {why}") \
-                    from why
-        waiting = self.retry_ids.size
-        self.retry_ids = np.concatenate([self.retry_ids, ids])
-        if not waiting:  # a new wave: the back-off doubles per wave, not per request
-            self.retry_at = time.monotonic() + self.retry_seconds
-            log.warning("consumer %d: the engine is down (%s: %s): %d items retried in %.2f s", self.c,
-                        type(why).__name__, why, self.retry_ids.size, self.retry_seconds)
-            self.retry_seconds = min(self.limits.retry_max_seconds, self.retry_seconds * 2)
-        self.down = True
+        self.backoff.hand_back(ids, why)
         return ids.size
 
     def _retry(self) -> None:
         """Add the handed-back items again, record by record, in order."""
-        ids, self.retry_ids = self.retry_ids, np.zeros(0, np.uint64)
+        ids = self.backoff.take()
         if self._order is None:
             self._order = np.argsort(self.ids, kind="stable")
         order = self._order

@@ -9,7 +9,7 @@ leave the index with the batch.
 from __future__ import annotations
 
 from ..jit import kernel
-from .guard import check_rows
+from .guard import OK, check_rows
 from .index import remove_quiet
 from .listing import branch_reclass, family_reclass
 from .state import C_BRANCH
@@ -52,10 +52,10 @@ def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol
     it = S.items
     for i in range(nf):
         failed_ids[i] = it[failed[i]].item_id
-    code = 0
+    code = OK
     if n:
         code = check_rows(rows, n, family_key, model, length_min, length_max, tol, bs, bt, max_in, rectangle)
-        if code != 0:
+        if code != OK:
             unclaim(S, out, n)
             n = 0
     alive = -1

@@ -25,20 +25,40 @@ Checks, in order (the first failure is the reason):
 from __future__ import annotations
 
 from collections import Counter
+from enum import IntEnum
 
 import numpy as np
 
 from ..jit import kernel
 from .contract import MODES, Batch, Contract, Shape
 
-OK, EMPTY, COUNT, TOO_LONG, TOKENS, MODEL, FAMILY, BAND = range(8)
-REASONS = ("ok", "empty", "count", "too_long", "tokens", "model", "family", "band")
+
+class Verdict(IntEnum):
+    """The guard's verdict on a batch: OK, or the first check it fails (module docstring, in order)."""
+
+    OK = 0
+    EMPTY = 1
+    COUNT = 2
+    TOO_LONG = 3
+    TOKENS = 4
+    MODEL = 5
+    FAMILY = 6
+    BAND = 7
+
+    @property
+    def label(self) -> str:
+        """The reason's name in the refusal counts and the metrics."""
+        return self.name.lower()
+
+
+# the kernels' view of the verdicts: plain int constants
+OK, EMPTY, COUNT, TOO_LONG, TOKENS, MODEL, FAMILY, BAND = (int(v) for v in Verdict)
 
 
 @kernel
 def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_size, max_batch_tokens,
                max_input_len, rectangle):
-    """The guard over rows[:n] (BATCH_ROW records); OK or the first failing check's code.
+    """The guard over rows[:n] (BATCH_ROW records): a `Verdict`, OK or the first failing check's.
     rectangle: the batch is a padded engine's (count x longest <= max_batch_tokens)."""
     if n == 0:
         return EMPTY
@@ -91,7 +111,7 @@ class Guard:
     def count(self, code: int) -> str | None:
         if code == OK:
             return None
-        reason = REASONS[code]
+        reason = Verdict(code).label
         self.refusals[reason] += 1
         return reason
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .contract import BATCH_ROW, MODES, Batch, Contract, Shape
-from .guard import Guard
+from .guard import Guard, Verdict
 from .index import PackIndex
 from .policy import DEFAULT_PADDING_TOLERANCE, POLICIES
 
@@ -97,7 +97,7 @@ class Packer:
         if d.family == -1:
             return None
         n = d.num_items
-        if d.code != 0:
+        if d.code != Verdict.OK:
             self.guards[c].count(d.code)
             n = 0
         failed = [(i, "too_long") for i in self._failed_ids[:d.num_failed].tolist()] if d.num_failed else []

@@ -42,7 +42,8 @@ The ring records that carry them (`layout.py` frames each: key, meta[0..3], payl
 | batch (sched->GPU)      | batch number     | rows to run     | rows failed | packed_ns lo | packed_ns hi  | LOC rows               |
 | results (GPU->results)  | 0                | payload bytes   | 0           | 0            | 0             | result records         |
 
-`batch_meta_words` / `batch_meta` and `chunk_meta_words` / `chunk_bytes` are their encoders and decoders.
+`new_announcement` / `read_announcement`, `batch_meta_words` / `batch_meta` and `chunk_meta_words` /
+`chunk_bytes` are their encoders and decoders.
 
 A producer's result ring record: key = item id, meta[0] = status, meta[1] =
 generated tokens, meta[3] = error bytes; payload = tokens then the error text.
@@ -92,6 +93,33 @@ def batch_locations(data: np.ndarray, pos: int, count: int) -> np.ndarray:
     """The `count` LOC rows (a view) of the batch ring record at word `pos` of `data`."""
     start = pos + RECORD_HEADER_WORDS
     return data[start : start + count * LOC_WORDS].view(LOC_DTYPE)
+
+
+def new_announcement(count: int, nh: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An appended ring record's payload for `count` locations and `nh` block hashes, and its two
+    parts as views to fill: (payload words, LOC rows, hashes). Its meta words are (count, nh, 0, 0)."""
+    payload = np.empty(count * LOC_WORDS + 2 * nh, np.uint32)
+    return payload, payload[: count * LOC_WORDS].view(LOC_DTYPE), payload[count * LOC_WORDS :].view(np.uint64)
+
+
+def read_announcement(words: np.ndarray, count: int, nh: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(LOC rows, hash offsets, hashes), copied, of an appended ring record's payload: item i's block
+    hashes are hashes[hash_offsets[i]:hash_offsets[i + 1]] (`aux` counts them)."""
+    locs = words[: count * LOC_WORDS].view(LOC_DTYPE).copy()
+    hashes = words[count * LOC_WORDS : count * LOC_WORDS + 2 * nh].view(np.uint64).copy()
+    hash_offsets = np.zeros(count + 1, np.int64)
+    np.cumsum(locs["aux"], out=hash_offsets[1:])
+    return locs, hash_offsets, hashes
+
+
+def announced_subset(locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray, keep: np.ndarray):
+    """The items of (locs, hash_offsets, hashes) where `keep`, with their hashes, in the same form."""
+    idx = np.flatnonzero(keep)
+    counts = np.diff(hash_offsets)[idx]
+    new_offsets = np.zeros(idx.size + 1, np.int64)
+    np.cumsum(counts, out=new_offsets[1:])
+    pick = np.repeat(hash_offsets[idx], counts) + np.arange(int(new_offsets[-1])) - np.repeat(new_offsets[:-1], counts)
+    return locs[idx], new_offsets, hashes[pick]
 
 
 def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:
