@@ -49,6 +49,7 @@ from .spill.locate import fill_locations
 from .spill.writer import SegmentWriter
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
+IDLE_SECONDS_MIN = 0.005  # a round with no producer's ring to wait on sleeps at least this
 I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = range(5)  # stats.INGEST
 I_REFUSED = 5  # stats.INGEST: refused_<reason>, one per collect.REFUSALS, then rings_closed
 I_RINGS_CLOSED = I_REFUSED + len(REFUSALS)
@@ -98,20 +99,33 @@ class BacklogAppender:
         return flat, offsets, items, seqs, segments, rec_offsets
 
 
-def pump(rings: RingSet, registry: Registry, on_records: OnRecords, wait_seconds: float = SLEEP_SLICE_SECONDS) -> int:
-    """One round of the ingest loop: attach new producers, drain, wait when idle, back off on a full disk."""
-    rings.refresh(registry)
+def ingest_round(rings: RingSet, on_records: OnRecords, wait_seconds: float, left: LeftRings | None = None,
+                 counters: np.ndarray | None = None) -> int:
+    """One round of the ingest loop, the process's (`ingest_main`) and the tests' (`pump`): drain the
+    producers' rings (and the rings a dead broker `left`), wait up to wait_seconds when there was
+    nothing, back off on a full disk (counted in `counters`); the records drained."""
     try:
         n = rings.drain_once(on_records)
+        if left:
+            n += left.drain(on_records, time.monotonic())
     except DiskFull:
+        if counters is not None:
+            counters[I_DISK_FULL] += 1
         time.sleep(DISK_FULL_BACKOFF_SECONDS)
         return 0
     if n == 0:
         if rings.sources:
             rings.wait(wait_seconds)
         else:
-            time.sleep(0.005)
+            rings.bell.sleep(max(wait_seconds, IDLE_SECONDS_MIN))
     return n
+
+
+def pump(rings: RingSet, registry: Registry, on_records: OnRecords, wait_seconds: float = SLEEP_SLICE_SECONDS) -> int:
+    """The ingest loop's round for a broker side in a test: producers attach from a `Registry` (the
+    process reads its control table instead), then `ingest_round`."""
+    rings.refresh(registry)
+    return ingest_round(rings, on_records, wait_seconds)
 
 
 # -- the ingest process ----------------------------------------------------------------------
@@ -255,26 +269,14 @@ def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, l
                     stats.publish()
                     break
                 continue
-            try:
-                n = rings.drain_once(announcer)
-                if left_rings:
-                    n += left_rings.drain(announcer, time.monotonic())
-            except DiskFull:
-                stats.values[I_DISK_FULL] += 1
-                stats.publish()
-                time.sleep(DISK_FULL_BACKOFF_SECONDS)
-                continue
+            disk_full = int(stats.values[I_DISK_FULL])
+            n = ingest_round(rings, announcer, SLEEP_SLICE_SECONDS, left_rings, stats.values)
             if rings.num_closed != closed_seen:
                 stats.values[I_RINGS_CLOSED] += rings.num_closed - closed_seen
                 closed_seen = rings.num_closed
+                n += 1
+            if n or stats.values[I_DISK_FULL] != disk_full:
                 stats.publish()
-            if n:
-                stats.publish()
-            else:
-                if rings.sources:
-                    rings.wait(SLEEP_SLICE_SECONDS)
-                else:
-                    bell.sleep(SLEEP_SLICE_SECONDS)
     finally:
         writer.close()
         backlog.close()
