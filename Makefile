@@ -56,7 +56,7 @@ demo: warm
 
 # DESIGN.md "Layout": imports run downward only (the contracts are in pyproject.toml)
 lint: $(TEST_STAMP)
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 
 test: $(TEST_STAMP) warm lint
 	@$(MAKE) vllm || echo "make vllm failed: tests/test_vllm_real.py will skip (no usable .venv-vllm)"

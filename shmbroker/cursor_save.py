@@ -50,7 +50,3 @@ class CursorSaves:
         for behind in self.dropped:  # no entry names their logs any more
             behind.remove()
         self.dropped.clear()
-
-    def consumed_floor(self) -> int:
-        """The shared-log offset below which nothing waits for a producer."""
-        return self._floor(self._entries())
