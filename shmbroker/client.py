@@ -26,7 +26,7 @@ from collections import deque
 import numpy as np
 
 from . import config
-from .client_checks import _as_int, _as_offsets, _check_u32, _is_one, _per_item
+from .client_checks import as_int, as_offsets, check_u32, is_one, per_item
 from .errors import BrokerError, Full, NotRunning, PeerDead
 from .reader import Result, ResultReader
 from .registry import PROTOCOL_VERSION, request
@@ -158,7 +158,7 @@ class Producer(ResultReader):
         if mid is None:
             mid = self._models.setdefault(model, model_id(model))
         if type(max_new_tokens) is not int:
-            max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
+            max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
         try:
             rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
         except TypeError:
@@ -167,7 +167,7 @@ class Producer(ResultReader):
             tokens = as_tokens(tokens)
             prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
             push = push_item if tokens.flags.writeable else push_item_readonly
-            rc = push(self._buf, tokens, seq, _check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
+            rc = push(self._buf, tokens, seq, check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
         except OverflowError:
             raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}") from None
         if rc != L.OK:
@@ -225,18 +225,18 @@ class Producer(ResultReader):
         and `ids` say which items went in.
         """
         flat = as_tokens(flat_tokens, "flat_tokens")
-        offs = _as_offsets(offsets, flat.size, self.max_tokens)
+        offs = as_offsets(offsets, flat.size, self.max_tokens)
         count = offs.size - 1
         mid = self._models.get(model)
         if mid is None:
             mid = self._models.setdefault(model, model_id(model))
-        shared = _is_one(max_new_tokens) and _is_one(prefix_len)
+        shared = is_one(max_new_tokens) and is_one(prefix_len)
         meta = np.zeros((1 if shared else count, L.META_WORDS), np.uint32)
-        meta[:, 0] = _per_item(max_new_tokens, count, "max_new_tokens", shared)
+        meta[:, 0] = per_item(max_new_tokens, count, "max_new_tokens", shared)
         if prefix_len is None:
             meta[:, 1] = NO_PREFIX
         else:
-            prefixes = _per_item(prefix_len, count, "prefix_len", shared)
+            prefixes = per_item(prefix_len, count, "prefix_len", shared)
             if np.any(prefixes > np.diff(offs)):
                 raise ValueError("prefix_len exceeds its item's length")
             meta[:, 1] = prefixes
@@ -276,7 +276,7 @@ class Producer(ResultReader):
             return out
 
     def _prefix(self, prefix_len, tokens) -> int:
-        value = _as_int(prefix_len, "prefix_len")
+        value = as_int(prefix_len, "prefix_len")
         try:
             size = len(tokens)
         except TypeError:

@@ -10,7 +10,7 @@ from .ring.items import U32_MAX
 from .ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
 
 
-def _as_int(value, what: str) -> int:
+def as_int(value, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an integer, got bool")
     try:
@@ -19,25 +19,25 @@ def _as_int(value, what: str) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
-def _check_u32(value, what: str) -> int:
-    value = _as_int(value, what)
+def check_u32(value, what: str) -> int:
+    value = as_int(value, what)
     if not 0 <= value <= U32_MAX:
         raise ValueError(f"{what} must be in 0..{U32_MAX}, got {value}")
     return value
 
 
-def _is_one(value) -> bool:
+def is_one(value) -> bool:
     return value is None or isinstance(value, (int, np.integer))
 
 
-def _per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
+def per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
     """One value (shared) or `count` values per item as int64, range-checked."""
     if shared:
-        arr = np.array([_check_u32(value, what)], np.int64)
+        arr = np.array([check_u32(value, what)], np.int64)
     else:
         raw = np.asarray(value)
         if raw.ndim == 0:
-            raw = np.full(count, _check_u32(value, what), np.int64)
+            raw = np.full(count, check_u32(value, what), np.int64)
         if raw.ndim != 1 or raw.size != count:
             raise ValueError(f"{what} must be one integer or {count} of them, got shape {raw.shape}")
         if raw.dtype.kind not in "iu":
@@ -48,7 +48,7 @@ def _per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
     return arr
 
 
-def _as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
+def as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
     raw = offsets if isinstance(offsets, np.ndarray) else np.asarray(offsets)
     if raw.ndim != 1 or raw.size < 2:
         raise ValueError("offsets must be 1-D with at least two entries (item i is flat[offsets[i]:offsets[i+1]])")

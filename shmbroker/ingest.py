@@ -176,7 +176,7 @@ class Announcer:
             c = self.counters
             c[I_ITEMS] += count
             c[I_TOKENS] += total
-            c[I_BYTES] += count * RECORD_HEADER_BYTES + 4 * int(total) + 4 * int((locs["length"] & 1).sum())
+            c[I_BYTES] += count * RECORD_HEADER_BYTES + 4 * int(total) + 4 * int((locs["num_tokens"] & 1).sum())
             c[I_BATCHES] += 1
 
 

@@ -50,7 +50,7 @@ class Pending:
 
     def count_locs(self, locs, sign: int) -> None:
         """Count LOC rows in (+1) or out (-1)."""
-        self.count(locs["model"], locs["length"], sign)
+        self.count(locs["model"], locs["num_tokens"], sign)
 
     def count(self, models: np.ndarray, lengths: np.ndarray, sign: int) -> None:
         v = self.values

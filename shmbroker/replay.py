@@ -50,7 +50,7 @@ class Replayer:
         count += self._replay_log(self.log, self.floor, notices, None)
         for record in notices:  # after any cut: a notice is appended at the log's end
             where = self.log.append(record)
-            n, _stop, _outcome = _scan_all(record, self._pos, check_crc=False)
+            n, _stop, _outcome = scan_all(record, self._pos, check_crc=False)
             self._route(record, n, where, ack=False)
             self.counters[C_NOTICES] += 1
         self.plans = None
@@ -146,7 +146,7 @@ class Replayer:
         return act == ReplayPlan.PUSH
 
 
-def _scan_all(data: np.ndarray, out_pos: np.ndarray, check_crc: bool = True):
+def scan_all(data: np.ndarray, out_pos: np.ndarray, check_crc: bool = True):
     n, stop, outcome = scan_results(data, 0, data.size, out_pos, check_crc)
     if n == out_pos.size:
         raise ValueError("more result records in one read than the scan holds")

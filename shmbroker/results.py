@@ -36,7 +36,7 @@ from .control import Control, beat
 from .cursor_save import CursorSaves
 from .delivery import Cursors, Outlet, ReplayPlan
 from .registry import ProducerBook
-from .replay import C_BAD_BYTES, C_BAD_RECORDS, C_NOTICES, Replayer, _scan_all  # noqa: F401 (re-exported)
+from .replay import Replayer, scan_all
 from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
 from .ring import layout as L
 from .ring import spsc
@@ -193,7 +193,7 @@ class Router(Replayer, BehindNames, CursorSaves):
             self.counters[4] += nbytes
             # from our own GPU process through shared memory: framed by the ring, no CRC to check
             # (the CRC protects the copy on disk, checked when the log is replayed)
-            count, _stop, _outcome = _scan_all(data, self._pos, check_crc=False)
+            count, _stop, _outcome = scan_all(data, self._pos, check_crc=False)
             self._route(data, count, at, ack=True)
             ring.release(new_tail, 1)
             taken += 1

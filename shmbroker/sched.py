@@ -207,14 +207,14 @@ class Scheduler:
         if n:
             slots = self.free[self.num_free - n : self.num_free][::-1].copy()
             self.slots[slots] = locs[:n]
-            lengths = locs["length"][:n].astype(np.int64)
+            lengths = locs["num_tokens"][:n].astype(np.int64)
             models = locs["model"][:n].astype(np.int64)
             # the index reads families, lengths, models and block hashes (no bases: those are the
             # cache models')
-            shapes = ItemShapes(locs["family"][:n].copy(), hash_offsets[: n + 1] - hash_offsets[0],
+            shapes = ItemShapes(locs["prefix_key"][:n].copy(), hash_offsets[: n + 1] - hash_offsets[0],
                                 hashes[hash_offsets[0] :], lengths, models, None, self.cfg.block_tokens)
             added = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
-                                         locs["max_new"][:n].astype(np.int64))
+                                         locs["max_new_tokens"][:n].astype(np.int64))
             self.num_free -= added
             self.arrivals.add(slots[:added], arrival_ns)
             self.values[S_INDEXED_ITEMS] += added
@@ -234,7 +234,7 @@ class Scheduler:
         while self.num_free and not self.front and len(self.waiting):
             (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(
                 min(self.num_free, REFILL_ROWS), self.cfg.block_tokens)
-            self.pending.count(gone["model"], gone["length"], -1)  # done meanwhile
+            self.pending.count(gone["model"], gone["num_tokens"], -1)  # done meanwhile
             locs, hash_offsets, hashes = self._servable(locs, hash_offsets, hashes, counted=True)
             if locs.size:
                 self._index(locs, hash_offsets, hashes, arrival_ns)
@@ -243,7 +243,7 @@ class Scheduler:
     def _unservable(self, locs):
         """(status, keep) of items no consumer can ever take, counted by reason; None when all can be."""
         status = np.zeros(locs.size, np.uint32)
-        lengths = locs["length"]
+        lengths = locs["num_tokens"]
         empty = lengths == 0
         status[empty] = Status.INVALID
         models = locs["model"]
@@ -311,7 +311,7 @@ class Scheduler:
         rows = []
         n_run = 0
         if batch is not None:
-            slots = batch.keys.astype(np.int64)
+            slots = batch.handles.astype(np.int64)
             run = self.slots[slots].copy()
             run["aux"] = 0
             rows.append(run)

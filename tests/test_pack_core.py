@@ -393,7 +393,7 @@ def check_drain(specs, ws: Workload, batches, packer: Packer, tol: float) -> Non
     seen: dict = {}
     for c, batch in batches:
         con = specs[c].contract
-        keys = [int(k) for k in batch.keys]
+        keys = [int(k) for k in batch.handles]
         for k, reason in batch.failed:
             assert reason == "too_long"
             assert int(k) not in seen, f"item {k} came out twice"
@@ -477,10 +477,10 @@ def check_oversized_fail_back(modes: tuple) -> None:
     failed = {int(k) for _, b in batches for k, _ in b.failed}
     assert failed == {i for i in range(len(ws)) if ws.lengths[i] > 150}
     for c, b in batches:
-        assert all(ws.lengths[int(k)] <= specs[c].contract.max_input_len for k in b.keys)
+        assert all(ws.lengths[int(k)] <= specs[c].contract.max_input_len for k in b.handles)
     # the items only "big" fits went to "big"
     mid = {i for i in range(len(ws)) if 100 < ws.lengths[i] <= 150 and ws.models[i] == 0}
-    assert mid and mid <= {int(k) for c, b in batches if c == 1 for k in b.keys}
+    assert mid and mid <= {int(k) for c, b in batches if c == 1 for k in b.handles}
 
 
 def check_only_oversized_fail_back(mode: str) -> None:
@@ -544,7 +544,7 @@ def _aging_run(mode: str, max_wait: float | None, steps: int):
     for i in range(8):
         ws.add(packer, i)
     first = packer.next_batch(0, 0.0)
-    assert first.shape.family == fam_a and first.keys.tolist() == [0, 1, 2, 3]
+    assert first.shape.family == fam_a and first.handles.tolist() == [0, 1, 2, 3]
     ws.add(packer, x)
     served = [fam_a]
     for t in range(1, steps + 1):
@@ -554,10 +554,10 @@ def _aging_run(mode: str, max_wait: float | None, steps: int):
         assert batch is not None and len(batch) and not batch.failed
         assert len(packer) == 9 - len(batch)  # 4 left of A, X, 4 new ones, less the batch
         served.append(batch.shape.family)
-        if x in batch.keys.tolist():
-            assert batch.shape.family == fam_b and batch.keys.tolist() == [x]
+        if x in batch.handles.tolist():
+            assert batch.shape.family == fam_b and batch.handles.tolist() == [x]
             return t, served
-        assert batch.keys.tolist() == list(range(4 * t, 4 * t + 4)), "A is served oldest first"
+        assert batch.handles.tolist() == list(range(4 * t, 4 * t + 4)), "A is served oldest first"
     assert packer.guards[0].num_refusals == 0
     return None, served
 
@@ -630,10 +630,10 @@ def test_a_packed_consumer_takes_over_part_of_a_family_that_is_one_branch():
     assert first is not None and len(first) == 4
     batches = [(0, first)] + drain(packer)
     check_drain(specs, ws, batches, packer, TOL)
-    small = [int(k) for c, b in batches if c == 1 for k in b.keys]
+    small = [int(k) for c, b in batches if c == 1 for k in b.handles]
     assert len(small) >= 10, "the small consumer took part of the branch"
     assert all(ws.lengths[k] <= 100 for k in small)
-    assert {k for k in range(len(ws)) if ws.lengths[k] > 100} <= {int(k) for c, b in batches if c == 0 for k in b.keys}
+    assert {k for k in range(len(ws)) if ws.lengths[k] > 100} <= {int(k) for c, b in batches if c == 0 for k in b.handles}
 
 
 def test_taking_over_leaves_nothing_behind_while_items_stream_in():
@@ -672,12 +672,12 @@ def test_index_full_on_items_leaves_the_packer_consistent():
         assert info.value.what == "items"
     assert len(packer) == 10 and packer.index.tokens == tokens
     batches = drain(packer)
-    assert sorted(int(k) for _, b in batches for k in b.keys) == list(range(10))
+    assert sorted(int(k) for _, b in batches for k in b.handles) == list(range(10))
     check_drain(specs, make_workload(items[:10], 16), batches, packer, TOL)
     # the slots are free again: the two refused items fit now
     for i in (10, 11):
         ws.add(packer, i)
-    assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [10, 11]
+    assert sorted(int(k) for _, b in drain(packer) for k in b.handles) == [10, 11]
 
 
 def test_index_full_on_families_leaves_the_packer_consistent():
@@ -690,11 +690,11 @@ def test_index_full_on_families_leaves_the_packer_consistent():
     assert info.value.what == "families"
     assert len(packer) == 4 and packer.index.num_families == 2
     batches = drain(packer)
-    assert sorted(int(k) for _, b in batches for k in b.keys) == [0, 1, 2, 3]
+    assert sorted(int(k) for _, b in batches for k in b.handles) == [0, 1, 2, 3]
     assert excess_switches(family_runs(batches, 0)) == 0
     ws.add(packer, 4)
     ws.add(packer, 5)
-    assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [4, 5]
+    assert sorted(int(k) for _, b in drain(packer) for k in b.handles) == [4, 5]
 
 
 def test_index_full_on_trie_nodes_leaves_the_packer_consistent():
@@ -713,7 +713,7 @@ def test_index_full_on_trie_nodes_leaves_the_packer_consistent():
     check_drain([spec], make_workload(items[:3], 16), drain(packer), packer, TOL)
     for i in (3, 4):
         ws.add(packer, i)
-    assert sorted(int(k) for _, b in drain(packer) for k in b.keys) == [3, 4]
+    assert sorted(int(k) for _, b in drain(packer) for k in b.handles) == [3, 4]
 
 
 @pytest.mark.parametrize("length, max_new, model, hashes, error", [
@@ -744,8 +744,8 @@ def test_add_many_indexes_exactly_what_add_does(data, specs):
                          int(ws.shapes.families[i]), ws.shapes.blocks(i))
     assert bulk.add_many(np.arange(len(ws), dtype=np.uint64), ws.arrivals, ws.shapes, 8) == len(ws)
     assert len(bulk) == len(one) and bulk.index.tokens == one.index.tokens
-    picks = [(c, b.keys.tolist(), b.failed, b.shape) for c, b in drain(one)]
-    assert [(c, b.keys.tolist(), b.failed, b.shape) for c, b in drain(bulk)] == picks
+    picks = [(c, b.handles.tolist(), b.failed, b.shape) for c, b in drain(one)]
+    assert [(c, b.handles.tolist(), b.failed, b.shape) for c, b in drain(bulk)] == picks
 
 
 def test_add_many_stops_at_a_full_index_with_whole_items():
@@ -753,7 +753,7 @@ def test_add_many_stops_at_a_full_index_with_whole_items():
     packer = Packer([ConsumerSpec("a", Contract(64, 4096, 4096), "packed")], capacity=6, nodes=64, families=16)
     assert packer.add_many(np.arange(10, dtype=np.uint64), 0.0, ws.shapes, 1) == 6
     assert len(packer) == 6 and packer.index.tokens == int(ws.lengths[:6].sum())
-    assert sorted(k for _, b in drain(packer) for k in b.keys.tolist()) == list(range(6))
+    assert sorted(k for _, b in drain(packer) for k in b.handles.tolist()) == list(range(6))
 
 
 def test_add_many_refuses_a_bad_column_and_indexes_nothing():

@@ -85,13 +85,13 @@ class Twin:
         want = self.ref.next_batch()
         step = len(self.batches)
         if want is None:
-            assert got is None, (step, got.keys.tolist(), got.failed)
+            assert got is None, (step, got.handles.tolist(), got.failed)
             return None
         assert got is not None, (step, want)
-        keys = [int(k) for k in got.keys]
+        keys = [int(k) for k in got.handles]
         failed = [int(k) for k, _ in got.failed]
         assert {r for _, r in got.failed} <= {"too_long"}
-        assert (keys, failed) == (list(want.keys), list(want.failed)), (step, keys, failed, want)
+        assert (keys, failed) == (list(want.handles), list(want.failed)), (step, keys, failed, want)
         s = got.shape
         assert (s.model, s.family, s.length_min, s.length_max) == \
             (self.contract.model, want.family, want.length_min, want.length_max), (step, s, want)

@@ -8,6 +8,7 @@ import pytest
 
 from shmbroker import results as results_mod
 from shmbroker.registry import ProducerBook
+from shmbroker.replay import C_BAD_RECORDS
 from shmbroker.results import Router
 from shmbroker.results_log import ResultsLog
 from shmbroker.ring.wire import encode_results, res_bytes
@@ -126,7 +127,7 @@ def test_a_damaged_record_mid_log_is_skipped_counted_and_its_item_told_corrupt(t
         parked = router.parked["alice"]
         offsets = [int(x) for part in parked.take_all() for x in part]
         assert report["results"] == 23  # every record but the damaged one
-        assert router.counters[results_mod.C_BAD_RECORDS] == 1
+        assert router.counters[C_BAD_RECORDS] == 1
         ids = set()
         statuses = {}
         for at in offsets:
@@ -168,7 +169,7 @@ def test_a_damaged_result_of_an_item_not_done_tells_nothing_the_item_runs_again(
     try:
         report = router.replay()
         assert report["results"] == 3 and report["corrupt_notices"] == 0
-        assert router.counters[results_mod.C_BAD_RECORDS] == 1
+        assert router.counters[C_BAD_RECORDS] == 1
     finally:
         router.close()
 

@@ -76,9 +76,9 @@ def push_records(ring, sizes, *, first_id=1, length=10, failed_every=0):
         locs = np.zeros(n, LOC_DTYPE)
         locs["item_id"] = np.arange(next_id, next_id + n)
         locs["seq"] = locs["item_id"] + 1000
-        locs["length"] = length
-        locs["max_new"] = 1 + locs["item_id"] % 5
-        locs["family"] = 7
+        locs["num_tokens"] = length
+        locs["max_new_tokens"] = 1 + locs["item_id"] % 5
+        locs["prefix_key"] = 7
         n_failed = 1 if failed_every and k % failed_every == 0 and n > 1 else 0
         if n_failed:
             locs["aux"][n - 1] = 1  # too_long, as the scheduler marks it
@@ -270,9 +270,9 @@ def test_an_item_twice_in_one_record_runs_once(owner):
         locs = np.zeros(4, LOC_DTYPE)
         locs["item_id"] = [7, 8, 7, 9]
         locs["seq"] = locs["item_id"] + 1000
-        locs["length"] = 10
-        locs["max_new"] = 2
-        locs["family"] = 7
+        locs["num_tokens"] = 10
+        locs["max_new_tokens"] = 2
+        locs["prefix_key"] = 7
         assert prod.push(locs.view(np.uint32).reshape(-1), 0, 4, 0, 0, 0) == L.OK
         drain(window)
         assert engine.adds == [3]  # 7, 8, 9

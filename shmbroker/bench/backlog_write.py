@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..ingest import BATCH_RECORDS
+from ..ring.items import SEQ_BITS
 from ..spill import layout as L
 from ..spill.store import Backlog
 
@@ -41,7 +42,7 @@ def workload(volume_bytes: int, seed: int = SEED):
     flat = rng.integers(0, 1 << 17, size=int(offsets[-1]), dtype=np.uint32)
     family = rng.integers(0, FAMILIES, count).astype(np.uint64)
     items = np.zeros(count, L.ITEM_DTYPE)
-    items["item_id"] = (PRODUCER_MAIN << 40) | np.arange(count, dtype=np.uint64)
+    items["item_id"] = (PRODUCER_MAIN << SEQ_BITS) | np.arange(count, dtype=np.uint64)
     items["producer"] = PRODUCER_MAIN
     items["prefix_key"] = (family + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps: a spread 64-bit key
     items["model"] = family % np.uint64(MODELS)

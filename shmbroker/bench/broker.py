@@ -7,7 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 READY_SECONDS = 120.0
 
@@ -83,3 +86,58 @@ class BenchBroker:
             code = self.proc.wait()
         self._log.close()
         return code
+
+
+@dataclass
+class CardRun:
+    """One workload through a broker of one GPU process ("card"): the seconds from the first submit
+    to the last result, the results' status codes and generated token counts, and the card's
+    counters (`watch.BrokerView` snapshot) before the submit and once they count every item."""
+
+    seconds: float
+    status: np.ndarray
+    num_tokens: np.ndarray
+    card_before: dict
+    card: dict
+
+
+def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_new_tokens,
+                     timeout_seconds: float) -> CardRun:
+    """Start a broker of `config` (one consumer named "card") under `tmp`, wait until its engine is
+    built, submit the items in one `submit_many`, take every result back, stop the broker."""
+    from ..client import Producer
+    from ..watch import BrokerView
+
+    os.makedirs(tmp, exist_ok=True)
+    broker = BenchBroker(tmp, config)
+    n = len(offsets) - 1
+    try:
+        broker.wait_ready()
+        with Producer(producer, data_dir=broker.data_dir) as p:
+            view = BrokerView.attach(broker.data_dir)
+            try:
+                deadline = time.monotonic() + timeout_seconds  # the engine built and every result back
+                broker.wait_engine(view, "gpu-card", timeout_seconds)
+                before = view.snapshot()["consumers"]["card"]
+                t0 = time.perf_counter()
+                p.submit_many(flat, offsets, max_new_tokens=max_new_tokens)
+                status, num_tokens = [], []
+                got = 0
+                while got < n:
+                    batch = p.take_results(1.0)
+                    got += len(batch)
+                    status.append(batch.status)
+                    num_tokens.append(batch.num_tokens)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{got} of {n} results through the broker")
+                seconds = time.perf_counter() - t0
+                while True:  # the consumer's counters follow its results
+                    card = view.snapshot()["consumers"]["card"]
+                    if card["items"] - before["items"] >= n or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            finally:
+                view.close()
+    finally:
+        broker.stop()
+    return CardRun(seconds, np.concatenate(status), np.concatenate(num_tokens), before, card)

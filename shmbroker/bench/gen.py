@@ -257,41 +257,12 @@ def broker_config(setup: Setup) -> str:
 
 
 def through_broker(setup: Setup, items: Items, tmp: str) -> dict:
-    from ..client import Producer
-    from ..watch import BrokerView
-    from .broker import BenchBroker
+    from .broker import through_one_card
 
-    os.makedirs(tmp, exist_ok=True)
-    broker = BenchBroker(tmp, broker_config(setup))
-    try:
-        broker.wait_ready()
-        n = len(items)
-        with Producer("bench-gen", data_dir=broker.data_dir) as p:
-            view = BrokerView.attach(broker.data_dir)
-            try:
-                deadline = time.monotonic() + 900  # the engine built and every result back
-                broker.wait_engine(view, "gpu-card", 900)
-                card0 = view.snapshot()["consumers"]["card"]
-                t0 = time.perf_counter()
-                p.submit_many(items.tokens, items.offsets, max_new_tokens=items.max_new_tokens)
-                got = generated = failed = 0
-                while got < n:
-                    batch = p.take_results(1.0)
-                    got += len(batch)
-                    generated += int(batch.num_tokens.sum())
-                    failed += int((batch.status != 0).sum())
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{got} of {n} results through the broker")
-                seconds = time.perf_counter() - t0
-                for _ in range(200):  # the consumer's counters follow its results
-                    card = view.snapshot()["consumers"]["card"]
-                    if card["items"] - card0["items"] >= n:
-                        break
-                    time.sleep(0.02)
-            finally:
-                view.close()
-    finally:
-        broker.stop()
+    run = through_one_card(tmp, broker_config(setup), "bench-gen", items.tokens, items.offsets,
+                           items.max_new_tokens, 900)
+    seconds, generated, failed = run.seconds, int(run.num_tokens.sum()), int((run.status != 0).sum())
+    card, card0 = run.card, run.card_before
     if failed:
         raise RuntimeError(f"{failed} items failed through the broker")
     # in tokens, as vLLM's own counters on the other side: the prompt tokens the engine served from its

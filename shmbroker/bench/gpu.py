@@ -138,7 +138,7 @@ def _feed(core, wl: Workload, plan: list) -> dict:
     core_ns = 0
     t0 = time.perf_counter()
     for batch in plan:
-        rows = batch.keys.astype(np.int64)
+        rows = batch.handles.astype(np.int64)
         c0 = time.perf_counter_ns()
         res = core.process(batch, [views[r] for r in rows])
         core_ns += time.perf_counter_ns() - c0
@@ -197,7 +197,7 @@ def _sample_check(engine, wl: Workload, plan: list, sample: np.ndarray, setup: S
     wanted = {int(r) for r in sample}
     equal = 0
     for batch in plan:
-        rows = [int(r) for r in batch.keys]
+        rows = [int(r) for r in batch.handles]
         if not wanted.intersection(rows):
             continue
         toks = [wl.tokens[wl.offsets[r] : wl.offsets[r + 1]] for r in rows]
@@ -217,9 +217,7 @@ def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
     """(c) The same backlog through a running broker (`shmbroker supervise` with one `hf` consumer
     of the same weights): the GPU process's own accounting gives the consumer loop's overhead over
     the engine's time (busy: from taking a batch to releasing it; the engine's own seconds)."""
-    from ..client import Producer
-    from ..watch import BrokerView
-    from .broker import BenchBroker
+    from .broker import through_one_card
 
     model = "\n".join(f"{k} = {_toml_value(v)}" for k, v in setup.model.items() if v is not None)
     c = setup.contract
@@ -229,33 +227,10 @@ def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
               f"max_input_len = {c.max_input_len}\n\n[consumers.engine_settings]\n"
               f'dtype = "{setup.dtype}"\ndevice = "{setup.device}"\nseed = {seed}\n'
               f"threads = {0 if setup.device == 'cuda' else CPU_THREADS}\n\n[consumers.engine_settings.config]\n{model}\n")
-    broker = BenchBroker(tmp, config)
-    try:
-        broker.wait_ready()
-        n = len(wl)
-        with Producer("bench-gpu", data_dir=broker.data_dir) as p:
-            view = BrokerView.attach(broker.data_dir)
-            try:
-                deadline = time.monotonic() + 600  # the model loaded and every result back
-                broker.wait_engine(view, "gpu-card", 600)
-                t0 = time.perf_counter()
-                p.submit_many(wl.tokens, wl.offsets, max_new_tokens=setup.max_new_tokens)
-                got = 0
-                while got < n:
-                    batch = p.take_results(1.0)
-                    if len(batch) and (batch.status != 0).any():
-                        raise RuntimeError("an item failed in the live run")
-                    got += len(batch)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{got} of {n} results in the live run")
-                seconds = time.perf_counter() - t0
-                while view.snapshot()["consumers"]["card"]["items"] < n:  # counted just after its results
-                    time.sleep(0.01)
-                card = view.snapshot()["consumers"]["card"]
-            finally:
-                view.close()
-    finally:
-        broker.stop()
+    run = through_one_card(tmp, config, "bench-gpu", wl.tokens, wl.offsets, setup.max_new_tokens, 600)
+    if (run.status != 0).any():
+        raise RuntimeError("an item failed in the live run")
+    seconds, card = run.seconds, run.card
     own = card["engine_own_ns"]
     return {"batches": card["batches"], "seconds": round(seconds, 4),
             "useful_tokens_per_s": round(int(wl.lengths.sum()) / seconds, 1),

@@ -108,7 +108,7 @@ def _percentiles(ns: list[int]) -> tuple[float, float]:
     return round(float(np.percentile(a, 50)), 2), round(float(np.percentile(a, 99)), 2)
 
 
-def _per_item(ns: list[int], sizes: list[int]) -> float:
+def per_item(ns: list[int], sizes: list[int]) -> float:
     """Mean decision time per item returned, over decisions that returned items."""
     taken = [(t, n) for t, n in zip(ns, sizes) if n]
     return round(sum(t for t, _ in taken) / max(1, sum(n for _, n in taken)) / 1000.0, 3)
@@ -185,8 +185,8 @@ def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) 
             # a decision costs O(batch): its items per decision and time per item, at both sizes
             "decision_items_mean": round(float(np.mean(sizes)), 2),
             "decision_items_mean_backlog_1pct": round(float(np.mean(small_sizes)), 2),
-            "decision_us_per_item": _per_item(decisions, sizes),
-            "decision_us_per_item_backlog_1pct": _per_item(small_decisions, small_sizes),
+            "decision_us_per_item": per_item(decisions, sizes),
+            "decision_us_per_item_backlog_1pct": per_item(small_decisions, small_sizes),
             "index_bytes_per_item": round(offline_packer.packer.index.nbytes() / len(wl), 1),
             "modeled_vs_fifo": round(res["modeled_seconds"] / fifo["modeled_seconds"], 4),
             "modeled_vs_lower_bound": round(res["modeled_seconds"] / lb, 4),

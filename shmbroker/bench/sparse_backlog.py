@@ -26,6 +26,7 @@ import crc32c
 import numpy as np
 
 from ..ingest import BATCH_RECORDS
+from ..ring.items import SEQ_BITS, SEQ_MASK
 from ..spill import layout as L
 from ..spill.records import record_crc
 from ..spill.store import BACKLOG_DIR, Backlog
@@ -37,7 +38,7 @@ RECOVERY_RECORD_TOKENS = 4096
 RECOVERY_WRITERS = 4
 RECOVERY_SAMPLE = 256
 PRODUCER_RECOVERY = 2
-ID_MASK = (1 << 40) - 1
+ID_MASK = SEQ_MASK
 
 _SEGMENT_HEADER = struct.Struct("<QIIQQQ20x")  # layout.py: magic, version, writer, first_seq, capacity, created_ns
 
@@ -90,7 +91,7 @@ def _write_sealed_segment(wdir: Path, writer: int, first_seq: int, segment_bytes
 
 def _check_header_crc(num_tokens: int) -> None:
     """This module's record CRC equals spill's own (records.record_crc) on one record."""
-    raw = _record_headers(np.array([7], np.uint64), np.array([(PRODUCER_RECOVERY << 40) | 7], np.uint64), num_tokens)
+    raw = _record_headers(np.array([7], np.uint64), np.array([(PRODUCER_RECOVERY << SEQ_BITS) | 7], np.uint64), num_tokens)
     rec = np.zeros(L.record_bytes(num_tokens), np.uint8)
     rec[: L.RECORD_HEADER_BYTES] = raw[0]
     crc = int(record_crc(rec, 0, rec.size))
@@ -113,7 +114,7 @@ def build_recovery_backlog(data_dir: Path, total_tokens: int, segment_bytes: int
         wdir.mkdir(mode=0o700)
         sealed = (share - 1) // per_seg
         for k in range(sealed):
-            ids = (PRODUCER_RECOVERY << 40) | np.arange(first_id[w] + k * per_seg, first_id[w] + (k + 1) * per_seg, dtype=np.uint64)
+            ids = (PRODUCER_RECOVERY << SEQ_BITS) | np.arange(first_id[w] + k * per_seg, first_id[w] + (k + 1) * per_seg, dtype=np.uint64)
             _write_sealed_segment(wdir, w, k * per_seg, segment_bytes, ids, n_tok)
         tails.append((sealed * per_seg, share - sealed * per_seg))
     backlog, report = Backlog.open(data_dir, segment_bytes=segment_bytes)
@@ -129,7 +130,7 @@ def build_recovery_backlog(data_dir: Path, total_tokens: int, segment_bytes: int
         while tail:
             c = min(APPEND_BATCH, tail)
             local = np.arange(done, done + c, dtype=np.uint64)
-            items["item_id"][:c] = (PRODUCER_RECOVERY << 40) | (local + np.uint64(first_id[w]))
+            items["item_id"][:c] = (PRODUCER_RECOVERY << SEQ_BITS) | (local + np.uint64(first_id[w]))
             items["prefix_key"][:c] = (local + np.uint64(first_id[w])) // np.uint64(512) + np.uint64(1)
             writer.append_many(flat, offsets[: c + 1], items[:c])
             done, tail = done + c, tail - c

@@ -155,7 +155,7 @@ class ConsumerCore:
                 if checks[r] != CHECK_OK:
                     status[k] = Status.CORRUPT
                     errors[k] = CORRUPT_REASONS.get(int(checks[r]), CORRUPT_FRAME)
-        failed = _empty(batch.keys[rows].astype(np.uint64), status, errors)
+        failed = _empty(batch.handles[rows].astype(np.uint64), status, errors)
         self._count(failed)
         return failed, np.flatnonzero(~bad)
 
@@ -257,16 +257,16 @@ class ConsumerCore:
         parts = [p for p in (failed,) if p is not None]
         if runnable.size:
             sub = _Pick(tokens, runnable) if runnable.size < n else tokens
-            refused = self.add(batch.keys[runnable], sub, batch.max_new_tokens[runnable])
+            refused = self.add(batch.handles[runnable], sub, batch.max_new_tokens[runnable])
             if refused is not None:
                 parts.append(refused)
-            want = batch.keys[runnable].astype(np.uint64)
+            want = batch.handles[runnable].astype(np.uint64)
             deadline = time.monotonic() + RUN_DEADLINE_SECONDS
             while np.isin(want, self.in_flight).any() and time.monotonic() < deadline:
                 got = self.poll(0.05)
                 if got is not None:
                     parts.append(got)
-        return _in_order(batch.keys.astype(np.uint64), parts)
+        return _in_order(batch.handles.astype(np.uint64), parts)
 
     def _count(self, res: BatchResults) -> BatchResults:
         counts = np.bincount(res.status, minlength=NUM_CODES)

@@ -58,7 +58,7 @@ class SegmentViews:
                 continue
             run = locs[i:j]
             check_records(seg.buf, run["offset"].astype(np.int64), run["seq"].astype(np.uint64),
-                          run["item_id"].astype(np.uint64), run["length"].astype(np.int64), out[i:j])
+                          run["item_id"].astype(np.uint64), run["num_tokens"].astype(np.int64), out[i:j])
         return out
 
     def close(self) -> None:
@@ -81,7 +81,7 @@ class BatchTokens:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         r = self.locs[i]
-        return self.views.tokens(int(r["writer"]), int(r["segment"]), int(r["offset"]), int(r["length"]))
+        return self.views.tokens(int(r["writer"]), int(r["segment"]), int(r["offset"]), int(r["num_tokens"]))
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

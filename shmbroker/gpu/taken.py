@@ -34,20 +34,20 @@ class Taken:
 def engine_batch(c: int, run: np.ndarray) -> Batch:
     """The rows the engine may run of a record, as consumer c's Batch (its shape: the first row's)."""
     rows = np.zeros(run.size, BATCH_ROW)
-    rows["key"] = run["item_id"]
-    rows["length"] = run["length"]
-    rows["max_new"] = run["max_new"]
-    rows["family"] = run["family"]
+    rows["handle"] = run["item_id"]
+    rows["num_tokens"] = run["num_tokens"]
+    rows["max_new_tokens"] = run["max_new_tokens"]
+    rows["prefix_key"] = run["prefix_key"]
     rows["model"] = run["model"]
-    return Batch(c, Shape(int(run["model"][0]), int(run["family"][0]), int(rows["length"].min()),
-                          int(rows["length"].max())), rows)
+    return Batch(c, Shape(int(run["model"][0]), int(run["prefix_key"][0]), int(rows["num_tokens"].min()),
+                          int(rows["num_tokens"].max())), rows)
 
 
 def failed_results(failed: np.ndarray) -> BatchResults:
     """The results of the rows the scheduler failed (`aux`: their status), with their errors in words."""
     status = failed["aux"].astype(np.uint32)
     errors = {}
-    for i, (code, length) in enumerate(zip(status.tolist(), failed["length"].tolist())):
+    for i, (code, length) in enumerate(zip(status.tolist(), failed["num_tokens"].tolist())):
         errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == Status.TOO_LONG
                      else RECOVERED_CORRUPT if code == Status.CORRUPT
                      else "no consumer serves its model" if length else "no tokens")

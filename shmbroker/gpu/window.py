@@ -229,7 +229,7 @@ class Window:
             else:
                 run = t.locs[t.run[a : a + count]]
             refused = self.core.add(run["item_id"].astype(np.uint64), BatchTokens(self.views, run),
-                                    run["max_new"].astype(np.int64))
+                                    run["max_new_tokens"].astype(np.int64))
             if refused is not None:
                 self.finished(refused)
             self._returned()
@@ -294,7 +294,7 @@ class Window:
             assert t.serial == serial, "the window's records are in serial order"
             locs = t.locs[rows[recs == serial]]
             refused = self.core.add(locs["item_id"].astype(np.uint64), BatchTokens(self.views, locs),
-                                    locs["max_new"].astype(np.int64))
+                                    locs["max_new_tokens"].astype(np.int64))
             if refused is not None:
                 self.finished(refused)
         self._returned()
@@ -308,7 +308,7 @@ class Window:
             tokens = 0
             if self.token_ns and t.run.size:
                 some = t.locs if t.run.size == t.locs.size else t.locs[t.run]
-                tokens = int(some["length"].sum()) + int(some["max_new"].sum())
+                tokens = int(some["num_tokens"].sum()) + int(some["max_new_tokens"].sum())
             t.budget_ns = self.floor_ns + int(self.token_ns * tokens)
         return self.progress_ns + t.budget_ns
 

@@ -164,6 +164,19 @@ def _untaken_child(nd, x, scan, max_in):
     return -1
 
 
+FAILED_FULL = -1  # _fail: `failed` holds no more
+
+
+@kernel(_nrt=False)
+def _fail(failed, nf, slot):
+    """Fail item slot back (too long for every consumer of its model, standalone Packer only): the
+    new count, or FAILED_FULL when `failed` is full."""
+    if nf == failed.size:
+        return FAILED_FULL
+    failed[nf] = slot
+    return nf + 1
+
+
 @kernel(_nrt=False)
 def select_packed(S, f, c, bs, max_in, model_max, cls_order, scan, longest, out, failed):
     """Returns (items, failed). scan, longest: which branch is claimed next (`_claim_branch`)."""
@@ -177,16 +190,15 @@ def select_packed(S, f, c, bs, max_in, model_max, cls_order, scan, longest, out,
     slot = nd[root].ihead
     while slot != -1:
         length = it[slot].length
-        if length > model_max:
-            if nf == failed.size:
-                return n, nf
-            failed[nf] = slot
-            nf += 1
-        elif length <= max_in:
+        if length <= max_in:  # (max_in <= model_max)
             if n == bs:
                 return n, nf
             out[n] = slot
             n += 1
+        elif length > model_max:
+            nf = _fail(failed, nf, slot)
+            if nf == FAILED_FULL:
+                return n, failed.size
         slot = it[slot].nnext
     for _ in range(bs + failed.size + 1):  # each round takes an item, fails one, or ends a branch
         x = S.consumers[c, C_BRANCH]
@@ -207,10 +219,9 @@ def select_packed(S, f, c, bs, max_in, model_max, cls_order, scan, longest, out,
             while slot != -1:
                 length = it[slot].length
                 if length > model_max:
-                    if nf == failed.size:
-                        return n, nf
-                    failed[nf] = slot
-                    nf += 1
+                    nf = _fail(failed, nf, slot)
+                    if nf == FAILED_FULL:
+                        return n, failed.size
                 elif length > max_in:
                     if nd[top].depth != 1:  # a part taken over: not again (`_untaken_child`)
                         nd[top].maxlen = max(nd[top].maxlen, length)

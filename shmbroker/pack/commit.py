@@ -34,11 +34,11 @@ def gather(S, slots, n, rows):
     fm = S.families
     for i in range(n):
         slot = slots[i]
-        rows[i].key = it[slot].item_id
-        rows[i].length = it[slot].length
-        rows[i].max_new = it[slot].max_new
+        rows[i].handle = it[slot].handle
+        rows[i].num_tokens = it[slot].length
+        rows[i].max_new_tokens = it[slot].max_new
         rows[i].arrival = it[slot].arrival
-        rows[i].family = fm[it[slot].fam].key
+        rows[i].prefix_key = fm[it[slot].fam].key
         rows[i].model = fm[it[slot].fam].model
 
 
@@ -51,7 +51,7 @@ def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol
     gather(S, out, n, rows)
     it = S.items
     for i in range(nf):
-        failed_ids[i] = it[failed[i]].item_id
+        failed_ids[i] = it[failed[i]].handle
     code = OK
     if n:
         code = check_rows(rows, n, family_key, model, length_min, length_max, tol, bs, bt, max_in, rectangle)

@@ -65,33 +65,34 @@ class Shape:
     length_max: int
 
 
-BATCH_ROW = np.dtype([("key", "u8"), ("length", "i8"), ("max_new", "i8"), ("arrival", "f8"), ("family", "u8"),
-                      ("model", "i8")])
+BATCH_ROW = np.dtype([("handle", "u8"), ("num_tokens", "i8"), ("max_new_tokens", "i8"), ("arrival", "f8"),
+                      ("prefix_key", "u8"), ("model", "i8")])
 
 
 @dataclass
 class Batch:
     """One shape-pure batch for one consumer.
 
-    rows: one BATCH_ROW per item: key (the caller's handle: backlog sequence
-    number, workload row), input length, max_new_tokens, arrival seconds,
-    family key, model. failed: keys failed back instead, with reasons.
+    rows: one BATCH_ROW per item: handle (the caller's name for the item: the
+    scheduler's index slot, the GPU process's item id, a workload row), num_tokens
+    (input length), max_new_tokens, arrival seconds, prefix_key (the family key),
+    model. failed: handles failed back instead, with reasons.
     """
 
     consumer: int
     shape: Shape
     rows: np.ndarray
-    failed: list = field(default_factory=list)  # [(key, reason)]
+    failed: list = field(default_factory=list)  # [(handle, reason)]
 
     @classmethod
-    def of(cls, consumer: int, shape: Shape, keys, lengths, max_new_tokens, arrivals=None, families=None,
+    def of(cls, consumer: int, shape: Shape, handles, lengths, max_new_tokens, arrivals=None, families=None,
            models=None, failed=None) -> "Batch":
-        rows = np.zeros(len(keys), BATCH_ROW)
-        rows["key"] = keys
-        rows["length"] = lengths
-        rows["max_new"] = max_new_tokens
+        rows = np.zeros(len(handles), BATCH_ROW)
+        rows["handle"] = handles
+        rows["num_tokens"] = lengths
+        rows["max_new_tokens"] = max_new_tokens
         rows["arrival"] = 0.0 if arrivals is None else arrivals
-        rows["family"] = shape.family if families is None else families
+        rows["prefix_key"] = shape.family if families is None else families
         rows["model"] = shape.model if models is None else models
         return cls(consumer, shape, rows, list(failed or []))
 
@@ -99,16 +100,16 @@ class Batch:
         return int(self.rows.size)
 
     @property
-    def keys(self) -> np.ndarray:
-        return self.rows["key"]
+    def handles(self) -> np.ndarray:
+        return self.rows["handle"]
 
     @property
     def lengths(self) -> np.ndarray:
-        return self.rows["length"]
+        return self.rows["num_tokens"]
 
     @property
     def max_new_tokens(self) -> np.ndarray:
-        return self.rows["max_new"]
+        return self.rows["max_new_tokens"]
 
     @property
     def arrivals(self) -> np.ndarray:

@@ -64,26 +64,26 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
         return EMPTY
     if n > max_batch_size:
         return COUNT
-    lo = rows[0].length
-    hi = rows[0].length
+    lo = rows[0].num_tokens
+    hi = rows[0].num_tokens
     for i in range(n):
-        if rows[i].length > max_input_len:
+        if rows[i].num_tokens > max_input_len:
             return TOO_LONG
-        lo = min(lo, rows[i].length)
-        hi = max(hi, rows[i].length)
+        lo = min(lo, rows[i].num_tokens)
+        hi = max(hi, rows[i].num_tokens)
     if rectangle and n * hi > max_batch_tokens:
         return TOKENS
     for i in range(n):
         if rows[i].model != model:
             return MODEL
     for i in range(n):
-        if rows[i].family != family:
+        if rows[i].prefix_key != family:
             return FAMILY
     if lo < length_min or hi > length_max:
         return BAND
     generating = False  # a padded batch that generates is shaped by its decode (`sweep.select_padded`),
     for i in range(n):  # not by the input band: the tolerance bounds prefill-only batches
-        if rows[i].max_new > 1:
+        if rows[i].max_new_tokens > 1:
             generating = True
     if hi > lo * (1.0 + tol) and not (generating and tol > 0.0):
         return BAND

@@ -91,7 +91,7 @@ def _new_node(S, block_hash, parent, depth, f):
 
 
 @kernel(_nrt=False)
-def insert(S, item_id, arrival, length, max_new, model, family_key, hashes):
+def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
     """Index one item; its slot, or a FULL_* code (nothing changed)."""
     it = S.items
     nd = S.nodes
@@ -147,7 +147,7 @@ def insert(S, item_id, arrival, length, max_new, model, family_key, hashes):
         x = y
     # the item
     slot = pop_free(S.free_items, meta, M_ITEMS_FREE)
-    it[slot].item_id = item_id
+    it[slot].handle = handle
     it[slot].arrival = arrival
     it[slot].length = length
     it[slot].max_new = max_new
@@ -194,21 +194,21 @@ def insert(S, item_id, arrival, length, max_new, model, family_key, hashes):
 
 
 @kernel(_nrt=False)
-def insert_many(arrays, item_ids, arrivals, lengths, max_new, models, families, hash_offsets, hashes):
+def insert_many(arrays, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes):
     """`insert` for items 0.. in order; the number indexed (stops, whole items only, when full)."""
     S = State(*arrays)
-    for i in range(item_ids.size):
-        slot = insert(S, item_ids[i], arrivals[i], lengths[i], max_new[i], models[i], families[i],
+    for i in range(handles.size):
+        slot = insert(S, handles[i], arrivals[i], lengths[i], max_new[i], models[i], families[i],
                       hashes[hash_offsets[i]:hash_offsets[i + 1]])
         if slot < 0:
             return i
-    return item_ids.size
+    return handles.size
 
 
 @kernel(_nrt=False)
-def insert_entry(arrays, item_id, arrival, length, max_new, model, family_key, hashes):
+def insert_entry(arrays, handle, arrival, length, max_new, model, family_key, hashes):
     """`insert`, called from Python with the index's arrays (`PackIndex.arrays`)."""
-    return insert(State(*arrays), item_id, arrival, length, max_new, model, family_key, hashes)
+    return insert(State(*arrays), handle, arrival, length, max_new, model, family_key, hashes)
 
 
 @kernel(_nrt=False)
@@ -299,25 +299,25 @@ class PackIndex:
         self.cons = self.state.consumers
         self.capacity = items
 
-    def insert(self, item_id: int, arrival: float, length: int, max_new: int, model: int, family: int,
+    def insert(self, handle: int, arrival: float, length: int, max_new: int, model: int, family: int,
                hashes: np.ndarray) -> int:
         """Index one item (hashes: its block hashes, uint64); its slot. Raises IndexFull, or
         ValueError/TypeError for an item the index cannot hold (nothing changes then)."""
         _check_items(length, length, min(max_new, model), max(max_new, model), hashes)
-        slot = insert_entry(self.arrays, np.uint64(item_id), float(arrival), int(length), int(max_new), int(model),
+        slot = insert_entry(self.arrays, np.uint64(handle), float(arrival), int(length), int(max_new), int(model),
                             np.uint64(family), hashes)
         if slot < 0:
             raise IndexFull({FULL_ITEMS: "items", FULL_NODES: "trie nodes", FULL_FAMILIES: "families",
                              FULL_BUCKETS: "band buckets"}[slot])
         return int(slot)
 
-    def insert_many(self, item_ids, arrivals, lengths, max_new, models, families, hash_offsets, hashes) -> int:
+    def insert_many(self, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes) -> int:
         """Index items i = 0.. in order (item i's block hashes: hashes[hash_offsets[i]:hash_offsets[i+1]])
         in one compiled call; the number indexed. Fewer than given means the index is full: the rest
         are left out, whole (they stay in the backlog). Raises ValueError/TypeError, indexing nothing,
         when any item is one the index cannot hold."""
-        n = len(item_ids)
-        cols = (np.ascontiguousarray(item_ids, np.uint64), np.ascontiguousarray(arrivals, np.float64),
+        n = len(handles)
+        cols = (np.ascontiguousarray(handles, np.uint64), np.ascontiguousarray(arrivals, np.float64),
                 np.ascontiguousarray(lengths, np.int64), np.ascontiguousarray(max_new, np.int64),
                 np.ascontiguousarray(models, np.int64), np.ascontiguousarray(families, np.uint64))
         if any(c.shape != (n,) for c in cols):

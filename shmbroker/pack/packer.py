@@ -1,7 +1,7 @@
 """The packer: one shape-pure batch for one consumer, to its contract.
 
     packer = Packer([ConsumerSpec("big", Contract(256, 131072, 131072), "padded"), ...])
-    packer.add(item_id, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
+    packer.add(handle, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
     batch = packer.next_batch(consumer, now)                           # O(batch + trie depth)
 
 A decision: the consumer's policy picks a family (and band or branch) and
@@ -75,16 +75,16 @@ class Packer:
         self._models = [c.contract.model for c in consumers]
         self.max_wait_seconds = max_wait_seconds
 
-    def add(self, item_id: int, arrival: float, length: int, max_new: int, model: int, family: int,
+    def add(self, handle: int, arrival: float, length: int, max_new: int, model: int, family: int,
             hashes: np.ndarray) -> int:
-        return self.index.insert(item_id, arrival, length, max_new, model, family, hashes)
+        return self.index.insert(handle, arrival, length, max_new, model, family, hashes)
 
-    def add_many(self, item_ids, arrivals, shapes, max_new) -> int:
+    def add_many(self, handles, arrivals, shapes, max_new) -> int:
         """Add every item of `shapes` (pack.shapes.ItemShapes) in one compiled call: item ids, arrivals and
         max_new_tokens one per item. The number added; fewer means the index is full (the rest, whole
         items, stay out). A scheduler rebuilding its index from a recovered backlog uses this."""
         n = len(shapes)
-        return self.index.insert_many(item_ids, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
+        return self.index.insert_many(handles, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
                                       np.broadcast_to(np.asarray(max_new, np.int64), (n,)), shapes.models,
                                       shapes.families, shapes.hash_offsets, shapes.hashes)
 

@@ -159,12 +159,15 @@ def release_family(S, c):
 
 
 @kernel(_nrt=False)
-def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model, scan, longest, bs, bt):
-    """(family or -1, aged item slot or -1).
+def choose_family(S, c, attempt, ip, fp, cls_order, age_own, skip, now):
+    """(family or -1, aged item slot or -1) for consumer c, with the decide kernels' parameter words
+    `ip` and floats `fp` (P_*, F_* below).
 
     Aging looks first at the classes no smaller consumer can take (age_own), then at all of c's."""
     cons = S.consumers
     fm = S.families
+    max_wait = fp[F_MAXWAIT]
+    model = ip[P_MODEL]
     if attempt == 0 and max_wait >= 0.0:
         slot = oldest(S, age_own, now - max_wait)
         if slot == -1:
@@ -181,7 +184,7 @@ def choose_family(S, c, attempt, cls_order, age_own, skip, max_wait, now, model,
     f = cons[c, C_FAM]
     if f != -1:
         return f, -1
-    f = take_family(S, c, cls_order, skip, attempt, scan, longest, bs, bt)
+    f = take_family(S, c, cls_order, skip, attempt, ip[P_SCAN], True, ip[P_BS], ip[P_BT])
     if f == -1:
         for d in range(cons.shape[0]):
             g = cons[d, C_FAM]
@@ -226,8 +229,7 @@ def decide_padded(arrays, now, ip, fp, cls_order, age_own, skip, out, failed, ro
     descending = ip[P_DESC] != 0
     far = NUM_BANDS - 1 if descending else 0
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL],
-                                 ip[P_SCAN], True, ip[P_BS], ip[P_BT])
+        f, aged = choose_family(S, c, attempt, ip, fp, cls_order, age_own, skip, now)
         if f == -1:
             break
         if aged != -1:
@@ -254,8 +256,7 @@ def decide_packed(arrays, now, ip, fp, cls_order, age_own, skip, out, failed, ro
     S = State(*arrays)
     c = ip[P_C]
     for attempt in range(FAMILY_ATTEMPTS):
-        f, aged = choose_family(S, c, attempt, cls_order, age_own, skip, fp[F_MAXWAIT], now, ip[P_MODEL],
-                                 ip[P_SCAN], True, ip[P_BS], ip[P_BT])
+        f, aged = choose_family(S, c, attempt, ip, fp, cls_order, age_own, skip, now)
         if f == -1:
             break
         if aged != -1:

@@ -6,7 +6,7 @@ plain Python (dicts and lists, no slots, no bitmaps), so a test can feed both th
 compare every batch (`tests/test_pack_reference.py`). Its index (families, trie, lists) is
 `reference_index.py`; this module is its decisions.
 
-What it models, exactly (the batch sequence: keys in order, failed keys in order, the shape's
+What it models, exactly (the batch sequence: handles in order, failed handles in order, the shape's
 family and length bounds), for a `Packer([ConsumerSpec(name, contract, mode)], max_wait_seconds=None,
 tolerance=tol)`:
 
@@ -98,9 +98,9 @@ DEFAULT_TOLERANCE = 1 / 16
 
 @dataclass(frozen=True)
 class RefBatch:
-    """A decision of the model: keys taken (in batch order), keys failed back (in order), shape."""
+    """A decision of the model: handles taken (in batch order), handles failed back (in order), shape."""
 
-    keys: tuple
+    handles: tuple
     failed: tuple
     family: int
     length_min: int
@@ -145,7 +145,7 @@ class ReferencePacker(ReferenceIndex):
         assert taken or failed, "one consumer: a family with items always gives a batch"
         for item in taken + failed:
             self._remove(item)
-        return RefBatch(tuple(i.key for i in taken), tuple(i.key for i in failed), fam.key, *bounds)
+        return RefBatch(tuple(i.handle for i in taken), tuple(i.handle for i in failed), fam.key, *bounds)
 
     def _steps(self, fam: RefFamily) -> int:
         items = [i for band in fam.bands.values() for i in band]

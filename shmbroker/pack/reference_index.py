@@ -44,7 +44,7 @@ def hint_slots(capacity: int) -> int:
 
 @dataclass(eq=False)
 class RefItem:
-    key: int
+    handle: int
     length: int
     family: RefFamily
     node: RefNode | None = None
@@ -113,13 +113,13 @@ class ReferenceIndex:
     def __len__(self) -> int:
         return self.num_items
 
-    def add(self, key: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1) -> None:
+    def add(self, handle: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1) -> None:
         """Index one item: its family key and block hashes as `shape_items` gives them."""
         hashes = [int(h) for h in hashes]
         fam = self.families.get(family)
         if fam is None:
             fam = self.families[family] = RefFamily(family, model)
-        item = RefItem(key, length, fam, max_new=max_new)
+        item = RefItem(handle, length, fam, max_new=max_new)
         fam.maxnew = max(fam.maxnew, max_new)
         if fam.root is None:
             fam.root = RefNode(family, None, 0, fam)

@@ -3,7 +3,7 @@
 Records (numpy structured arrays; a slot is a row index, -1 is "none"):
 
 ITEM (64 bytes)                          NODE (88 bytes): one trie node
-  item_id  u64  the caller's id            hash    u64  block hash (family key at the root)
+  handle   u64  the caller's handle        hash    u64  block hash (family key at the root)
   arrival  f64  seconds                    parent  i32  depth i32  fam i32  branch i32
   length   i32  max_new i32                chead/ctail i32  live children list
   fam      i32  node    i32                sprev/snext i32  links in the parent's list
@@ -36,7 +36,7 @@ from .bands import BAND_WORDS, SUMMARY_WORDS
 from .tables import new_free_list, new_table
 
 ITEM_REC = np.dtype([
-    ("item_id", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
+    ("handle", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
     ("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4"), ("nprev", "i4"), ("nnext", "i4"),
     ("gen", "i4"), ("pad1", "i4"), ("pad2", "i4")])
 NODE_REC = np.dtype([

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .layout import HEADER_BYTES, RECORD_HEADER_WORDS
+from .layout import HEADER_BYTES, RECORD_HEADER_WORDS, RW64_KEY, RW_NUM_TOKENS
 
 OUT_OF_ORDER = -1  # digest_records: a key broke the expected sequence
 
@@ -36,11 +36,11 @@ def digest_records(words, words64, positions, count, next_key, acc):
     """
     for r in range(count):
         pos = positions[r]
-        key = np.int64(words64[(pos >> 1) + 1])
+        key = np.int64(words64[(pos >> 1) + RW64_KEY])
         if key != next_key:
             return OUT_OF_ORDER
         next_key += 1
-        n = words[pos + 1]
+        n = words[pos + RW_NUM_TOKENS]
         base = pos + RECORD_HEADER_WORDS
         s1, s2 = _sums(words[base : base + n])
         acc[0] += np.uint64(1)

@@ -37,7 +37,7 @@ import numpy as np
 from numba.core import types
 
 from ..jit import kernel
-from .layout import OK, RECORD_HEADER_WORDS
+from .layout import OK, RECORD_HEADER_WORDS, RW64_KEY, RW_META, RW_NUM_TOKENS
 from .spsc import push
 
 NO_PREFIX = 0xFFFFFFFF
@@ -92,8 +92,8 @@ def ingest_meta(words, words64, pos):
     """(num_tokens, seq, max_new_tokens, prefix_len, model, flags) of the ingest record at word
     `pos` of a ring's data words (`words64`: the same words as uint64). Each word is read once: the
     producer may still write them, so a caller checks these values, never the words again."""
-    return (words[pos + 1], words64[(pos >> 1) + 1], words[pos + 4], words[pos + 5], words[pos + 6],
-            words[pos + 7])
+    m = pos + RW_META
+    return words[pos + RW_NUM_TOKENS], words64[(pos >> 1) + RW64_KEY], words[m], words[m + 1], words[m + 2], words[m + 3]
 
 
 def _signature(readonly: bool):

@@ -112,6 +112,11 @@ H_PRODUCER_WAITING = 49
 
 RECORD_HEADER_WORDS = 8
 META_WORDS = 4
+# a record's header words, as the record table above gives them (uint32 index; RW64_: uint64 index)
+RW_COMMIT = 0
+RW_NUM_TOKENS = 1
+RW64_KEY = 1
+RW_META = 4
 SENTINEL_WORDS = 2
 WRAP = 0xFFFFFFFF
 

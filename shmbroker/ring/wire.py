@@ -69,12 +69,13 @@ from .layout import (
     HEADER_BYTES,
     OK,
     RECORD_HEADER_WORDS,
+    RW_META,
     max_record_words,
 )
 from .spsc import NO_SPACE, claim_waiter, next_record, reserve, write_record
 
-LOC_DTYPE = np.dtype([("writer", "<u4"), ("length", "<u4"), ("segment", "<u8"), ("offset", "<u8"), ("seq", "<u8"),
-                      ("item_id", "<u8"), ("family", "<u8"), ("max_new", "<u4"), ("model", "<u4"),
+LOC_DTYPE = np.dtype([("writer", "<u4"), ("num_tokens", "<u4"), ("segment", "<u8"), ("offset", "<u8"), ("seq", "<u8"),
+                      ("item_id", "<u8"), ("prefix_key", "<u8"), ("max_new_tokens", "<u4"), ("model", "<u4"),
                       ("prefix_len", "<u4"), ("aux", "<u4")])
 LOC_WORDS = LOC_DTYPE.itemsize // 4
 assert LOC_DTYPE.itemsize == 64
@@ -86,7 +87,8 @@ def batch_meta_words(n_run: int, n_failed: int, packed_ns: int) -> tuple[int, in
 
 def batch_meta(data: np.ndarray, pos: int) -> tuple[int, int, int]:
     """(rows to run, rows failed back, packed_ns) of the batch ring record at word `pos` of `data`."""
-    return int(data[pos + 4]), int(data[pos + 5]), int(data[pos + 6]) | int(data[pos + 7]) << 32
+    m = pos + RW_META
+    return int(data[m]), int(data[m + 1]), int(data[m + 2]) | int(data[m + 3]) << 32
 
 
 def batch_locations(data: np.ndarray, pos: int, count: int) -> np.ndarray:
@@ -129,7 +131,7 @@ def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:
 
 def chunk_bytes(data: np.ndarray, pos: int) -> int:
     """Payload bytes of the results ring record at word `pos` of `data`."""
-    return int(data[pos + 4])
+    return int(data[pos + RW_META])
 
 
 RES_HEADER_BYTES = 40

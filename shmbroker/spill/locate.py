@@ -20,13 +20,13 @@ def fill_locations(locs: np.ndarray, items: np.ndarray, *, writer, segment, offs
     (spill.layout.ITEM_DTYPE or PENDING_DTYPE rows), the keywords where each record lies. The one
     place a location row is built: ingest announcing what it appended, recovery what it found."""
     locs["writer"] = writer
-    locs["length"] = length
+    locs["num_tokens"] = length
     locs["segment"] = segment
     locs["offset"] = offset
     locs["seq"] = seq
     locs["item_id"] = items["item_id"]
-    locs["family"] = items["prefix_key"]
-    locs["max_new"] = items["max_new_tokens"]
+    locs["prefix_key"] = items["prefix_key"]
+    locs["max_new_tokens"] = items["max_new_tokens"]
     locs["model"] = items["model"]
     locs["prefix_len"] = items["prefix_len"]
     locs["aux"] = 0
@@ -53,7 +53,7 @@ def block_hashes(backlog, locs: np.ndarray, block_tokens: int):
     hash_offsets = np.zeros(n + 1, np.int64)
     if n == 0:
         return hash_offsets, np.zeros(0, np.uint64)
-    lengths = locs["length"].astype(np.int64)
+    lengths = locs["num_tokens"].astype(np.int64)
     declared = locs["prefix_len"]
     prefixes = np.where(declared == NO_PREFIX, 0, declared).astype(np.int64)
     ends = np.zeros(n + 1, np.int64)
@@ -73,7 +73,7 @@ def block_hashes(backlog, locs: np.ndarray, block_tokens: int):
             where = (int(writers[sel[0]]), int(segments[sel[0]]))
             seg = backlog.segment(*where)
             starts = (locs["offset"][sel].astype(np.int64) + RECORD_HEADER_BYTES) // 4  # tokens, in words
-            chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], locs["family"][sel],
+            chain_items(seg.buf.view(np.uint32), starts, lengths[sel], prefixes[sel], locs["prefix_key"][sel],
                         block_tokens, hash_offsets[sel], hashes)
             backlog.forget_segment(*where)  # unmapped at once: memory stays one segment, not the backlog
     return hash_offsets, hashes

@@ -212,7 +212,7 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
                     done += len(batch.failed)
                     if not len(batch):
                         continue
-                    rows = batch.keys.astype(np.int64)
+                    rows = batch.handles.astype(np.int64)
                     tallies[c].group(batch.shape.family, len(batch), int(lengths[rows].sum()))
                     waits_max = max(waits_max, float(now - times[rows].min()))
                     run.pending.extend(zip(rows.tolist(), batch.max_new_tokens.tolist()))
@@ -230,7 +230,7 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
                 tallies[c].failed_too_long += len(batch.failed)
                 done += len(batch.failed)
                 if len(batch):
-                    rows = batch.keys.astype(np.int64)
+                    rows = batch.handles.astype(np.int64)
                     if mode == "packed":
                         seconds = run.run_batch(rows, batch.max_new_tokens)
                         tallies[c].group(batch.shape.family, len(batch), int(lengths[rows].sum()))

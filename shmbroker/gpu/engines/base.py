@@ -209,6 +209,17 @@ class StreamingRun:
     retry policy: an item the engine hands back as down comes back engine_error with the reason (the
     GPU process's window retries those instead, `gpu/window.py`)."""
 
+    def _configure(self, name: str, settings, block_tokens: int, contract, needs: str | None) -> None:
+        """The settings every streaming engine keeps, checked: `needs` says what the engine derives
+        from the consumer's contract (None: it runs without one)."""
+        if needs is not None and contract is None:
+            raise ValueError(f"engine '{name}' needs the consumer's contract ({needs} is derived from it)")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.settings = settings
+        self.contract = contract
+        self.block_tokens = block_tokens
+
     def run(self, batch: EngineBatch) -> EngineOutcome:
         self.add(batch)
         want = {int(i) for i in batch.item_ids}

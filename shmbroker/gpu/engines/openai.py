@@ -116,11 +116,7 @@ class OpenAICompatible(StreamingRun):
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
         if not settings.model:
             raise ValueError("engine 'openai' needs engine_settings.model (the served model's name)")
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.settings = settings
-        self.block_tokens = block_tokens
-        self.contract = contract
+        self._configure("openai", settings, block_tokens, contract, needs=None)
         self.url = settings.base_url.rstrip("/") + "/completions"
         self.in_flight_max = max(1, int(settings.max_in_flight))
         self.items_per_request = default_items_per_request(settings, contract)

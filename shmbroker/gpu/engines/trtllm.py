@@ -92,13 +92,7 @@ ENDED = ("cancelled", "timeout")  # finish reasons that are not a completion
 
 class TRTLLM(StreamingRun):
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, llm=None, **_options):
-        if contract is None:
-            raise ValueError("engine 'trtllm' needs the consumer's contract (max_seq_len is derived from it)")
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.settings = settings
-        self.contract = contract
-        self.block_tokens = block_tokens
+        self._configure("trtllm", settings, block_tokens, contract, needs="max_seq_len")
         self.llm_kwargs = trtllm_llm_kwargs(settings, contract)
         if llm is None:
             kwargs = dict(self.llm_kwargs)

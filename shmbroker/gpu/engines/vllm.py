@@ -103,13 +103,7 @@ def refused(item_id: int, exc: Exception) -> ItemResult:
 
 class VLLM(StreamingRun):
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, engine=None, llm=None, **_options):
-        if contract is None:
-            raise ValueError("engine 'vllm' needs the consumer's contract (max_model_len is derived from it)")
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.settings = settings
-        self.contract = contract
-        self.block_tokens = block_tokens
+        self._configure("vllm", settings, block_tokens, contract, needs="max_model_len")
         self.llm_kwargs = vllm_llm_kwargs(settings, contract)
         given = engine if engine is not None else llm
         self.engine = given if given is not None else build_engine(self.llm_kwargs)
