@@ -62,11 +62,15 @@ def _take(p: Producer, n: int) -> np.ndarray:
 
 
 def _gpu_counted(data_dir: str, items: int) -> None:
-    """Wait until the GPU processes published every item (they publish just after writing results)."""
+    """Wait until the GPU processes and the results process published every item (each publishes its
+    counters just after handing the results on, so a producer may hold them before they count)."""
     deadline = time.monotonic() + 10
     view = BrokerView.attach(data_dir)
     try:
-        while sum(c["items"] for c in view.snapshot()["consumers"].values()) < items:
+        while True:
+            snap = view.snapshot()
+            if sum(c["items"] for c in snap["consumers"].values()) >= items and snap["results"]["results"] >= items:
+                break
             assert time.monotonic() < deadline
             time.sleep(0.02)
     finally:

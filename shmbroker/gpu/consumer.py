@@ -129,6 +129,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                     window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
                     limits=WindowLimits.of(cfg))
     counting = GpuCounting(stats, core, window)
+    window.on_event = counting.publish_window
     events = window.events
     if events:
         counting.publish_window()

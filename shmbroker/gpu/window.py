@@ -86,6 +86,7 @@ class Window:
         self.counts = dict.fromkeys(WINDOW_COUNTS, 0)
         self.counts["split_batches"] = int(self.deliveries.first_split)
         self.events = 0  # bumped whenever `down` or `counts` change (the process publishes its statistics)
+        self.on_event = None  # called at once with a redelivery: the engine it goes to may die on it
         self._end = 0  # ring position past the newest record taken
         self.padded = core.engine.mode == "padded"
         self.taken: deque[Taken] = deque()
@@ -144,6 +145,8 @@ class Window:
         if self.deliveries.holding and self.deliveries.redelivered(start):
             self.counts["redelivered"] += 1
             self.events += 1
+            if self.on_event is not None:
+                self.on_event()
         data = self.ring.data_words
         n_run, n_failed, packed_ns = batch_meta(data, pos)
         if packed_ns:
