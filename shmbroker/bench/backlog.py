@@ -69,11 +69,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ring.items import SEQ_MASK
 from ..spill import layout as L
 from ..spill.store import Backlog
 from .backlog_write import append_seconds, disk_write_seconds, record_sums, warm_kernels, workload
 from .sparse_backlog import (
-    ID_MASK,
     RECOVERY_RECORD_TOKENS,
     build_recovery_backlog,
     recover_in_fresh_process,
@@ -164,7 +164,7 @@ def _read_back(backlog: Backlog, recs, bounds, lengths, sums) -> float:
         t0 = time.perf_counter()
         total = backlog.gather(batch, out, out_offsets)
         seconds += time.perf_counter() - t0
-        idx = (batch["item_id"] & np.uint64(ID_MASK)).astype(np.int64)
+        idx = (batch["item_id"] & np.uint64(SEQ_MASK)).astype(np.int64)
         offs = out_offsets[: batch.size + 1]
         if total != int(lengths[idx].sum()) or not np.array_equal(np.diff(offs), lengths[idx]):
             raise AssertionError(f"batch {k}: record lengths differ from what was written")

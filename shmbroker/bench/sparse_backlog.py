@@ -1,12 +1,10 @@
 """The benchmark's 1e9-token recovery backlog, built so that its payloads stay holes.
 
 Writing 1e9 zero tokens through the writer would take ~14 s and ~4 GB of
-disk, so each writer's sealed segments are written here from the byte tables
-in `spill/layout.py`: a sparse file (ftruncate) with a real segment header,
-each record's real 64-byte header (length, magic, CRC32C over the rest of the
-header and the all-zero payload, sequence number, item id, prefix key, ...)
-written with one pwrite, and a real `.idx` seal index. The record CRC is
-checked against `spill.records.record_crc` first. Each writer's last,
+disk, so each writer's sealed segments are written here: a sparse file (ftruncate)
+with a real segment header, each record's 64-byte header as the backlog's own
+encoder (`spill.records.write_records`) writes it for an all-zero payload,
+put in place with one pwrite, and a real `.idx` seal index. Each writer's last,
 unsealed segment is appended through the real writer (fsync=never,
 sparse=True); half the writers close cleanly, half not, so recovery also
 CRC-scans active segments. Recovery is then timed in a fresh process.
@@ -28,7 +26,7 @@ import numpy as np
 from ..ingest import BATCH_RECORDS
 from ..ring.items import SEQ_BITS, SEQ_MASK
 from ..spill import layout as L
-from ..spill.records import record_crc
+from ..spill.records import write_records
 from ..spill.store import BACKLOG_DIR, Backlog
 
 SEED = 20261130
@@ -38,30 +36,29 @@ RECOVERY_RECORD_TOKENS = 4096
 RECOVERY_WRITERS = 4
 RECOVERY_SAMPLE = 256
 PRODUCER_RECOVERY = 2
-ID_MASK = SEQ_MASK
 
 _SEGMENT_HEADER = struct.Struct("<QIIQQQ20x")  # layout.py: magic, version, writer, first_seq, capacity, created_ns
 
 
 def _record_headers(seqs: np.ndarray, ids: np.ndarray, num_tokens: int) -> np.ndarray:
-    """(n, 64) uint8 committed record headers for all-zero payloads of num_tokens (layout.py's record table)."""
+    """(n, 64) uint8 committed record headers for all-zero payloads of num_tokens, each written by the
+    backlog's own encoder (spill.records.write_records) into a scratch record."""
     n = seqs.size
     length = L.record_bytes(num_tokens)
-    h = np.zeros((n, L.RECORD_HEADER_WORDS), np.uint32)
-    h64 = h.view(np.uint64)
-    h[:, L.R_LENGTH] = length
-    h[:, L.R_MAGIC] = L.RECORD_MAGIC
-    h64[:, L.R64_SEQ] = seqs
-    h64[:, L.R64_ITEM] = ids
-    h64[:, L.R64_PREFIX_KEY] = (ids & np.uint64(ID_MASK)) // np.uint64(512) + np.uint64(1)
-    h[:, L.R_PRODUCER] = PRODUCER_RECOVERY
-    h[:, L.R_NUM_TOKENS] = num_tokens
-    h[:, L.R_MAX_NEW] = 128
-    h[:, L.R_BAND] = int(np.log2(num_tokens))
-    raw = h.view(np.uint8)
-    zeros = bytes(length - L.RECORD_HEADER_BYTES)
+    scratch = np.zeros(length, np.uint8)
+    flat = np.zeros(num_tokens, np.uint32)
+    offsets = np.array([0, num_tokens], np.int64)
+    item = np.zeros(1, L.ITEM_DTYPE)
+    item["producer"], item["max_new_tokens"], item["shape_band"] = PRODUCER_RECOVERY, 128, int(np.log2(num_tokens))
+    order = np.zeros(1, np.int64)
+    out_seq, out_offset = np.zeros(1, np.uint64), np.zeros(1, np.int64)
+    raw = np.empty((n, L.RECORD_HEADER_BYTES), np.uint8)
     for r in range(n):
-        h[r, L.R_CRC] = crc32c.crc32c(zeros, crc32c.crc32c(raw[r, 12:].tobytes()))
+        item["item_id"] = ids[r]
+        item["prefix_key"] = (ids[r] & np.uint64(SEQ_MASK)) // np.uint64(512) + np.uint64(1)
+        written, _ = write_records(scratch, 0, length, flat, offsets, item, order, 0, seqs[r], out_seq, out_offset)
+        assert written == 1
+        raw[r] = scratch[: L.RECORD_HEADER_BYTES]
     return raw
 
 
@@ -89,18 +86,8 @@ def _write_sealed_segment(wdir: Path, writer: int, first_seq: int, segment_bytes
     (wdir / L.idx_name(first_seq)).write_bytes(idx_head + struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(idx_head))) + body)
 
 
-def _check_header_crc(num_tokens: int) -> None:
-    """This module's record CRC equals spill's own (records.record_crc) on one record."""
-    raw = _record_headers(np.array([7], np.uint64), np.array([(PRODUCER_RECOVERY << SEQ_BITS) | 7], np.uint64), num_tokens)
-    rec = np.zeros(L.record_bytes(num_tokens), np.uint8)
-    rec[: L.RECORD_HEADER_BYTES] = raw[0]
-    crc = int(record_crc(rec, 0, rec.size))
-    assert crc == int(raw[0].view(np.uint32)[L.R_CRC]), "hand-built record CRC differs from spill.records.record_crc"
-
-
 def build_recovery_backlog(data_dir: Path, total_tokens: int, segment_bytes: int) -> dict:
     n_tok = RECOVERY_RECORD_TOKENS
-    _check_header_crc(n_tok)
     records = -(-total_tokens // n_tok)
     per_seg = (segment_bytes - L.SEGMENT_HEADER_BYTES) // L.record_bytes(n_tok)
     root = data_dir / BACKLOG_DIR
@@ -172,7 +159,7 @@ def verify_recovered(backlog: Backlog, report, built: dict) -> None:
     if report.torn_records or report.quarantined:
         raise AssertionError(f"recovery cut {report.torn_records} tails, quarantined {len(report.quarantined)}")
     pending = backlog.pending()
-    ids = np.sort(pending["item_id"] & np.uint64(ID_MASK))
+    ids = np.sort(pending["item_id"] & np.uint64(SEQ_MASK))
     if not np.array_equal(ids, np.arange(built["records"], dtype=np.uint64)):
         raise AssertionError("recovered item ids are not each built record exactly once")
     sample = pending[np.random.default_rng(SEED).choice(pending.size, min(RECOVERY_SAMPLE, pending.size), replace=False)]
