@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+from .config import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
+
 BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
@@ -218,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "filling (needs the right to mount)")
     g = p.add_argument_group("cluster")
     g.add_argument("--key-blocks", type=int, default=None,
-                   help="cluster: blocks past the family root in an item's partition key (default: cluster.partition's)")
+                   help=f"cluster: blocks past the family root in an item's partition key (default {DEFAULT_CLUSTER_KEY_BLOCKS})")
     g.add_argument("--epsilon", type=float, default=None,
-                   help="cluster: no node above (1 + epsilon) x the mean of tokens (default: cluster.placement's)")
+                   help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

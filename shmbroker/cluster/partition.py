@@ -19,17 +19,21 @@ the family root and their first d blocks. The partition is the key modulo
   prompt once, and no node takes the whole family.
 - A key shared by more than its share of the load is not salted further. Its
   items share `key_blocks` blocks, so splitting it would cost exactly the hits a
-  partition exists to keep. It does not need to be: on the Mooncake trace with
-  key_blocks = 1, the heaviest key holds 0.95 % of the input tokens
-  (7,373 keys; with 128 partitions the heaviest partition holds about 2 %),
-  while bounded loads over N nodes need every partition under
-  ε/N of the tokens (about 2.5 % for two nodes at ε = 0.05). A workload that shares
-  a longer undeclared prompt should declare it as `prefix_len`, since the key
-  then starts past it, or raise `key_blocks`.
+  partition exists to keep. Measured on the Mooncake trace, it does not need to
+  be. With key_blocks = 1 the heaviest key holds 0.95 % of the input tokens
+  (7,373 keys), and the heaviest of 128 partitions holds 1.65 %. Bounded loads
+  are guaranteed while every partition holds at most ε/N of the tokens
+  (`cluster.placement`): 2.5 % for two nodes at ε = 0.05. They held, at most
+  1.05 × the mean, up to the 16 nodes `bench cluster` tries. A workload that
+  shares a longer undeclared prompt should declare it as `prefix_len`, since the
+  key then starts past it, or raise `key_blocks`.
 
-Default key_blocks = 1, measured by `bench cluster`'s sweep: deeper keys
-split a conversation whose first turn has fewer whole blocks than the key
-from its later turns, and gain no balance on the trace.
+Default key_blocks = 1, from `bench cluster`'s sweep on the trace (two nodes,
+128 partitions, ε = 0.05). The cluster's hit rate over one node's is 1.0005 at
+key_blocks 1, then 0.9992, 0.9975, 0.9948 at 2, 3, 4 and 0.9819 at 8. The
+balance is 1.10 at every depth, which is the bound's (1 + ε) / (1 − ε). A deeper
+key splits a conversation whose first turn has fewer whole blocks than the key
+from its later turns, and gains no balance.
 
 `partition_of` is the per-item call a producer makes; `partitions_of` does many
 items at once. The numba kernels are checked against `partition_reference`,
@@ -40,11 +44,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
 from ..jit import kernel
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, DEFAULT_SEED, family_key, hash_span, shape_items
-
-DEFAULT_KEY_BLOCKS = 1
-DEFAULT_NUM_PARTITIONS = 128
 
 
 @kernel
@@ -89,7 +91,7 @@ def _check_params(num_partitions: int, key_blocks: int, block_tokens: int) -> No
 
 
 def partition_of(tokens, prefix_len: int | None, model_id: int, num_partitions: int, *,
-                 key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  seed: int = DEFAULT_SEED) -> int:
     """The partition (0..num_partitions-1) of one item: uint32 tokens, its declared prefix (None or 0: none)
     and its model's id (`ring.items.model_id`)."""
@@ -104,8 +106,8 @@ def partition_of(tokens, prefix_len: int | None, model_id: int, num_partitions: 
                               int(seed)))
 
 
-def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int = DEFAULT_NUM_PARTITIONS, *,
-                  key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int = DEFAULT_CLUSTER_PARTITIONS, *,
+                  key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                   seed: int = DEFAULT_SEED) -> np.ndarray:
     """Partitions of many items: flat uint32 tokens, int64 offsets (items + 1), per-item prefix_len (0: none)
     and model ids (default 0). Returns int64 partitions."""
@@ -129,7 +131,7 @@ def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int
 
 
 def partition_reference(tokens, prefix_len: int | None, model_id: int, num_partitions: int, *,
-                        key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                        key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                         seed: int = DEFAULT_SEED) -> int:
     """`partition_of` from the broker's own shapes: the family key, else the trie node at the key's depth."""
     arr = np.ascontiguousarray(tokens, dtype=np.uint32)
