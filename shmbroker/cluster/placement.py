@@ -17,8 +17,9 @@ partitions heaviest first (ties by partition number), in three passes:
 Pass 2 is the hysteresis. Weights change all the time and a partition does
 not follow them: it moves only when its owner dies or can no longer hold it.
 Pass 1 gives a joining node the partitions whose home it is, so a join moves
-about 1/N of the partitions. A leave moves exactly the dead node's
-partitions, because every other owner's bound only grows. When `current` is
+about 1/N of the partitions. A leave from owners within the bound moves
+exactly the dead node's partitions, because every other owner's bound only
+grows. When `current` is
 None the result is plain rendezvous hashing with bounded loads.
 
 Guarantees:
