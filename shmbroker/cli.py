@@ -11,7 +11,9 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos")
+from .config import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
+
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -82,6 +84,11 @@ def _bench(args) -> int:
         from .bench import chaos
 
         result = chaos.run(seconds=args.seconds, seed=args.seed, fs_mib=args.fs_mib)
+    elif args.name == "cluster":
+        from .bench import affinity
+
+        result = affinity.run(trace=args.trace, scale=args.scale, seed=args.seed, key_blocks=args.key_blocks,
+                              epsilon=args.epsilon)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -211,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fs-mib", type=int, default=None,
                    help="chaos: run the broker's data directory on a tmpfs of this many MiB that a filler keeps "
                         "filling (needs the right to mount)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--key-blocks", type=int, default=None,
+                   help=f"cluster: blocks past the family root in an item's partition key (default {DEFAULT_CLUSTER_KEY_BLOCKS})")
+    g.add_argument("--epsilon", type=float, default=None,
+                   help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

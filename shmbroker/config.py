@@ -54,3 +54,9 @@ DEFAULT_OVERFLOW_ITEMS = 1 << 22
 # the most of the shared results log one producer name's unread results may keep from being trimmed;
 # past it that name's results move to a log of its own (results/behind/)
 DEFAULT_RESULTS_NAME_BYTES = 1 << 30
+# A cluster (cluster/partition.py, cluster/placement.py; figures from `bench cluster` on the trace):
+# an item's partition keys on this many blocks past its family root; partitions a cluster's items
+# spread over; no node owns more than (1 + epsilon) x the mean of pending tokens
+DEFAULT_CLUSTER_KEY_BLOCKS = 1
+DEFAULT_CLUSTER_PARTITIONS = 128
+DEFAULT_CLUSTER_EPSILON = 0.05

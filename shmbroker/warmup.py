@@ -137,6 +137,17 @@ def warm_broker() -> None:
         chain_items(words, zero, lengths, zero, families, 512, hash_offsets, out)
 
 
+def warm_cluster() -> None:
+    """An item's partition (a remote producer's per-item call), writable and read-only tokens."""
+    from .cluster import partition
+
+    tokens = np.arange(1100, dtype=np.uint32)
+    partition.partition_of(tokens, None, 0, 8)
+    tokens.flags.writeable = False
+    partition.partition_of(tokens, 600, 0, 8)
+    partition.partitions_of(tokens, np.array([0, 600, 1100], np.int64), num_partitions=8)
+
+
 def warm_all() -> None:
     from .ring import seqlock
 
@@ -144,4 +155,5 @@ def warm_all() -> None:
     warm_rings()
     warm_spill()
     warm_pack()
+    warm_cluster()
     warm_broker()

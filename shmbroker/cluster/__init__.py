@@ -1,0 +1,1 @@
+"""The cluster: brokers on many hosts over NATS JetStream."""
