@@ -144,7 +144,7 @@ class NatsLoop:
             return
         if self.nc is not None and not self.nc.is_closed:
             try:
-                self.call(self._drain, timeout_seconds=timeout_seconds)
+                self.call(self._drain, timeout_seconds, timeout_seconds=timeout_seconds + 2.0)
             except Exception as exc:  # a dead server: nothing left to flush
                 _log.debug("nats drain: %s", exc)
         self._closed = True
@@ -153,11 +153,18 @@ class NatsLoop:
         if not self._thread.is_alive():
             self._loop.close()
 
-    async def _drain(self) -> None:
+    async def _drain(self, timeout_seconds: float) -> None:
         try:
-            await asyncio.wait_for(self.nc.drain(), self.options.connect_timeout_seconds)
-        except Exception:
+            await asyncio.wait_for(self.nc.drain(), timeout_seconds)
+        except Exception as exc:
+            _log.debug("nats drain: %s", exc)
+        if not self.nc.is_closed:
             await self.nc.close()
+        # the client's own tasks (flusher, reader, pings) end here, not on a stopped loop
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def closed(self) -> bool:

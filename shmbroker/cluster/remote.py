@@ -368,10 +368,14 @@ class RemoteProducer:
             pass  # the servers are gone: JetStream redelivers after ack_wait
         finally:
             try:
-                self._loop.call(self._pub.close, timeout_seconds=1.0)
+                self._loop.call(self._unsubscribe, timeout_seconds=2.0)
             except Exception:
                 pass
             self._loop.close()
+
+    async def _unsubscribe(self) -> None:
+        await self._pub.close()
+        await self._sub.unsubscribe()  # a pull subscription left subscribed keeps the connection's drain waiting
 
     def __enter__(self) -> RemoteProducer:
         return self
