@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from natsproc import start_or_skip
 
 from shmbroker.errors import BrokerError, ConfigError, Full
 
@@ -17,7 +18,6 @@ nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install
 
 from shmbroker.cluster import subjects  # noqa: E402
 from shmbroker.cluster.nats_loop import NatsLoop, NatsOptions, require_nats  # noqa: E402
-from shmbroker.cluster.servers import NatsServers, server_binary  # noqa: E402
 from shmbroker.cluster.subjects import ClusterNames, StreamSettings, decode_prompt, decode_result, encode_result  # noqa: E402
 
 _ids = itertools.count()
@@ -36,11 +36,7 @@ def fresh_names(num_partitions: int = 16) -> ClusterNames:
 
 @pytest.fixture(scope="module")
 def servers():
-    try:
-        server_binary()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    s = NatsServers.start(1)
+    s = start_or_skip(1)
     yield s
     s.stop()
 

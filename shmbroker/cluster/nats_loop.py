@@ -86,8 +86,14 @@ class NatsLoop:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="shmbroker-nats", daemon=True)
         self._thread.start()
+        wait = timeout_seconds or options.connect_timeout_seconds + 1.0
         try:
-            self.call(self._connect, timeout_seconds=timeout_seconds or options.connect_timeout_seconds + 1.0)
+            self.call(self._connect, timeout_seconds=wait)
+        except TimeoutError:
+            # nats-py retries a refused initial connect (bad credentials) without end: the deadline ends it
+            self.close()
+            why = f": {self.last_error}" if self.last_error is not None else ""
+            raise ConnectionError(f"no connection to NATS at {', '.join(options.servers)} within {wait:g} s{why}") from None
         except BaseException:
             self.close()
             raise

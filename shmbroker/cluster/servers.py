@@ -100,18 +100,22 @@ def _kill_all(procs: list) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class _Launch:
+    binary: str
+    user: str | None
+    password: str | None
+    ready_timeout_seconds: float
+
+
 class NatsServers:
     """nats-server processes this object started (`start`)."""
 
-    def __init__(self, servers: list[_Server], base_dir: str, owns_dir: bool, binary: str,
-                 user: str | None, password: str | None, ready_timeout_seconds: float):
+    def __init__(self, servers: list[_Server], base_dir: str, owns_dir: bool, launch: _Launch):
         self._servers = servers
         self.base_dir = base_dir
         self._owns_dir = owns_dir
-        self.binary = binary
-        self.user = user
-        self.password = password
-        self.ready_timeout_seconds = ready_timeout_seconds
+        self.launch = launch
         self._procs: list[subprocess.Popen] = []  # every process started, for the finalizer
         self._stopped = False
         self._finalizer = weakref.finalize(self, _kill_all, self._procs)
@@ -136,7 +140,7 @@ class NatsServers:
             os.makedirs(d, mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
             servers.append(_Server(i, f"n{i}", _free_port(), _free_port() if num_servers > 1 else 0, _free_port(), d))
-        self = cls(servers, root, owns, binary or server_binary(), user, password, ready_timeout_seconds)
+        self = cls(servers, root, owns, _Launch(binary or server_binary(), user, password, ready_timeout_seconds))
         try:
             for s in servers:
                 self._write_config(s)
@@ -162,8 +166,8 @@ class NatsServers:
             routes = ", ".join(f'"nats-route://127.0.0.1:{o.cluster_port}"' for o in self._servers if o is not s)
             lines += ["cluster {", f"  name: {CLUSTER_NAME}", f"  listen: 127.0.0.1:{s.cluster_port}",
                       f"  routes: [{routes}]", "}"]
-        if self.user is not None:
-            lines += ["authorization {", f"  user: {_quote(self.user)}", f"  password: {_quote(self.password)}", "}"]
+        if self.launch.user is not None:
+            lines += ["authorization {", f"  user: {_quote(self.launch.user)}", f"  password: {_quote(self.launch.password)}", "}"]
         fd = os.open(s.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write("\n".join(lines) + "\n")
@@ -174,7 +178,7 @@ class NatsServers:
     def _launch(self, s: _Server) -> None:
         log = open(s.log_path, "ab")
         try:
-            s.proc = subprocess.Popen([self.binary, "-c", s.config_path], stdin=subprocess.DEVNULL, stdout=log,
+            s.proc = subprocess.Popen([self.launch.binary, "-c", s.config_path], stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         finally:
             log.close()
@@ -195,7 +199,7 @@ class NatsServers:
             if s.proc.poll() is not None:
                 raise RuntimeError(f"nats-server {s.name} exited with status {s.proc.returncode}: {self._log_tail(s)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nats-server {s.name} not ready in {self.ready_timeout_seconds:.0f} s: {self._log_tail(s)}")
+                raise TimeoutError(f"nats-server {s.name} not ready in {self.launch.ready_timeout_seconds:.0f} s: {self._log_tail(s)}")
             time.sleep(0.02)
 
     @staticmethod
@@ -238,7 +242,7 @@ class NatsServers:
         self.kill(i)
         s = self._servers[i]
         self._launch(s)
-        self._wait_ready(s, time.monotonic() + (self.ready_timeout_seconds if timeout_seconds is None else timeout_seconds))
+        self._wait_ready(s, time.monotonic() + (self.launch.ready_timeout_seconds if timeout_seconds is None else timeout_seconds))
 
     def stop(self) -> None:
         """Kill every server started and remove `base_dir` when it was a temporary one. Idempotent."""

@@ -55,21 +55,22 @@ async def ensure_streams(js, names: ClusterNames, settings: StreamSettings, *, u
                                   storage=api.StorageType.FILE)
 
 
+def _consumer(name: str, filter_subject: str, ack_wait_seconds: float, max_ack_pending: int, replicas: int):
+    """A durable pull consumer: explicit ack, every message from the start, no max_deliver."""
+    return api.ConsumerConfig(durable_name=name, name=name, filter_subject=filter_subject, ack_policy=api.AckPolicy.EXPLICIT,
+                              deliver_policy=api.DeliverPolicy.ALL, ack_wait=ack_wait_seconds,
+                              max_ack_pending=max_ack_pending, max_deliver=-1, num_replicas=replicas)
+
+
 async def ensure_partition_consumer(js, names: ClusterNames, settings: StreamSettings, partition: int) -> api.ConsumerInfo:
-    """The durable pull consumer `part-<partition>` (explicit ack, no max_deliver)."""
-    config = api.ConsumerConfig(
-        durable_name=names.partition_consumer(partition), name=names.partition_consumer(partition),
-        filter_subject=names.prompt_subject(partition), ack_policy=api.AckPolicy.EXPLICIT,
-        deliver_policy=api.DeliverPolicy.ALL, ack_wait=settings.ack_wait_seconds,
-        max_ack_pending=settings.max_ack_pending, max_deliver=-1, num_replicas=settings.replicas)
+    """The durable pull consumer `part-<partition>` of the prompts stream."""
+    config = _consumer(names.partition_consumer(partition), names.prompt_subject(partition), settings.ack_wait_seconds,
+                       settings.max_ack_pending, settings.replicas)
     return await js.add_consumer(names.prompts_stream, config)
 
 
 async def ensure_results_consumer(js, names: ClusterNames, settings: StreamSettings, producer: str) -> api.ConsumerInfo:
-    """The durable pull consumer `res-<producer>` (explicit ack)."""
-    config = api.ConsumerConfig(
-        durable_name=names.results_consumer(producer), name=names.results_consumer(producer),
-        filter_subject=names.result_subject(producer), ack_policy=api.AckPolicy.EXPLICIT,
-        deliver_policy=api.DeliverPolicy.ALL, ack_wait=settings.ack_wait_seconds,
-        max_ack_pending=settings.results_max_ack_pending, max_deliver=-1, num_replicas=settings.replicas)
+    """The durable pull consumer `res-<producer>` of the results stream."""
+    config = _consumer(names.results_consumer(producer), names.result_subject(producer), settings.ack_wait_seconds,
+                       settings.results_max_ack_pending, settings.replicas)
     return await js.add_consumer(names.results_stream, config)

@@ -139,6 +139,16 @@ def prompt_headers(producer: str, seq: int, model: str | None) -> dict[str, str]
     return headers
 
 
+def _unpack_header(payload: bytes, header: struct.Struct, magic: bytes, what: str) -> tuple:
+    """The fields after the magic of a payload's header, or ValueError for a short or foreign one."""
+    if len(payload) < header.size:
+        raise ValueError(f"{what} payload of {len(payload)} bytes is shorter than its {header.size}-byte header")
+    fields = header.unpack_from(payload)
+    if fields[0] != magic:
+        raise ValueError(f"{what} payload has magic {fields[0]!r}, not {magic!r}")
+    return fields[1:]
+
+
 # Prompt payload (little-endian): a 24-byte header, then the tokens.
 #
 # | bytes  | field                                         |
@@ -170,11 +180,7 @@ def encode_prompt(tokens: np.ndarray, seq: int, max_new_tokens: int, prefix_len:
 
 def decode_prompt(payload: bytes) -> PromptMsg:
     """Check a prompt payload right after reading it; ValueError naming what is wrong."""
-    if len(payload) < PROMPT_HEADER.size:
-        raise ValueError(f"prompt payload of {len(payload)} bytes is shorter than its {PROMPT_HEADER.size}-byte header")
-    magic, max_new, prefix, num_tokens, seq = PROMPT_HEADER.unpack_from(payload)
-    if magic != PROMPT_MAGIC:
-        raise ValueError(f"prompt payload has magic {magic!r}, not {PROMPT_MAGIC!r}")
+    max_new, prefix, num_tokens, seq = _unpack_header(payload, PROMPT_HEADER, PROMPT_MAGIC, "prompt")
     if len(payload) != PROMPT_HEADER.size + 4 * num_tokens:
         raise ValueError(f"prompt payload of {len(payload)} bytes does not hold its {num_tokens} tokens")
     if num_tokens == 0:
@@ -222,11 +228,7 @@ def encode_result(seq: int, status: str | int, tokens, error: str | None = None)
 
 def decode_result(payload: bytes) -> ResultMsg:
     """Check a result payload right after reading it; ValueError naming what is wrong."""
-    if len(payload) < RESULT_HEADER.size:
-        raise ValueError(f"result payload of {len(payload)} bytes is shorter than its {RESULT_HEADER.size}-byte header")
-    magic, code, seq, num_tokens, error_len = RESULT_HEADER.unpack_from(payload)
-    if magic != RESULT_MAGIC:
-        raise ValueError(f"result payload has magic {magic!r}, not {RESULT_MAGIC!r}")
+    code, seq, num_tokens, error_len = _unpack_header(payload, RESULT_HEADER, RESULT_MAGIC, "result")
     if len(payload) != RESULT_HEADER.size + 4 * num_tokens + error_len:
         raise ValueError(f"result payload of {len(payload)} bytes does not hold {num_tokens} tokens and "
                          f"{error_len} bytes of error text")
