@@ -20,7 +20,6 @@ after they are handed out.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from ..reader import RESULT_BATCH, Result, ResultBatch
 from ..ring.items import as_tokens, model_id
 from ..seen import SeenSet
 from .nats_loop import DEFAULT_SERVERS, NatsLoop, NatsOptions
-from .publisher import AckedPublisher, PublishRefused
+from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
 from .subjects import (
     HEADER_MSG_ID,
@@ -51,9 +50,6 @@ from .subjects import (
 HEADER_ROOM_BYTES = 1024  # a message's headers count against the servers' max_payload
 MAX_MODEL_NAME_BYTES = 256
 DEFAULT_MAX_PENDING = 1024  # publishes in flight (awaiting their PubAck) at most
-PUBACK_GRACE_SECONDS = 2.0  # a PubAck is awaited at least this long, even past the deadline
-BACKOFF_MIN_SECONDS = 0.005
-BACKOFF_MAX_SECONDS = 0.2
 MIN_FETCH_SECONDS = 0.05  # a fetch of results needs a round trip to the server
 CALL_MARGIN_SECONDS = 5.0
 
@@ -190,7 +186,7 @@ class RemoteProducer:
         deadline = time.monotonic() + (timeout if block else 0.0)
         stored = np.zeros(len(msgs), bool)
         try:
-            error = self._loop.call(self._publish_all, msgs, stored, deadline,
+            error = self._loop.call(publish_all, self._pub, msgs, stored, deadline,
                                     timeout_seconds=max(0.0, deadline - time.monotonic()) + PUBACK_GRACE_SECONDS + CALL_MARGIN_SECONDS)
         except TimeoutError as exc:
             error = exc
@@ -202,64 +198,6 @@ class RemoteProducer:
         why = (f"the prompts stream {self.names.prompts_stream} stayed full" if isinstance(error, PublishRefused) and error.full
                else f"items were not stored ({type(error).__name__}: {error})")
         raise Full(f"{why} for {timeout:g} s; {num} of {len(msgs)} items went in", submitted=num, ids=ids[stored])
-
-    async def _publish_all(self, msgs: list, stored: np.ndarray, deadline: float):
-        """Publish every message not yet `stored`, pipelined; after a refusal, retry the first one
-        left alone with a growing back-off until it goes in (then pipeline again) or the deadline
-        passes. Returns None when all are stored, else the last error."""
-        start, backoff = 0, BACKOFF_MIN_SECONDS
-        while True:
-            error = await self._pipeline(msgs, stored, start, deadline)
-            left = np.flatnonzero(~stored)
-            if left.size == 0:
-                return None
-            if isinstance(error, PublishRefused) and not error.retryable:
-                return error
-            start = int(left[0])
-            while True:  # one at a time until it goes in: no window of refusals
-                if time.monotonic() >= deadline:
-                    return error
-                await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                backoff = min(2 * backoff, BACKOFF_MAX_SECONDS)
-                error = await self._pipeline(msgs, stored, start, deadline, only=1)
-                if stored[start]:
-                    backoff = BACKOFF_MIN_SECONDS
-                    start += 1
-                    break
-                if isinstance(error, PublishRefused) and not error.retryable:
-                    return error
-
-    async def _pipeline(self, msgs, stored, start: int, deadline: float, only: int | None = None):
-        """Send the unstored messages from `start` on (`only` of them at most) until one is refused,
-        then await the PubAcks in flight; marks `stored`, returns the first error seen or None."""
-        inflight: deque = deque()
-        error = None
-        i, end = start, len(msgs) if only is None else min(len(msgs), start + only)
-        while i < end and error is None:
-            if stored[i]:
-                i += 1
-                continue
-            subject, payload, headers = msgs[i]
-            try:
-                if self._pub.has_slot:
-                    future = await self._pub.publish(subject, payload, headers)
-                else:  # the window is full: wait for a PubAck, bounded (asyncio.wait_for costs a task)
-                    future = await asyncio.wait_for(self._pub.publish(subject, payload, headers),
-                                                    max(PUBACK_GRACE_SECONDS, deadline - time.monotonic()))
-            except Exception as exc:  # no slot in time, or the connection is reconnecting or closed
-                error = exc
-                break
-            inflight.append((i, future))
-            i += 1
-            while inflight and inflight[0][1].done():
-                error = _settle(*inflight.popleft(), stored) or error
-        if inflight:
-            _, late = await asyncio.wait([f for _, f in inflight], timeout=max(PUBACK_GRACE_SECONDS, deadline - time.monotonic()))
-            for future in late:
-                future.cancel()  # no PubAck in time: retried under the same message id
-        for j, future in inflight:
-            error = _settle(j, future, stored) or error
-        return error
 
     # -- results ---------------------------------------------------------------------
 
@@ -386,13 +324,3 @@ class RemoteProducer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _settle(index: int, future, stored: np.ndarray):
-    """Mark a finished publish; its error, or None when JetStream stored it (a duplicate was stored before)."""
-    if future.cancelled():
-        return TimeoutError("no PubAck in time")
-    error = future.exception()
-    if error is None:
-        stored[index] = True
-    return error
