@@ -126,9 +126,13 @@ def test_names_and_message_ids_are_checked():
 
 
 def test_missing_nats_names_the_extra(monkeypatch):
+    from shmbroker.cluster.remote import RemoteProducer
+
     monkeypatch.setitem(sys.modules, "nats", None)
     with pytest.raises(ConfigError, match=r"pip install 'shmbroker\[cluster\]'"):
         require_nats()
+    with pytest.raises(ConfigError, match=r"pip install 'shmbroker\[cluster\]'"):
+        RemoteProducer("x", partition_fn=first_token_partition)
 
 
 # -- publishing --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 from natsproc import start_or_skip
 
@@ -15,7 +16,9 @@ pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbr
 from nats.js.api import StreamConfig  # noqa: E402
 
 from shmbroker.cluster.nats_loop import NatsLoop, NatsOptions  # noqa: E402
+from shmbroker.cluster.remote import RemoteProducer  # noqa: E402
 from shmbroker.cluster.servers import NatsServers  # noqa: E402
+from shmbroker.cluster.subjects import StreamSettings  # noqa: E402
 
 PUBLISH_DEADLINE_SECONDS = 20.0
 
@@ -56,6 +59,12 @@ def test_a_replicated_stream_survives_a_killed_server_which_rejoins(cluster):
         for k in range(20, 40):
             publish_until_stored(loop, "r3.a", b"during %d" % k, f"t:{k}")
         publish_until_stored(loop, "r3.a", b"during 39", "t:39")  # a retry: dropped as a duplicate
+        with RemoteProducer("r3", servers=cluster.urls, settings=StreamSettings(replicas=3, prompts_max_bytes=8 << 20,
+                            results_max_bytes=8 << 20), partition_fn=lambda *_: 0, connect_timeout_seconds=10.0) as p:
+            ids = p.submit_many(np.arange(1, 101, dtype=np.uint32), np.arange(0, 101, 10), max_new_tokens=1)
+        assert ids.size == 10
+        prompts = loop.call(loop.js.stream_info, "SHMB_PROMPTS", timeout_seconds=10)
+        assert prompts.state.messages == 10 and prompts.config.num_replicas == 3
         cluster.restart(0)
         assert cluster.alive(0)
         for k in range(40, 50):
