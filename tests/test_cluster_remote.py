@@ -195,7 +195,11 @@ def test_bad_input_is_refused_as_producer_refuses_it_and_nothing_is_published(ba
 
 
 def test_a_closed_producer_refuses_and_bad_names_refuse_at_construction(servers):
-    p = producer(servers, "closing")
+    from shmbroker.cluster.remote import RemoteProducer
+
+    p = RemoteProducer("closing", servers=servers.urls[0], names=fresh_names(), settings=SMALL,
+                       partition_fn=first_token_partition)  # one URL as a str
+    assert p.submit([1], max_new_tokens=1) == 0
     p.close()
     p.close()
     with pytest.raises(BrokerError, match="closed"):

@@ -113,6 +113,10 @@ class NatsLoop:
         if o.token is not None:
             kwargs["token"] = o.token
         if o.nkeys_seed_file is not None:
+            try:
+                import nkeys  # noqa: F401  (nats-py signs with it; not a dependency of nats-py itself)
+            except ImportError:
+                raise ConfigError("nkeys credentials need the nkeys package: pip install 'nats-py[nkeys]'") from None
             kwargs["nkeys_seed"] = o.nkeys_seed_file
         try:
             self.nc = await self.nats.connect(**kwargs)

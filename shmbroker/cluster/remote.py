@@ -97,7 +97,7 @@ class RemoteProducer:
         self.num_duplicate_results = 0
         self.num_malformed_results = 0
         self.last_malformed: str | None = None
-        opts = options or NatsOptions(servers=tuple(servers), name=f"shmb-producer-{self.name}",
+        opts = options or NatsOptions(servers=(servers,) if isinstance(servers, str) else tuple(servers), name=f"shmb-producer-{self.name}",
                                       connect_timeout_seconds=connect_timeout_seconds)
         self._loop = NatsLoop(opts)
         try:
