@@ -54,15 +54,17 @@ def test_a_replicated_stream_survives_a_killed_server_which_rejoins(cluster):
         assert info.config.num_replicas == 3
         for k in range(20):
             publish_until_stored(loop, "r3.a", b"before %d" % k, f"t:{k}")
+        # a producer whose streams exist (an R3 stream cannot be placed while a server is down)
+        p = RemoteProducer("r3", servers=cluster.urls, settings=StreamSettings(replicas=3, prompts_max_bytes=8 << 20,
+                           results_max_bytes=8 << 20), partition_fn=lambda *_: 0, connect_timeout_seconds=10.0)
         cluster.kill(0)
         assert not cluster.alive(0)
         for k in range(20, 40):
             publish_until_stored(loop, "r3.a", b"during %d" % k, f"t:{k}")
         publish_until_stored(loop, "r3.a", b"during 39", "t:39")  # a retry: dropped as a duplicate
-        with RemoteProducer("r3", servers=cluster.urls, settings=StreamSettings(replicas=3, prompts_max_bytes=8 << 20,
-                            results_max_bytes=8 << 20), partition_fn=lambda *_: 0, connect_timeout_seconds=10.0) as p:
-            ids = p.submit_many(np.arange(1, 101, dtype=np.uint32), np.arange(0, 101, 10), max_new_tokens=1)
+        ids = p.submit_many(np.arange(1, 101, dtype=np.uint32), np.arange(0, 101, 10), max_new_tokens=1)
         assert ids.size == 10
+        p.close()
         prompts = loop.call(loop.js.stream_info, "SHMB_PROMPTS", timeout_seconds=10)
         assert prompts.state.messages == 10 and prompts.config.num_replicas == 3
         cluster.restart(0)
@@ -90,15 +92,17 @@ def test_a_replicated_stream_survives_a_killed_server_which_rejoins(cluster):
 
 def test_stop_kills_every_server_and_removes_its_directory():
     s = start_or_skip(1, user="u", password="p w")
-    pids = [s.pid(0)]
-    with pytest.raises(ConnectionError, match="Authorization"):
-        NatsLoop(NatsOptions(servers=tuple(s.urls), connect_timeout_seconds=1.0, max_reconnect_attempts=0))
-    ok = NatsLoop(NatsOptions(servers=tuple(s.urls), user="u", password="p w"))
-    ok.close()
-    ok.close()
-    s.restart(0)
-    pids.append(s.pid(0))
-    s.stop()
+    try:
+        pids = [s.pid(0)]
+        with pytest.raises(ConnectionError, match="Authorization"):
+            NatsLoop(NatsOptions(servers=tuple(s.urls), connect_timeout_seconds=1.0, max_reconnect_attempts=0))
+        ok = NatsLoop(NatsOptions(servers=tuple(s.urls), user="u", password="p w"))
+        ok.close()
+        ok.close()
+        s.restart(0)
+        pids.append(s.pid(0))
+    finally:
+        s.stop()
     s.stop()
     assert not os.path.exists(s.base_dir)
     for pid in pids:

@@ -132,7 +132,7 @@ class RemoteProducer:
         max_new = _check_u32(max_new_tokens, "max_new_tokens")
         mid = self._model_id(model)
         subject = self.names.prompt_subject(self._partition_fn(arr, prefix, mid, self.names.num_partitions))
-        seq = self._take_seqs(1)
+        seq = self._take_seqs(1, timeout_seconds)
         msg = (subject, encode_prompt(arr, seq, max_new, prefix), prompt_headers(self.name, seq, model))
         self._publish([msg], np.array([seq], np.uint64), block, timeout_seconds)
         return seq
@@ -152,7 +152,7 @@ class RemoteProducer:
         count = offs.size - 1
         mid = self._model_id(model)
         max_new, prefixes, shared = _batch_fields(max_new_tokens, prefix_len, offs)
-        first = self._take_seqs(count)
+        first = self._take_seqs(count, timeout_seconds)
         ids = np.arange(first, first + count, dtype=np.uint64)
         num_partitions = self.names.num_partitions
         msgs = []
@@ -166,10 +166,12 @@ class RemoteProducer:
         self._publish(msgs, ids, block, timeout_seconds)
         return ids
 
-    def _take_seqs(self, num_seqs: int) -> int:
+    def _take_seqs(self, num_seqs: int, timeout_seconds: float | None) -> int:
         first = self._seqs.take_reserved(num_seqs)
-        if first is None:
-            first = self._loop.call(self._seqs.take, num_seqs, timeout_seconds=self._loop.options.connect_timeout_seconds)
+        if first is None:  # a new block from the bucket, within the submit's timeout
+            wait = self.timeout_seconds if timeout_seconds is None else float(timeout_seconds)
+            first = self._loop.call(self._seqs.take, num_seqs, time.monotonic() + wait,
+                                    timeout_seconds=wait + CALL_MARGIN_SECONDS)
         return first
 
     def _model_id(self, model) -> int:
