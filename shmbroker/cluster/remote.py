@@ -32,7 +32,7 @@ from ..errors import BrokerError, Full
 from ..reader import RESULT_BATCH, Result, ResultBatch
 from ..ring.items import as_tokens, model_id
 from ..seen import SeenSet
-from .nats_loop import DEFAULT_SERVERS, NatsLoop, NatsOptions
+from .nats_loop import DEFAULT_SERVERS, NatsLoop, NatsOptions, require_nats
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
 from .subjects import (
@@ -78,6 +78,7 @@ class RemoteProducer:
         create_streams: bool = True,
     ):
         self.name = check_producer_name(name)
+        require_nats()  # the missing extra is named before anything else
         self.names = names or ClusterNames()
         self.settings = settings or StreamSettings()
         if partition_fn is None:
