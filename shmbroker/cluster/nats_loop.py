@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
+MAX_RECENT_ERRORS = 3
 _log = logging.getLogger(__name__)
 
 
@@ -82,6 +83,7 @@ class NatsLoop:
         self.num_disconnects = 0
         self.num_reconnects = 0
         self.last_error: BaseException | None = None
+        self.recent_errors: list[str] = []  # distinct messages, the last MAX_RECENT_ERRORS
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="shmbroker-nats", daemon=True)
@@ -92,7 +94,7 @@ class NatsLoop:
         except TimeoutError:
             # nats-py retries a refused initial connect (bad credentials) without end: the deadline ends it
             self.close()
-            why = f": {self.last_error}" if self.last_error is not None else ""
+            why = f": {'; '.join(self.recent_errors)}" if self.recent_errors else ""
             raise ConnectionError(f"no connection to NATS at {', '.join(options.servers)} within {wait:g} s{why}") from None
         except BaseException:
             self.close()
@@ -127,6 +129,9 @@ class NatsLoop:
     async def _on_error(self, exc: BaseException) -> None:
         self.num_errors += 1
         self.last_error = exc
+        text = f"{type(exc).__name__}: {exc}"
+        if text not in self.recent_errors:
+            self.recent_errors = (self.recent_errors + [text])[-MAX_RECENT_ERRORS:]
         _log.debug("nats: %s: %s", type(exc).__name__, exc)
 
     async def _on_disconnect(self) -> None:
