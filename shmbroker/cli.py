@@ -2,7 +2,8 @@
 
 Run the broker (supervise), check its configuration (config), feed it (submit) and read what it
 made (results), watch it (status, top), try it end to end on the simulated engine (demo), measure
-it against a baseline (bench), and compile its kernels ahead (warm)."""
+it against a baseline (bench), and compile its kernels ahead (warm). Past one host: submit and results
+with --cluster publish to and read from NATS JetStream; `nats` starts a local NATS server or cluster."""
 
 from __future__ import annotations
 
@@ -242,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default max_new_tokens of lines that give none")
     p.add_argument("--wait", action="store_true", help="also wait for every result and write them (see --out)")
     p.add_argument("--out", default=None, help="with --wait: results JSONL file (default: standard output)")
+    p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
+                   help="publish to a cluster's prompts stream on these NATS servers instead of a local broker")
     p.set_defaults(func=_commands("submit"))
     p = sub.add_parser("results", help="write the results a producer name has not read yet as JSONL")
     p.add_argument("--name", required=True, help="the producer name the prompts were submitted under")
@@ -249,7 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=2.0, help="stop once no result came for this many seconds")
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
+                   help="read the producer's results subject on these NATS servers instead of a local broker")
     p.set_defaults(func=_commands("results"))
+    p = sub.add_parser("nats", help="start a local NATS server (or a cluster) with JetStream in the foreground and print its URLs")
+    p.add_argument("--servers", type=int, choices=(1, 3), default=1, help="1 server, or a cluster of 3 (default 1)")
+    p.add_argument("--dir", default=None, help="where the servers keep their stores and logs (default: a temporary directory)")
+    p.set_defaults(func=_commands("nats"))
     p = sub.add_parser("status", help="one screen about a running broker: backlog, consumers, rates")
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")

@@ -26,7 +26,7 @@ from collections import deque
 import numpy as np
 
 from . import config
-from .client_checks import as_int, as_offsets, check_u32, is_one, per_item
+from .client_checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32
 from .errors import BrokerError, Full, NotRunning, PeerDead
 from .reader import Result, ResultReader
 from .registry import PROTOCOL_VERSION, request
@@ -230,16 +230,10 @@ class Producer(ResultReader):
         mid = self._models.get(model)
         if mid is None:
             mid = self._models.setdefault(model, model_id(model))
-        shared = is_one(max_new_tokens) and is_one(prefix_len)
+        max_new, prefixes, shared = batch_fields(max_new_tokens, prefix_len, offs)
         meta = np.zeros((1 if shared else count, L.META_WORDS), np.uint32)
-        meta[:, 0] = per_item(max_new_tokens, count, "max_new_tokens", shared)
-        if prefix_len is None:
-            meta[:, 1] = NO_PREFIX
-        else:
-            prefixes = per_item(prefix_len, count, "prefix_len", shared)
-            if np.any(prefixes > np.diff(offs)):
-                raise ValueError("prefix_len exceeds its item's length")
-            meta[:, 1] = prefixes
+        meta[:, 0] = max_new
+        meta[:, 1] = NO_PREFIX if prefixes is None else prefixes
         meta[:, 2] = mid
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         deadline = time.monotonic() + (timeout if block else 0.0)
@@ -276,14 +270,7 @@ class Producer(ResultReader):
             return out
 
     def _prefix(self, prefix_len, tokens) -> int:
-        value = as_int(prefix_len, "prefix_len")
-        try:
-            size = len(tokens)
-        except TypeError:
-            raise TypeError(f"tokens must be 1-D integer data, got {type(tokens).__name__}") from None
-        if not 0 <= value <= size:
-            raise ValueError(f"prefix_len must be in 0..{size} (the item's length), got {value}")
-        return value
+        return check_prefix_len(prefix_len, tokens)
 
     # -- lifetime --------------------------------------------------------------------
 

@@ -48,6 +48,32 @@ def per_item(value, count: int, what: str, shared: bool) -> np.ndarray:
     return arr
 
 
+def check_prefix_len(prefix_len, tokens) -> int:
+    """A declared prefix_len of one item, checked against its tokens."""
+    value = as_int(prefix_len, "prefix_len")
+    try:
+        size = len(tokens)
+    except TypeError:
+        raise TypeError(f"tokens must be 1-D integer data, got {type(tokens).__name__}") from None
+    if not 0 <= value <= size:
+        raise ValueError(f"prefix_len must be in 0..{size} (the item's length), got {value}")
+    return value
+
+
+def batch_fields(max_new_tokens, prefix_len, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """submit_many's per-item fields, checked: (max_new_tokens, prefix_len or None, shared), one
+    value each when `shared` (the same for every item), else one per item."""
+    count = offs.size - 1
+    shared = is_one(max_new_tokens) and is_one(prefix_len)
+    max_new = per_item(max_new_tokens, count, "max_new_tokens", shared)
+    if prefix_len is None:
+        return max_new, None, shared
+    prefixes = per_item(prefix_len, count, "prefix_len", shared)
+    if np.any(prefixes > np.diff(offs)):
+        raise ValueError("prefix_len exceeds its item's length")
+    return max_new, prefixes, shared
+
+
 def as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
     raw = offsets if isinstance(offsets, np.ndarray) else np.asarray(offsets)
     if raw.ndim != 1 or raw.size < 2:

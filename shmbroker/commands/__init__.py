@@ -3,8 +3,9 @@
     shmbroker submit prompts.jsonl [--trace] [--name N] [--wait [--out F]]
     shmbroker results --name N [--out F] [--timeout S]
     shmbroker status [--json]
+    shmbroker nats [--servers 1|3] [--dir D]
 
-One module a command (`submit`, `results`, `status`); what they share is in `common`.
+One module a command (`submit`, `results`, `status`, `local_nats`); what they share is in `common`.
 
 Exit status: 0 done; 1 some lines refused, a result missing, no broker; 2 a
 bad configuration, file or option.
@@ -12,8 +13,9 @@ bad configuration, file or option.
 
 from __future__ import annotations
 
+from .local_nats import nats
 from .results import results
 from .status import status
 from .submit import submit
 
-__all__ = ["results", "status", "submit"]
+__all__ = ["nats", "results", "status", "submit"]

@@ -39,6 +39,19 @@ def _data_dir(args) -> str | None:
         return None
 
 
+def _open_producer(args, name: str, data_dir: str, **kw):
+    """The producer a command submits and reads through: a `Producer` on the data directory's broker,
+    or with --cluster URL[,URL...] a `RemoteProducer` on those NATS servers. Raises BrokerError or
+    OSError (no broker, no server) and ValueError (a name the cluster refuses)."""
+    if getattr(args, "cluster", None):
+        from ..cluster.remote import RemoteProducer
+
+        return RemoteProducer(name, servers=tuple(u.strip() for u in args.cluster.split(",") if u.strip()), **kw)
+    from ..client import Producer
+
+    return Producer(name, data_dir=data_dir, **kw)
+
+
 ITEM_ID_RE = re.compile(rb'"item_id": (\d+)')
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .common import ResultSink, _data_dir, _err, _load_ids, _output, _result_row, _written_ids
+from .common import ResultSink, _data_dir, _err, _load_ids, _open_producer, _output, _result_row, _written_ids
 
 
 def results(args) -> int:
-    from ..client import Producer
     from ..errors import BrokerError
 
     data_dir = _data_dir(args)
@@ -16,8 +15,8 @@ def results(args) -> int:
         return 2
     ids = _load_ids(data_dir, args.name)
     try:
-        producer = Producer(args.name, data_dir=data_dir)
-    except BrokerError as exc:
+        producer = _open_producer(args, args.name, data_dir)
+    except (BrokerError, OSError, ValueError) as exc:
         _err(str(exc))
         return 1
     count = 0

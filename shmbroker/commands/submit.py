@@ -1,4 +1,5 @@
-"""`shmbroker submit`: push prompts from a JSONL file (or a Mooncake-format trace) to a running broker.
+"""`shmbroker submit`: push prompts from a JSONL file (or a Mooncake-format trace) to a running broker,
+or with --cluster to a cluster's prompts stream on NATS (a `RemoteProducer`).
 
 `submit` streams the file in chunks (`Producer.submit_many`); a bad line costs
 only itself (an error on stderr naming file and line).
@@ -17,7 +18,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..prompts import U32_MAX, LineError, Prompt, parse_line
-from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _output, _result_row, _written_ids
+from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _open_producer, _output, _result_row, _written_ids
 
 CHUNK_ITEMS = 1024  # prompts handed to submit_many at once
 CHUNK_TOKENS = 1 << 20
@@ -123,8 +124,9 @@ def _count_lines(path: str) -> int:
 class _Submission:
     """One `submit` run: pushes chunks, records ids, and (--wait) collects the results."""
 
-    def __init__(self, producer, idlog: _IdLog, out, path: str):
+    def __init__(self, producer, idlog: _IdLog, out, path: str, data_dir: str):
         self.producer = producer
+        self.data_dir = data_dir  # where the id sidecar lives (a remote producer's too)
         self.idlog = idlog
         self.out = out
         self.sink = None
@@ -198,7 +200,7 @@ class _Submission:
             self.outstanding.discard(r.item_id)
             ids = self.ids
             if r.item_id not in ids and self._old_ids is None:
-                self._old_ids = _load_ids(self.producer.data_dir, self.producer.name)  # an earlier run's
+                self._old_ids = _load_ids(self.data_dir, self.producer.name)  # an earlier run's
             if r.item_id not in ids:
                 ids = self._old_ids
             if self.sink.write(r.item_id, _result_row(r, ids)):
@@ -228,7 +230,6 @@ def _run_key(p: Prompt) -> tuple:
 
 
 def submit(args) -> int:
-    from ..client import Producer
     from ..errors import BrokerError, Full
 
     data_dir = _data_dir(args)
@@ -244,14 +245,18 @@ def submit(args) -> int:
     # name would come to this one)
     name = args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        producer = Producer(name, data_dir=data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
-    except BrokerError as exc:
+        producer = _open_producer(args, name, data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
+    except ValueError as exc:  # a producer name the cluster refuses
+        _err(str(exc))
+        return 2
+    except (BrokerError, OSError) as exc:
         _err(str(exc))
         return 1
-    _err(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name})")
+    where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
+    _err(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name}{where})")
     t0 = time.monotonic()
     idlog = _IdLog(data_dir, name)
-    job = _Submission(producer, idlog, None, args.file)
+    job = _Submission(producer, idlog, None, args.file, data_dir)
     complete = True
     try:
         with producer, (_output(args.out) if args.wait else nullcontext()) as out, _progress("submit") as bar:
@@ -287,7 +292,7 @@ def submit(args) -> int:
                     _err(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(job.outstanding)} items still "
                          f"without one (later: shmbroker results --name {name})")
     except Full as exc:
-        _err(f"the broker took no item for {SUBMIT_STALL_SECONDS:.0f} s ({exc}); stopped after "
+        _err(f"the {'cluster' if getattr(args, 'cluster', None) else 'broker'} took no item for {SUBMIT_STALL_SECONDS:.0f} s ({exc}); stopped after "
              f"{job.submitted} items: the rest of {args.file} was not submitted")
         return 1
     except BrokerError as exc:
