@@ -103,22 +103,27 @@ def _next_node(nd, y, top, c):
     """The node after y in a depth-first walk of top's subtree (a node before its children,
     children in order), leaving out the parts other consumers took over: (node or -1, whether
     it left any out)."""
-    skipped = False
-    z = nd[y].chead
-    while z != -1 and not _free_for(nd, z, c):
-        skipped = True
-        z = nd[z].snext
+    z, skipped = _free_sibling(nd, nd[y].chead, c)
     if z != -1:
         return z, skipped
     while y != top:
-        z = nd[y].snext
-        while z != -1 and not _free_for(nd, z, c):
-            skipped = True
-            z = nd[z].snext
+        z, passed = _free_sibling(nd, nd[y].snext, c)
+        skipped = skipped or passed
         if z != -1:
             return z, skipped
         y = nd[y].parent
     return -1, skipped
+
+
+@kernel(_nrt=False)
+def _free_sibling(nd, z, c):
+    """z, or the first sibling after it that no other consumer took over: (node or -1, whether it
+    passed any taken over)."""
+    skipped = False
+    while z != -1 and not _free_for(nd, z, c):
+        skipped = True
+        z = nd[z].snext
+    return z, skipped
 
 
 @kernel(_nrt=False)
