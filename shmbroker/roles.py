@@ -11,6 +11,7 @@ exporter) and broker.json name them by `Role.name`:
 | results | one                            | results          |
 | gpu     | one per consumer               | gpu-<consumer>   |
 | metrics | one, unless `metrics_addr` "" | metrics          |
+| bridge  | one, with a `[cluster]` table  | bridge           |
 
 Every role restarts the same way (`watchdog.RestartPolicy`). A name is built (`Role.name`) and read
 back (`parse`) only here.
@@ -28,11 +29,12 @@ class Kind(StrEnum):
     RESULTS = "results"
     GPU = "gpu"
     METRICS = "metrics"
+    BRIDGE = "bridge"
 
 
-# The order a graceful stop takes (supervisor.py's docstring says why): producers' rings drained
-# first, the exporter last.
-STOP_ORDER = (Kind.INGEST, Kind.SCHED, Kind.GPU, Kind.RESULTS, Kind.METRICS)
+# The order a graceful stop takes (supervisor.py's docstring says why): the cluster's bridge (a
+# producer of this broker) first, producers' rings drained next, the exporter last.
+STOP_ORDER = (Kind.BRIDGE, Kind.INGEST, Kind.SCHED, Kind.GPU, Kind.RESULTS, Kind.METRICS)
 _NUMBERED = (Kind.INGEST, Kind.GPU)  # the kinds with one role per ingest process or consumer
 
 
@@ -62,12 +64,14 @@ def gpu(c: int, consumer: str) -> Role:
 SCHED = Role(Kind.SCHED)
 RESULTS = Role(Kind.RESULTS)
 METRICS = Role(Kind.METRICS)
+BRIDGE = Role(Kind.BRIDGE)
 
 
-def broker_roles(num_ingest: int, consumers: list[str], metrics: bool) -> list[Role]:
+def broker_roles(num_ingest: int, consumers: list[str], metrics: bool, bridge: bool = False) -> list[Role]:
     """A broker's roles in start order (`consumers`: the consumers' names, in configuration order)."""
     return ([ingest(k) for k in range(num_ingest)] + [SCHED, RESULTS]
-            + [gpu(c, name) for c, name in enumerate(consumers)] + ([METRICS] if metrics else []))
+            + [gpu(c, name) for c, name in enumerate(consumers)] + ([METRICS] if metrics else [])
+            + ([BRIDGE] if bridge else []))
 
 
 def kind_of(name: str) -> Kind | None:

@@ -44,6 +44,8 @@ The defaults live in `config.py`; every key is documented in the README.
     mode = "packed"
     cache_tokens = 2097152
 
+`[cluster]` makes the broker a node of a cluster on NATS JetStream (its keys: cluster/options.py).
+
 `[[tiers]]` (a consumer's keys plus `min_memory_gib`, the smallest card the tier fits) and
 `[[gpus]]` (cards declared for when NVML cannot tell) are read here and used only by
 `supervise --gpus auto` (gpu/tiers.py); without it `[[consumers]]` stands as written.
@@ -72,6 +74,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from . import config
+from .cluster.options import ClusterConfig, parse_cluster
 from .errors import ConfigError
 from .gpu.engines import options
 from .gpu.engines.options import SimSettings
@@ -176,6 +179,7 @@ class BrokerConfig:
     source: str = "built-in default"
     tiers: tuple[Tier, ...] = ()  # [[tiers]]: a card's memory -> engine and contract (`supervise --gpus auto`)
     gpus: tuple[Card, ...] = ()  # [[gpus]]: cards declared for when NVML cannot tell
+    cluster: ClusterConfig | None = None  # [cluster]: this broker is a node of a cluster (cluster/options.py)
 
 
 def default_consumers() -> tuple[ConsumerConfig, ...]:
@@ -201,9 +205,17 @@ def load(path: str | os.PathLike | None = None, *, data_dir: str | None = None) 
     return parse(raw, where, data_dir=data_dir)
 
 
+SECRET_KEYS = ("password", "token")
+
+
 def as_dict(cfg: BrokerConfig) -> dict:
-    """The configuration as plain data (for `shmbroker config` and `status --json`)."""
-    return dataclasses.asdict(cfg)
+    """The configuration as plain data (for `shmbroker config`); secrets are shown as "***"."""
+    out = dataclasses.asdict(cfg)
+    nats = (out.get("cluster") or {}).get("nats", {})
+    for key in SECRET_KEYS:
+        if nats.get(key) is not None:
+            nats[key] = "***"
+    return out
 
 
 def parse(raw: dict, where: str = config.DEFAULT_CONFIG_FILE, *, data_dir: str | None = None) -> BrokerConfig:
@@ -280,6 +292,8 @@ def parse(raw: dict, where: str = config.DEFAULT_CONFIG_FILE, *, data_dir: str |
         out["tiers"] = _tiers(v, raw["tiers"])
     if "gpus" in raw:
         out["gpus"] = _gpus(v, raw["gpus"])
+    if "cluster" in raw:
+        out["cluster"] = parse_cluster(v, raw["cluster"], out.get("instance", config.DEFAULT_INSTANCE))
     return BrokerConfig(source=where, **out)
 
 

@@ -163,7 +163,32 @@ RESULTS = (
     _c("names_moved", "results_names_moved_total", "Times a producer name read far behind was moved to a log of its own."),
 )
 
-STATS = {Kind.GPU: GPU, Kind.INGEST: INGEST, Kind.SCHED: SCHED, Kind.RESULTS: RESULTS}
+BRIDGE = (  # a cluster node's bridge (cluster/bridge.py), one per node
+    _c("pulled", "bridge_pulled_items_total", "Prompts the bridge pulled from the cluster's prompts stream."),
+    _c("submitted", "bridge_submitted_items_total", "Pulled prompts submitted to this broker."),
+    _c("published", "bridge_published_results_total", "Results stored in the cluster's results stream."),
+    _c("acked", "bridge_acked_items_total", "Prompts acked to JetStream (each after its result was stored)."),
+    _c("refused", "bridge_refused_messages_total", "Prompt messages that did not decode (answered invalid when they name their item)."),
+    _c("invalid", "bridge_invalid_items_total", "Prompts this broker refused at submit (answered invalid)."),
+    _c("fenced", "bridge_fenced_items_total", "Staged prompts forgotten because their partition's lease was lost."),
+    _c("naked", "bridge_naked_items_total", "Staged prompts handed back to JetStream (a drain's deadline, a stop)."),
+    _c("unknown_results", "bridge_unknown_results_total",
+       "Local results of prompts this bridge no longer stages (fenced, or staged by an earlier bridge): dropped."),
+    _c("publish_errors", "bridge_publish_errors_total", "Result publishes that failed (retried)."),
+    _c("in_progress", "bridge_in_progress_total", "In-progress acks that kept staged prompts from redelivery."),
+    _c("leases_taken", "bridge_leases_taken_total", "Partition leases this node took."),
+    _c("leases_lost", "bridge_leases_lost_total", "Partition leases this node lost (a renewal found another owner)."),
+    _c("leases_released", "bridge_leases_released_total", "Partition leases this node gave up (placed elsewhere, a stop)."),
+    _c("nats_reconnects", "bridge_nats_reconnects_total", "Reconnections to the NATS servers."),
+    _g("partitions", "bridge_partitions", "Partitions this node leases now."),
+    _g("draining", "bridge_draining_partitions", "Leased partitions placed elsewhere, being drained."),
+    _g("live_nodes", "bridge_live_nodes", "Nodes whose heartbeat this node sees."),
+    _g("staged_items", "bridge_staged_items", "Prompts pulled and not yet answered (the staging window)."),
+    _g("stream_items", "bridge_stream_items", "Messages in the prompts stream on this node's partitions (JetStream's pending)."),
+    _g("connected", "bridge_connected", "1 while the bridge is connected to a NATS server."),
+)
+
+STATS = {Kind.GPU: GPU, Kind.INGEST: INGEST, Kind.SCHED: SCHED, Kind.RESULTS: RESULTS, Kind.BRIDGE: BRIDGE}
 for _kind, _fields in STATS.items():
     assert len(_fields) <= VALUE_WORDS, _kind
     assert len({f.key for f in _fields}) == len(_fields), _kind

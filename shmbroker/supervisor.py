@@ -14,7 +14,8 @@ Start:
 5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
 6. fork one process per role (`roles.py`): `ingest-K` (one per `ingest_processes`), `sched`,
    `results`, `gpu-<consumer>` (one per consumer) and `metrics` (the Prometheus exporter, unless
-   `metrics_addr` is ""); what a child runs is `wiring.run_child`'s. A child that
+   `metrics_addr` is "") and, with a `[cluster]` table, `bridge` (cluster/node.py: this broker is
+   a node of a cluster); what a child runs is `wiring.run_child`'s. A child that
    dies is restarted after a back-off, a child that is hung is killed first, and a role that
    crash-loops is reported (`watchdog.py`); why it died is logged and kept in its role slot (a
    child that fails writes the last line of its exception there on its way out). Children die
@@ -64,7 +65,7 @@ class Supervisor:
         self.data_dir = Path(cfg.data_dir)
         # the roles' names key the control segment's slots, broker.json and the logs (roles.py)
         self.role_of = {r.name: r for r in broker_roles(cfg.ingest_processes, [c.name for c in cfg.consumers],
-                                                        bool(cfg.metrics_addr))}
+                                                        bool(cfg.metrics_addr), cfg.cluster is not None)}
         self.roles = list(self.role_of)
         self.wiring: Wiring | None = None
         self.metrics_sock = None

@@ -129,6 +129,18 @@ def _ingest(ing: dict, rate: dict) -> Panel:
     return Panel(_pairs(rows), title="ingest", title_align="left")
 
 
+def _cluster(c: dict, rate: dict) -> Panel:
+    """A node's bridge: its partitions and leases, JetStream's pending, the bridge's rates."""
+    rows = [("node", c.get("node", "-")), ("partitions", f"{_num(c.get('partitions'))} of {_num(c.get('num_partitions'))}"
+                                           f" ({_num(c.get('draining'))} draining)"),
+            ("live nodes", _num(c.get("live_nodes"))), ("connected", "yes" if c.get("connected") else "NO"),
+            ("pending in JetStream", _num(c.get("stream_items"))), ("staged here", _num(c.get("staged_items"))),
+            ("pulled/s", _num(rate.get("pulled_per_second"), 1)), ("published/s", _num(rate.get("published_per_second"), 1)),
+            ("leases taken/lost", f"{_num(c.get('leases_taken'))} / {_num(c.get('leases_lost'))}"),
+            ("refused, fenced", f"{_num(c.get('refused'))}, {_num(c.get('fenced'))}")]
+    return Panel(_pairs(rows), title="cluster", title_align="left")
+
+
 def _processes(processes: list[dict]) -> Panel:
     t = Table(expand=True, box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, header_style="bold")
     for col in ("role", "pid", "alive", "restarts", "hung", "beat"):
@@ -179,8 +191,11 @@ def render(snapshot: dict, rates: dict) -> RenderableType:
         part.split_row(*(Layout(p) for p in row))
     backlog = _backlog(snapshot["backlog"])
     left = Layout(name="left")
-    left.split_column(Layout(backlog, size=backlog.renderable.row_count + 2),
-                      Layout(_ingest(snapshot["ingest"], rates.get("ingest", {}))))
+    parts = [Layout(backlog, size=backlog.renderable.row_count + 2)]
+    if snapshot.get("cluster"):
+        cluster = _cluster(snapshot["cluster"], rates.get("cluster", {}))
+        parts.append(Layout(cluster, size=cluster.renderable.row_count + 2))
+    left.split_column(*parts, Layout(_ingest(snapshot["ingest"], rates.get("ingest", {}))))
     right = Layout(name="right")
     right.split_column(Layout(_processes(snapshot["processes"]), size=len(snapshot["processes"]) + 3),
                        Layout(_rings(snapshot["rings"])))

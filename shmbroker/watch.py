@@ -75,6 +75,11 @@ def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], mod
                        "max_input_len": c.contract.max_input_len} for c, mode in zip(cfg.consumers, modes)],
         "rings": rings,
         "metrics_addr": metrics_addr,
+        "cluster": None if cfg.cluster is None else {
+            "node": cfg.cluster.node.node, "servers": list(cfg.cluster.nats.servers),
+            "num_partitions": cfg.cluster.names.num_partitions, "prompts_stream": cfg.cluster.names.prompts_stream,
+            "results_stream": cfg.cluster.names.results_stream, "lease_seconds": cfg.cluster.node.lease_seconds,
+            "staging_items": cfg.cluster.node.staging_items},
     }
 
 
@@ -194,6 +199,7 @@ class BrokerView:
             "backlog": backlog,
             "results": {**values.get("results", {}), "behind": self._behind()},
             "rings": self.rings(),
+            "cluster": None if self.desc.get("cluster") is None else {**self.desc["cluster"], **values.get("bridge", {})},
         }
 
     def _behind(self) -> list[dict]:
@@ -324,4 +330,9 @@ def rates(a: dict, b: dict) -> dict:
                                   "tokens_per_second": per_s(x, y, "tokens"),
                                   "batches_per_second": per_s(x, y, "batches"),
                                   "busy_fraction": min(1.0, busy / 1e9)}
+    if b.get("cluster") and a.get("cluster"):  # a node's bridge
+        out["cluster"] = {f"{k}_per_second": per_s(a["cluster"], b["cluster"], k) for k in BRIDGE_RATES}
     return out
+
+
+BRIDGE_RATES = ("pulled", "published", "acked")

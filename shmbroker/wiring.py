@@ -123,8 +123,14 @@ def _run_metrics(w: Wiring, role: Role, slot) -> None:
     metrics_main(BrokerView(w.cfg.data_dir, w.desc, w.control), w.metrics_sock, slot, stopping)
 
 
+def _run_bridge(w: Wiring, role: Role, slot) -> None:
+    from .cluster.node import bridge_main
+
+    bridge_main(w.cfg, w.control, stopping)
+
+
 MAINS = {Kind.INGEST: _run_ingest, Kind.SCHED: _run_sched, Kind.RESULTS: _run_results, Kind.GPU: _run_gpu,
-         Kind.METRICS: _run_metrics}
+         Kind.METRICS: _run_metrics, Kind.BRIDGE: _run_bridge}
 
 
 def run_child(w: Wiring, role: Role, slot) -> None:

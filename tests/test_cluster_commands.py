@@ -21,7 +21,8 @@ from shmbroker.cli import main
 pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbroker[cluster]')")
 
 from shmbroker.cluster import streams, subjects  # noqa: E402
-from shmbroker.cluster.nats_loop import NatsLoop, NatsOptions  # noqa: E402
+from shmbroker.cluster.nats_loop import NatsLoop  # noqa: E402
+from shmbroker.cluster.options import NatsOptions  # noqa: E402
 from shmbroker.cluster.subjects import ClusterNames, StreamSettings  # noqa: E402
 
 SMALL = StreamSettings(prompts_max_bytes=16 << 20, results_max_bytes=16 << 20)

@@ -17,7 +17,8 @@ from shmbroker.errors import BrokerError, ConfigError, Full
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbroker[cluster]')")
 
 from shmbroker.cluster import subjects  # noqa: E402
-from shmbroker.cluster.nats_loop import NatsLoop, NatsOptions, require_nats  # noqa: E402
+from shmbroker.cluster.nats_loop import NatsLoop, require_nats  # noqa: E402
+from shmbroker.cluster.options import NatsOptions  # noqa: E402
 from shmbroker.cluster.subjects import ClusterNames, StreamSettings, decode_prompt, decode_result, encode_result  # noqa: E402
 
 _ids = itertools.count()

@@ -15,7 +15,8 @@ pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbr
 
 from nats.js.api import StreamConfig  # noqa: E402
 
-from shmbroker.cluster.nats_loop import NatsLoop, NatsOptions  # noqa: E402
+from shmbroker.cluster.nats_loop import NatsLoop  # noqa: E402
+from shmbroker.cluster.options import NatsOptions  # noqa: E402
 from shmbroker.cluster.remote import RemoteProducer  # noqa: E402
 from shmbroker.cluster.servers import NatsServers  # noqa: E402
 from shmbroker.cluster.subjects import StreamSettings  # noqa: E402

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .options import NatsOptions
 
-DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
 MAX_RECENT_ERRORS = 3
 _log = logging.getLogger(__name__)
 
@@ -29,44 +28,25 @@ def require_nats():
     return nats
 
 
-@dataclass(frozen=True)
-class NatsOptions:
-    """How to reach and authenticate to the NATS servers (credentials optional; TLS when a CA or cert is given)."""
-
-    servers: tuple[str, ...] = DEFAULT_SERVERS
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    nkeys_seed_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    name: str | None = None  # the connection's name in the servers' monitoring
-    connect_timeout_seconds: float = 5.0
-    reconnect_wait_seconds: float = 0.5
-    max_reconnect_attempts: int = 120  # with the wait above: about a minute without any server, then closed
-
-    def __post_init__(self):
-        if isinstance(self.servers, str):
-            object.__setattr__(self, "servers", (self.servers,))
-        if not self.servers or not all(isinstance(s, str) and s for s in self.servers):
-            raise ConfigError(f"servers must be one or more nats:// URLs, got {self.servers!r}")
-        if (self.user is None) != (self.password is None):
-            raise ConfigError("user and password go together")
-        if self.tls_key_file is not None and self.tls_cert_file is None:
-            raise ConfigError("tls_key_file needs tls_cert_file")
-        if self.max_reconnect_attempts < 0 or not self.connect_timeout_seconds > 0:
-            raise ConfigError("max_reconnect_attempts must be >= 0 and connect_timeout_seconds positive")
-
-    def tls_context(self):
-        if self.tls_ca_file is None and self.tls_cert_file is None:
-            return None
-        import ssl
-
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca_file)
-        if self.tls_cert_file is not None:
-            ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
-        return ctx
+async def connect(nats, o: NatsOptions, **callbacks):
+    """A nats connection by the options (on the running loop); ConnectionError naming the servers."""
+    kwargs = dict(servers=list(o.servers), name=o.name, connect_timeout=o.connect_timeout_seconds,
+                  reconnect_time_wait=o.reconnect_wait_seconds, max_reconnect_attempts=o.max_reconnect_attempts,
+                  allow_reconnect=True, tls=o.tls_context(), **callbacks)
+    if o.user is not None:
+        kwargs.update(user=o.user, password=o.password)
+    if o.token is not None:
+        kwargs["token"] = o.token
+    if o.nkeys_seed_file is not None:
+        try:
+            import nkeys  # noqa: F401  (nats-py signs with it; not a dependency of nats-py itself)
+        except ImportError:
+            raise ConfigError("nkeys credentials need the nkeys package: pip install 'nats-py[nkeys]'") from None
+        kwargs["nkeys_seed"] = o.nkeys_seed_file
+    try:
+        return await nats.connect(**kwargs)
+    except Exception as exc:
+        raise ConnectionError(f"cannot connect to NATS at {', '.join(o.servers)}: {type(exc).__name__}: {exc}") from None
 
 
 class NatsLoop:
@@ -105,25 +85,8 @@ class NatsLoop:
         self._loop.run_forever()
 
     async def _connect(self) -> None:
-        o = self.options
-        kwargs = dict(servers=list(o.servers), name=o.name, connect_timeout=o.connect_timeout_seconds,
-                      reconnect_time_wait=o.reconnect_wait_seconds, max_reconnect_attempts=o.max_reconnect_attempts,
-                      allow_reconnect=True, error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-                      reconnected_cb=self._on_reconnect, tls=o.tls_context())
-        if o.user is not None:
-            kwargs.update(user=o.user, password=o.password)
-        if o.token is not None:
-            kwargs["token"] = o.token
-        if o.nkeys_seed_file is not None:
-            try:
-                import nkeys  # noqa: F401  (nats-py signs with it; not a dependency of nats-py itself)
-            except ImportError:
-                raise ConfigError("nkeys credentials need the nkeys package: pip install 'nats-py[nkeys]'") from None
-            kwargs["nkeys_seed"] = o.nkeys_seed_file
-        try:
-            self.nc = await self.nats.connect(**kwargs)
-        except Exception as exc:
-            raise ConnectionError(f"cannot connect to NATS at {', '.join(o.servers)}: {type(exc).__name__}: {exc}") from None
+        self.nc = await connect(self.nats, self.options, error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+                                reconnected_cb=self._on_reconnect)
         self.js = self.nc.jetstream()
 
     async def _on_error(self, exc: BaseException) -> None:

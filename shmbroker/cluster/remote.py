@@ -32,7 +32,8 @@ from ..errors import BrokerError, Full
 from ..reader import RESULT_BATCH, Result, ResultBatch
 from ..ring.items import as_tokens, model_id
 from ..seen import SeenSet
-from .nats_loop import DEFAULT_SERVERS, NatsLoop, NatsOptions, require_nats
+from .nats_loop import NatsLoop, require_nats
+from .options import DEFAULT_SERVERS, NatsOptions
 from .partition import partition_of
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks

@@ -108,6 +108,15 @@ def _render(report: dict) -> None:
             ("backlog", "pending items", _fmt(bl["pending_items"])), ("", "pending tokens", _fmt(bl["pending_tokens"])),
             ("", "families", _fmt(bl["families"])), ("", "oldest age s", _fmt(bl["oldest_age_seconds"])),
             ("", "on disk", format_bytes(bl["disk_bytes"])), ("", "segment files", _fmt(bl["segments"]))]
+    c = report.get("cluster")
+    if c:
+        crate = report["rates"].get("cluster", {})
+        rows += [("cluster", "node", c["node"]), ("", "partitions held", _fmt(c.get("partitions"))),
+                 ("", "draining", _fmt(c.get("draining"))), ("", "live nodes", _fmt(c.get("live_nodes"))),
+                 ("", "pending in JetStream", _fmt(c.get("stream_items"))), ("", "staged here", _fmt(c.get("staged_items"))),
+                 ("", "pulled/s", _fmt(crate.get("pulled_per_second"))), ("", "published/s", _fmt(crate.get("published_per_second"))),
+                 ("", "leases taken / lost", f"{_fmt(c.get('leases_taken'))} / {_fmt(c.get('leases_lost'))}"),
+                 ("", "refused messages", _fmt(c.get("refused"))), ("", "connected", "yes" if c.get("connected") else "NO")]
     for row in rows:
         t.add_row(*row)
     console.print(t)

@@ -1,0 +1,376 @@
+"""A broker node's bridge: the partitions it leases, pulled from JetStream into the local backlog,
+and their results published back to each producer's results subject.
+
+One asyncio program (the bridge process's, `node.py`; the broker's other loops stay synchronous):
+
+- **coordinate**, every `lease_seconds / 3`: beat (with the pending tokens of the partitions held),
+  renew the leases, place the partitions over the live nodes (`placement.assign`, bounded loads
+  over what the owners report), take the ones placed here whose lease is free or expired, and
+  drain the ones placed elsewhere (stop pulling; release once nothing of it is staged here);
+- **pull**: one task per partition held fetches from its durable consumer `part-<p>` while the
+  staging window (`staging_items`) has room;
+- **submit** each prompt to the local broker through a local `Producer` (the ingest ring and the
+  append path every producer on this host uses);
+- **deliver**: each local result is published to `<prefix>.results.<producer>` with message id
+  `<producer>:<seq>`, and once JetStream has stored it (its PubAck) the prompt is acked.
+
+**When a prompt is acked**: only after its result is stored in the results stream. A node that
+dies for good loses nothing: its unacked prompts are redelivered (after `ack_wait_seconds`) to the
+node that leases the partition next. The cost is that such an item may run twice; its second
+result carries the same message id and the results stream drops it within its duplicate window
+(the client also drops a repeated seq). The node's backlog is therefore a staging window, bounded
+by `staging_items` here and `max_ack_pending` per partition in JetStream; a staged prompt is kept
+alive with `in_progress` every `ack_wait_seconds / 3`.
+
+**The fence**: a result is published only while its partition's lease is fresh
+(`Leases.fresh`). A node paused past its lease wakes, fails to renew, and forgets what it staged
+of the partitions it lost (`fenced`): their new owner runs them and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import Full
+from . import placement, subjects
+from .publisher import AckedPublisher, PublishRefused
+
+log = logging.getLogger("shmbroker.bridge")
+
+PULL_SECONDS = 1.0  # a pull request's wait when its partition has nothing
+PULL_BATCH = 256  # prompts one fetch asks for at most
+ROOM_WAIT_SECONDS = 0.02  # a puller's sleep while the staging window is full
+DELIVER_BATCH = 1024  # local results taken per round at most
+DRAIN_SECONDS = 60.0  # a partition placed elsewhere is released after this at the latest (the rest nak'ed)
+TOKENS_GUESS = 1.0  # a partition's mean tokens per item before any was pulled
+
+
+@dataclass
+class Staged:
+    """A prompt pulled from JetStream, waiting for its local result."""
+
+    msg: object  # the JetStream message, acked once the result is stored
+    producer: str
+    seq: int
+    partition: int
+    num_tokens: int
+    touched_at: float
+
+
+class Bridge:
+    """The node's side of the cluster (module docstring); `counts` feed the BRIDGE statistics."""
+
+    def __init__(self, js, nc, leases, names, streams, node, local, *, clock=time.monotonic):
+        self.js = js
+        self.leases = leases
+        self.names = names  # subjects.ClusterNames
+        self.streams = streams  # subjects.StreamSettings
+        self.node = node  # options.NodeSettings
+        self.local = local  # the local broker's Producer
+        self.clock = clock
+        self.pub = AckedPublisher(nc)
+        self.staged: dict[int, Staged] = {}  # local item id -> staged prompt
+        self.waiting: deque = deque()  # (partition, msg) pulled, not yet submitted (the local ring was full)
+        self.pullers: dict[int, asyncio.Task] = {}
+        self.draining: dict[int, float] = {}  # partition -> when its draining began
+        self.unsent: deque = deque()  # (local id, Result) to publish (again)
+        self.inflight: deque = deque()  # (local id, PubAck future)
+        self.mean_tokens: dict[int, float] = {}  # partition -> mean tokens per item pulled
+        self.stream_items: dict[int, int] = {}  # partition -> messages in the prompts stream (last looked)
+        self.counts = dict.fromkeys(("pulled", "submitted", "published", "acked", "refused", "invalid", "fenced",
+                                     "unknown_results", "publish_errors", "in_progress", "naked"), 0)
+        self._next_coordinate = 0.0
+        self._next_touch = 0.0
+
+    # -- ownership -----------------------------------------------------------------------
+
+    def loads(self) -> dict[int, float]:
+        """The pending tokens of each partition held: its messages in the stream (they include what
+        is staged here) times its mean item length."""
+        return {p: float(int(self.stream_items.get(p, 0) * self.mean_tokens.get(p, TOKENS_GUESS)))
+                for p in self.leases.held}
+
+    async def _look(self) -> None:
+        """Messages in the prompts stream per partition (one request for all)."""
+        try:
+            info = await self.js.stream_info(self.names.prompts_stream, subjects_filter=self.names.prompts_subjects)
+        except Exception as exc:  # a server going away: keep the last figures
+            log.debug("stream info: %s", exc)
+            return
+        counts = {}
+        for subject, n in (info.state.subjects or {}).items():
+            try:
+                counts[self.names.partition_of_subject(subject)] = int(n)
+            except ValueError:
+                continue
+        self.stream_items = counts
+
+    async def coordinate(self) -> None:
+        """Beat, renew, place, take and drain (module docstring)."""
+        from .streams import ensure_partition_consumer
+
+        await self._look()
+        await self.leases.beat(self.loads())
+        for p in await self.leases.renew():
+            log.warning("partition %d: lease lost; forgetting what is staged of it here", p)
+            self._fence(p)
+        nodes = self.leases.live_nodes()
+        reported = self.leases.loads()
+        weights = [1.0 + reported.get(p, 0.0) for p in range(self.names.num_partitions)]
+        owners = self.leases.owners()
+        current = [owners.get(p) for p in range(self.names.num_partitions)]
+        placed = placement.assign(weights, nodes, epsilon=self.node.epsilon, current=current)
+        taken, drained = [], []
+        for p, owner in enumerate(placed):
+            if owner == self.node.node:
+                if p not in self.leases.held and await self.leases.take(p):
+                    taken.append(p)
+                    await ensure_partition_consumer(self.js, self.names, self.streams, p)
+                    self.draining.pop(p, None)
+                if p in self.leases.held and p not in self.pullers and p not in self.draining:
+                    self.pullers[p] = asyncio.ensure_future(self._pull(p))
+            elif p in self.leases.held and p not in self.draining:
+                drained.append(p)
+                self.draining[p] = self.clock()
+                self._stop_puller(p)
+        if taken or drained:
+            log.info("node %s (of %d live): took partitions %s, draining %s; holds %d", self.node.node, len(nodes),
+                     _ranges(taken), _ranges(drained), len(self.leases.held))
+        now = self.clock()
+        for p, since in list(self.draining.items()):
+            left = [i for i, st in self.staged.items() if st.partition == p]
+            if left and now - since < DRAIN_SECONDS:
+                continue
+            for i in left:
+                await self.staged.pop(i).msg.nak()
+            self.counts["naked"] += len(left)
+            self._forget_waiting(p)
+            await self.leases.release(p)
+            del self.draining[p]
+
+    def _stop_puller(self, p: int) -> None:
+        task = self.pullers.pop(p, None)
+        if task is not None:
+            task.cancel()
+
+    def _forget_waiting(self, p: int) -> int:
+        kept = deque((q, m) for q, m in self.waiting if q != p)
+        n = len(self.waiting) - len(kept)
+        self.waiting = kept
+        return n
+
+    def _fence(self, p: int) -> None:
+        """Partition p's lease is gone: stop pulling it, forget what is staged of it (no ack, no
+        result from here; the local results that still come are dropped as unknown)."""
+        self._stop_puller(p)
+        self.draining.pop(p, None)
+        gone = [i for i, st in self.staged.items() if st.partition == p]
+        for i in gone:
+            del self.staged[i]
+        self.counts["fenced"] += len(gone) + self._forget_waiting(p)
+
+    # -- prompts in ------------------------------------------------------------------------
+
+    def room(self) -> int:
+        return self.node.staging_items - len(self.staged) - len(self.waiting)
+
+    async def _pull(self, p: int) -> None:
+        """Fetch partition p's prompts into `waiting` while the staging window has room."""
+        import nats.errors
+
+        sub = await self.js.pull_subscribe_bind(self.names.partition_consumer(p), self.names.prompts_stream)
+        try:
+            while True:
+                room = self.room()
+                if room <= 0:
+                    await asyncio.sleep(ROOM_WAIT_SECONDS)
+                    continue
+                try:
+                    msgs = await sub.fetch(min(room, PULL_BATCH), timeout=PULL_SECONDS)
+                except nats.errors.TimeoutError:
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                    log.debug("partition %d: fetch: %s", p, exc)
+                    await asyncio.sleep(PULL_SECONDS)
+                    continue
+                if p not in self.leases.held or p in self.draining:
+                    for m in msgs:
+                        await m.nak()
+                    return
+                self.waiting.extend((p, m) for m in msgs)
+                self.counts["pulled"] += len(msgs)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection is gone, the subscription with it
+                pass
+
+    async def submit(self) -> int:
+        """Submit what was pulled to the local broker; stops at a full local ring."""
+        n = 0
+        now = self.clock()
+        while self.waiting:
+            p, msg = self.waiting[0]
+            try:
+                prompt = subjects.decode_prompt(msg.data)
+                producer = subjects.check_producer_name((msg.headers or {}).get(subjects.HEADER_PRODUCER))
+            except ValueError as exc:
+                self.waiting.popleft()
+                await self._refuse(msg, str(exc))
+                continue
+            model = (msg.headers or {}).get(subjects.HEADER_MODEL)
+            try:
+                local_id = self.local.submit(prompt.tokens, max_new_tokens=prompt.max_new_tokens,
+                                             prefix_len=prompt.prefix_len, model=model, block=False)
+            except Full:
+                break  # the local ring is full: the rest waits for the next round
+            except (TypeError, ValueError) as exc:  # the local broker's own checks (a model it has no slot for)
+                self.waiting.popleft()
+                self.counts["invalid"] += 1
+                self.unsent.append((None, (producer, prompt.seq, "invalid", (), str(exc), msg)))
+                continue
+            self.waiting.popleft()
+            mean = self.mean_tokens.get(p, float(prompt.tokens.size))
+            self.mean_tokens[p] = 0.99 * mean + 0.01 * prompt.tokens.size
+            self.staged[int(local_id)] = Staged(msg, producer, prompt.seq, p, int(prompt.tokens.size), now)
+            n += 1
+        self.counts["submitted"] += n
+        return n
+
+    async def _refuse(self, msg, why: str) -> None:
+        """A prompt message that does not decode: answered `invalid` when its message id names its
+        producer and seq, then terminated (delivered again it would fail again)."""
+        self.counts["refused"] += 1
+        log.warning("a prompt message refused: %s", why)
+        try:
+            producer, seq = subjects.parse_msg_id((msg.headers or {}).get(subjects.HEADER_MSG_ID, ""))
+        except ValueError:
+            await msg.term()
+            return
+        self.unsent.append((None, (producer, seq, "invalid", (), f"malformed prompt message: {why}", msg)))
+
+    # -- results out -----------------------------------------------------------------------
+
+    async def deliver(self) -> int:
+        """Publish the local results (and the answers to refused prompts), then ack each prompt
+        once its result is stored; the number acked."""
+        n = 0
+        for r in self.local.results(0.0, auto_ack=False):
+            st = self.staged.get(int(r.item_id))
+            if st is None:
+                self.counts["unknown_results"] += 1
+            else:
+                self.unsent.append((int(r.item_id), r))
+            n += 1
+            if n >= DELIVER_BATCH:
+                break
+        if n:
+            self.local.ack()  # kept here (unsent, inflight) until stored; a crash: the prompts come again
+        while self.unsent and self.pub.has_slot:
+            local_id, r = self.unsent[0]
+            if local_id is None:
+                producer, seq, status, tokens, error, _msg = r
+            else:
+                st = self.staged.get(local_id)
+                if st is None or not self.leases.fresh(st.partition):
+                    self.unsent.popleft()  # fenced meanwhile
+                    if st is not None:
+                        self._fence(st.partition)
+                    continue
+                producer, seq, status, tokens, error = st.producer, st.seq, r.status, r.tokens, r.error
+            payload = subjects.encode_result(seq, status, tokens, error)
+            try:
+                future = await self.pub.publish(self.names.result_subject(producer), payload,
+                                                {subjects.HEADER_MSG_ID: subjects.msg_id(producer, seq)})
+            except Exception as exc:  # reconnecting: try again next round
+                log.debug("result publish: %s", exc)
+                break
+            self.unsent.popleft()
+            self.inflight.append((local_id, r, future))
+        return await self._settle()
+
+    async def _settle(self) -> int:
+        """Ack the prompts whose results JetStream stored; a refused publish goes again."""
+        acked = 0
+        while self.inflight and self.inflight[0][2].done():
+            local_id, r, future = self.inflight.popleft()
+            error = None if future.cancelled() else future.exception()
+            if future.cancelled() or error is not None:
+                self.counts["publish_errors"] += 1
+                if not isinstance(error, PublishRefused) or error.retryable:
+                    self.unsent.append((local_id, r))
+                else:
+                    log.error("a result was refused for good: %s", error)
+                continue
+            self.counts["published"] += 1
+            msg = r[5] if local_id is None else self.staged.pop(local_id).msg if local_id in self.staged else None
+            if msg is not None:
+                await msg.ack()
+                acked += 1
+        self.counts["acked"] += acked
+        return acked
+
+    async def touch(self) -> None:
+        """Keep staged prompts alive in JetStream while their results take long."""
+        now = self.clock()
+        if now < self._next_touch:
+            return
+        every = self.streams.ack_wait_seconds / 3
+        self._next_touch = now + every / 2
+        old = [st for st in self.staged.values() if now - st.touched_at > every]
+        for st in old:
+            await st.msg.in_progress()
+            st.touched_at = now
+        for _p, m in self.waiting:
+            await m.in_progress()
+        self.counts["in_progress"] += len(old) + len(self.waiting)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def round(self) -> int:
+        now = self.clock()
+        if now >= self._next_coordinate:
+            self._next_coordinate = now + self.node.lease_seconds / 3
+            await self.coordinate()
+        moved = await self.submit()
+        moved += await self.deliver()
+        await self.touch()
+        return moved
+
+    async def stop(self, deadline_seconds: float) -> None:
+        """A graceful stop: pull no more, deliver what comes until the deadline, nak the rest,
+        release every lease and leave (peers take the partitions at once)."""
+        for p in list(self.pullers):
+            self._stop_puller(p)
+        end = self.clock() + deadline_seconds
+        while (self.staged or self.inflight or self.unsent) and self.clock() < end:
+            if not await self.deliver():
+                await asyncio.sleep(0.01)
+        left = list(self.staged.values()) + [m for _p, m in self.waiting]
+        for st in left:
+            await (st.msg if isinstance(st, Staged) else st).nak()
+        self.counts["naked"] += len(left)
+        self.staged.clear()
+        self.waiting.clear()
+        await self.leases.leave()
+        await self.pub.close()
+
+    @property
+    def num_draining(self) -> int:
+        return len(self.draining)
+
+
+def _ranges(ps: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (for the log)."""
+    out, start = [], None
+    for i, p in enumerate(ps):
+        if start is None:
+            start = p
+        if i + 1 == len(ps) or ps[i + 1] != p + 1:
+            out.append(f"{start}-{p}" if p != start else str(p))
+            start = None
+    return ",".join(out) or "none"
