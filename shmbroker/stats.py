@@ -175,6 +175,8 @@ BRIDGE = (  # a cluster node's bridge (cluster/bridge.py), one per node
     _c("unknown_results", "bridge_unknown_results_total",
        "Local results of prompts this bridge no longer stages (fenced, or staged by an earlier bridge): dropped."),
     _c("publish_errors", "bridge_publish_errors_total", "Result publishes that failed (retried)."),
+    _c("pull_errors", "bridge_pull_errors_total",
+       "Pulls that failed (a server going away, a consumer's leader moving; retried after a pause)."),
     _c("in_progress", "bridge_in_progress_total", "In-progress acks that kept staged prompts from redelivery."),
     _c("leases_taken", "bridge_leases_taken_total", "Partition leases this node took."),
     _c("leases_lost", "bridge_leases_lost_total", "Partition leases this node lost (a renewal found another owner)."),

@@ -329,6 +329,10 @@ def engine_modes(cfg) -> list[str]:
 
 
 def supervise(cfg) -> int:
+    if cfg.cluster is not None:  # a node: the missing extra is named before anything starts
+        from .cluster.nats_loop import require_nats
+
+        require_nats()
     sup = Supervisor(cfg, engine_modes(cfg))
     sup.catch_stop()
     sup.start()

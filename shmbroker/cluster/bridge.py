@@ -46,7 +46,8 @@ PULL_BATCH = 256  # prompts one fetch asks for at most
 ROOM_WAIT_SECONDS = 0.02  # a puller's sleep while the staging window is full
 DELIVER_BATCH = 1024  # local results taken per round at most
 DRAIN_SECONDS = 60.0  # a partition placed elsewhere is released after this at the latest (the rest nak'ed)
-TOKENS_GUESS = 1.0  # a partition's mean tokens per item before any was pulled
+TOKENS_GUESS = 1.0
+COORDINATE_RETRY_SECONDS = 0.2  # a coordination that failed (a server going away) is tried again after this  # a partition's mean tokens per item before any was pulled
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Bridge:
         self.mean_tokens: dict[int, float] = {}  # partition -> mean tokens per item pulled
         self.stream_items: dict[int, int] = {}  # partition -> messages in the prompts stream (last looked)
         self.counts = dict.fromkeys(("pulled", "submitted", "published", "acked", "refused", "invalid", "fenced",
-                                     "unknown_results", "publish_errors", "in_progress", "naked"), 0)
+                                     "unknown_results", "publish_errors", "pull_errors", "in_progress", "naked"), 0)
         self._next_coordinate = 0.0
         self._next_touch = 0.0
 
@@ -131,7 +132,8 @@ class Bridge:
                     taken.append(p)
                     await ensure_partition_consumer(self.js, self.names, self.streams, p)
                     self.draining.pop(p, None)
-                if p in self.leases.held and p not in self.pullers and p not in self.draining:
+                puller = self.pullers.get(p)
+                if p in self.leases.held and p not in self.draining and (puller is None or puller.done()):
                     self.pullers[p] = asyncio.ensure_future(self._pull(p))
             elif p in self.leases.held and p not in self.draining:
                 drained.append(p)
@@ -179,10 +181,11 @@ class Bridge:
         return self.node.staging_items - len(self.staged) - len(self.waiting)
 
     async def _pull(self, p: int) -> None:
-        """Fetch partition p's prompts into `waiting` while the staging window has room."""
+        """Fetch partition p's prompts into `waiting` while the staging window has room. Any error
+        (a server going away, a consumer's leader moving) is waited out: only cancelling ends it."""
         import nats.errors
 
-        sub = await self.js.pull_subscribe_bind(self.names.partition_consumer(p), self.names.prompts_stream)
+        sub = None
         try:
             while True:
                 room = self.room()
@@ -190,11 +193,16 @@ class Bridge:
                     await asyncio.sleep(ROOM_WAIT_SECONDS)
                     continue
                 try:
+                    if sub is None:
+                        sub = await self.js.pull_subscribe_bind(self.names.partition_consumer(p), self.names.prompts_stream)
                     msgs = await sub.fetch(min(room, PULL_BATCH), timeout=PULL_SECONDS)
                 except nats.errors.TimeoutError:
                     continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-                    log.debug("partition %d: fetch: %s", p, exc)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - waited out, counted
+                    self.counts["pull_errors"] += 1
+                    log.debug("partition %d: pull: %s: %s", p, type(exc).__name__, exc)
                     await asyncio.sleep(PULL_SECONDS)
                     continue
                 if p not in self.leases.held or p in self.draining:
@@ -204,10 +212,11 @@ class Bridge:
                 self.waiting.extend((p, m) for m in msgs)
                 self.counts["pulled"] += len(msgs)
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection is gone, the subscription with it
-                pass
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # the connection is gone, the subscription with it
+                    pass
 
     async def submit(self) -> int:
         """Submit what was pulled to the local broker; stops at a full local ring."""
@@ -218,6 +227,9 @@ class Bridge:
             try:
                 prompt = subjects.decode_prompt(msg.data)
                 producer = subjects.check_producer_name((msg.headers or {}).get(subjects.HEADER_PRODUCER))
+                ident = (msg.headers or {}).get(subjects.HEADER_MSG_ID)
+                if ident != subjects.msg_id(producer, prompt.seq):
+                    raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
             except ValueError as exc:
                 self.waiting.popleft()
                 await self._refuse(msg, str(exc))
@@ -270,16 +282,18 @@ class Bridge:
                 break
         if n:
             self.local.ack()  # kept here (unsent, inflight) until stored; a crash: the prompts come again
+        held_back = []  # results of partitions whose lease is not fresh: published once it is renewed
         while self.unsent and self.pub.has_slot:
             local_id, r = self.unsent[0]
             if local_id is None:
                 producer, seq, status, tokens, error, _msg = r
             else:
                 st = self.staged.get(local_id)
-                if st is None or not self.leases.fresh(st.partition):
-                    self.unsent.popleft()  # fenced meanwhile
-                    if st is not None:
-                        self._fence(st.partition)
+                if st is None:  # fenced meanwhile
+                    self.unsent.popleft()
+                    continue
+                if not self.leases.fresh(st.partition):
+                    held_back.append(self.unsent.popleft())
                     continue
                 producer, seq, status, tokens, error = st.producer, st.seq, r.status, r.tokens, r.error
             payload = subjects.encode_result(seq, status, tokens, error)
@@ -291,6 +305,7 @@ class Bridge:
                 break
             self.unsent.popleft()
             self.inflight.append((local_id, r, future))
+        self.unsent.extend(held_back)
         return await self._settle()
 
     async def _settle(self) -> int:
@@ -335,7 +350,13 @@ class Bridge:
         now = self.clock()
         if now >= self._next_coordinate:
             self._next_coordinate = now + self.node.lease_seconds / 3
-            await self.coordinate()
+            try:
+                await self.coordinate()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a server going away: the next round tries again
+                log.warning("coordinate: %s: %s", type(exc).__name__, exc)
+                self._next_coordinate = now + COORDINATE_RETRY_SECONDS
         moved = await self.submit()
         moved += await self.deliver()
         await self.touch()

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger("shmbroker.bridge")
 
 NODE_PREFIX = "node."
 PART_PREFIX = "part."
@@ -154,6 +157,8 @@ class Leases:
 
     async def renew(self) -> list[int]:
         """Renew every lease held; the partitions lost (someone else's write came first)."""
+        import nats.errors
+        import nats.js.errors
         from nats.js.errors import KeyWrongLastSequenceError
 
         lost = []
@@ -166,6 +171,10 @@ class Leases:
                 del self.held[p]
                 self.renewed_at.pop(p, None)
                 lost.append(p)
+            except (TimeoutError, nats.errors.Error, nats.js.errors.APIError) as exc:
+                # no answer (a server going away): held still, not fresh once the lease time passes
+                # without a renewal; tried again next round
+                log.debug("partition %d: renewal: %s", p, exc)
         self.num_lost += len(lost)
         return lost
 
