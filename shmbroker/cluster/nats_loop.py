@@ -37,6 +37,8 @@ async def connect(nats, o: NatsOptions, **callbacks):
         kwargs.update(user=o.user, password=o.password)
     if o.token is not None:
         kwargs["token"] = o.token
+    if o.inbox_prefix is not None:
+        kwargs["inbox_prefix"] = o.inbox_prefix
     if o.nkeys_seed_file is not None:
         try:
             import nkeys  # noqa: F401  (nats-py signs with it; not a dependency of nats-py itself)

@@ -54,6 +54,7 @@ class NatsOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     name: str | None = None  # the connection's name in the servers' monitoring
+    inbox_prefix: str | None = None  # replies come to <inbox_prefix>.*: a producer's own (permissions.py)
     connect_timeout_seconds: float = 5.0
     reconnect_wait_seconds: float = 0.5
     max_reconnect_attempts: int = 120  # with the wait above: about a minute without any server, then closed

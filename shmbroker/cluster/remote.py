@@ -35,6 +35,7 @@ from ..seen import SeenSet
 from .nats_loop import NatsLoop, require_nats
 from .options import DEFAULT_SERVERS, NatsOptions
 from .partition import partition_of
+from .permissions import inbox_prefix
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
 from .subjects import (
@@ -95,6 +96,7 @@ class RemoteProducer:
         self.num_malformed_results = 0
         self.last_malformed: str | None = None
         opts = options or NatsOptions(servers=(servers,) if isinstance(servers, str) else tuple(servers), name=f"shmb-producer-{self.name}",
+                                      inbox_prefix=inbox_prefix(self.name),
                                       connect_timeout_seconds=connect_timeout_seconds)
         self._loop = NatsLoop(opts)
         try:

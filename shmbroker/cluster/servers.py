@@ -106,6 +106,7 @@ class _Launch:
     user: str | None
     password: str | None
     ready_timeout_seconds: float
+    authorization: str | None = None  # an authorization block of the server config, as text (permissions.py)
 
 
 class NatsServers:
@@ -123,13 +124,15 @@ class NatsServers:
     @classmethod
     def start(cls, num_servers: int = 1, base_dir: str | os.PathLike | None = None, *, user: str | None = None,
               password: str | None = None, ready_timeout_seconds: float = DEFAULT_READY_TIMEOUT_SECONDS,
-              binary: str | None = None) -> NatsServers:
+              binary: str | None = None, authorization: str | None = None) -> NatsServers:
         """Start `num_servers` servers (1, or 3 or more for a JetStream cluster) and wait until each
         answers its health check (`ready_timeout_seconds` in all); on failure stop what started."""
         if num_servers not in (1,) and num_servers < 3:
             raise ValueError(f"num_servers must be 1 or at least 3 (a JetStream cluster needs a quorum), got {num_servers}")
         if (user is None) != (password is None):
             raise ValueError("user and password go together")
+        if authorization is not None and user is not None:
+            raise ValueError("give user and password, or an authorization block, not both")
         owns = base_dir is None
         root = tempfile.mkdtemp(prefix="shmb-nats-") if owns else os.fspath(base_dir)
         os.makedirs(root, mode=0o700, exist_ok=True)
@@ -140,7 +143,8 @@ class NatsServers:
             os.makedirs(d, mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
             servers.append(_Server(i, f"n{i}", _free_port(), _free_port() if num_servers > 1 else 0, _free_port(), d))
-        self = cls(servers, root, owns, _Launch(binary or server_binary(), user, password, ready_timeout_seconds))
+        self = cls(servers, root, owns, _Launch(binary or server_binary(), user, password, ready_timeout_seconds,
+                                                        authorization))
         try:
             for s in servers:
                 self._write_config(s)
@@ -168,6 +172,8 @@ class NatsServers:
                       f"  routes: [{routes}]", "}"]
         if self.launch.user is not None:
             lines += ["authorization {", f"  user: {_quote(self.launch.user)}", f"  password: {_quote(self.launch.password)}", "}"]
+        if self.launch.authorization is not None:
+            lines.append(self.launch.authorization)
         fd = os.open(s.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write("\n".join(lines) + "\n")

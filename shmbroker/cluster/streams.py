@@ -51,7 +51,9 @@ async def ensure_streams(js, names: ClusterNames, settings: StreamSettings, *, u
     try:
         await js.key_value(names.leases_bucket)
     except (BucketNotFoundError, NotFoundError):
-        await js.create_key_value(bucket=names.leases_bucket, history=1, replicas=settings.replicas,
+        # direct gets: a read names its key in the request subject, so permissions can hold a
+        # producer to its own `seq.<producer>` (permissions.py)
+        await js.create_key_value(bucket=names.leases_bucket, history=1, replicas=settings.replicas, direct=True,
                                   storage=api.StorageType.FILE)
 
 
