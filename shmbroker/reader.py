@@ -73,6 +73,14 @@ class ResultReader:
             if self._fetch_results(1) == 0 and not self._wait_results(timeout_seconds):
                 return
 
+    def pop_results(self, max_results: int = RESULT_BATCH) -> list[Result]:
+        """The results that arrived (up to `max_results`, at once, not waiting), without duplicates,
+        not acknowledged: call `ack()` once they are handled (for a caller that forwards results
+        in bulk, like a cluster node's bridge)."""
+        if len(self._pending) < max_results:
+            self._fetch_results(min(RESULT_BATCH, max_results - len(self._pending)))
+        return [self._hand_out(False) for _ in range(min(max_results, len(self._pending)))]
+
     def take_results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> ResultBatch:
         """The results that arrived (up to RESULT_BATCH, waiting up to `timeout_seconds` for the
         first), in columns and without duplicates: for producers that handle many at once. With

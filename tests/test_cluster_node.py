@@ -104,15 +104,19 @@ class FakeLocal:
         self.next_id += 1
         return self.next_id - 1
 
+    def submit_many(self, flat, offsets, *, max_new_tokens, prefix_len=None, model=None, block=True):
+        return np.array([self.submit(flat[a:b], max_new_tokens=int(m), model=model)
+                         for a, b, m in zip(offsets[:-1], offsets[1:], max_new_tokens)], np.uint64)
+
     def finish(self) -> int:
         self.ready += [Result(i, "ok", np.arange(n, dtype=np.uint32)) for i, n in self.items.items()]
         n = len(self.items)
         self.items.clear()
         return n
 
-    def results(self, timeout_seconds=0.0, *, auto_ack=True):
-        while self.ready:
-            yield self.ready.pop(0)
+    def pop_results(self, max_results=256):
+        out, self.ready = self.ready[:max_results], self.ready[max_results:]
+        return out
 
     def ack(self):
         pass

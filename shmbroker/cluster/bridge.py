@@ -30,10 +30,13 @@ of the partitions it lost (`fenced`): their new owner runs them and answers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import Full
 from . import placement, subjects
@@ -44,7 +47,8 @@ log = logging.getLogger("shmbroker.bridge")
 PULL_SECONDS = 1.0  # a pull request's wait when its partition has nothing
 PULL_BATCH = 256  # prompts one fetch asks for at most
 ROOM_WAIT_SECONDS = 0.02  # a puller's sleep while the staging window is full
-DELIVER_BATCH = 1024  # local results taken per round at most
+DELIVER_BATCH = 256  # local results taken per round at most
+SUBMIT_BATCH = 1024  # pulled prompts submitted in one submit_many at most
 DRAIN_SECONDS = 60.0  # a partition placed elsewhere is released after this at the latest (the rest nak'ed)
 TOKENS_GUESS = 1.0
 COORDINATE_RETRY_SECONDS = 0.2  # a coordination that failed (a server going away) is tried again after this  # a partition's mean tokens per item before any was pulled
@@ -218,40 +222,72 @@ class Bridge:
                 except Exception:  # the connection is gone, the subscription with it
                     pass
 
+    def _decode(self, msg):
+        """(prompt, producer, model) of a pulled message; ValueError naming what is wrong."""
+        headers = msg.headers or {}
+        prompt = subjects.decode_prompt(msg.data)
+        producer = subjects.check_producer_name(headers.get(subjects.HEADER_PRODUCER))
+        ident = headers.get(subjects.HEADER_MSG_ID)
+        if ident != subjects.msg_id(producer, prompt.seq):
+            raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
+        return prompt, producer, headers.get(subjects.HEADER_MODEL)
+
     async def submit(self) -> int:
-        """Submit what was pulled to the local broker; stops at a full local ring."""
+        """Submit what was pulled to the local broker, in runs of one model and one kind of
+        prefix (one `submit_many` each); stops at a full local ring."""
         n = 0
-        now = self.clock()
         while self.waiting:
-            p, msg = self.waiting[0]
-            try:
-                prompt = subjects.decode_prompt(msg.data)
-                producer = subjects.check_producer_name((msg.headers or {}).get(subjects.HEADER_PRODUCER))
-                ident = (msg.headers or {}).get(subjects.HEADER_MSG_ID)
-                if ident != subjects.msg_id(producer, prompt.seq):
-                    raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
-            except ValueError as exc:
-                self.waiting.popleft()
-                await self._refuse(msg, str(exc))
+            run, key = [], None
+            for p, msg in itertools.islice(self.waiting, SUBMIT_BATCH):
+                try:
+                    prompt, producer, model = self._decode(msg)
+                except ValueError as exc:
+                    if run:
+                        break  # the run ends here; the bad one is refused next
+                    self.waiting.popleft()
+                    await self._refuse(msg, str(exc))
+                    key = "refused"
+                    break
+                if key is not None and key != (model, prompt.prefix_len is None):
+                    break
+                key = (model, prompt.prefix_len is None)
+                run.append((p, msg, prompt, producer))
+            if not run:
                 continue
-            model = (msg.headers or {}).get(subjects.HEADER_MODEL)
-            try:
-                local_id = self.local.submit(prompt.tokens, max_new_tokens=prompt.max_new_tokens,
-                                             prefix_len=prompt.prefix_len, model=model, block=False)
-            except Full:
+            took = self._submit_run(run, key[0])
+            n += took
+            if took < len(run):
                 break  # the local ring is full: the rest waits for the next round
-            except (TypeError, ValueError) as exc:  # the local broker's own checks (a model it has no slot for)
+        self.counts["submitted"] += n
+        return n
+
+    def _submit_run(self, run: list, model) -> int:
+        """One submit_many of a run; the number the local ring took (each staged, or answered
+        `invalid` when the local broker's checks refuse it)."""
+        lengths = np.array([r[2].tokens.size for r in run], np.int64)
+        offsets = np.zeros(len(run) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate([r[2].tokens for r in run])
+        max_new = np.array([r[2].max_new_tokens for r in run], np.uint32)
+        prefixes = None if run[0][2].prefix_len is None else np.array([r[2].prefix_len for r in run], np.int64)
+        try:
+            ids = self.local.submit_many(flat, offsets, max_new_tokens=max_new, prefix_len=prefixes, model=model,
+                                         block=False)
+        except Full as exc:
+            ids = exc.ids
+        except (TypeError, ValueError) as exc:  # the local broker's own checks (a model it has no slot for)
+            for _p, msg, prompt, producer in run:
                 self.waiting.popleft()
                 self.counts["invalid"] += 1
                 self.unsent.append((None, (producer, prompt.seq, "invalid", (), str(exc), msg)))
-                continue
+            return len(run)
+        now = self.clock()
+        for local_id, (p, msg, prompt, producer) in zip(ids, run):
             self.waiting.popleft()
             mean = self.mean_tokens.get(p, float(prompt.tokens.size))
             self.mean_tokens[p] = 0.99 * mean + 0.01 * prompt.tokens.size
             self.staged[int(local_id)] = Staged(msg, producer, prompt.seq, p, int(prompt.tokens.size), now)
-            n += 1
-        self.counts["submitted"] += n
-        return n
+        return len(ids)
 
     async def _refuse(self, msg, why: str) -> None:
         """A prompt message that does not decode: answered `invalid` when its message id names its
@@ -270,17 +306,14 @@ class Bridge:
     async def deliver(self) -> int:
         """Publish the local results (and the answers to refused prompts), then ack each prompt
         once its result is stored; the number acked."""
-        n = 0
-        for r in self.local.results(0.0, auto_ack=False):
+        got = self.local.pop_results(DELIVER_BATCH)
+        for r in got:
             st = self.staged.get(int(r.item_id))
             if st is None:
                 self.counts["unknown_results"] += 1
             else:
                 self.unsent.append((int(r.item_id), r))
-            n += 1
-            if n >= DELIVER_BATCH:
-                break
-        if n:
+        if got:
             self.local.ack()  # kept here (unsent, inflight) until stored; a crash: the prompts come again
         held_back = []  # results of partitions whose lease is not fresh: published once it is renewed
         while self.unsent and self.pub.has_slot:
