@@ -34,13 +34,11 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
-
-import numpy as np
 
 from ..errors import Full
 from . import placement, subjects
 from .publisher import AckedPublisher, PublishRefused
+from .staging import Staged, columns, decode_message, ranges
 
 log = logging.getLogger("shmbroker.bridge")
 
@@ -52,18 +50,6 @@ SUBMIT_BATCH = 1024  # pulled prompts submitted in one submit_many at most
 DRAIN_SECONDS = 60.0  # a partition placed elsewhere is released after this at the latest (the rest nak'ed)
 TOKENS_GUESS = 1.0
 COORDINATE_RETRY_SECONDS = 0.2  # a coordination that failed (a server going away) is tried again after this  # a partition's mean tokens per item before any was pulled
-
-
-@dataclass
-class Staged:
-    """A prompt pulled from JetStream, waiting for its local result."""
-
-    msg: object  # the JetStream message, acked once the result is stored
-    producer: str
-    seq: int
-    partition: int
-    num_tokens: int
-    touched_at: float
 
 
 class Bridge:
@@ -145,7 +131,7 @@ class Bridge:
                 self._stop_puller(p)
         if taken or drained:
             log.info("node %s (of %d live): took partitions %s, draining %s; holds %d", self.node.node, len(nodes),
-                     _ranges(taken), _ranges(drained), len(self.leases.held))
+                     ranges(taken), ranges(drained), len(self.leases.held))
         now = self.clock()
         for p, since in list(self.draining.items()):
             left = [i for i, st in self.staged.items() if st.partition == p]
@@ -222,16 +208,6 @@ class Bridge:
                 except Exception:  # the connection is gone, the subscription with it
                     pass
 
-    def _decode(self, msg):
-        """(prompt, producer, model) of a pulled message; ValueError naming what is wrong."""
-        headers = msg.headers or {}
-        prompt = subjects.decode_prompt(msg.data)
-        producer = subjects.check_producer_name(headers.get(subjects.HEADER_PRODUCER))
-        ident = headers.get(subjects.HEADER_MSG_ID)
-        if ident != subjects.msg_id(producer, prompt.seq):
-            raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
-        return prompt, producer, headers.get(subjects.HEADER_MODEL)
-
     async def submit(self) -> int:
         """Submit what was pulled to the local broker, in runs of one model and one kind of
         prefix (one `submit_many` each); stops at a full local ring."""
@@ -240,7 +216,7 @@ class Bridge:
             run, key = [], None
             for p, msg in itertools.islice(self.waiting, SUBMIT_BATCH):
                 try:
-                    prompt, producer, model = self._decode(msg)
+                    prompt, producer, model = decode_message(msg)
                 except ValueError as exc:
                     if run:
                         break  # the run ends here; the bad one is refused next
@@ -264,12 +240,7 @@ class Bridge:
     def _submit_run(self, run: list, model) -> int:
         """One submit_many of a run; the number the local ring took (each staged, or answered
         `invalid` when the local broker's checks refuse it)."""
-        lengths = np.array([r[2].tokens.size for r in run], np.int64)
-        offsets = np.zeros(len(run) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.concatenate([r[2].tokens for r in run])
-        max_new = np.array([r[2].max_new_tokens for r in run], np.uint32)
-        prefixes = None if run[0][2].prefix_len is None else np.array([r[2].prefix_len for r in run], np.int64)
+        flat, offsets, max_new, prefixes = columns([r[2] for r in run])
         try:
             ids = self.local.submit_many(flat, offsets, max_new_tokens=max_new, prefix_len=prefixes, model=model,
                                          block=False)
@@ -416,15 +387,3 @@ class Bridge:
     @property
     def num_draining(self) -> int:
         return len(self.draining)
-
-
-def _ranges(ps: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (for the log)."""
-    out, start = [], None
-    for i, p in enumerate(ps):
-        if start is None:
-            start = p
-        if i + 1 == len(ps) or ps[i + 1] != p + 1:
-            out.append(f"{start}-{p}" if p != start else str(p))
-            start = None
-    return ",".join(out) or "none"

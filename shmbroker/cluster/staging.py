@@ -1,0 +1,57 @@
+"""What a node's bridge stages: a pulled prompt message decoded and checked, a run of them as the
+columns of one `submit_many`, and the staged prompt waiting for its local result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import subjects
+
+
+@dataclass
+class Staged:
+    """A prompt pulled from JetStream, waiting for its local result."""
+
+    msg: object  # the JetStream message, acked once the result is stored
+    producer: str
+    seq: int
+    partition: int
+    num_tokens: int
+    touched_at: float
+
+
+def decode_message(msg):
+    """(prompt, producer, model) of a pulled prompt message; ValueError naming what is wrong (a
+    torn payload, no producer, a message id that is not the payload's)."""
+    headers = msg.headers or {}
+    prompt = subjects.decode_prompt(msg.data)
+    producer = subjects.check_producer_name(headers.get(subjects.HEADER_PRODUCER))
+    ident = headers.get(subjects.HEADER_MSG_ID)
+    if ident != subjects.msg_id(producer, prompt.seq):
+        raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
+    return prompt, producer, headers.get(subjects.HEADER_MODEL)
+
+
+def columns(prompts: list) -> tuple:
+    """(flat tokens, offsets, max_new_tokens, prefix_len or None) of decoded prompts that all
+    declare a prefix or all declare none."""
+    offsets = np.zeros(len(prompts) + 1, np.int64)
+    np.cumsum([p.tokens.size for p in prompts], out=offsets[1:])
+    flat = np.concatenate([p.tokens for p in prompts])
+    max_new = np.array([p.max_new_tokens for p in prompts], np.uint32)
+    prefixes = None if prompts[0].prefix_len is None else np.array([p.prefix_len for p in prompts], np.int64)
+    return flat, offsets, max_new, prefixes
+
+
+def ranges(ps: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (for the log)."""
+    out, start = [], None
+    for i, p in enumerate(ps):
+        if start is None:
+            start = p
+        if i + 1 == len(ps) or ps[i + 1] != p + 1:
+            out.append(f"{start}-{p}" if p != start else str(p))
+            start = None
+    return ",".join(out) or "none"
