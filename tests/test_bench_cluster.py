@@ -20,8 +20,8 @@ from shmbroker.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-INTERFACE = ("hit_rate_single", "hit_rate_cluster", "hit_rate_random", "cluster_vs_single", "random_vs_single",
-             "node_tokens", "busiest_vs_other", "num_partitions", "key_blocks", "epsilon")
+INTERFACE = ("single_node_hit_rate", "two_node_hit_rate", "random_routing_hit_rate", "cluster_vs_single", "random_vs_single",
+             "node_tokens", "node_load_ratio", "num_partitions", "key_blocks", "epsilon")
 
 
 def check(result: dict) -> None:
@@ -33,7 +33,7 @@ def check(result: dict) -> None:
     assert sum(result["random_node_tokens"]) == total
     for routing in ("single", "cluster", "random"):
         assert sum(n["items"] for n in result[routing]["nodes"]) == result["items"]
-    for key in ("hit_rate_single", "hit_rate_cluster", "hit_rate_random"):
+    for key in ("single_node_hit_rate", "two_node_hit_rate", "random_routing_hit_rate"):
         assert 0 <= result[key] < 1
         assert 0 <= result["streaming"][key] < 1
     mean = total / len(result["node_tokens"])
@@ -68,5 +68,5 @@ def test_a_slice_of_the_trace():
     family_only = result["key_blocks_sweep"][0]
     assert family_only["key_blocks"] == 0
     assert family_only["max_partition_share"] == 1.0  # every item shares its first block
-    assert family_only["busiest_vs_other"] is None and min(family_only["node_tokens"]) == 0
-    assert not math.isclose(result["hit_rate_cluster"], 0.0)
+    assert family_only["node_load_ratio"] is None and min(family_only["node_tokens"]) == 0
+    assert not math.isclose(result["two_node_hit_rate"], 0.0)
