@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shmbroker.bench import affinity
+from shmbroker.bench import affinity, cluster_throughput
 from shmbroker.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,13 +49,49 @@ def check(result: dict) -> None:
     assert [row["epsilon"] for row in result["drift"]] == list(affinity.SWEEP_EPSILONS)
 
 
+THROUGHPUT = ("raw_publish_items_per_s", "remote_submit_items_per_s", "remote_submit_one_items_per_s")
+
+
+def nats_or_skip() -> None:
+    """The throughput run starts its own nats-server: skip cleanly without nats-py or the binary."""
+    pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbroker[cluster]')")
+    from shmbroker.cluster.servers import server_binary
+    from shmbroker.errors import ConfigError
+
+    try:
+        server_binary()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+
+
+def check_throughput(result: dict, num_items: int) -> None:
+    json.dumps(result, allow_nan=False)
+    for key in (*THROUGHPUT, "client_vs_raw"):
+        assert result[key] > 0, key
+    assert result["throughput"]["items"] == num_items
+    for repeat in result["throughput"]["repeats"]:
+        for key in THROUGHPUT:
+            assert repeat[key] > 0
+        # the stream held exactly the published items after each side (counted before the purge)
+        assert repeat["stored"] == {"raw": num_items, "submit_many": num_items, "submit": num_items}
+
+
+def test_throughput_of_a_few_hundred_items():
+    nats_or_skip()
+    result = cluster_throughput.run(num_items=300, num_repeats=1)
+    check_throughput(result, 300)
+    assert len(result["throughput"]["repeats"]) == 1
+
+
 def test_the_generator_through_the_cli(monkeypatch, capsys):
+    nats_or_skip()
     monkeypatch.setattr(affinity, "TRACE", Path("/nonexistent/trace.jsonl"))  # the seeded generator
-    assert main(["bench", "cluster", "--json", "--scale", "0.02"]) == 0
+    assert main(["bench", "cluster", "--json", "--scale", "0.02", "--items", "200", "--repeats", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert len(lines) == 1
     result = json.loads(lines[0])
     check(result)
+    check_throughput(result, 200)
     assert result["items"] == 400
     assert (result["key_blocks"], result["num_partitions"]) == (1, 128)
 
