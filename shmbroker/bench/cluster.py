@@ -11,5 +11,6 @@ def run(trace: str | None = None, scale: float = 1.0, seed: int = 0, num_partiti
         num_repeats: int = 3) -> dict:
     result = affinity.run(trace=trace, scale=scale, seed=seed, num_partitions=num_partitions,
                           key_blocks=key_blocks, epsilon=epsilon)
-    result.update(cluster_throughput.run(num_items=num_items, seed=seed, num_repeats=num_repeats))
+    result.update(cluster_throughput.run(num_items=num_items, seed=seed, num_repeats=num_repeats, trace=trace))
+    # one result.update(...) per further part (the nodes' run goes here)
     return result

@@ -62,11 +62,12 @@ async def _count_and_purge(url: str, names: ClusterNames) -> int:
         await nc.close()
 
 
-def _workload(num_items: int, seed: int):
+def _workload(num_items: int, seed: int, trace: str | None):
     from .affinity import TRACE
     from .pack import workload_for
 
-    trace = str(TRACE) if TRACE.exists() else None
+    if trace is None and TRACE.exists():
+        trace = str(TRACE)
     wl = workload_for(trace, max(num_items / 20000, 0.001), seed)
     count = min(num_items, len(wl))
     offsets = np.asarray(wl.offsets[:count + 1], np.int64)
@@ -74,12 +75,12 @@ def _workload(num_items: int, seed: int):
     return wl.name, flat, offsets - offsets[0]
 
 
-def run(num_items: int = 20000, seed: int = 0, num_repeats: int = 3) -> dict:
+def run(num_items: int = 20000, seed: int = 0, num_repeats: int = 3, trace: str | None = None) -> dict:
     from ..cluster.partition import partitions_of
     from ..cluster.remote import RemoteProducer
     from ..cluster.servers import NatsServers
 
-    name, flat, offsets = _workload(num_items, seed)
+    name, flat, offsets = _workload(num_items, seed, trace)
     count = offsets.size - 1
     names, settings = ClusterNames(), StreamSettings()
     parts = partitions_of(flat, offsets, None, None, names.num_partitions)
