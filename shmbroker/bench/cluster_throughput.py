@@ -68,7 +68,7 @@ def _workload(num_items: int, seed: int, trace: str | None):
 
     if trace is None and TRACE.exists():
         trace = str(TRACE)
-    wl = workload_for(trace, max(num_items / 20000, 0.001), seed)
+    wl = workload_for(trace, 1.0 if trace else max(num_items / 20000, 0.001), seed)  # then the first num_items
     count = min(num_items, len(wl))
     offsets = np.asarray(wl.offsets[:count + 1], np.int64)
     flat = np.ascontiguousarray(wl.tokens[offsets[0]:offsets[-1]], np.uint32)
