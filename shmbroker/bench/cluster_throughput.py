@@ -106,6 +106,7 @@ def run(num_items: int = 20000, seed: int = 0, num_repeats: int = 3, trace: str 
                 repeats.append({"raw_publish_items_per_s": round(count / raw_seconds, 1),
                                 "remote_submit_items_per_s": round(count / many_seconds, 1),
                                 "remote_submit_one_items_per_s": round(count / one_seconds, 1),
+                                "client_vs_raw": round(raw_seconds / many_seconds, 4),  # this pair's
                                 "stored": {"raw": raw_stored, "submit_many": many_stored, "submit": one_stored}})
     finally:
         servers.stop()
