@@ -86,10 +86,10 @@ def _bench(args) -> int:
 
         result = chaos.run(seconds=args.seconds, seed=args.seed, fs_mib=args.fs_mib)
     elif args.name == "cluster":
-        from .bench import affinity
+        from .bench import cluster
 
-        result = affinity.run(trace=args.trace, scale=args.scale, seed=args.seed, key_blocks=args.key_blocks,
-                              epsilon=args.epsilon)
+        result = cluster.run(trace=args.trace, scale=args.scale, seed=args.seed, key_blocks=args.key_blocks,
+                             epsilon=args.epsilon, num_items=args.items, num_repeats=args.repeats)
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cluster: blocks past the family root in an item's partition key (default {DEFAULT_CLUSTER_KEY_BLOCKS})")
     g.add_argument("--epsilon", type=float, default=None,
                    help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
+    g.add_argument("--items", type=int, default=20000, help="cluster: items published in the throughput run (default 20000)")
+    g.add_argument("--repeats", type=int, default=3, help="cluster: throughput repeats of each side, interleaved (default 3)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from shmbroker.bench import affinity
+from shmbroker.bench import affinity, cluster_throughput
 from shmbroker.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-INTERFACE = ("hit_rate_single", "hit_rate_cluster", "hit_rate_random", "cluster_vs_single", "random_vs_single",
-             "node_tokens", "busiest_vs_other", "num_partitions", "key_blocks", "epsilon")
+INTERFACE = ("single_node_hit_rate", "two_node_hit_rate", "random_routing_hit_rate", "cluster_vs_single", "random_vs_single",
+             "node_tokens", "node_load_ratio", "num_partitions", "key_blocks", "epsilon")
 
 
 def check(result: dict) -> None:
@@ -33,7 +33,7 @@ def check(result: dict) -> None:
     assert sum(result["random_node_tokens"]) == total
     for routing in ("single", "cluster", "random"):
         assert sum(n["items"] for n in result[routing]["nodes"]) == result["items"]
-    for key in ("hit_rate_single", "hit_rate_cluster", "hit_rate_random"):
+    for key in ("single_node_hit_rate", "two_node_hit_rate", "random_routing_hit_rate"):
         assert 0 <= result[key] < 1
         assert 0 <= result["streaming"][key] < 1
     mean = total / len(result["node_tokens"])
@@ -49,13 +49,49 @@ def check(result: dict) -> None:
     assert [row["epsilon"] for row in result["drift"]] == list(affinity.SWEEP_EPSILONS)
 
 
+THROUGHPUT = ("raw_publish_items_per_s", "remote_submit_items_per_s", "remote_submit_one_items_per_s")
+
+
+def nats_or_skip() -> None:
+    """The throughput run starts its own nats-server: skip cleanly without nats-py or the binary."""
+    pytest.importorskip("nats", reason="nats-py is not installed (pip install 'shmbroker[cluster]')")
+    from shmbroker.cluster.servers import server_binary
+    from shmbroker.errors import ConfigError
+
+    try:
+        server_binary()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+
+
+def check_throughput(result: dict, num_items: int) -> None:
+    json.dumps(result, allow_nan=False)
+    for key in (*THROUGHPUT, "client_vs_raw"):
+        assert result[key] > 0, key
+    assert result["throughput"]["items"] == num_items
+    for repeat in result["throughput"]["repeats"]:
+        for key in THROUGHPUT:
+            assert repeat[key] > 0
+        # the stream held exactly the published items after each side (counted before the purge)
+        assert repeat["stored"] == {"raw": num_items, "submit_many": num_items, "submit": num_items}
+
+
+def test_throughput_of_a_few_hundred_items():
+    nats_or_skip()
+    result = cluster_throughput.run(num_items=300, num_repeats=1)
+    check_throughput(result, 300)
+    assert len(result["throughput"]["repeats"]) == 1
+
+
 def test_the_generator_through_the_cli(monkeypatch, capsys):
+    nats_or_skip()
     monkeypatch.setattr(affinity, "TRACE", Path("/nonexistent/trace.jsonl"))  # the seeded generator
-    assert main(["bench", "cluster", "--json", "--scale", "0.02"]) == 0
+    assert main(["bench", "cluster", "--json", "--scale", "0.02", "--items", "200", "--repeats", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert len(lines) == 1
     result = json.loads(lines[0])
     check(result)
+    check_throughput(result, 200)
     assert result["items"] == 400
     assert (result["key_blocks"], result["num_partitions"]) == (1, 128)
 
@@ -68,5 +104,5 @@ def test_a_slice_of_the_trace():
     family_only = result["key_blocks_sweep"][0]
     assert family_only["key_blocks"] == 0
     assert family_only["max_partition_share"] == 1.0  # every item shares its first block
-    assert family_only["busiest_vs_other"] is None and min(family_only["node_tokens"]) == 0
-    assert not math.isclose(result["hit_rate_cluster"], 0.0)
+    assert family_only["node_load_ratio"] is None and min(family_only["node_tokens"]) == 0
+    assert not math.isclose(result["two_node_hit_rate"], 0.0)

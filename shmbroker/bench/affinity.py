@@ -12,9 +12,10 @@ items are routed to two nodes three ways, all in the same run:
 
 Each node runs the pack benchmark's two consumers (`big` and `small`, packed
 engines with their prefix caches) fed by the packer, offline, in
-`workloads/packsim.py`. `hit_rate_*` is the prefix-cache hit rate over all
-nodes' blocks. `node_tokens` is the cluster's input tokens per node, and
-`busiest_vs_other` is the busier node's tokens over the other's.
+`workloads/packsim.py`. The hit rates are the prefix-cache hit rate over all
+nodes' blocks (`single_node_hit_rate`, `two_node_hit_rate`,
+`random_routing_hit_rate`). `node_tokens` is the cluster's input tokens per node, and
+`node_load_ratio` is the busier node's tokens over the other's.
 
 Beside them, measured in the same run:
 
@@ -53,6 +54,7 @@ SWEEP_KEY_BLOCKS = (0, 1, 2, 3, 4, 8)
 SWEEP_EPSILONS = (0.0, 0.02, 0.05, 0.08, 0.1, 0.25)
 SPREAD_NODES = (2, 3, 4, 8, 16)
 DRIFT_WINDOWS = 12
+HIT_RATE_NAMES = {"single": "single_node_hit_rate", "cluster": "two_node_hit_rate", "random": "random_routing_hit_rate"}
 
 
 def _subset(wl: Workload, rows: np.ndarray) -> Workload:
@@ -87,7 +89,7 @@ def _route(wl: Workload, node_of: np.ndarray, num_nodes: int, arrivals=None, max
     hits = sum(n["hit_rate"] * n["queried_blocks"] for n in nodes)
     tokens = [n["input_tokens"] for n in nodes]
     return {"hit_rate": round(hits / queried, 4) if queried else 0.0, "node_tokens": tokens,
-            "busiest_vs_other": _ratio(tokens), "nodes": nodes}
+            "node_load_ratio": _ratio(tokens), "nodes": nodes}
 
 
 def _ratio(tokens: list[int]) -> float | None:
@@ -133,7 +135,7 @@ def _by_epsilon(weights: np.ndarray) -> list[dict]:
         owners = assign(weights, NODES, epsilon=epsilon)
         joined = assign(weights, (*NODES, "node-2"), epsilon=epsilon, current=owners)
         loads = _loads(weights, joined, (*NODES, "node-2"))
-        out.append({"epsilon": epsilon, "busiest_vs_other": _ratio(_loads(weights, owners, NODES)),
+        out.append({"epsilon": epsilon, "node_load_ratio": _ratio(_loads(weights, owners, NODES)),
                     "join_moved_partitions": round(len(moved(owners, joined)) / len(owners), 4),
                     "join_max_vs_min": round(max(loads) / min(loads), 4) if min(loads) else None})
     return out
@@ -147,9 +149,9 @@ def _streaming(wl: Workload, routings: dict, offline: dict) -> dict:
     for name, node_of in routings.items():
         target = max(n["makespan_seconds"] for n in offline[name]["nodes"]) / 2
         arrivals = (wl.arrivals - wl.arrivals[0]) * (target / span)
-        out[f"hit_rate_{name}"] = _route(wl, node_of, int(node_of.max()) + 1, arrivals, target / 4)["hit_rate"]
+        out[HIT_RATE_NAMES[name]] = _route(wl, node_of, int(node_of.max()) + 1, arrivals, target / 4)["hit_rate"]
     for name in ("cluster", "random"):
-        out[f"{name}_vs_single"] = round(out[f"hit_rate_{name}"] / out["hit_rate_single"], 4)
+        out[f"{name}_vs_single"] = round(out[HIT_RATE_NAMES[name]] / out[HIT_RATE_NAMES["single"]], 4)
     return out
 
 
@@ -172,7 +174,7 @@ def _drift(parts: np.ndarray, wl: Workload, num_partitions: int) -> list[dict]:
             worst = max(worst, _ratio(_loads(weights, new, NODES)) or float("inf"))
             owners = new
         out.append({"epsilon": epsilon, "moved_per_window": round(float(np.mean(moves)), 4),
-                    "worst_busiest_vs_other": round(worst, 4)})
+                    "worst_node_load_ratio": round(worst, 4)})
     return out
 
 
@@ -241,9 +243,9 @@ def run(trace: str | None = None, scale: float = 1.0, seed: int = 0, num_partiti
         p = parts if k == key_blocks else partitions(k)
         w, _, n_of = _placed(p, lengths, num_partitions, epsilon)
         routed = cluster if k == key_blocks else _route(wl, n_of, len(NODES))
-        sweep.append({"key_blocks": k, "hit_rate_cluster": routed["hit_rate"],
+        sweep.append({"key_blocks": k, "two_node_hit_rate": routed["hit_rate"],
                       "cluster_vs_single": round(routed["hit_rate"] / single["hit_rate"], 4),
-                      "node_tokens": routed["node_tokens"], "busiest_vs_other": routed["busiest_vs_other"],
+                      "node_tokens": routed["node_tokens"], "node_load_ratio": routed["node_load_ratio"],
                       "max_partition_share": round(float(w.max() / w.sum()), 4)})
     base = single["hit_rate"]
     streaming = _streaming(wl, {"single": np.zeros(len(wl), np.int64), "cluster": node_of, "random": random_of},
@@ -252,11 +254,12 @@ def run(trace: str | None = None, scale: float = 1.0, seed: int = 0, num_partiti
         "workload": wl.name, "items": len(wl), "input_tokens": int(lengths.sum()), "nodes": len(NODES),
         "consumers_per_node": [c.name for c in CONSUMERS], "engine_mode": "packed",
         "num_partitions": num_partitions, "key_blocks": key_blocks, "epsilon": epsilon,
-        "hit_rate_single": base, "hit_rate_cluster": cluster["hit_rate"], "hit_rate_random": rand["hit_rate"],
+        "single_node_hit_rate": base, "two_node_hit_rate": cluster["hit_rate"],
+        "random_routing_hit_rate": rand["hit_rate"],
         "cluster_vs_single": round(cluster["hit_rate"] / base, 4) if base else 0.0,
         "random_vs_single": round(rand["hit_rate"] / base, 4) if base else 0.0,
-        "node_tokens": cluster["node_tokens"], "busiest_vs_other": cluster["busiest_vs_other"],
-        "random_node_tokens": rand["node_tokens"], "random_busiest_vs_other": rand["busiest_vs_other"],
+        "node_tokens": cluster["node_tokens"], "node_load_ratio": cluster["node_load_ratio"],
+        "random_node_tokens": rand["node_tokens"], "random_node_load_ratio": rand["node_load_ratio"],
         "max_partition_share": round(float(weights.max() / weights.sum()), 4),
         "partition_of_us": _partition_of_us(wl, num_partitions, key_blocks),
         **_membership(weights, owners, epsilon),
