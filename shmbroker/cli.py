@@ -89,7 +89,8 @@ def _bench(args) -> int:
         from .bench import cluster
 
         result = cluster.run(trace=args.trace, scale=args.scale, seed=args.seed, key_blocks=args.key_blocks,
-                             epsilon=args.epsilon, num_items=args.items, num_repeats=args.repeats)
+                             epsilon=args.epsilon, num_items=args.items, num_repeats=args.repeats, nodes=not args.no_nodes,
+                             say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -226,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
     g.add_argument("--items", type=int, default=20000, help="cluster: items published in the throughput run (default 20000)")
     g.add_argument("--repeats", type=int, default=3, help="cluster: throughput repeats of each side, interleaved (default 3)")
+    g.add_argument("--no-nodes", action="store_true",
+                   help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

@@ -255,3 +255,15 @@ def test_every_item_gets_exactly_one_result_through_node_and_server_faults(tmp_p
     assert r["takeover_seconds"] <= lease + lease / 3 + 1.5, diag
     c = r["bridges"]["node-c"]
     assert c is not None and c["leases_taken"] > 0, r["bridges"]  # the late node got partitions
+
+
+@pytest.mark.timeout(300)
+def test_throughput_through_one_and_two_nodes_answers_every_item(tmp_path):
+    """`bench cluster`'s node throughput, small: every item answered, by the nodes that hold its partition."""
+    start_or_skip(1).stop()
+    from shmbroker.bench.cluster_nodes import throughput
+
+    r = throughput(num_items=300, base_dir=str(tmp_path))
+    assert r["one_node_items_per_s"] > 0 and r["two_node_items_per_s"] > 0
+    assert sum(r["one_node_node_items"].values()) == 300
+    assert sum(r["two_node_node_items"].values()) == 300 and len(r["two_node_node_items"]) == 2

@@ -349,3 +349,16 @@ def _read_all(client: Client, num_items: int) -> None:
     deadline = time.monotonic() + 600
     while len(client.results) < num_items and time.monotonic() < deadline:
         client.read(0.5)
+
+
+def run(num_items: int = 20000, fault_items: int = 3000, fault_seconds: float = 24.0, seed: int = 0,
+        say=lambda line: None) -> dict:
+    """`bench cluster`'s nodes part: the fault run and the throughput through one and two nodes."""
+    f = faults(num_items=fault_items, seconds=fault_seconds, seed=seed, say=say)
+    bridges = f.pop("bridges")
+    t = throughput(num_items=num_items, seed=seed)
+    return {"lost": f["lost"], "duplicated": f["duplicated"], "node_kills": f["node_kills"],
+            "takeover_seconds": f["takeover_seconds"], "one_node_items_per_s": t["one_node_items_per_s"],
+            "two_node_items_per_s": t["two_node_items_per_s"], "two_vs_one_node": t["two_vs_one"],
+            "faults": {**f, "bridges_acked": {n: (b or {}).get("acked") for n, b in bridges.items()}},
+            "nodes_throughput": t}
