@@ -34,7 +34,7 @@ from ..ring.items import as_tokens, model_id
 from ..seen import SeenSet
 from .nats_loop import NatsLoop, require_nats
 from .options import DEFAULT_SERVERS, NatsOptions
-from .partition import partition_of
+from .partition import partition_of, partitions_of
 from .permissions import inbox_prefix
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
@@ -154,12 +154,17 @@ class RemoteProducer:
         first = self._take_seqs(count, timeout_seconds)
         ids = np.arange(first, first + count, dtype=np.uint64)
         num_partitions = self.names.num_partitions
+        bulk = None
+        if self._partition_fn is partition_of:  # the default: one kernel call for all items
+            per_item = None if prefixes is None else np.broadcast_to(prefixes, (count,))
+            bulk = partitions_of(flat, offs, per_item, np.full(count, mid, np.int64), num_partitions).tolist()
         msgs = []
         for i, (a, b) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
             k = 0 if shared else i
             prefix = None if prefixes is None else int(prefixes[k])
             tokens = flat[a:b]
-            subject = self.names.prompt_subject(self._partition_fn(tokens, prefix, mid, num_partitions))
+            part = bulk[i] if bulk is not None else self._partition_fn(tokens, prefix, mid, num_partitions)
+            subject = self.names.prompt_subject(part)
             msgs.append((subject, encode_prompt(tokens, first + i, int(max_new[k]), prefix),
                          prompt_headers(self.name, first + i, model)))
         self._publish(msgs, ids, block, timeout_seconds)
