@@ -27,21 +27,14 @@ import numpy as np
 STATUS_POLL_SECONDS = 0.05
 NODE_READY_SECONDS = 60.0
 
-SIM_CONSUMERS = '''
-[[consumers]]
-name = "big"
-max_batch_size = 64
-max_batch_tokens = 65536
-max_input_len = 16384
-engine_settings = {{ mode = "packed", cache_tokens = 262144{extra} }}
+SIM_CONSUMERS = (("big", 64, 65536, 262144), ("small", 16, 16384, 65536))  # name, batch, batch tokens, cache
 
-[[consumers]]
-name = "small"
-max_batch_size = 16
-max_batch_tokens = 16384
-max_input_len = 16384
-engine_settings = {{ mode = "packed", cache_tokens = 65536{extra} }}
-'''
+
+def consumers_toml(extra: str) -> str:
+    """The nodes' two simulated consumers as [[consumers]] tables (`extra`: more engine settings)."""
+    return "".join(f'\n[[consumers]]\nname = "{name}"\nmax_batch_size = {batch}\nmax_batch_tokens = {tokens}\n'
+                   f'max_input_len = 16384\nengine_settings = {{ mode = "packed", cache_tokens = {cache}{extra} }}\n'
+                   for name, batch, tokens, cache in SIM_CONSUMERS)
 
 
 @dataclass
@@ -75,7 +68,7 @@ class LocalNode:
                 f"[cluster]\nservers = [{servers}]\nnode = \"{self.name}\"\nlease_seconds = {self.lease_seconds}\n"
                 f"ack_wait_seconds = {self.ack_wait_seconds}\nreplicas = {self.replicas}\n"
                 f"prompts_max_bytes = {self.stream_max_bytes}\nresults_max_bytes = {self.stream_max_bytes}\n"
-                + SIM_CONSUMERS.format(extra=extra))
+                + consumers_toml(extra))
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
@@ -248,15 +241,19 @@ def faults(num_items: int = 3000, seconds: float = 24.0, lease_seconds: float = 
         out["takeover_seconds"] = max(takeover) if takeover else None
         return out
     finally:
-        if client is not None:
-            client.close()
-        for n in nodes:
-            n.stop()
-        servers.stop()
+        _stop_all(client, nodes, servers)
         if own:
             import shutil
 
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _stop_all(client, nodes: list[LocalNode], servers) -> None:
+    if client is not None:
+        client.close()
+    for n in nodes:
+        n.stop()
+    servers.stop()
 
 
 def _left(urls, settings) -> dict:
@@ -330,11 +327,7 @@ def throughput(num_items: int = 20000, seed: int = 0, base_dir: str | None = Non
                 out[f"{key}_submit_seconds"] = round(submit_seconds, 3)
                 out[f"{key}_node_items"] = {n.name: (n.bridge() or {}).get("acked") for n in nodes}
             finally:
-                if client is not None:
-                    client.close()
-                for n in nodes:
-                    n.stop()
-                servers.stop()
+                _stop_all(client, nodes, servers)
         out["two_vs_one"] = round(out["two_node_items_per_s"] / out["one_node_items_per_s"], 3)
         out["cores"] = os.cpu_count()
         return out
