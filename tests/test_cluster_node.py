@@ -267,3 +267,56 @@ def test_throughput_through_one_and_two_nodes_answers_every_item(tmp_path):
     assert r["one_node_items_per_s"] > 0 and r["two_node_items_per_s"] > 0
     assert sum(r["one_node_node_items"].values()) == 300
     assert sum(r["two_node_node_items"].values()) == 300 and len(r["two_node_node_items"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_nodes_status_top_and_exporter_show_its_bridge(server, tmp_path):
+    """A real node on one server: its snapshot's "cluster", `top`'s cluster panel and the exporter's
+    shmbroker_bridge_* metrics carry its partitions, leases and what it moved."""
+    import io
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from rich.console import Console
+
+    from shmbroker import top
+    from shmbroker.bench.cluster_nodes import Client, LocalNode, wait_partitions
+    from shmbroker.metrics import BrokerCollector
+    from shmbroker.watch import BrokerView
+
+    node = LocalNode("solo", str(tmp_path), server.urls, lease_seconds=2.0, zero_cost=True)
+    node.start()
+    client = None
+    try:
+        wait_partitions([node], ClusterNames().num_partitions, 60)
+        client = Client("ops", server.urls, StreamSettings(prompts_max_bytes=64 << 20, results_max_bytes=64 << 20))
+        flat = np.arange(1, 201, dtype=np.uint32)
+        client.submit(flat, np.array([0, 50, 120, 200]), np.array([2, 2, 2], np.uint32), 0, 3)
+        end = time.monotonic() + 30
+        while len(client.results) < 3:
+            assert time.monotonic() < end, node.log_tail()
+            client.read(0.5)
+        end = time.monotonic() + 10
+        while (node.bridge() or {}).get("acked", 0) < 3:  # published with the next statistics round
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        view = BrokerView.attach(node.data_dir)
+        try:
+            snap = view.snapshot()
+            c = snap["cluster"]
+            assert (c["node"], c["partitions"], c["live_nodes"], c["connected"]) == ("solo", 128, 1, 1)
+            assert c["pulled"] == c["submitted"] == c["published"] == c["acked"] == 3 and c["leases_taken"] == 128
+            console = Console(file=io.StringIO(), width=200, height=80, color_system=None)
+            console.print(top.render(snap, {}))
+            text = console.file.getvalue()
+            assert "cluster" in text and "128 of 128" in text and "solo" in text
+            registry = CollectorRegistry()
+            registry.register(BrokerCollector(view))
+            metrics = generate_latest(registry).decode()
+            assert "shmbroker_bridge_partitions 128.0" in metrics
+            assert "shmbroker_bridge_acked_items_total 3.0" in metrics
+        finally:
+            view.close()
+    finally:
+        if client is not None:
+            client.close()
+        node.stop()
