@@ -59,6 +59,31 @@ CALL_MARGIN_SECONDS = 5.0
 PartitionFn = Callable[[np.ndarray, "int | None", int, int], int]
 
 
+class _Prompts:
+    """The messages of one submit_many, each built when the publisher first asks for it (on the
+    client's loop: building the next overlaps the servers' work on the last), then kept for a retry."""
+
+    def __init__(self, producer, flat, offs, parts, max_new, prefixes, shared, first, model):
+        self.p, self.flat, self.offs, self.parts = producer, flat, offs, parts
+        self.max_new, self.prefixes, self.shared, self.first, self.model = max_new, prefixes, shared, first, model
+        self.built: list = [None] * len(parts)
+
+    def __len__(self) -> int:
+        return len(self.built)
+
+    def __getitem__(self, i: int) -> tuple:
+        msg = self.built[i]
+        if msg is None:
+            k = 0 if self.shared else i
+            prefix = None if self.prefixes is None else int(self.prefixes[k])
+            seq = self.first + i
+            tokens = self.flat[int(self.offs[i]) : int(self.offs[i + 1])]
+            msg = self.built[i] = (self.p.names.prompt_subject(self.parts[i]),
+                                   encode_prompt(tokens, seq, int(self.max_new[k]), prefix),
+                                   prompt_headers(self.p.name, seq, self.model))
+        return msg
+
+
 class RemoteProducer:
     """A producer that publishes to a cluster's prompts stream and reads its results subject.
 
@@ -154,19 +179,13 @@ class RemoteProducer:
         first = self._take_seqs(count, timeout_seconds)
         ids = np.arange(first, first + count, dtype=np.uint64)
         num_partitions = self.names.num_partitions
-        bulk = None
         if self._partition_fn is partition_of:  # the default: one kernel call for all items
             per_item = None if prefixes is None else np.broadcast_to(prefixes, (count,))
-            bulk = partitions_of(flat, offs, per_item, np.full(count, mid, np.int64), num_partitions).tolist()
-        msgs = []
-        for i, (a, b) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
-            k = 0 if shared else i
-            prefix = None if prefixes is None else int(prefixes[k])
-            tokens = flat[a:b]
-            part = bulk[i] if bulk is not None else self._partition_fn(tokens, prefix, mid, num_partitions)
-            subject = self.names.prompt_subject(part)
-            msgs.append((subject, encode_prompt(tokens, first + i, int(max_new[k]), prefix),
-                         prompt_headers(self.name, first + i, model)))
+            parts = partitions_of(flat, offs, per_item, np.full(count, mid, np.int64), num_partitions).tolist()
+        else:
+            parts = [self._partition_fn(flat[a:b], None if prefixes is None else int(prefixes[0 if shared else i]), mid,
+                                        num_partitions) for i, (a, b) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist()))]
+        msgs = _Prompts(self, flat, offs, parts, max_new, prefixes, shared, first, model)
         self._publish(msgs, ids, block, timeout_seconds)
         return ids
 
