@@ -13,6 +13,7 @@ and, after a clean close, `CLEAN`.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -222,8 +223,17 @@ class Backlog:
         return removed
 
     def disk_bytes(self) -> int:
-        """Bytes the backlog occupies on disk (allocated blocks)."""
-        return sum(p.stat().st_blocks * 512 for p in self.root.rglob("*") if p.is_file())
+        """Bytes the backlog occupies on disk (allocated blocks). A file reclaimed while it is
+        counted (another writer's, or a checkpoint's) counts 0."""
+        total = 0
+        for p in self.root.rglob("*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+        return total
 
     def close(self) -> None:
         for seg in self._maps.values():
