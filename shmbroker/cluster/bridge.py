@@ -38,7 +38,7 @@ from collections import deque
 from ..errors import Full
 from . import placement, subjects
 from .publisher import AckedPublisher, PublishRefused
-from .staging import Staged, columns, decode_message, ranges
+from .staging import Answer, Staged, columns, decode_message, ranges
 
 log = logging.getLogger("shmbroker.bridge")
 
@@ -68,8 +68,8 @@ class Bridge:
         self.waiting: deque = deque()  # (partition, msg) pulled, not yet submitted (the local ring was full)
         self.pullers: dict[int, asyncio.Task] = {}
         self.draining: dict[int, float] = {}  # partition -> when its draining began
-        self.unsent: deque = deque()  # (local id, Result) to publish (again)
-        self.inflight: deque = deque()  # (local id, PubAck future)
+        self.unsent: deque = deque()  # Answers to publish (again)
+        self.inflight: deque = deque()  # (Answer, its PubAck future)
         self.mean_tokens: dict[int, float] = {}  # partition -> mean tokens per item pulled
         self.stream_items: dict[int, int] = {}  # partition -> messages in the prompts stream (last looked)
         self.counts = dict.fromkeys(("pulled", "submitted", "published", "acked", "refused", "invalid", "fenced",
@@ -250,7 +250,7 @@ class Bridge:
             for _p, msg, prompt, producer in run:
                 self.waiting.popleft()
                 self.counts["invalid"] += 1
-                self.unsent.append((None, (producer, prompt.seq, "invalid", (), str(exc), msg)))
+                self.unsent.append(Answer(producer, prompt.seq, "invalid", (), str(exc), msg=msg))
             return len(run)
         now = self.clock()
         for local_id, (p, msg, prompt, producer) in zip(ids, run):
@@ -270,7 +270,7 @@ class Bridge:
         except ValueError:
             await msg.term()
             return
-        self.unsent.append((None, (producer, seq, "invalid", (), f"malformed prompt message: {why}", msg)))
+        self.unsent.append(Answer(producer, seq, "invalid", (), f"malformed prompt message: {why}", msg=msg))
 
     # -- results out -----------------------------------------------------------------------
 
@@ -283,50 +283,47 @@ class Bridge:
             if st is None:
                 self.counts["unknown_results"] += 1
             else:
-                self.unsent.append((int(r.item_id), r))
+                self.unsent.append(Answer(st.producer, st.seq, r.status, r.tokens, r.error, local_id=int(r.item_id)))
         if got:
             self.local.ack()  # kept here (unsent, inflight) until stored; a crash: the prompts come again
         held_back = []  # results of partitions whose lease is not fresh: published once it is renewed
         while self.unsent and self.pub.has_slot:
-            local_id, r = self.unsent[0]
-            if local_id is None:
-                producer, seq, status, tokens, error, _msg = r
-            else:
-                st = self.staged.get(local_id)
+            a = self.unsent[0]
+            if a.local_id is not None:
+                st = self.staged.get(a.local_id)
                 if st is None:  # fenced meanwhile
                     self.unsent.popleft()
                     continue
                 if not self.leases.fresh(st.partition):
                     held_back.append(self.unsent.popleft())
                     continue
-                producer, seq, status, tokens, error = st.producer, st.seq, r.status, r.tokens, r.error
-            payload = subjects.encode_result(seq, status, tokens, error)
+            payload = subjects.encode_result(a.seq, a.status, a.tokens, a.error)
             try:
-                future = await self.pub.publish(self.names.result_subject(producer), payload,
-                                                {subjects.HEADER_MSG_ID: subjects.msg_id(producer, seq)})
+                future = await self.pub.publish(self.names.result_subject(a.producer), payload,
+                                                {subjects.HEADER_MSG_ID: subjects.msg_id(a.producer, a.seq)})
             except Exception as exc:  # reconnecting: try again next round
                 log.debug("result publish: %s", exc)
                 break
-            self.unsent.popleft()
-            self.inflight.append((local_id, r, future))
+            self.inflight.append((self.unsent.popleft(), future))
         self.unsent.extend(held_back)
         return await self._settle()
 
     async def _settle(self) -> int:
         """Ack the prompts whose results JetStream stored; a refused publish goes again."""
         acked = 0
-        while self.inflight and self.inflight[0][2].done():
-            local_id, r, future = self.inflight.popleft()
+        while self.inflight and self.inflight[0][1].done():
+            a, future = self.inflight.popleft()
             error = None if future.cancelled() else future.exception()
             if future.cancelled() or error is not None:
                 self.counts["publish_errors"] += 1
                 if not isinstance(error, PublishRefused) or error.retryable:
-                    self.unsent.append((local_id, r))
+                    self.unsent.append(a)
                 else:
                     log.error("a result was refused for good: %s", error)
                 continue
             self.counts["published"] += 1
-            msg = r[5] if local_id is None else self.staged.pop(local_id).msg if local_id in self.staged else None
+            st = None if a.local_id is None else self.staged.pop(a.local_id, None)
+            msg = a.msg if st is None else st.msg
             if msg is not None:
                 await msg.ack()
                 acked += 1
@@ -375,9 +372,9 @@ class Bridge:
         while (self.staged or self.inflight or self.unsent) and self.clock() < end:
             if not await self.deliver():
                 await asyncio.sleep(0.01)
-        left = list(self.staged.values()) + [m for _p, m in self.waiting]
-        for st in left:
-            await (st.msg if isinstance(st, Staged) else st).nak()
+        left = [st.msg for st in self.staged.values()] + [m for _p, m in self.waiting]
+        for msg in left:
+            await msg.nak()
         self.counts["naked"] += len(left)
         self.staged.clear()
         self.waiting.clear()

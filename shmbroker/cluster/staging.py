@@ -1,5 +1,6 @@
 """What a node's bridge stages: a pulled prompt message decoded and checked, a run of them as the
-columns of one `submit_many`, and the staged prompt waiting for its local result."""
+columns of one `submit_many`, the staged prompt waiting for its local result, and the answers
+published for them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ class Staged:
     partition: int
     num_tokens: int
     touched_at: float
+
+
+@dataclass
+class Answer:
+    """A result to publish: a staged prompt's (`local_id`: its local item id, its message found in
+    the staging at ack time) or a refused message's (`msg`: acked once the answer is stored)."""
+
+    producer: str
+    seq: int
+    status: str
+    tokens: object
+    error: str | None
+    local_id: int | None = None
+    msg: object = None
 
 
 def decode_message(msg):
