@@ -250,6 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="with --wait: results JSONL file (default: standard output)")
     p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
                    help="publish to a cluster's prompts stream on these NATS servers instead of a local broker")
+    g = p.add_argument_group("jobs")
+    g.add_argument("--job", nargs="?", const="", default=None, metavar="NAME",
+                   help="submit FILE as a batch job (also its producer name; a name is made up when none is given)")
+    g.add_argument("--resume", action="store_true",
+                   help="take up job NAME again on the same file: submit only what has no result yet")
+    g.add_argument("--out-format", choices=("native", "openai"), default="native",
+                   help="with --wait: results as this format's lines (openai: the OpenAI Batch output format)")
+    g.add_argument("--error-file", default=None,
+                   help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer.json (or a directory holding one): text prompts become token ids, results get text")
+    g.add_argument("--progress-seconds", type=float, default=None, metavar="S",
+                   help="without a terminal: seconds between two progress lines (default 5)")
+    g.add_argument("--model", default=None,
+                   help="every item's model, in place of what the lines say (default: the broker's default model, "
+                        "that of consumers declaring none)")
     p.set_defaults(func=_commands("submit"))
     p = sub.add_parser("results", help="write the results a producer name has not read yet as JSONL")
     p.add_argument("--name", required=True, help="the producer name the prompts were submitted under")
@@ -260,6 +276,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
                    help="read the producer's results subject on these NATS servers instead of a local broker")
     p.set_defaults(func=_commands("results"))
+    p = sub.add_parser("jobs", help="list the batch jobs of a data directory")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--json", action="store_true",
+                   help="a JSON list of objects (name, status, total, completed, failed, cancelled, ...)")
+    p.set_defaults(func=_commands("jobs"))
+    p = sub.add_parser("job", help="show one batch job (--watch: its progress until it ends)")
+    p.add_argument("name")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--watch", action="store_true", help="show its progress until it is completed, cancelled or failed")
+    p.add_argument("--progress-seconds", type=float, default=None, metavar="S",
+                   help="--watch without a terminal: seconds between two progress lines (default 5)")
+    p.set_defaults(func=_commands("job"))
+    p = sub.add_parser("cancel", help="cancel a batch job: items not yet dispatched come back cancelled, those in flight finish")
+    p.add_argument("name")
+    p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.set_defaults(func=_commands("cancel"))
     p = sub.add_parser("nats", help="start a local NATS server (or a cluster) with JetStream in the foreground and print its URLs")
     p.add_argument("--servers", type=int, choices=(1, 3), default=1, help="1 server, or a cluster of 3 (default 1)")
     p.add_argument("--dir", default=None, help="where the servers keep their stores and logs (default: a temporary directory)")

@@ -66,6 +66,7 @@ class BrokerCollector:
         _backlog_metrics(f, snap)
         _process_metrics(f, snap)
         _ring_metrics(f, snap)
+        _job_metrics(f, snap)
         f.add("gauge", "broker_up", "1 while the broker's supervisor runs.", {}, 1.0 if snap["alive"] else 0.0)
         f.add("gauge", "broker_stopping", "1 while a graceful stop is under way.", {}, float(snap["stopping"]))
         f.add("gauge", "broker_start_time_seconds", "Unix time the broker started.", {}, snap["started_unix"])
@@ -129,6 +130,17 @@ def _backlog_metrics(f: _Families, snap: dict) -> None:
           {}, b["oldest_age_seconds"])
     f.add("gauge", "backlog_segments", "Backlog segment files on disk.", {}, b["segments"])
     f.add("gauge", "backlog_disk_bytes", "Bytes of the backlog directory on disk.", {}, b["disk_bytes"])
+
+
+def _job_metrics(f: _Families, snap: dict) -> None:
+    """Jobs per status (all of them), and the live jobs' counts per job name (bounded: live jobs only)."""
+    jobs = snap["jobs"]
+    for status, n in jobs["by_status"].items():
+        f.add("gauge", "jobs", "Batch jobs in the data directory, per status.", {"status": status}, n)
+    for j in jobs["live"]:
+        for state in ("total", "submitted", "completed", "failed", "cancelled"):
+            f.add("gauge", "job_items", "Items of a live batch job (not completed, cancelled or failed), per state.",
+                  {"job": j["name"], "status": j["status"], "state": state}, j[state])
 
 
 def _process_metrics(f: _Families, snap: dict) -> None:

@@ -38,6 +38,7 @@ class LineError:
     path: str
     line: int
     message: str
+    id: str | int | None = None  # the line's custom_id (or id) when it can be read
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.message}"

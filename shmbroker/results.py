@@ -35,6 +35,7 @@ from .behind import C_BEHIND, C_BEHIND_BYTES, BehindNames, NameLog, remove_stray
 from .control import Control, beat
 from .cursor_save import CursorSaves
 from .delivery import Cursors, Outlet, ReplayPlan
+from .jobs.tally import JobTallies
 from .registry import ProducerBook
 from .replay import Replayer, scan_all
 from .results_log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
@@ -95,6 +96,7 @@ class Router(Replayer, BehindNames, CursorSaves):
                       np.empty(SCAN_MAX, np.uint32))
         self.last_save = time.monotonic()
         self.last_reclaim = time.monotonic()
+        self.jobs = JobTallies(data_dir, self._name_of)  # each job's results by status (`jobs/tally.py`)
 
     # -- producers -------------------------------------------------------------------
 
@@ -208,6 +210,7 @@ class Router(Replayer, BehindNames, CursorSaves):
             for w, mine in _groups(writers):
                 self.backlog.ack(w, seqs if mine is None else seqs[mine])
             self.counters[2] += n
+            self.jobs.count(item_ids, status)
         self.counters[0] += n
         producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
         for p, mine in _groups(producers):
@@ -283,6 +286,7 @@ class Router(Replayer, BehindNames, CursorSaves):
         self.log.sync()  # results on disk before the acks that say their items are done
         for behind in self.behind.values():
             behind.log.sync()
+        self.jobs.save()  # after the results it counts are synced, before the acks that say they are done
         # reclaim before the ack file is saved: on a full disk, the step that frees space comes
         # first (a segment is reclaimed only once all its results are synced, just above, and
         # recovery takes a missing segment's sequence numbers as done)

@@ -26,6 +26,7 @@ import numpy as np
 from . import roles
 from .control import beat
 from .errors import PeerDead
+from .jobs.cancels import CancelWatch
 from .pack.feeding import AHEAD, queued_items
 from .pack.packer import ConsumerSpec, Packer
 from .pack.shapes import ItemShapes
@@ -33,18 +34,15 @@ from .pending import (
     GAUGES,
     NO_ITEM_NS,
     S_BATCHES,
-    S_EMPTY,
     S_FAMILIES,
     S_HELD_BACK,
     S_INDEXED_ITEMS,
     S_INDEXED_TOKENS,
     S_ITEMS,
-    S_NO_CONSUMER,
     S_OLDEST,
     S_OVERFLOW,
     S_RECOVERED_CORRUPT,
     S_RECOVERED_UNNAMED,
-    S_TOO_LONG,
     S_WAITING,
     Arrivals,
     Pending,
@@ -54,6 +52,7 @@ from .ring.items import Status
 from .ring.ring import CONSUMER, PRODUCER
 from .ring.waits import SLEEP_SLICE_SECONDS, sleep_on
 from .ring.wire import LOC_DTYPE, announced_subset, batch_meta_words, read_announcement
+from .sched_admission import Admission
 from .spill.locate import record_locations
 from .spill.store import Backlog
 from .spill.waiting import WaitingQueue
@@ -62,8 +61,9 @@ from .stats import SCHED
 POP_RECORDS = 64
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 REFILL_ROWS = 1 << 16  # waiting items read back from disk (and hashed) at a time
+FAILED_ROWS_MAX = 4096  # failed rows one batch record carries at most (a cancel fails a whole job)
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, cfg, modes: list[str], appended, batch_rings, bell, values=None):
         self.cfg = cfg
         specs = [ConsumerSpec(c.name, c.contract, m) for c, m in zip(cfg.consumers, modes)]
@@ -102,6 +102,8 @@ class Scheduler:
         self.undone_items = [0] * len(batch_rings)
         self.queued_items = [queued_items(c.contract.max_batch_size, m) for c, m in zip(cfg.consumers, modes)]
         self.num_batches = 0
+        self.cancels = CancelWatch(cfg.data_dir)  # cancelled jobs (`jobs/cancels.py`)
+        self.cancelled = np.zeros(0, np.uint64)  # their producer ids, sorted
 
     # -- taking items in --------------------------------------------------------------------
 
@@ -174,20 +176,6 @@ class Scheduler:
                 total += count
         return total
 
-    def _servable(self, locs, hash_offsets, hashes, counted: bool = False):
-        """The items some consumer can take; the others go to a batch record as failed rows (and,
-        `counted`: already counted pending, out of the gauges)."""
-        bad = self._unservable(locs)
-        if bad is None:
-            return locs, hash_offsets, hashes
-        status, keep = bad
-        failed = locs[~keep].copy()
-        failed["aux"] = status[~keep]
-        self.failed.append(failed)
-        if counted:
-            self.pending.count_locs(failed, -1)
-        return announced_subset(locs, hash_offsets, hashes, keep)
-
     def add(self, locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> None:
         if locs.size == 0:
             return
@@ -239,30 +227,6 @@ class Scheduler:
             if locs.size:
                 self._index(locs, hash_offsets, hashes, arrival_ns)
         self._waited()
-
-    def _unservable(self, locs):
-        """(status, keep) of items no consumer can ever take, counted by reason; None when all can be."""
-        status = np.zeros(locs.size, np.uint32)
-        lengths = locs["num_tokens"]
-        empty = lengths == 0
-        status[empty] = Status.INVALID
-        models = locs["model"]
-        for m in np.unique(models).tolist():
-            mine = models == m
-            top = self.model_max.get(int(m))
-            if top is None:
-                nobody = mine & ~empty
-                status[nobody] = Status.INVALID
-                self.values[S_NO_CONSUMER] += int(nobody.sum())
-            else:
-                long = mine & (lengths > top) & (status == 0)
-                status[long] = Status.TOO_LONG
-                self.values[S_TOO_LONG] += int(long.sum())
-        keep = status == 0
-        if keep.all():
-            return None
-        self.values[S_EMPTY] += int(empty.sum())
-        return status, keep
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -320,9 +284,14 @@ class Scheduler:
             if n_run:
                 self.pending.count_locs(run, -1)
             assert not batch.failed, "too-long items are failed at admission (`_unservable`), not by the packer"
-        if self.failed:
-            rows.extend(self.failed)
-            self.failed = []
+        room = FAILED_ROWS_MAX
+        while self.failed and room:  # a bounded record: the rest rides the next ones
+            part = self.failed.pop(0)
+            if part.size > room:
+                self.failed.insert(0, part[room:])
+                part = part[:room]
+            rows.append(part)
+            room -= part.size
         if not rows:
             return None
         locs = np.concatenate(rows) if len(rows) > 1 else rows[0]
@@ -369,6 +338,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
     sched = Scheduler(cfg, modes, appended, batches, bell, stats.values)
     next_gauges = 0.0
     try:
+        sched.cancelled = np.array(sorted(sched.cancels.poll() or ()), np.uint64)  # before the recovered items
         sched.recover(cfg.data_dir)
         while not stopping():
             beat(slot)
@@ -376,6 +346,9 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
             sent = sched.dispatch()
             now = time.monotonic()
             if now >= next_gauges:
+                cancelled = sched.cancels.poll()
+                if cancelled:
+                    sched.cancel(cancelled)
                 sched.refresh_gauges()
                 next_gauges = now + GAUGE_SECONDS
                 stats.publish()

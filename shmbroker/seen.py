@@ -54,3 +54,31 @@ class SeenSet:
 
     def nbytes(self) -> int:
         return self.CHUNK * len(self.partial) + 64 * len(self.full)
+
+    def contains(self, seqs: np.ndarray) -> np.ndarray:
+        """True for each of seqs already seen (nothing is marked)."""
+        seqs = np.asarray(seqs, np.int64)
+        out = np.zeros(seqs.size, bool)
+        for i, s in enumerate(seqs.tolist()):
+            c = s >> self.CHUNK_BITS
+            flags = self.partial.get(c)
+            out[i] = c < self.full_below or c in self.full or (flags is not None and bool(flags[s & (self.CHUNK - 1)]))
+        return out
+
+    def state(self) -> dict:
+        """A JSON-able copy (`from_state` reads it back): partial chunks as packed bits in hex."""
+        return {"full_below": self.full_below, "full": sorted(self.full),
+                "partial": {str(c): np.packbits(f).tobytes().hex() for c, f in self.partial.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> SeenSet:
+        """ValueError (or KeyError, TypeError) when `state` is not what `state()` writes."""
+        s = cls()
+        s.full_below = int(state["full_below"])
+        s.full = {int(c) for c in state["full"]}
+        for c, bits in state["partial"].items():
+            flags = np.unpackbits(np.frombuffer(bytes.fromhex(bits), np.uint8)).astype(bool)
+            if flags.size != cls.CHUNK:
+                raise ValueError(f"a seen chunk of {flags.size} flags, not {cls.CHUNK}")
+            s.partial[int(c)] = flags
+        return s

@@ -120,6 +120,7 @@ SCHED = (
     _c("rejected_empty", "rejected_items_total", "Items failed back at intake.", (("reason", "empty"),)),
     _c("rejected_no_consumer", "rejected_items_total", "Items failed back at intake.", (("reason", "no_consumer"),)),
     _c("rejected_too_long", "rejected_items_total", "Items failed back at intake.", (("reason", "too_long"),)),
+    _c("cancelled", "sched_cancelled_items_total", "Items of cancelled jobs answered `cancelled` before they were dispatched."),
     # exported per model (metrics.py: shmbroker_backlog_pending_items{model}), from the words below
     _g("pending_items", None, "Items waiting for a batch (in the index or beyond it)."),
     _g("pending_tokens", None, "Tokens waiting for a batch (in the index or beyond it)."),

@@ -40,6 +40,7 @@ HISTORY_MAX = 64  # snapshots kept for the rate window (a bound; below 2 s / 64 
 STALE_HEARTBEAT_SECONDS = 2.0
 CONSUMERS_PER_ROW = 4
 CONSUMER_ROWS = 10  # lines in a consumer panel (keep in step with _consumer)
+JOBS_SHOWN = 8  # live jobs in the jobs panel (the newest)
 
 
 # -- rendering (pure) ----------------------------------------------------------------------------
@@ -141,6 +142,18 @@ def _cluster(c: dict, rate: dict) -> Panel:
     return Panel(_pairs(rows), title="cluster", title_align="left")
 
 
+def _jobs(jobs: dict) -> Panel:
+    """The live jobs (not completed, cancelled or failed), and how many jobs are in each status."""
+    t = Table(expand=True, box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    for col in ("job", "status", "done", "failed", "cancelled"):
+        t.add_column(col, justify="left" if col in ("job", "status") else "right", no_wrap=True)
+    for j in jobs["live"][-JOBS_SHOWN:]:
+        done = j["completed"] + j["failed"] + j["cancelled"]
+        t.add_row(j["name"], j["status"], f"{done:,}/{j['total']:,}", _num(j["failed"]), _num(j["cancelled"]))
+    others = ", ".join(f"{n} {s}" for s, n in jobs["by_status"].items() if n and s in ("completed", "cancelled", "failed"))
+    return Panel(t, title=f"jobs ({others})" if others else "jobs", title_align="left")
+
+
 def _processes(processes: list[dict]) -> Panel:
     t = Table(expand=True, box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, header_style="bold")
     for col in ("role", "pid", "alive", "restarts", "hung", "beat"):
@@ -195,6 +208,9 @@ def render(snapshot: dict, rates: dict) -> RenderableType:
     if snapshot.get("cluster"):
         cluster = _cluster(snapshot["cluster"], rates.get("cluster", {}))
         parts.append(Layout(cluster, size=cluster.renderable.row_count + 2))
+    jobs = snapshot.get("jobs") or {"live": [], "by_status": {}}
+    if jobs["live"] or any(jobs["by_status"].values()):
+        parts.append(Layout(_jobs(jobs), size=min(len(jobs["live"]), JOBS_SHOWN) + 3))
     left.split_column(*parts, Layout(_ingest(snapshot["ingest"], rates.get("ingest", {}))))
     right = Layout(name="right")
     right.split_column(Layout(_processes(snapshot["processes"]), size=len(snapshot["processes"]) + 3),

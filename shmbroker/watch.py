@@ -37,6 +37,7 @@ from .control import (
 )
 from .delivery import Cursors
 from .errors import BrokerError
+from .jobs.store import JobsWatch
 from .results_log import RESULTS_DIR
 from .ring import layout as L
 from .ring.liveness import is_alive, start_ticks
@@ -108,6 +109,7 @@ class BrokerView:
         self._values = np.empty(64, np.int64)
         self._rings: dict[str, Segment] = {}
         self.last_values: dict[int, dict] = {}  # role -> last read (kept when a read finds it mid-publication)
+        self.jobs = JobsWatch(data_dir)
 
     @classmethod
     def attach(cls, data_dir: str | os.PathLike) -> BrokerView:
@@ -200,6 +202,7 @@ class BrokerView:
             "results": {**values.get("results", {}), "behind": self._behind()},
             "rings": self.rings(),
             "cluster": None if self.desc.get("cluster") is None else {**self.desc["cluster"], **values.get("bridge", {})},
+            "jobs": self.jobs.summary(),
         }
 
     def _behind(self) -> list[dict]:

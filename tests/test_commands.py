@@ -16,7 +16,7 @@ import pytest
 from brokerproc import serve
 
 from shmbroker.cli import main
-from shmbroker.commands.submit import _read_trace
+from shmbroker.commands.reading import read_trace as _read_trace
 from shmbroker.prompts import LineError, Prompt
 
 REAL_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")

@@ -1,11 +1,12 @@
 """`shmbroker submit`, `shmbroker results`, `shmbroker status`: the user-facing commands around a running broker.
 
-    shmbroker submit prompts.jsonl [--trace] [--name N] [--wait [--out F]]
+    shmbroker submit prompts.jsonl [--trace] [--name N | --job J [--resume]] [--wait [--out F]]
+    shmbroker jobs [--json]; shmbroker job J [--json | --watch]; shmbroker cancel J
     shmbroker results --name N [--out F] [--timeout S]
     shmbroker status [--json]
     shmbroker nats [--servers 1|3] [--dir D]
 
-One module a command (`submit`, `results`, `status`, `local_nats`); what they share is in `common`.
+One module a command (`submit`, `results`, `status`, `local_nats`, `jobs` for the three job commands); what they share is in `common`.
 
 Exit status: 0 done; 1 some lines refused, a result missing, no broker; 2 a
 bad configuration, file or option.
@@ -13,9 +14,10 @@ bad configuration, file or option.
 
 from __future__ import annotations
 
+from .jobs import cancel, job, jobs
 from .local_nats import nats
 from .results import results
 from .status import status
 from .submit import submit
 
-__all__ = ["nats", "results", "status", "submit"]
+__all__ = ["cancel", "job", "jobs", "nats", "results", "status", "submit"]

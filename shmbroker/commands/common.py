@@ -132,14 +132,20 @@ class _IdLog:
         self.path = _ids_path(data_dir, name)
         self._fh = None
 
+    def _open(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        self._fh = os.fdopen(fd, "a", encoding="utf-8")
+
     def write(self, item_id: int, user_id, line: int) -> None:
+        self.write_row({"item_id": item_id, "id": user_id, "line": line})
+
+    def write_row(self, row: dict) -> None:
         if self._fh is None:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.path.parent, 0o700)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            os.fchmod(fd, 0o600)
-            self._fh = os.fdopen(fd, "a", encoding="utf-8")
-        self._fh.write(json.dumps({"item_id": item_id, "id": user_id, "line": line}) + "\n")
+            self._open()
+        self._fh.write(json.dumps(row) + "\n")
 
     def flush(self) -> None:
         if self._fh is not None:

@@ -117,6 +117,13 @@ def _render(report: dict) -> None:
                  ("", "pulled/s", _fmt(crate.get("pulled_per_second"))), ("", "published/s", _fmt(crate.get("published_per_second"))),
                  ("", "leases taken / lost", f"{_fmt(c.get('leases_taken'))} / {_fmt(c.get('leases_lost'))}"),
                  ("", "refused messages", _fmt(c.get("refused"))), ("", "connected", "yes" if c.get("connected") else "NO")]
+    jobs = report.get("jobs") or {"live": [], "by_status": {}}
+    if any(jobs["by_status"].values()):
+        rows.append(("jobs", "by status", ", ".join(f"{n} {s}" for s, n in jobs["by_status"].items() if n)))
+        for j in jobs["live"]:
+            done = j["completed"] + j["failed"] + j["cancelled"]
+            rows.append(("", j["name"], f"{j['status']}: {done:,}/{j['total']:,} ({j['failed']:,} failed, "
+                                        f"{j['cancelled']:,} cancelled)"))
     for row in rows:
         t.add_row(*row)
     console.print(t)

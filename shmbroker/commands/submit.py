@@ -1,157 +1,90 @@
-"""`shmbroker submit`: push prompts from a JSONL file (or a Mooncake-format trace) to a running broker,
-or with --cluster to a cluster's prompts stream on NATS (a `RemoteProducer`).
+"""`shmbroker submit`: push prompts from a JSONL file (its own lines, OpenAI Batch request lines, or a
+Mooncake-format trace) to a running broker, or with --cluster to a cluster's prompts stream on NATS
+(a `RemoteProducer`); with --job as a batch job (`jobrun.py`) that has a status and a cancel.
 
-`submit` streams the file in chunks (`Producer.submit_many`); a bad line costs
-only itself (an error on stderr naming file and line).
+`submit` streams the file in chunks (`Producer.submit_many`); a bad line costs only itself (an error
+on stderr naming file and line, and with --wait a row of its own). Progress: `jobs/progress.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import numpy as np
 
-from ..prompts import U32_MAX, LineError, Prompt, parse_line
+from ..jobs.progress import Progress
+from ..prompts import U32_MAX, LineError, Prompt
 from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _open_producer, _output, _result_row, _written_ids
+from .reading import count_lines, read_prompts, read_trace
 
 CHUNK_ITEMS = 1024  # prompts handed to submit_many at once
 CHUNK_TOKENS = 1 << 20
-TRACE_CHUNK_LINES = 256  # trace lines synthesised at once
 SUBMIT_STALL_SECONDS = 60.0  # an ingest ring that stays full this long ends the submit
 WAIT_IDLE_SECONDS = 60.0  # --wait gives up when no result came for this long
-
-
-def _progress(what: str):
-    """A rich progress bar on stderr; a no-op when stderr is not a terminal."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
-    from rich.text import Text
-
-    class Rate(ProgressColumn):
-        def render(self, task) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("-- items/s" if speed is None else f"{speed:,.0f} items/s")
-
-    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), Rate(), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not sys.stderr.isatty())
-
-
-# -- reading prompts ---------------------------------------------------------------------
-
-
-def _read_prompts(path: str, default_max_new: int | None):
-    """Prompt or LineError per non-blank line; `default_max_new` fills in a missing max_new_tokens."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                if default_max_new is not None and '"max_new_tokens"' not in line:
-                    row = json.loads(line)
-                    if isinstance(row, dict):
-                        row["max_new_tokens"] = default_max_new
-                        line = json.dumps(row)
-                yield parse_line(line, number)
-            except ValueError as exc:
-                msg = str(exc)
-                if isinstance(exc, json.JSONDecodeError):
-                    msg = f"not JSON ({exc.msg} at column {exc.colno})"
-                yield LineError(path, number, msg)
-
-
-def _read_trace(path: str, default_max_new: int | None):
-    """Mooncake trace lines as Prompts (tokens synthesised as `workloads.trace.load` does), LineError per bad line."""
-    from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise
-
-    rows: list[tuple[int, int, int, list[int]]] = []
-
-    def flush():
-        lengths = np.array([r[1] for r in rows], np.int64)
-        offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        hash_offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum([len(r[3]) for r in rows], out=hash_offsets[1:])
-        hashes = np.array([h for r in rows for h in r[3]], np.int64)
-        tokens = np.empty(int(offsets[-1]), np.uint32)
-        synthesise(hashes, hash_offsets, lengths, TRACE_BLOCK_TOKENS, 32_000, tokens, offsets)
-        out = [Prompt(r[0], tokens[offsets[i] : offsets[i + 1]], r[2]) for i, r in enumerate(rows)]
-        rows.clear()
-        return out
-
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                n = int(row["input_length"])
-                hashes = [int(x) for x in row["hash_ids"]]
-                if "output_length" in row:
-                    max_new = max(1, int(row["output_length"]))
-                else:
-                    max_new = default_max_new if default_max_new is not None else 1
-            except (ValueError, KeyError, TypeError) as exc:
-                yield LineError(path, number, f"not a Mooncake trace record ({type(exc).__name__}: {exc})")
-                continue
-            b = TRACE_BLOCK_TOKENS
-            if n < 1 or not hashes or (len(hashes) - 1) * b >= n or len(hashes) * b < n:
-                yield LineError(path, number, f"input_length {n} does not match {len(hashes)} blocks of {b} tokens")
-                continue
-            if not all(-(1 << 63) <= h < (1 << 63) for h in hashes):
-                yield LineError(path, number, "hash_ids must be 64-bit integers")
-                continue
-            rows.append((number, n, max_new, hashes))
-            if len(rows) >= TRACE_CHUNK_LINES:
-                yield from flush()
-    if rows:
-        yield from flush()
-
-
-def _count_lines(path: str) -> int:
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
-
-
-# -- submit ------------------------------------------------------------------------------
 
 
 class _Submission:
     """One `submit` run: pushes chunks, records ids, and (--wait) collects the results."""
 
-    def __init__(self, producer, idlog: _IdLog, out, path: str, data_dir: str):
+    def __init__(self, producer, idlog: _IdLog, path: str, data_dir: str, job=None, progress=None):
         self.producer = producer
         self.data_dir = data_dir  # where the id sidecar lives (a remote producer's too)
         self.idlog = idlog
-        self.out = out
-        self.sink = None
+        self.job = job
+        self.progress = progress
+        self.sink = None  # with --wait: ResultSink, or a job's JobSink
         self.path = path
         self.submitted = 0
         self.refused = 0
+        self.skipped = 0  # lines an earlier run of the job submitted
+        self.cancelled = 0  # lines left unsubmitted because the job was cancelled
         self.ids: dict[int, str | int] = {}
         self.outstanding: set[int] = set()
         self.statuses: Counter[str] = Counter()
+        self.generated = 0
         self._old_ids: dict | None = None
 
-    def refuse(self, line: int, message: str) -> None:
+    def refuse(self, line: int, message: str, cid=None) -> None:
         self.refused += 1
         _err(f"{self.path}:{line}: {message}")
+        if self.job is not None and self.sink is not None:
+            self.sink.line(line, message, cid)
 
     def push(self, chunk: list[Prompt]) -> None:
         """Submit a chunk in runs of one model and one prefix kind (submit_many's shared settings), in order."""
+        if self.job is not None:
+            if self.job.done_lines:
+                kept = [p for p in chunk if p.line not in self.job.done_lines]
+                self.skipped += len(chunk) - len(kept)
+                chunk = kept
+            if self.job.cancel_asked():  # the rest stays unsubmitted: cancelled
+                self.cancelled += len(chunk)
+                for p in chunk if self.sink is not None else ():
+                    self.sink.line(p.line, "the job was cancelled before this line was submitted", p.id,
+                                   code="batch_cancelled", status="cancelled")
+                return
         start = 0
         for i in range(1, len(chunk) + 1):
             if i == len(chunk) or _run_key(chunk[i]) != _run_key(chunk[start]):
                 self._push_run(chunk[start:i])
                 start = i
         self.idlog.flush()
-        if self.out is not None:
+        if self.sink is not None:
             self.drain(0.0)
+        self.show()
+
+    def _intend(self, run: list[Prompt]) -> None:
+        """A job's entries for a run, written (and flushed) before it is pushed (jobrun.py)."""
+        if self.job is None:
+            return
+        first = self.producer.next_item_id
+        for k, p in enumerate(run):
+            self.idlog.write_row(self.job.entry(first + k, p))
+        self.idlog.flush()
 
     def _push_run(self, run: list[Prompt]) -> None:
         from ..errors import Full
@@ -162,6 +95,7 @@ class _Submission:
         flat = np.concatenate([p.tokens for p in run]) if len(run) > 1 else run[0].tokens
         max_new = [p.max_new_tokens for p in run]
         prefix = None if run[0].prefix_len is None else np.array([p.prefix_len for p in run], np.int64)
+        self._intend(run)
         try:
             ids = self.producer.submit_many(
                 flat, offsets, max_new_tokens=max_new[0] if len(set(max_new)) == 1 else np.array(max_new, np.int64),
@@ -169,11 +103,12 @@ class _Submission:
         except (ValueError, TypeError):
             # one item is refused: find it (and keep the others) one submit at a time
             for p in run:
+                self._intend([p])
                 try:
                     item = self.producer.submit(p.tokens, max_new_tokens=p.max_new_tokens, prefix_len=p.prefix_len,
                                                 model=p.model)
                 except (ValueError, TypeError) as exc:
-                    self.refuse(p.line, f"refused by the producer: {exc}")
+                    self.refuse(p.line, f"refused by the producer: {exc}", p.id)
                 else:
                     self._record(p, item)
             return
@@ -186,9 +121,11 @@ class _Submission:
 
     def _record(self, p: Prompt, item: int) -> None:
         self.submitted += 1
-        if self.out is not None:
+        if self.sink is not None:
             self.outstanding.add(item)
-        if p.id is not None:
+        if self.job is not None:
+            self.job.pushed(1, int(p.tokens.size))
+        elif p.id is not None:
             self.ids[item] = p.id
             self.idlog.write(item, p.id, p.line)
 
@@ -198,13 +135,9 @@ class _Submission:
         n = 0
         for r in self.producer.results(timeout_seconds=timeout_seconds if self.outstanding else 0.0, auto_ack=False):
             self.outstanding.discard(r.item_id)
-            ids = self.ids
-            if r.item_id not in ids and self._old_ids is None:
-                self._old_ids = _load_ids(self.data_dir, self.producer.name)  # an earlier run's
-            if r.item_id not in ids:
-                ids = self._old_ids
-            if self.sink.write(r.item_id, _result_row(r, ids)):
+            if self._write(r):
                 self.statuses[r.status] += 1
+                self.generated += r.tokens.size
             n += 1
             if timeout_seconds and not self.outstanding:
                 break  # all in: take what already came without waiting for more
@@ -212,7 +145,25 @@ class _Submission:
             n += self.drain(0.0)
         if n:
             self.sink.commit()
+            self.show()
         return n
+
+    def _write(self, r) -> bool:
+        if self.job is not None:
+            return self.sink.result(r, self.job.entries.get(r.item_id))
+        ids = self.ids
+        if r.item_id not in ids and self._old_ids is None:
+            self._old_ids = _load_ids(self.data_dir, self.producer.name)  # an earlier run's
+        if r.item_id not in ids:
+            ids = self._old_ids
+        return self.sink.write(r.item_id, _result_row(r, ids))
+
+    def show(self) -> None:
+        if self.progress is not None:
+            ok = self.statuses.get("ok", 0)
+            self.progress.update(submitted=self.submitted + self.skipped, results=sum(self.statuses.values()),
+                                 ok=ok, failed=sum(self.statuses.values()) - ok + self.refused, tokens=self.generated,
+                                 status="cancelling" if self.cancelled else "")
 
     def wait(self) -> bool:
         """Read results until every submitted item has one; False after WAIT_IDLE_SECONDS without any."""
@@ -222,6 +173,8 @@ class _Submission:
                 last = time.monotonic()
             elif time.monotonic() - last > WAIT_IDLE_SECONDS:
                 return False
+            else:
+                self.show()
         return True
 
 
@@ -229,82 +182,150 @@ def _run_key(p: Prompt) -> tuple:
     return p.model, p.prefix_len is None
 
 
+def _checks(args) -> str | None:
+    if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= U32_MAX:
+        return f"--max-new-tokens must be in 1..{U32_MAX}, got {args.max_new_tokens}"
+    if not os.path.isfile(args.file) or not os.access(args.file, os.R_OK):
+        return f"{args.file}: no such readable file"
+    job = args.job is not None or args.resume
+    if job and args.name is not None:
+        return "--job names the producer too: give --job or --name, not both"
+    if job and getattr(args, "cluster", None):
+        return "a job is kept in a broker's data directory: --job and --resume do not go with --cluster"
+    if args.resume and args.job is None:
+        return "--resume needs --job NAME (the job to take up again)"
+    if (args.out_format != "native" or args.error_file) and not job:
+        return "--out-format openai and --error-file are a job's: add --job NAME"
+    if args.error_file and args.out_format != "openai":
+        return "--error-file goes with --out-format openai (the native format keeps errors in its rows)"
+    return None
+
+
 def submit(args) -> int:
     from ..errors import BrokerError, Full
+    from ..jobs.store import JobError
+    from ..jobs.text import TextError, Tokenizer
+    from .jobrun import JobRun, JobSink, error_path, written_keys
 
     data_dir = _data_dir(args)
     if data_dir is None:
         return 2
-    if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= U32_MAX:
-        _err(f"--max-new-tokens must be in 1..{U32_MAX}, got {args.max_new_tokens}")
+    problem = _checks(args)
+    if problem:
+        _err(problem)
         return 2
-    if not os.path.isfile(args.file) or not os.access(args.file, os.R_OK):
-        _err(f"{args.file}: no such readable file")
+    try:
+        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+    except TextError as exc:
+        _err(str(exc))
         return 2
-    # a default name no other run can have had (a pid is reused; the results of an earlier run's
-    # name would come to this one)
-    name = args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
+    job = None
+    if args.job is not None or args.resume:
+        try:
+            job = JobRun.begin(data_dir, args.job or None, args.file, "trace" if args.trace else "jsonl", args.resume)
+        except (JobError, OSError) as exc:
+            _err(str(exc))
+            return 2
+        name = job.name
+    else:
+        # a default name no other run can have had (a pid is reused; the results of an earlier run's
+        # name would come to this one)
+        name = args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         producer = _open_producer(args, name, data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
     except ValueError as exc:  # a producer name the cluster refuses
         _err(str(exc))
-        return 2
+        return _failed(job, str(exc), 2)
     except (BrokerError, OSError) as exc:
         _err(str(exc))
-        return 1
+        return _failed(job, str(exc), 1)
     where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
-    _err(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name}{where})")
+    if job is not None:
+        job.attach(producer)
+        again = f", resumed: {len(job.done_lines)} lines submitted before" if job.resumed else ""
+        _err(f"job {name!r}: {job.meta.lines} lines of {args.file}{again} (shmbroker job {name}; shmbroker cancel {name})")
+    else:
+        _err(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name}{where})")
     t0 = time.monotonic()
     idlog = _IdLog(data_dir, name)
-    job = _Submission(producer, idlog, None, args.file, data_dir)
+    total = job.meta.lines if job is not None else count_lines(args.file)
+    progress = Progress(f"job {name}" if job is not None else "submit", total, plain_seconds=args.progress_seconds)
+    run = _Submission(producer, idlog, args.file, data_dir, job, progress)
     complete = True
     try:
-        with producer, (_output(args.out) if args.wait else nullcontext()) as out, _progress("submit") as bar:
-            job.out = out
-            job.sink = ResultSink(out, producer, _written_ids(args.out)) if out is not None else None
-            task = bar.add_task("submit", total=None if bar.disable else _count_lines(args.file))
-            lines = (_read_trace if args.trace else _read_prompts)(args.file, args.max_new_tokens)
+        with producer, ExitStack() as files, progress:
+            if args.wait:
+                out = files.enter_context(_output(args.out))
+                if job is None:
+                    run.sink = ResultSink(out, producer, _written_ids(args.out))
+                else:
+                    errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" else None
+                    errors = files.enter_context(_output(errors_at)) if errors_at is not None else None
+                    run.sink = JobSink(out, errors, producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
+                    run.outstanding |= job.waiting_for(run.sink.written)
+            lines = read_trace(args.file, args.max_new_tokens) if args.trace else \
+                read_prompts(args.file, args.max_new_tokens, tokenizer, args.model)
             chunk: list[Prompt] = []
             tokens = 0
             for entry in lines:
                 if isinstance(entry, LineError):
-                    job.refuse(entry.line, entry.message)
-                    bar.advance(task)
+                    run.refuse(entry.line, entry.message, entry.id)
                     continue
                 chunk.append(entry)
                 tokens += entry.tokens.size
                 if len(chunk) >= CHUNK_ITEMS or tokens >= CHUNK_TOKENS:
-                    job.push(chunk)
-                    bar.advance(task, len(chunk))
+                    run.push(chunk)
                     chunk, tokens = [], 0
             if chunk:
-                job.push(chunk)
-                bar.advance(task, len(chunk))
-            bar.stop()
-            _err(f"submitted {job.submitted} items, refused {job.refused} line{'' if job.refused == 1 else 's'}, in "
-                 f"{time.monotonic() - t0:.2f} s (producer {name!r})")
+                run.push(chunk)
+            if job is not None:
+                job.submit_done(run.refused)
+            more = f", {run.skipped} submitted by an earlier run" if run.skipped else ""
+            more += f", {run.cancelled} not submitted (the job was cancelled)" if run.cancelled else ""
+            _err(f"submitted {run.submitted} items, refused {run.refused} line{'' if run.refused == 1 else 's'}{more}, "
+                 f"in {time.monotonic() - t0:.2f} s (producer {name!r})")
             if args.wait:
-                complete = job.wait()
-                counts = ", ".join(f"{k} {v}" for k, v in sorted(job.statuses.items()))
+                complete = run.wait()
+                if job is not None and complete:
+                    job.meta.phase = "finalizing"
+                    job.save()
+                run.sink.commit()
+                counts = ", ".join(f"{k} {v}" for k, v in sorted(run.statuses.items()))
                 where = f" to {args.out}" if args.out else ""
-                _err(f"{sum(job.statuses.values())} results ({counts or 'none'}) written{where}")
+                _err(f"{sum(run.statuses.values())} results ({counts or 'none'}) written{where}")
                 if not complete:
-                    _err(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(job.outstanding)} items still "
+                    _err(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(run.outstanding)} items still "
                          f"without one (later: shmbroker results --name {name})")
+                elif job is not None:
+                    job.finished(cancelled=job.cancelled)
     except Full as exc:
         _err(f"the {'cluster' if getattr(args, 'cluster', None) else 'broker'} took no item for {SUBMIT_STALL_SECONDS:.0f} s ({exc}); stopped after "
-             f"{job.submitted} items: the rest of {args.file} was not submitted")
+             f"{run.submitted} items: the rest of {args.file} was not submitted")
         return 1
     except BrokerError as exc:
-        _err(f"{exc} (after {job.submitted} items)")
+        _err(f"{exc} (after {run.submitted} items)")
         return 1
     except OSError as exc:  # the --out file, or the prompts file gone meanwhile
-        _err(f"{exc} (after {job.submitted} items)")
-        return 2 if job.submitted == 0 else 1
+        _err(f"{exc} (after {run.submitted} items)")
+        return 2 if run.submitted == 0 else 1
     except KeyboardInterrupt:
-        _err(f"interrupted after {job.submitted} items (producer {name!r})")
+        _err(f"interrupted after {run.submitted} items (producer {name!r})")
         return 130
     finally:
         idlog.close()
         producer.close()
-    return 0 if job.refused == 0 and complete else 1
+        if job is not None and job.meta.submitter_pid:
+            job.meta.submitter_pid = 0  # this run is over: the status need not wait for its pid to go
+            job.save()
+    return 0 if run.refused == 0 and complete else 1
+
+
+def _failed(job, message: str, code: int) -> int:
+    """A job whose run could not start: failed when nothing of it was ever submitted."""
+    if job is not None:
+        if job.resumed or job.meta.submitted:
+            job.meta.submitter_pid = 0
+            job.save()
+        else:
+            job.fail(message)
+    return code

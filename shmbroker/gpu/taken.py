@@ -50,6 +50,7 @@ def failed_results(failed: np.ndarray) -> BatchResults:
     for i, (code, length) in enumerate(zip(status.tolist(), failed["num_tokens"].tolist())):
         errors[i] = (f"{length} tokens: longer than every consumer of its model takes" if code == Status.TOO_LONG
                      else RECOVERED_CORRUPT if code == Status.CORRUPT
+                     else "its job was cancelled before it was dispatched" if code == Status.CANCELLED
                      else "no consumer serves its model" if length else "no tokens")
     return BatchResults(failed["item_id"].astype(np.uint64), status, np.zeros(0, np.uint32),
                         np.zeros(failed.size + 1, np.int64), errors)

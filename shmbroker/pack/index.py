@@ -334,6 +334,13 @@ class PackIndex:
     def remove(self, slot: int) -> None:
         remove_entry(self.arrays, slot)
 
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, handles) of the items in the index now: every slot not on the free stack."""
+        used = np.ones(self.capacity, bool)
+        used[self.state.free_items[: int(self.meta[M_ITEMS_FREE])]] = False
+        slots = np.flatnonzero(used)
+        return slots, self.items["handle"][slots]
+
     def __len__(self) -> int:
         return int(self.meta[M_ITEMS])
 

@@ -56,7 +56,7 @@ class Status(IntEnum):
     """An item's outcome: the one table of status codes (a result record's status word, `wire.py`).
 
     Two owners fail an item: the scheduler at admission (TOO_LONG for every consumer of its model,
-    INVALID, CORRUPT when its backlog record cannot be read back) and the GPU process against its
+    INVALID, CORRUPT when its backlog record cannot be read back, CANCELLED when its job was) and the GPU process against its
     consumer's contract and its engine (TOO_LONG, INVALID, ENGINE_ERROR, CORRUPT). A status is a
     string (`label`) only where a person, a script or an engine adapter reads it: the client's
     `Result`, the CLI's JSONL and the engines' `ItemResult` (STATUS_CODES, STATUS_NAMES)."""
@@ -66,6 +66,7 @@ class Status(IntEnum):
     INVALID = 2  # no tokens, or fields no consumer can run
     ENGINE_ERROR = 3  # the engine refused or failed the item (or died on it POISON_ATTEMPTS times)
     CORRUPT = 4  # its backlog record failed its CRC (or its frame was broken) where read back: not run
+    CANCELLED = 5  # its job was cancelled before the item was dispatched (`jobs/`): not run
 
     @property
     def label(self) -> str:

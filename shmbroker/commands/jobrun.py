@@ -1,0 +1,333 @@
+"""`submit --job`: the job a submit makes or resumes, and the files its results are written to.
+
+A job's name is its producer name. Before a run of prompts is pushed, each prompt's entry
+({"item_id", "id", "line", "n", "max_new", "model"}: the item id it will get, its key, its line,
+its prompt tokens, max_new_tokens and model) is appended to the id sidecar and flushed, so a
+SIGKILL at any point leaves every pushed item named there. `--resume` then counts a line as
+submitted when its item was pushed: an item id of this broker lifetime below the producer's next
+sequence number, one the job's tally counted a result for, or one the backlog on disk still holds
+(an earlier lifetime's); every other line is submitted again. The output is keyed by custom_id
+(a native line's `id`, else its line number): a run on the same --out (and error file) skips the
+keys they hold, so each custom_id is in the output once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+
+import numpy as np
+
+from ..jobs import store
+from ..jobs.openai_batch import line_error_row, output_row
+from ..jobs.store import JobError, JobMeta
+from ..ring.items import SEQ_BITS, SEQ_MASK
+from .common import _ids_path, _output
+
+META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
+CANCEL_POLL_SECONDS = 0.5
+TALLY_WAIT_SECONDS = 5.0  # `submit --wait` waits this long at most for the job's counts to hold its results
+
+
+def digest_and_lines(path: str) -> tuple[str, int]:
+    """(sha256 of the file, its non-blank lines), one pass over its bytes."""
+    h = hashlib.sha256()
+    lines = 0
+    tail = b""
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+            parts = (tail + block).split(b"\n")
+            tail = parts.pop()
+            lines += sum(1 for p in parts if p.strip())
+    lines += 1 if tail.strip() else 0
+    return f"sha256:{h.hexdigest()}", lines
+
+
+def new_name() -> str:
+    return f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def key_of(cid, line: int) -> str:
+    return f"line:{line}" if cid is None else f"id:{json.dumps(cid)}"
+
+
+def _row_key(row: dict) -> str | None:
+    if "custom_id" in row:  # an OpenAI output or error line
+        if row["custom_id"] is not None:
+            return key_of(row["custom_id"], 0)
+        err = row.get("error") or {}
+        return key_of(None, err["line"]) if isinstance(err.get("line"), int) else None
+    if row.get("id") is not None:
+        return key_of(row["id"], 0)
+    return key_of(None, row["line"]) if isinstance(row.get("line"), int) else None
+
+
+def written_keys(*paths: str | None) -> set[str]:
+    """The keys the output files hold already (an earlier run's whole lines)."""
+    keys = set()
+    for path in paths:
+        try:
+            fh = open(path, encoding="utf-8") if path else None
+        except FileNotFoundError:
+            continue
+        if fh is None:
+            continue
+        with fh:
+            for line in fh:
+                try:
+                    k = _row_key(json.loads(line))
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if k is not None:
+                    keys.add(k)
+    return keys
+
+
+def load_entries(data_dir: str, name: str) -> dict[int, dict]:
+    """item id -> its sidecar entry (the last one written for an id wins: a run refused part way
+    writes its ids again)."""
+    out: dict[int, dict] = {}
+    try:
+        fh = open(_ids_path(data_dir, name), encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    with fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+                out[int(row["item_id"])] = row
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line: its run was never pushed
+    return out
+
+
+class JobRun:
+    """The job of one `submit --job` run."""
+
+    def __init__(self, data_dir: str, meta: JobMeta, resumed: bool):
+        self.data_dir = data_dir
+        self.meta = meta
+        self.name = meta.name
+        self.resumed = resumed
+        self.entries: dict[int, dict] = {}
+        self.done_lines: set[int] = set()  # lines an earlier run submitted (resume skips them)
+        self.outstanding_before: set[int] = set()
+        self._saved_at = 0.0
+        self._cancel_at = 0.0
+        self.cancelled = False
+        self.producer_id: int | None = None
+
+    @classmethod
+    def begin(cls, data_dir: str, name: str | None, path: str, fmt: str, resume: bool) -> JobRun:
+        """Make the job (validating: the file's digest and lines) or take it up again; JobError says why not."""
+        name = store.check_name(name or new_name())
+        digest, lines = digest_and_lines(path)
+        if store.is_job(data_dir, name):
+            meta = store.read_meta(data_dir, name)
+            v = store.view(data_dir, name)
+            if not resume:
+                raise JobError(f"job {name!r} exists ({v['status']}, {meta.input}); --resume submits what has no result yet")
+            if meta.digest != digest:
+                raise JobError(f"job {name!r} was made from another input ({meta.digest}); {path} is {digest}")
+            if v["status"] in ("cancelling", "cancelled"):
+                raise JobError(f"job {name!r} is {v['status']}: it cannot be resumed")
+            if v["submitter_pid"] is not None:
+                raise JobError(f"job {name!r} is being submitted by pid {v['submitter_pid']}")
+            meta.phase, meta.error, meta.finished_at = "in_progress", None, None
+        else:
+            if resume:
+                raise JobError(f"no job {name!r} to resume in {data_dir}")
+            from ..producer_book import ProducerBook
+
+            if name in ProducerBook(data_dir).names:
+                raise JobError(f"{name!r} is a producer name submitted under without a job; pick another job name")
+            meta = JobMeta(name, os.path.abspath(path), digest, lines, fmt)
+            store.write_meta(data_dir, meta)  # validating: counted, not yet submitting
+            meta.phase = "in_progress"
+        from ..ring.liveness import start_ticks
+
+        meta.submitter_pid, meta.submitter_start = os.getpid(), start_ticks(os.getpid()) or 0
+        meta.submit_done = False
+        run = cls(data_dir, meta, resume)
+        run.save()
+        return run
+
+    def fail(self, message: str) -> None:
+        self.meta.phase, self.meta.error, self.meta.finished_at = "failed", message, time.time()
+        self.save()
+
+    def save(self) -> None:
+        store.write_meta(self.data_dir, self.meta)
+        self._saved_at = time.monotonic()
+
+    # -- resume ---------------------------------------------------------------------------
+
+    def attach(self, producer) -> None:
+        """Find what an earlier run pushed (module docstring), once the producer is connected."""
+        self.producer_id = producer.producer_id
+        self.entries = load_entries(self.data_dir, self.name)
+        if not self.entries:
+            return
+        current, next_seq = producer.producer_id, producer.next_item_id & SEQ_MASK
+        from ..jobs.tally import JobTally
+
+        tally = JobTally(self.data_dir, self.name)
+        ids = np.fromiter(self.entries, np.uint64, len(self.entries))
+        pids, seqs = (ids >> np.uint64(SEQ_BITS)).astype(np.int64), (ids & np.uint64(SEQ_MASK)).astype(np.int64)
+        pushed = (pids == current) & (seqs < next_seq)
+        counted = np.zeros(ids.size, bool)
+        for p in np.unique(pids).tolist():
+            if p in tally.seen:
+                mine = pids == p
+                counted[mine] = tally.seen[p].contains(seqs[mine])
+        unknown = ~pushed & ~counted & (pids != current)
+        if unknown.any():
+            pushed |= np.isin(ids, self._backlog_ids()) & unknown
+        submitted = pushed | counted
+        self.done_lines = {int(self.entries[int(i)]["line"]) for i in ids[submitted].tolist()}
+        self.outstanding_before = {int(i) for i in ids[submitted & ~counted].tolist()}
+        for i in ids[~submitted].tolist():
+            del self.entries[int(i)]
+        self.meta.submitted = len(self.done_lines)
+        self.meta.tokens = sum(int(e.get("n", 0)) for e in self.entries.values())
+
+    def waiting_for(self, written: set[str]) -> set[int]:
+        """The items of earlier runs whose results are still to come: not counted by the tally when
+        this run began, and not in the output (a result is acknowledged only once written there)."""
+        return {i for i in self.outstanding_before
+                if key_of(self.entries[i].get("id"), int(self.entries[i]["line"])) not in written}
+
+    def _backlog_ids(self) -> np.ndarray:
+        """The item ids the backlog on disk holds not done (read only, as the scheduler's start does)."""
+        from ..spill.store import Backlog
+
+        backlog, _ = Backlog.open(self.data_dir, readonly=True)
+        try:
+            return backlog.pending()["item_id"].copy()
+        finally:
+            backlog.close()
+
+    # -- while submitting -----------------------------------------------------------------
+
+    def entry(self, item_id: int, p) -> dict:
+        e = {"item_id": item_id, "id": p.id, "line": p.line, "n": int(p.tokens.size), "max_new": p.max_new_tokens,
+             "model": p.model}
+        self.entries[item_id] = e
+        return e
+
+    def pushed(self, items: int, tokens: int) -> None:
+        self.meta.submitted += items
+        self.meta.tokens += tokens
+        if time.monotonic() - self._saved_at >= META_SECONDS:
+            self.save()
+
+    def cancel_asked(self) -> bool:
+        now = time.monotonic()
+        if not self.cancelled and now >= self._cancel_at:
+            self._cancel_at = now + CANCEL_POLL_SECONDS
+            self.cancelled = store.cancel_requested(self.data_dir, self.name) is not None
+            if self.cancelled and self.producer_id is not None:  # an id the cancel could not know yet
+                from ..jobs import cancels
+
+                cancels.add(self.data_dir, self.name, [self.producer_id])
+        return self.cancelled
+
+    def submit_done(self, refused: int) -> None:
+        self.meta.refused = refused
+        self.meta.submit_done = True
+        self.save()
+
+    def finished(self, cancelled: bool) -> None:
+        """Every result is written (a cancelled job's phase stays: its status comes from the cancel).
+        The results process saves its counts every checkpoint: wait (a bounded while) until they hold
+        every result, so that the job's status and counts are final when `submit --wait` returns."""
+        deadline = time.monotonic() + TALLY_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            counts = store.read_counts(self.data_dir, self.name).get("counts", {})
+            if sum(int(v) for v in counts.values()) >= self.meta.submitted:
+                break
+            time.sleep(0.05)
+        if not cancelled:
+            self.meta.phase = "completed"
+        self.meta.finished_at = time.time()
+        self.meta.submitter_pid = 0
+        self.save()
+
+
+class JobSink:
+    """A job's results to its output (and, in the OpenAI format, failed ones to the error file),
+    keyed by custom_id; acknowledged to the broker once both files are durable (`ResultSink`'s rule)."""
+
+    def __init__(self, out, errors, producer, fmt: str, tokenizer, written: set[str]):
+        self.out, self.errors, self.producer, self.fmt, self.tokenizer = out, errors, producer, fmt, tokenizer
+        self.written = written
+        self.rows = 0
+        self.since = time.monotonic()
+
+    def result(self, r, entry: dict | None) -> bool:
+        """Write one result (False: its key is in the output already, or no entry names it)."""
+        if entry is None:
+            return False
+        key = key_of(entry.get("id"), int(entry["line"]))
+        if key in self.written:
+            return False
+        self.written.add(key)
+        tokens = r.tokens.tolist()
+        if self.fmt == "openai":
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None and r.status == "ok" else None
+            row, is_error = output_row(r.item_id, entry.get("id"), r.status, tokens, r.error, entry, text)
+            self._write(row, is_error)
+        else:
+            row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
+                   "tokens": tokens, "error": r.error}
+            if self.tokenizer is not None and r.status == "ok":
+                row["text"] = self.tokenizer.decode(tokens)
+            self._write(row, False)
+        return True
+
+    def line(self, number: int, message: str, cid=None, code: str = "invalid_request", status: str = "invalid") -> None:
+        """A line that was not submitted: not a prompt (its error), or left when the job was cancelled."""
+        key = key_of(cid, number)
+        if key in self.written:
+            return
+        self.written.add(key)
+        if self.fmt == "openai":
+            self._write(line_error_row(number, message, cid, code), True)
+        else:
+            self._write({"item_id": None, "id": cid, "line": number, "status": status, "tokens": [], "error": message}, False)
+
+    def _write(self, row: dict, is_error: bool) -> None:
+        (self.errors if is_error and self.errors is not None else self.out).write(json.dumps(row) + "\n")
+        self.rows += 1
+        from .common import COMMIT_ROWS, COMMIT_SECONDS
+
+        if self.rows >= COMMIT_ROWS or time.monotonic() - self.since >= COMMIT_SECONDS:
+            self.commit()
+
+    def commit(self) -> None:
+        for fh in (self.out, self.errors):
+            if fh is None:
+                continue
+            fh.flush()
+            try:
+                os.fsync(fh.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+        self.producer.ack()
+        self.rows = 0
+        self.since = time.monotonic()
+
+
+def error_path(out: str | None) -> str | None:
+    """The error file beside --out: results.jsonl -> results.errors.jsonl."""
+    if out is None:
+        return None
+    root, ext = os.path.splitext(out)
+    return f"{root}.errors{ext or '.jsonl'}"
+
+
+open_output = _output

@@ -1,0 +1,118 @@
+"""Reading a prompts file for `submit`: its own JSONL, OpenAI Batch request lines, a Mooncake trace.
+
+Each non-blank line gives a `Prompt` or a `LineError` (the line's number and what is wrong), so one
+bad line costs only itself. A JSON object with a `custom_id` is an OpenAI Batch request
+(`jobs/openai_batch.py`); any other is the broker's own format (`prompts.py`). Both may be mixed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..jobs.openai_batch import is_request, parse_request
+from ..prompts import LineError, Prompt, parse_line
+
+TRACE_CHUNK_LINES = 256  # trace lines synthesised at once
+DEFAULT_MODEL = "default"  # `--model default`: the broker's default model (consumers that declare none)
+
+
+def read_prompts(path: str, default_max_new: int | None, tokenizer=None, model: str | None = None):
+    """Prompt or LineError per non-blank line; `default_max_new` fills in a missing max_new_tokens
+    (and an OpenAI line's missing max_tokens); `model`, when given, is every line's model
+    (DEFAULT_MODEL: the default one)."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield _parse(line, number, default_max_new, tokenizer, model)
+            except ValueError as exc:
+                msg = str(exc)
+                if isinstance(exc, json.JSONDecodeError):
+                    msg = f"not JSON ({exc.msg} at column {exc.colno})"
+                yield LineError(path, number, msg, custom_id_of(line))
+
+
+def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt:
+    p = None
+    if '"custom_id"' in line:
+        row = json.loads(line)
+        if is_request(row):
+            p = parse_request(row, number, tokenizer, None, default_max_new)
+    if p is None:
+        if default_max_new is not None and '"max_new_tokens"' not in line:
+            row = json.loads(line)
+            if isinstance(row, dict):
+                row["max_new_tokens"] = default_max_new
+                line = json.dumps(row)
+        p = parse_line(line, number)
+    if model is not None:
+        p.model = None if model == DEFAULT_MODEL else model
+    return p
+
+
+def custom_id_of(line_text: str):
+    """The custom_id (or native `id`) of a line, or None: for the error line of a line that failed."""
+    try:
+        row = json.loads(line_text)
+    except ValueError:
+        return None
+    if isinstance(row, dict):
+        cid = row.get("custom_id", row.get("id"))
+        return cid if isinstance(cid, (str, int)) and not isinstance(cid, bool) else None
+    return None
+
+
+def read_trace(path: str, default_max_new: int | None):
+    """Mooncake trace lines as Prompts (tokens synthesised as `workloads.trace.load` does), LineError per bad line."""
+    from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise
+
+    rows: list[tuple[int, int, int, list[int]]] = []
+
+    def flush():
+        lengths = np.array([r[1] for r in rows], np.int64)
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        hash_offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum([len(r[3]) for r in rows], out=hash_offsets[1:])
+        hashes = np.array([h for r in rows for h in r[3]], np.int64)
+        tokens = np.empty(int(offsets[-1]), np.uint32)
+        synthesise(hashes, hash_offsets, lengths, TRACE_BLOCK_TOKENS, 32_000, tokens, offsets)
+        out = [Prompt(r[0], tokens[offsets[i] : offsets[i + 1]], r[2]) for i, r in enumerate(rows)]
+        rows.clear()
+        return out
+
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                n = int(row["input_length"])
+                hashes = [int(x) for x in row["hash_ids"]]
+                if "output_length" in row:
+                    max_new = max(1, int(row["output_length"]))
+                else:
+                    max_new = default_max_new if default_max_new is not None else 1
+            except (ValueError, KeyError, TypeError) as exc:
+                yield LineError(path, number, f"not a Mooncake trace record ({type(exc).__name__}: {exc})")
+                continue
+            b = TRACE_BLOCK_TOKENS
+            if n < 1 or not hashes or (len(hashes) - 1) * b >= n or len(hashes) * b < n:
+                yield LineError(path, number, f"input_length {n} does not match {len(hashes)} blocks of {b} tokens")
+                continue
+            if not all(-(1 << 63) <= h < (1 << 63) for h in hashes):
+                yield LineError(path, number, "hash_ids must be 64-bit integers")
+                continue
+            rows.append((number, n, max_new, hashes))
+            if len(rows) >= TRACE_CHUNK_LINES:
+                yield from flush()
+    if rows:
+        yield from flush()
+
+
+def count_lines(path: str) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
