@@ -14,7 +14,7 @@ import time
 
 from .config import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -89,8 +89,13 @@ def _bench(args) -> int:
         from .bench import cluster
 
         result = cluster.run(trace=args.trace, scale=args.scale, seed=args.seed, key_blocks=args.key_blocks,
-                             epsilon=args.epsilon, num_items=args.items, num_repeats=args.repeats, nodes=not args.no_nodes,
-                             say=lambda line: print(line, file=sys.stderr))
+                             epsilon=args.epsilon, num_items=args.items or 20000, num_repeats=args.repeats or 3,
+                             nodes=not args.no_nodes, say=lambda line: print(line, file=sys.stderr))
+    elif args.name == "jobs":
+        from .bench import jobs
+
+        result = jobs.run(num_items=args.items or int(100_000 * args.scale), repeats=args.repeats or 2, seed=args.seed,
+                          say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -225,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cluster: blocks past the family root in an item's partition key (default {DEFAULT_CLUSTER_KEY_BLOCKS})")
     g.add_argument("--epsilon", type=float, default=None,
                    help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
-    g.add_argument("--items", type=int, default=20000, help="cluster: items published in the throughput run (default 20000)")
-    g.add_argument("--repeats", type=int, default=3, help="cluster: throughput repeats of each side, interleaved (default 3)")
+    g.add_argument("--items", type=int, default=None,
+                   help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 2)")
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)
