@@ -69,21 +69,30 @@ def parse_line(line: str, number: int = 0) -> Prompt:
         raise ValueError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(KEYS))})")
     if "tokens" not in row or "max_new_tokens" not in row:
         raise ValueError("'tokens' and 'max_new_tokens' are required")
-    tokens = row["tokens"]
-    if not isinstance(tokens, list) or not tokens:
-        raise ValueError("'tokens' must be a non-empty list of token ids")
-    if not all(type(t) is int and 0 <= t <= U32_MAX for t in tokens):
-        raise ValueError("'tokens' must hold integers in 0..4294967295")
+    tokens = token_ids(row["tokens"], "tokens")
     max_new = row["max_new_tokens"]
     if type(max_new) is not int or not 1 <= max_new <= U32_MAX:
         raise ValueError(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
     prefix = row.get("prefix_len")
-    if prefix is not None and (type(prefix) is not int or not 0 <= prefix <= len(tokens)):
-        raise ValueError(f"'prefix_len' must be an integer in 0..{len(tokens)}, got {prefix!r}")
+    if prefix is not None and (type(prefix) is not int or not 0 <= prefix <= tokens.size):
+        raise ValueError(f"'prefix_len' must be an integer in 0..{tokens.size}, got {prefix!r}")
     model = row.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise ValueError(f"'model' must be a non-empty string, got {model!r}")
     ident = row.get("id")
     if ident is not None and type(ident) not in (str, int):
         raise ValueError(f"'id' must be a string or an integer, got {ident!r}")
-    return Prompt(number, np.array(tokens, np.uint32), max_new, prefix, model, ident)
+    return Prompt(number, tokens, max_new, prefix, model, ident)
+
+
+def token_ids(value, key: str) -> np.ndarray:
+    """A JSON list of token ids as uint32; ValueError unless it is a non-empty list of integers in
+    0..U32_MAX (no floats, no booleans), checked by C loops (the types' set, numpy's range) rather than one in Python."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{key}' must be a non-empty list of token ids")
+    if set(map(type, value)) != {int}:
+        raise ValueError(f"'{key}' must hold integers in 0..{U32_MAX}")
+    a = np.array(value)
+    if a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) > U32_MAX:
+        raise ValueError(f"'{key}' must hold integers in 0..{U32_MAX}")
+    return a.astype(np.uint32)

@@ -334,3 +334,22 @@ def test_exporter_and_top_show_live_jobs(tmp_path, capsys):
             assert view.snapshot()["jobs"]["live"] == []  # bounded: only the live jobs
         finally:
             view.close()
+
+
+def test_a_cancel_made_while_the_broker_is_down_is_obeyed_at_its_start(tmp_path, capsys):
+    broker = serve(tmp_path, "jd", SLOW_CONFIG)
+    with broker as b:
+        d = b.data_dir
+        name = _name()
+        assert cli("submit", openai_file(tmp_path / "a.jsonl", 200), "--data-dir", d, "--job", name, "--model", "default") == 0
+        wait_for(lambda: store.view(d, name)["completed"] >= 4, 60, "some finish")
+        b.stop()
+        down = store.view(d, name)
+        assert down["status"] == "in_progress" and down["completed"] < 200
+        assert cli("cancel", name, "--data-dir", d) == 0  # files only: no broker needed
+        assert store.view(d, name)["status"] == "cancelling"
+        b.start()
+        v = wait_for(lambda: (v := store.view(d, name))["status"] == "cancelled" and v, 60, "cancelled after the start")
+        assert v["completed"] >= down["completed"] and v["completed"] + v["cancelled"] == 200
+        assert cli("status", "--data-dir", d, "--json") == 0
+        assert json.loads(capsys.readouterr().out)["backlog"]["pending_items"] == 0

@@ -147,8 +147,10 @@ def cancel(data_dir: str, path: Path, other: Path, num_items: int, num_other: in
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for f, n in ((path, a), (other, b))]
     at = _wait(lambda: (v := _view(data_dir, a)) is not None and v["results"] >= num_items // 2 and v, 600, "half way")
     t0 = time.perf_counter()
-    subprocess.run(_cmd("cancel", a, "--data-dir", data_dir), check=True, stderr=subprocess.DEVNULL)
-    va = _wait(lambda: (v := store.view(data_dir, a))["status"] == "cancelled" and v, 600, "the victim cancelled")
+    refused = subprocess.run(_cmd("cancel", a, "--data-dir", data_dir), stderr=subprocess.DEVNULL).returncode == 1
+    # refused: the job completed before the cancel came (a small run)
+    va = _wait(lambda: (v := store.view(data_dir, a))["status"] in ("cancelled", "completed") and v, 600,
+               "the victim cancelled")
     cancel_seconds = time.perf_counter() - t0
     vb = _wait(lambda: (v := store.view(data_dir, b))["status"] == "completed" and v, 600, "the other job completed")
     for p in procs:
@@ -161,7 +163,8 @@ def cancel(data_dir: str, path: Path, other: Path, num_items: int, num_other: in
     victim_once = len(ids_a) == len(set(ids_a))
     statuses = {s: sum(r["status"] == s for r in ra) for s in {r["status"] for r in ra}}
     return {"results_at_cancel": at["results"], "victim": {k: va[k] for k in ("total", "submitted", "completed", "failed", "cancelled")},
-            "victim_statuses": statuses, "victim_each_once": victim_once,
+            "victim_statuses": statuses, "victim_each_once": victim_once, "victim_status": va["status"],
+            "completed_before_cancel": refused,
             "victim_accounted": va["completed"] + va["failed"] + va["cancelled"] == va["total"],
             "cancel_to_cancelled_seconds": round(cancel_seconds, 3), "other_items": num_other, "other_exact": other_exact}
 

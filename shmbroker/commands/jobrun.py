@@ -113,7 +113,8 @@ class JobRun:
         self.meta = meta
         self.name = meta.name
         self.resumed = resumed
-        self.entries: dict[int, dict] = {}
+        self.entries: dict[int, dict] = {}  # item id -> entry, of the items whose results this run waits for
+        self.keep_entries = False  # --wait: entries are kept until their result is written
         self.done_lines: set[int] = set()  # lines an earlier run submitted (resume skips them)
         self.outstanding_before: set[int] = set()
         self._saved_at = 0.0
@@ -190,10 +191,9 @@ class JobRun:
         submitted = pushed | counted
         self.done_lines = {int(self.entries[int(i)]["line"]) for i in ids[submitted].tolist()}
         self.outstanding_before = {int(i) for i in ids[submitted & ~counted].tolist()}
-        for i in ids[~submitted].tolist():
-            del self.entries[int(i)]
         self.meta.submitted = len(self.done_lines)
-        self.meta.tokens = sum(int(e.get("n", 0)) for e in self.entries.values())
+        self.meta.tokens = sum(int(self.entries[int(i)].get("n", 0)) for i in ids[submitted].tolist())
+        self.entries = {i: self.entries[i] for i in self.outstanding_before}  # what may still come
 
     def waiting_for(self, written: set[str]) -> set[int]:
         """The items of earlier runs whose results are still to come: not counted by the tally when
@@ -216,7 +216,8 @@ class JobRun:
     def entry(self, item_id: int, p) -> dict:
         e = {"item_id": item_id, "id": p.id, "line": p.line, "n": int(p.tokens.size), "max_new": p.max_new_tokens,
              "model": p.model}
-        self.entries[item_id] = e
+        if self.keep_entries:
+            self.entries[item_id] = e
         return e
 
     def pushed(self, items: int, tokens: int) -> None:

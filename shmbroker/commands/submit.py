@@ -150,7 +150,7 @@ class _Submission:
 
     def _write(self, r) -> bool:
         if self.job is not None:
-            return self.sink.result(r, self.job.entries.get(r.item_id))
+            return self.sink.result(r, self.job.entries.pop(r.item_id, None))
         ids = self.ids
         if r.item_id not in ids and self._old_ids is None:
             self._old_ids = _load_ids(self.data_dir, self.producer.name)  # an earlier run's
@@ -263,6 +263,7 @@ def submit(args) -> int:
                     errors = files.enter_context(_output(errors_at)) if errors_at is not None else None
                     run.sink = JobSink(out, errors, producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
                     run.outstanding |= job.waiting_for(run.sink.written)
+                    job.keep_entries = True
             lines = read_trace(args.file, args.max_new_tokens) if args.trace else \
                 read_prompts(args.file, args.max_new_tokens, tokenizer, args.model)
             chunk: list[Prompt] = []

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ..prompts import U32_MAX, Prompt
+from ..prompts import U32_MAX, Prompt, token_ids
 
 ENDPOINT = "/v1/completions"
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
@@ -74,9 +74,7 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
         if tokens.size == 0:
             raise ValueError("the text prompt is empty once tokenized")
     elif isinstance(prompt, list) and prompt:
-        if not all(type(t) is int and 0 <= t <= U32_MAX for t in prompt):
-            raise ValueError("'prompt' token ids must be integers in 0..4294967295")
-        tokens = np.array(prompt, np.uint32)
+        tokens = token_ids(prompt, "prompt")
     else:
         raise ValueError("'prompt' must be a non-empty list of token ids or a string")
     max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
