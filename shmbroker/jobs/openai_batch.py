@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..prompts import U32_MAX, Prompt, token_ids
 
 ENDPOINT = "/v1/completions"
