@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pending import S_EMPTY, S_INDEXED_ITEMS, S_NO_CONSUMER, S_TOO_LONG
+from .pending import S_EMPTY, S_NO_CONSUMER, S_TOO_LONG
 from .ring.items import SEQ_BITS, Status
 from .ring.wire import announced_subset
 from .stats import slot_of
@@ -81,6 +81,5 @@ class Admission:
         self.pending.count_locs(failed, -1)
         self.failed.append(failed)
         self.values[S_CANCELLED] += failed.size
-        self.values[S_INDEXED_ITEMS] -= int(gone.sum())
         self._waited()
         return int(failed.size)

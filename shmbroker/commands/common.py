@@ -108,9 +108,10 @@ def _ids_path(data_dir: str, name: str) -> Path:
     return Path(data_dir) / IDS_DIR / f"{name}.jsonl"
 
 
-def _load_ids(data_dir: str, name: str) -> dict[int, str | int]:
-    """item id -> user id from the sidecar of producer `name` (a torn last line is skipped)."""
-    out: dict[int, str | int] = {}
+def load_entries(data_dir: str, name: str) -> dict[int, dict]:
+    """item id -> its sidecar row, of producer `name` (the last row written for an id wins: a job's run
+    refused part way writes its ids again; a torn last line is skipped: its run was never pushed)."""
+    out: dict[int, dict] = {}
     try:
         fh = open(_ids_path(data_dir, name), encoding="utf-8")
     except FileNotFoundError:
@@ -119,10 +120,15 @@ def _load_ids(data_dir: str, name: str) -> dict[int, str | int]:
         for line in fh:
             try:
                 row = json.loads(line)
-                out[int(row["item_id"])] = row["id"]
+                out[int(row["item_id"])] = row
             except (ValueError, KeyError, TypeError):
                 continue
     return out
+
+
+def _load_ids(data_dir: str, name: str) -> dict[int, str | int]:
+    """item id -> user id from the sidecar of producer `name`."""
+    return {i: row.get("id") for i, row in load_entries(data_dir, name).items()}
 
 
 class _IdLog:

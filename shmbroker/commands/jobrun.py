@@ -25,7 +25,7 @@ from ..jobs import store
 from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
 from ..ring.items import SEQ_BITS, SEQ_MASK
-from .common import _ids_path, _output
+from .common import _output, load_entries
 
 META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
 CANCEL_POLL_SECONDS = 0.5
@@ -87,24 +87,6 @@ def written_keys(*paths: str | None) -> set[str]:
     return keys
 
 
-def load_entries(data_dir: str, name: str) -> dict[int, dict]:
-    """item id -> its sidecar entry (the last one written for an id wins: a run refused part way
-    writes its ids again)."""
-    out: dict[int, dict] = {}
-    try:
-        fh = open(_ids_path(data_dir, name), encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    with fh:
-        for line in fh:
-            try:
-                row = json.loads(line)
-                out[int(row["item_id"])] = row
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line: its run was never pushed
-    return out
-
-
 class JobRun:
     """The job of one `submit --job` run."""
 
@@ -116,7 +98,6 @@ class JobRun:
         self.entries: dict[int, dict] = {}  # item id -> entry, of the items whose results this run waits for
         self.keep_entries = False  # --wait: entries are kept until their result is written
         self.done_lines: set[int] = set()  # lines an earlier run submitted (resume skips them)
-        self.outstanding_before: set[int] = set()
         self._saved_at = 0.0
         self._cancel_at = 0.0
         self.cancelled = False
@@ -190,16 +171,17 @@ class JobRun:
             pushed |= np.isin(ids, self._backlog_ids()) & unknown
         submitted = pushed | counted
         self.done_lines = {int(self.entries[int(i)]["line"]) for i in ids[submitted].tolist()}
-        self.outstanding_before = {int(i) for i in ids[submitted & ~counted].tolist()}
         self.meta.submitted = len(self.done_lines)
         self.meta.tokens = sum(int(self.entries[int(i)].get("n", 0)) for i in ids[submitted].tolist())
-        self.entries = {i: self.entries[i] for i in self.outstanding_before}  # what may still come
+        self.entries = {i: self.entries[i] for i in ids[submitted].tolist()}
 
     def waiting_for(self, written: set[str]) -> set[int]:
-        """The items of earlier runs whose results are still to come: not counted by the tally when
-        this run began, and not in the output (a result is acknowledged only once written there)."""
-        return {i for i in self.outstanding_before
-                if key_of(self.entries[i].get("id"), int(self.entries[i]["line"])) not in written}
+        """The items of earlier runs whose results this run waits for: those not in the output. A result
+        is acknowledged only once written there, so each of them comes to this run's reader (still to
+        come, or again: popped by the killed run and never acknowledged), however far the job's tally
+        has counted it. The entries of the others are dropped."""
+        self.entries = {i: e for i, e in self.entries.items() if key_of(e.get("id"), int(e["line"])) not in written}
+        return set(self.entries)
 
     def _backlog_ids(self) -> np.ndarray:
         """The item ids the backlog on disk holds not done (read only, as the scheduler's start does)."""

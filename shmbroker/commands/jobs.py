@@ -61,17 +61,24 @@ def _show(v: dict) -> None:
         print(f"{k:>10}: {val}")
 
 
-def job(args) -> int:
+def _named(args) -> tuple[str | None, dict | None, int]:
+    """(data dir, the job's view, exit status when either is missing: 2 a bad configuration, 1 no such job)."""
     from ..jobs import store
 
     data_dir = _data_dir(args)
     if data_dir is None:
-        return 2
+        return None, None, 2
     try:
-        v = store.view(data_dir, args.name)
+        return data_dir, store.view(data_dir, args.name), 0
     except store.JobError as exc:
         _err(str(exc))
-        return 1
+        return data_dir, None, 1
+
+
+def job(args) -> int:
+    data_dir, v, code = _named(args)
+    if v is None:
+        return code
     if args.watch:
         return _watch(data_dir, args.name, v, args.progress_seconds)
     if args.json:
@@ -108,14 +115,9 @@ def cancel(args) -> int:
     from ..jobs import cancels, store
     from ..producer_book import ProducerBook
 
-    data_dir = _data_dir(args)
-    if data_dir is None:
-        return 2
-    try:
-        v = store.view(data_dir, args.name)
-    except store.JobError as exc:
-        _err(str(exc))
-        return 1
+    data_dir, v, code = _named(args)
+    if v is None:
+        return code
     if v["status"] in ("cancelling", "cancelled"):
         _err(f"job {args.name!r} is {v['status']} already")
         return 0

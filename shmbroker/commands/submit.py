@@ -242,6 +242,8 @@ def submit(args) -> int:
     where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
     if job is not None:
         job.attach(producer)
+        if not args.wait:
+            job.entries.clear()  # no results to write: the sidecar keeps them
         again = f", resumed: {len(job.done_lines)} lines submitted before" if job.resumed else ""
         _err(f"job {name!r}: {job.meta.lines} lines of {args.file}{again} (shmbroker job {name}; shmbroker cancel {name})")
     else:
