@@ -94,7 +94,7 @@ def _bench(args) -> int:
     elif args.name == "jobs":
         from .bench import jobs
 
-        result = jobs.run(num_items=args.items or int(100_000 * args.scale), repeats=args.repeats or 2, seed=args.seed,
+        result = jobs.run(num_items=args.items or int(100_000 * args.scale), repeats=args.repeats or 3, seed=args.seed,
                           say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--items", type=int, default=None,
                    help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale)")
     g.add_argument("--repeats", type=int, default=None,
-                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 2)")
+                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 3)")
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)

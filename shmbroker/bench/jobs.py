@@ -5,8 +5,9 @@ configuration (only its exporter on a free port):
 
 - **progress**: the same job file submitted with `--wait` under a pseudo-terminal (the rich
   display redrawing) and with stderr to a pipe (a plain line every few seconds), alternated
-  `repeats` times; the slowdown is the terminal runs' median over the pipe runs' median, of the
-  whole command and of its submission alone (the "submitted N items in X s" line).
+  `repeats` times; the slowdowns are the terminal runs' median over the pipe runs' median, of the
+  whole command's wall time, of its submission alone (the "submitted N items in X s" line) and of
+  the command's CPU time (user + system, from wait4: on two shared cores the least noisy of the three).
 - **cancel**: the job and a second, smaller one submitted at once; the first is cancelled when half
   of its results are in. Every item of both is read back (`shmbroker results`): the other job's
   must be exact (each custom_id once, all ok), the cancelled one's each once, ok or cancelled.
@@ -58,21 +59,21 @@ def _cmd(*argv) -> list[str]:
     return [sys.executable, "-m", "shmbroker.cli", *map(str, argv)]
 
 
-def _run(argv: list[str], tty: bool) -> tuple[float, str]:
-    """Run a command to its end with stderr on a pseudo-terminal (`tty`) or a pipe; (seconds, its stderr)."""
+def _run(argv: list[str], tty: bool) -> tuple[float, float, str]:
+    """Run a command to its end with stderr on a pseudo-terminal (`tty`) or a pipe; (wall seconds, its
+    CPU seconds (user + system, from wait4), its stderr)."""
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
-    t0 = time.perf_counter()
-    if not tty:
-        p = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        return time.perf_counter() - t0, p.stderr
-    master, slave = pty.openpty()
+    if tty:
+        master, slave = pty.openpty()
+    else:
+        master, slave = os.pipe()
     chunks: list[bytes] = []
 
     def drain():
         while True:
             try:
                 data = os.read(master, 65536)
-            except OSError:
+            except OSError:  # a pty's master reads EIO once the last slave closed
                 return
             if not data:
                 return
@@ -80,13 +81,15 @@ def _run(argv: list[str], tty: bool) -> tuple[float, str]:
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave, stdin=slave, env=env)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave, stdin=slave if tty else subprocess.DEVNULL, env=env)
     os.close(slave)
-    p.wait()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
     seconds = time.perf_counter() - t0
     reader.join(5)
     os.close(master)
-    return seconds, b"".join(chunks).decode(errors="replace")
+    return seconds, usage.ru_utime + usage.ru_stime, b"".join(chunks).decode(errors="replace")
 
 
 def _submit_seconds(err: str) -> float:
@@ -97,25 +100,28 @@ def _submit_seconds(err: str) -> float:
 
 
 def progress(data_dir: str, path: Path, tmp: Path, repeats: int) -> dict:
-    runs: dict[str, list[tuple[float, float]]] = {"tty": [], "pipe": []}
+    runs: dict[str, list[tuple[float, float, float]]] = {"tty": [], "pipe": []}
     for r in range(repeats):
         for side in ("pipe", "tty") if r % 2 == 0 else ("tty", "pipe"):
             name = f"progress-{side}-{r}"
             out = tmp / f"{name}.jsonl"
-            seconds, err = _run(_cmd("submit", path, "--data-dir", data_dir, "--job", name, "--model", "default",
+            seconds, cpu, err = _run(_cmd("submit", path, "--data-dir", data_dir, "--job", name, "--model", "default",
                                      "--wait", "--out", out, "--out-format", "openai"), side == "tty")
             lines = sum(1 for _ in open(out))
             if lines != store.view(data_dir, name)["total"]:
                 raise RuntimeError(f"{name}: {lines} output lines: {err[-2000:]}")
             if side == "tty" and "\x1b[" not in err:
                 raise RuntimeError("the terminal run drew no rich display")
-            runs[side].append((seconds, _submit_seconds(err)))
+            runs[side].append((seconds, _submit_seconds(err), cpu))
             out.unlink()
-    med = {side: (statistics.median(s for s, _ in v), statistics.median(x for _, x in v)) for side, v in runs.items()}
-    return {"tty_seconds": [round(s, 3) for s, _ in runs["tty"]], "pipe_seconds": [round(s, 3) for s, _ in runs["pipe"]],
-            "tty_submit_seconds": [round(x, 3) for _, x in runs["tty"]],
-            "pipe_submit_seconds": [round(x, 3) for _, x in runs["pipe"]],
-            "slowdown": round(med["tty"][0] / med["pipe"][0], 4), "submit_slowdown": round(med["tty"][1] / med["pipe"][1], 4)}
+    out = {}
+    for k, what in enumerate(("seconds", "submit_seconds", "cpu_seconds")):
+        for side in ("tty", "pipe"):
+            out[f"{side}_{what}"] = [round(r[k], 3) for r in runs[side]]
+    med = {side: [statistics.median(r[k] for r in v) for k in range(3)] for side, v in runs.items()}
+    out.update(slowdown=round(med["tty"][0] / med["pipe"][0], 4), submit_slowdown=round(med["tty"][1] / med["pipe"][1], 4),
+               cpu_slowdown=round(med["tty"][2] / med["pipe"][2], 4))
+    return out
 
 
 def _wait(check, timeout_seconds: float, what: str):
@@ -193,7 +199,7 @@ def resume(data_dir: str, path: Path, num_items: int, tmp: Path) -> dict:
             "status": v["status"], "completed": v["completed"], "results_counted": v["results"]}
 
 
-def run(*, num_items: int = 100_000, repeats: int = 2, seed: int = 0, say=lambda line: None) -> dict:
+def run(*, num_items: int = 100_000, repeats: int = 3, seed: int = 0, say=lambda line: None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="shmb-jobs-"))
     try:
         path, other = tmp / "job.jsonl", tmp / "other.jsonl"
