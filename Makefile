@@ -78,6 +78,7 @@ bench: $(TEST_STAMP) warm
 	$(VENV)/bin/shmbroker bench backlog --json
 	$(VENV)/bin/shmbroker bench pack --json
 	$(VENV)/bin/shmbroker bench e2e --json
+	$(VENV)/bin/shmbroker bench jobs --json
 	$(VENV)/bin/shmbroker bench restart --json
 	$(VENV)/bin/shmbroker bench gpu --json
 
