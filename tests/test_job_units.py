@@ -172,3 +172,25 @@ def test_scheduler_cancel_takes_a_jobs_items_out_of_the_index(tmp_path):
     assert set((failed["item_id"] >> np.uint64(SEQ_BITS)).tolist()) == {1}
     assert (failed["aux"] == Status.CANCELLED).all()
     sched.close()
+
+
+def test_a_new_jobs_directory_is_taken_once(tmp_path):
+    store.create(tmp_path, meta(name="x"))
+    with pytest.raises(store.JobError, match="exists"):
+        store.create(tmp_path, meta(name="x"))
+    os.mkdir(store.job_dir(tmp_path, "y"))  # a crash between the directory and its job.json
+    store.create(tmp_path, meta(name="y"))
+    assert store.names(tmp_path) == ["x", "y"]
+
+
+def test_a_job_submitted_with_no_broker_is_failed_and_says_why(tmp_path, capsys):
+    from shmbroker.cli import main
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"tokens": [1, 2], "max_new_tokens": 2}\n')
+    assert main(["submit", str(src), "--data-dir", str(tmp_path / "data"), "--job", "lonely"]) == 1
+    v = store.view(tmp_path / "data", "lonely")
+    assert (v["status"], v["total"], v["submitted"]) == ("failed", 1, 0)
+    assert "no broker is running" in v["error"]
+    assert main(["job", "nothing", "--data-dir", str(tmp_path / "data")]) == 1
+    assert "no job 'nothing'" in capsys.readouterr().err

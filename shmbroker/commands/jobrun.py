@@ -105,38 +105,54 @@ class JobRun:
 
     @classmethod
     def begin(cls, data_dir: str, name: str | None, path: str, fmt: str, resume: bool) -> JobRun:
-        """Make the job (validating: the file's digest and lines) or take it up again; JobError says why not."""
+        """Make the job (its directory taken exclusively, then validating: the file's digest and lines) or
+        check that it may be taken up again; JobError says why not. Nothing of a resumed job is written
+        before `claim`, once its producer name is held (the registry gives a name to one live process)."""
         name = store.check_name(name or new_name())
-        digest, lines = digest_and_lines(path)
         if store.is_job(data_dir, name):
             meta = store.read_meta(data_dir, name)
             v = store.view(data_dir, name)
             if not resume:
                 raise JobError(f"job {name!r} exists ({v['status']}, {meta.input}); --resume submits what has no result yet")
+            digest, _ = digest_and_lines(path)
             if meta.digest != digest:
                 raise JobError(f"job {name!r} was made from another input ({meta.digest}); {path} is {digest}")
             if v["status"] in ("cancelling", "cancelled"):
                 raise JobError(f"job {name!r} is {v['status']}: it cannot be resumed")
             if v["submitter_pid"] is not None:
                 raise JobError(f"job {name!r} is being submitted by pid {v['submitter_pid']}")
-            meta.phase, meta.error, meta.finished_at = "in_progress", None, None
-        else:
-            if resume:
-                raise JobError(f"no job {name!r} to resume in {data_dir}")
-            from ..producer_book import ProducerBook
+            return cls(data_dir, meta, True)
+        if resume:
+            raise JobError(f"no job {name!r} to resume in {data_dir}")
+        from ..producer_book import ProducerBook
 
-            if name in ProducerBook(data_dir).names:
-                raise JobError(f"{name!r} is a producer name submitted under without a job; pick another job name")
-            meta = JobMeta(name, os.path.abspath(path), digest, lines, fmt)
-            store.write_meta(data_dir, meta)  # validating: counted, not yet submitting
-            meta.phase = "in_progress"
-        from ..ring.liveness import start_ticks
-
-        meta.submitter_pid, meta.submitter_start = os.getpid(), start_ticks(os.getpid()) or 0
-        meta.submit_done = False
-        run = cls(data_dir, meta, resume)
+        if name in ProducerBook(data_dir).names:
+            raise JobError(f"{name!r} is a producer name submitted under without a job; pick another job name")
+        meta = JobMeta(name, os.path.abspath(path), "", 0, fmt)
+        run = cls(data_dir, meta, False)
+        run._own_pid()
+        store.create(data_dir, meta)  # validating: seen as such while the file is read
+        meta.digest, meta.lines = digest_and_lines(path)
         run.save()
         return run
+
+    def _own_pid(self) -> None:
+        from ..ring.liveness import start_ticks
+
+        self.meta.submitter_pid, self.meta.submitter_start = os.getpid(), start_ticks(os.getpid()) or 0
+
+    def claim(self) -> None:
+        """This run submits the job now (its producer is connected): in_progress, under this pid."""
+        self._own_pid()
+        self.meta.phase, self.meta.error, self.meta.finished_at = "in_progress", None, None
+        self.meta.submit_done = False
+        self.save()
+
+    def let_go(self, message: str) -> None:
+        """The run could not connect: a job it made is failed (nothing was submitted); a resumed one is
+        left as it was (another run may hold it)."""
+        if not self.resumed:
+            self.fail(message)
 
     def fail(self, message: str) -> None:
         self.meta.phase, self.meta.error, self.meta.finished_at = "failed", message, time.time()

@@ -223,7 +223,7 @@ def submit(args) -> int:
     if args.job is not None or args.resume:
         try:
             job = JobRun.begin(data_dir, args.job or None, args.file, "trace" if args.trace else "jsonl", args.resume)
-        except (JobError, OSError) as exc:
+        except (JobError, OSError, ValueError) as exc:  # ValueError: a damaged producer book
             _err(str(exc))
             return 2
         name = job.name
@@ -241,6 +241,7 @@ def submit(args) -> int:
         return _failed(job, str(exc), 1)
     where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
     if job is not None:
+        job.claim()
         job.attach(producer)
         if not args.wait:
             job.entries.clear()  # no results to write: the sidecar keeps them
@@ -324,11 +325,6 @@ def submit(args) -> int:
 
 
 def _failed(job, message: str, code: int) -> int:
-    """A job whose run could not start: failed when nothing of it was ever submitted."""
     if job is not None:
-        if job.resumed or job.meta.submitted:
-            job.meta.submitter_pid = 0
-            job.save()
-        else:
-            job.fail(message)
+        job.let_go(message)
     return code

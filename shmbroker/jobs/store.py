@@ -91,6 +91,19 @@ def write_meta(data_dir: str | os.PathLike, meta: JobMeta) -> None:
     atomic_write(d / "job.json", meta.as_json())
 
 
+def create(data_dir: str | os.PathLike, meta: JobMeta) -> None:
+    """A new job's directory, taken exclusively (two submits of one new name: one gets it), and its
+    `job.json`. A directory without `job.json` (a crash between the two) is taken over."""
+    mkdir(jobs_root(data_dir))
+    d = job_dir(data_dir, meta.name)
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        if (d / "job.json").exists():
+            raise JobError(f"job {meta.name!r} exists") from None
+    write_meta(data_dir, meta)
+
+
 def read_meta(data_dir: str | os.PathLike, name: str) -> JobMeta:
     path = job_dir(data_dir, name) / "job.json"
     try:
