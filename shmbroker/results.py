@@ -210,7 +210,7 @@ class Router(Replayer, BehindNames, CursorSaves):
             for w, mine in _groups(writers):
                 self.backlog.ack(w, seqs if mine is None else seqs[mine])
             self.counters[2] += n
-            self.jobs.count(item_ids, status)
+            self.jobs.count(item_ids, status, data, pos)
         self.counters[0] += n
         producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
         for p, mine in _groups(producers):

@@ -83,15 +83,29 @@ def test_tally_counts_each_item_once_and_reads_back(tmp_path):
     ids = (np.uint64(7) << np.uint64(SEQ_BITS)) | np.arange(6, dtype=np.uint64)
     other = (np.uint64(8) << np.uint64(SEQ_BITS)) | np.arange(3, dtype=np.uint64)
     status = np.array([Status.OK, Status.OK, Status.TOO_LONG, Status.OK, Status.CANCELLED, Status.OK], np.uint32)
-    tallies.count(np.r_[ids, other], np.r_[status, np.zeros(3, np.uint32)])
-    tallies.count(ids[:3], status[:3])  # delivered again (an item run twice): not counted again
+    data, pos = result_headers([5, 6, 0, 7, 0, 8, 1, 1, 1])  # generated tokens of each record
+    tallies.count(np.r_[ids, other], np.r_[status, np.zeros(3, np.uint32)], data, pos)
+    tallies.count(ids[:3], status[:3], data, pos[:3])  # delivered again (an item run twice): not counted again
     tallies.save()
-    assert JobTally(tmp_path, "a").counts == {"ok": 4, "too_long": 1, "cancelled": 1}
+    tally = JobTally(tmp_path, "a")
+    assert tally.counts == {"ok": 4, "too_long": 1, "cancelled": 1} and tally.generated_tokens == 26
     assert not (store.job_dir(tmp_path, "not-a-job")).exists()
     again = JobTallies(tmp_path, names.get)  # a restarted results process
-    again.count(ids, status)
+    again.count(ids, status, data, pos[:6])
     again.save()
     assert JobTally(tmp_path, "a").counts == {"ok": 4, "too_long": 1, "cancelled": 1}
+    assert store.view(tmp_path, "a")["generated_tokens"] == 26
+
+
+def result_headers(num_tokens: list[int]):
+    """Result record headers (ring/wire.py's table) holding only `num_tokens`, and their positions."""
+    from shmbroker.ring.wire import RES_HEADER_BYTES
+
+    data = np.zeros(len(num_tokens) * RES_HEADER_BYTES, np.uint8)
+    pos = np.arange(len(num_tokens), dtype=np.int64) * RES_HEADER_BYTES
+    for p, n in zip(pos, num_tokens):
+        data[p : p + RES_HEADER_BYTES].view(np.uint32)[8] = n
+    return data, pos
 
 
 def test_cancel_list_is_read_when_it_changes(tmp_path):

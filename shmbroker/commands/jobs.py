@@ -94,12 +94,13 @@ def _watch(data_dir: str, name: str, v: dict, plain_seconds: float | None) -> in
     from ..jobs.progress import Progress
 
     progress = Progress(f"job {name}", v["total"], plain_seconds=plain_seconds)
+    progress.fig.t0 = time.monotonic() - max(0.0, time.time() - v["created_at"])  # the job's age, its rates since
     try:
         with progress:
             while True:
                 results = v["completed"] + v["failed"] + v["cancelled"]
                 progress.update(submitted=v["submitted"], results=results, ok=v["completed"],
-                                failed=v["failed"], status=v["status"])
+                                failed=v["failed"], tokens=v["generated_tokens"], status=v["status"])
                 if v["status"] in store.TERMINAL:
                     break
                 time.sleep(WATCH_POLL_SECONDS)

@@ -8,11 +8,13 @@ on stderr naming file and line, and with --wait a row of its own). Progress: `jo
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
 from collections import Counter
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +48,7 @@ class _Submission:
         self.outstanding: set[int] = set()
         self.statuses: Counter[str] = Counter()
         self.generated = 0
+        self.models: Counter[str | None] = Counter()  # items submitted per model name
         self._old_ids: dict | None = None
 
     def refuse(self, line: int, message: str, cid=None) -> None:
@@ -121,6 +124,7 @@ class _Submission:
 
     def _record(self, p: Prompt, item: int) -> None:
         self.submitted += 1
+        self.models[p.model] += 1
         if self.sink is not None:
             self.outstanding.add(item)
         if self.job is not None:
@@ -284,6 +288,8 @@ def submit(args) -> int:
                 run.push(chunk)
             if job is not None:
                 job.submit_done(run.refused)
+            if not getattr(args, "cluster", None):
+                _unserved(data_dir, run.models)
             more = f", {run.skipped} submitted by an earlier run" if run.skipped else ""
             more += f", {run.cancelled} not submitted (the job was cancelled)" if run.cancelled else ""
             _err(f"submitted {run.submitted} items, refused {run.refused} line{'' if run.refused == 1 else 's'}{more}, "
@@ -322,6 +328,21 @@ def submit(args) -> int:
             job.meta.submitter_pid = 0  # this run is over: the status need not wait for its pid to go
             job.save()
     return 0 if run.refused == 0 and complete else 1
+
+
+def _unserved(data_dir: str, models) -> None:
+    """Say which of the models submitted no consumer of the broker serves (their items come back
+    `invalid`): an OpenAI Batch file names its model in every line, a broker's consumers may name none."""
+    from ..watch import BROKER_FILE
+
+    try:
+        served = set(json.loads((Path(data_dir) / BROKER_FILE).read_text())["models"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a remote producer, or a broker that has not described itself: nothing to compare
+    for model, n in sorted(models.items(), key=lambda kv: str(kv[0])):
+        if (model or "default") not in served:
+            _err(f"no consumer of this broker serves model {model!r} ({n} items: they come back invalid); it serves "
+                 f"{', '.join(sorted(served))} (--model NAME sets every line's model; --model default: the default one)")
 
 
 def _failed(job, message: str, code: int) -> int:

@@ -159,7 +159,8 @@ def status_of(meta: JobMeta, results: int, cancelled_at: float | None, alive: bo
 def view(data_dir: str | os.PathLike, name: str) -> dict:
     """One job as the commands, `top` and the exporter show it (`jobs --json` prints these)."""
     meta = read_meta(data_dir, name)
-    counts = read_counts(data_dir, name).get("counts", {})
+    tally = read_counts(data_dir, name)
+    counts = tally.get("counts", {})
     results = sum(int(v) for v in counts.values())
     cancelled_at = cancel_requested(data_dir, name)
     alive = submitter_alive(meta)
@@ -172,7 +173,8 @@ def view(data_dir: str | os.PathLike, name: str) -> dict:
         cancelled += max(0, meta.lines - meta.refused - meta.submitted)
     return {"name": name, "status": status, "total": meta.lines, "completed": int(counts.get(OK_LABEL, 0)),
             "failed": sum(failed_by_status.values()), "cancelled": cancelled, "failed_by_status": failed_by_status,
-            "submitted": max(meta.submitted, results), "results": results, "tokens": meta.tokens, "input": meta.input,
+            "submitted": max(meta.submitted, results), "results": results, "tokens": meta.tokens,
+            "generated_tokens": int(tally.get("generated_tokens", 0)), "input": meta.input,
             "digest": meta.digest, "format": meta.format, "created_at": meta.created_at,
             "finished_at": meta.finished_at, "cancel_requested_at": cancelled_at, "submitter_pid": meta.submitter_pid if alive else None,
             "error": meta.error}

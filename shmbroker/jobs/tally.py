@@ -7,7 +7,7 @@ logged, before the ack was saved) counts once. The counts are saved at the resul
 checkpoint, after the log is synced and before the acks are saved: an item whose ack is on disk is
 counted on disk, and one whose count was lost runs again and is counted then.
 
-    {"counts": {"ok": n, "too_long": n, ...}, "seen": {"<producer id>": SeenSet.state()}}
+    {"counts": {"ok": n, "too_long": n, ...}, "generated_tokens": n, "seen": {"<producer id>": SeenSet.state()}}
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from ..durable import atomic_write
 from ..ring.items import SEQ_BITS, SEQ_MASK, STATUS_NAMES
+from ..ring.wire import result_num_tokens
 from ..seen import SeenSet
 from .store import is_job, job_dir, read_counts
 
@@ -29,6 +30,7 @@ class JobTally:
         self.path = job_dir(data_dir, name) / "counts.json"
         saved = read_counts(data_dir, name)
         self.counts: Counter[str] = Counter({str(k): int(v) for k, v in saved.get("counts", {}).items()})
+        self.generated_tokens = int(saved.get("generated_tokens", 0))
         self.seen: dict[int, SeenSet] = {}
         for pid, state in saved.get("seen", {}).items():
             try:
@@ -37,17 +39,18 @@ class JobTally:
                 continue
         self.dirty = False
 
-    def add(self, producer_id: int, seqs: np.ndarray, status: np.ndarray) -> None:
+    def add(self, producer_id: int, seqs: np.ndarray, status: np.ndarray, generated: np.ndarray) -> None:
         fresh = self.seen.setdefault(producer_id, SeenSet()).add(seqs)
         if not fresh.any():
             return
+        self.generated_tokens += int(generated[fresh].sum())
         for code, n in enumerate(np.bincount(status[fresh].astype(np.int64)).tolist()):
             if n:
                 self.counts[STATUS_NAMES.get(code, f"status_{code}")] += n
         self.dirty = True
 
     def save(self) -> None:
-        body = {"counts": dict(self.counts), "seen": {str(p): s.state() for p, s in self.seen.items()}}
+        body = {"counts": dict(self.counts), "generated_tokens": self.generated_tokens, "seen": {str(p): s.state() for p, s in self.seen.items()}}
         atomic_write(self.path, json.dumps(body).encode())
         self.dirty = False
 
@@ -73,7 +76,8 @@ class JobTallies:
         self.by_producer[producer_id] = tally
         return tally
 
-    def count(self, item_ids: np.ndarray, status: np.ndarray) -> None:
+    def count(self, item_ids: np.ndarray, status: np.ndarray, data: np.ndarray, pos: np.ndarray) -> None:
+        """Count the result records at data[pos[i]] (their item ids and statuses given) of jobs' producers."""
         if item_ids.size == 0:
             return
         producers = item_ids >> np.uint64(SEQ_BITS)
@@ -83,7 +87,8 @@ class JobTallies:
             if tally is None:
                 continue
             mine = slice(None) if lo == hi else producers == p
-            tally.add(int(p), (item_ids[mine] & np.uint64(SEQ_MASK)).astype(np.int64), status[mine])
+            tally.add(int(p), (item_ids[mine] & np.uint64(SEQ_MASK)).astype(np.int64), status[mine],
+                      result_num_tokens(data, pos[mine]))
 
     def save(self) -> None:
         for tally in self.by_name.values():

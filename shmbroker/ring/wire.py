@@ -241,6 +241,13 @@ def result_head(buf: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
     return int(h[0]), int(h64[1]), int(h64[2]), int(h[6]), int(h[7])
 
 
+def result_num_tokens(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Generated tokens (`num_tokens`, bytes 32..35 of the header table above) of the result records
+    at buf[pos[i]]: numpy, for the job tally, outside the kernels."""
+    at = np.asarray(pos, np.int64) + 32
+    return np.ascontiguousarray(buf[at[:, None] + np.arange(4)]).view(np.uint32).ravel()
+
+
 @kernel
 def result_fields(buf, pos, count, item_ids, seqs, writers, status):
     """Columns of the result records at buf[pos[i]]."""
