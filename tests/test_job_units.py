@@ -29,6 +29,7 @@ def meta(**kw) -> JobMeta:
     ({"phase": "validating"}, 0, None, False, "failed"),  # its submitter died before it began
     ({"phase": "failed"}, 0, None, False, "failed"),
     ({"submitted": 5}, 3, None, True, "in_progress"),
+    ({"submit_done": True, "refused": 10}, 0, None, False, "failed"),  # no line was a request
     ({"submitted": 10, "submit_done": True}, 9, None, False, "in_progress"),
     ({"submitted": 10, "submit_done": True}, 10, None, True, "finalizing"),  # the waiting submitter writes
     ({"submitted": 10, "submit_done": True}, 10, None, False, "completed"),

@@ -366,3 +366,17 @@ def test_a_cancel_made_while_the_broker_is_down_is_obeyed_at_its_start(tmp_path,
         assert v["completed"] >= down["completed"] and v["completed"] + v["cancelled"] == 200
         assert cli("status", "--data-dir", d, "--json") == 0
         assert json.loads(capsys.readouterr().out)["backlog"]["pending_items"] == 0
+
+
+def test_cancel_reaches_items_waiting_on_disk_beyond_the_index(tmp_path):
+    """A job larger than the packing index: what waits beyond it (sched/waiting/) comes back cancelled
+    as it is read back, without running."""
+    config = SLOW_CONFIG.replace("index_items = 65536", "index_items = 1024")
+    with serve(tmp_path, "jw", config) as broker:
+        d = broker.data_dir
+        name = _name()
+        assert cli("submit", openai_file(tmp_path / "a.jsonl", 3000), "--data-dir", d, "--job", name, "--model", "default") == 0
+        wait_for(lambda: store.view(d, name)["completed"] >= 4, 60, "some finish")
+        assert cli("cancel", name, "--data-dir", d) == 0
+        v = wait_for(lambda: (v := store.view(d, name))["status"] == "cancelled" and v, 60, "cancelled")
+        assert v["cancelled"] > 2900 and v["completed"] + v["cancelled"] == 3000

@@ -147,6 +147,8 @@ def status_of(meta: JobMeta, results: int, cancelled_at: float | None, alive: bo
     if meta.phase in ("failed", "validating"):
         return meta.phase if alive or meta.phase == "failed" else "failed"
     all_in = meta.submit_done and results >= meta.submitted
+    if meta.submit_done and meta.submitted == 0 and meta.refused and cancelled_at is None:
+        return "failed"  # no line of its file was a request (each line's error says why)
     if cancelled_at is not None and meta.phase != "completed":
         if alive and not meta.submit_done:
             return "cancelling"  # the submitter stops at its next chunk
