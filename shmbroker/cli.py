@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
                    help="read the producer's results subject on these NATS servers instead of a local broker")
+    p.add_argument("--out-format", choices=("native", "openai"), default="native",
+                   help="a job's results as this format's lines (openai: the OpenAI Batch output format, keyed by custom_id)")
+    p.add_argument("--error-file", default=None,
+                   help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a job's results: generated ids as text too")
     p.set_defaults(func=_commands("results"))
     p = sub.add_parser("jobs", help="list the batch jobs of a data directory")
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")

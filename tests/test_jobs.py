@@ -131,6 +131,29 @@ def test_openai_file_round_trips_through_the_openai_types(fast, tmp_path, capsys
         {"status": "completed", "total": 304, "completed": 300, "failed": 4, "cancelled": 0}
 
 
+def test_results_of_a_job_in_the_openai_format_later(fast, tmp_path, capsys):
+    """A job submitted without --wait: `results --name JOB --out-format openai` writes its output and
+    error files, keyed by custom_id; a second run on them adds nothing."""
+    from openai.types import Completion
+
+    name = _name()
+    src = openai_file(tmp_path / "a.jsonl", 40, [json.dumps(request_line(77, list(range(1, 1500))))])
+    assert cli("submit", src, "--data-dir", fast.data_dir, "--job", name, "--model", "default") == 0
+    wait_for(lambda: store.view(fast.data_dir, name)["status"] == "completed", 30, "completed")
+    out = tmp_path / "out.jsonl"
+    assert cli("results", "--name", name, "--data-dir", fast.data_dir, "--out", out, "--out-format", "openai") == 0
+    got, errors = rows(out), rows(tmp_path / "out.errors.jsonl")
+    assert sorted(r["custom_id"] for r in got) == sorted(f"req-{i}" for i in range(40))
+    for r in got:
+        Completion.model_validate(r["response"]["body"])
+    assert [e["custom_id"] for e in errors] == ["req-77"]
+    assert cli("results", "--name", name, "--data-dir", fast.data_dir, "--out", out, "--out-format", "openai",
+               "--timeout", "0.2") == 0
+    assert len(rows(out)) == 40
+    assert cli("results", "--name", "not-a-job", "--data-dir", fast.data_dir, "--out-format", "openai") == 2
+    assert "no job" in capsys.readouterr().err
+
+
 def test_a_model_no_consumer_serves_is_named_at_submit(fast, tmp_path, capsys):
     src = openai_file(tmp_path / "a.jsonl", 3)
     out = tmp_path / "out.jsonl"

@@ -25,7 +25,7 @@ from ..jobs import store
 from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
 from ..ring.items import SEQ_BITS, SEQ_MASK
-from .common import _output, load_entries
+from .common import _err, load_entries
 
 META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
 CANCEL_POLL_SECONDS = 0.5
@@ -321,6 +321,19 @@ class JobSink:
         self.since = time.monotonic()
 
 
+def open_tokenizer(path: str | None):
+    """(the tokenizer at `path` or None, 0), or (None, 2) after saying why it cannot be read."""
+    if not path:
+        return None, 0
+    from ..jobs.text import TextError, Tokenizer
+
+    try:
+        return Tokenizer(path), 0
+    except TextError as exc:
+        _err(str(exc))
+        return None, 2
+
+
 def error_path(out: str | None) -> str | None:
     """The error file beside --out: results.jsonl -> results.errors.jsonl."""
     if out is None:
@@ -328,5 +341,3 @@ def error_path(out: str | None) -> str | None:
     root, ext = os.path.splitext(out)
     return f"{root}.errors{ext or '.jsonl'}"
 
-
-open_output = _output

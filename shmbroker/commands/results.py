@@ -1,19 +1,35 @@
-"""`shmbroker results`: write the results a producer name has not read yet as JSONL."""
+"""`shmbroker results`: write the results a producer name has not read yet as JSONL (a job's also in the
+OpenAI Batch output format, keyed by custom_id, as `submit --job --wait` writes them)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 
-from .common import ResultSink, _data_dir, _err, _load_ids, _open_producer, _output, _result_row, _written_ids
+from .common import ResultSink, _data_dir, _err, _load_ids, _open_producer, _output, _result_row, _written_ids, load_entries
 
 
 def results(args) -> int:
     from ..errors import BrokerError
+    from ..jobs import store
+    from .jobrun import JobSink, error_path, open_tokenizer, written_keys
 
     data_dir = _data_dir(args)
     if data_dir is None:
         return 2
-    ids = _load_ids(data_dir, args.name)
+    as_job = args.out_format != "native" or args.tokenizer or args.error_file
+    if as_job and (getattr(args, "cluster", None) or not store.is_job(data_dir, args.name)):
+        _err(f"--out-format, --error-file and --tokenizer are a job's: {args.name!r} is no job in {data_dir}")
+        return 2
+    if args.error_file and args.out_format != "openai":
+        _err("--error-file goes with --out-format openai (the native format keeps errors in its rows)")
+        return 2
+    tokenizer, code = open_tokenizer(args.tokenizer)
+    if code:
+        return code
+    entries = load_entries(data_dir, args.name) if as_job else None
+    ids = None if as_job else _load_ids(data_dir, args.name)
+    errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" and args.out else None
     try:
         producer = _open_producer(args, args.name, data_dir)
     except (BrokerError, OSError, ValueError) as exc:
@@ -22,10 +38,20 @@ def results(args) -> int:
     count = 0
     statuses: Counter[str] = Counter()
     try:
-        with producer, _output(args.out) as out:
-            sink = ResultSink(out, producer, _written_ids(args.out))
+        with producer, _output(args.out) as out, ExitStack() as files:
+            if as_job:
+                errors = files.enter_context(_output(errors_at)) if errors_at else None
+                sink = JobSink(out, errors, producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
+
+                def write(r) -> bool:
+                    return sink.result(r, entries.get(r.item_id))
+            else:
+                sink = ResultSink(out, producer, _written_ids(args.out))
+
+                def write(r) -> bool:
+                    return sink.write(r.item_id, _result_row(r, ids))
             for r in producer.results(timeout_seconds=max(0.0, args.timeout), auto_ack=False):
-                if sink.write(r.item_id, _result_row(r, ids)):
+                if write(r):
                     statuses[r.status] += 1
                     count += 1
             sink.commit()

@@ -208,8 +208,7 @@ def _checks(args) -> str | None:
 def submit(args) -> int:
     from ..errors import BrokerError, Full
     from ..jobs.store import JobError
-    from ..jobs.text import TextError, Tokenizer
-    from .jobrun import JobRun, JobSink, error_path, written_keys
+    from .jobrun import JobRun, JobSink, error_path, open_tokenizer, written_keys
 
     data_dir = _data_dir(args)
     if data_dir is None:
@@ -218,11 +217,9 @@ def submit(args) -> int:
     if problem:
         _err(problem)
         return 2
-    try:
-        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
-    except TextError as exc:
-        _err(str(exc))
-        return 2
+    tokenizer, code = open_tokenizer(args.tokenizer)
+    if code:
+        return code
     job = None
     if args.job is not None or args.resume:
         try:
