@@ -17,19 +17,22 @@ def results(args) -> int:
     data_dir = _data_dir(args)
     if data_dir is None:
         return 2
-    as_job = args.out_format != "native" or args.tokenizer or args.error_file
+    # (a caller may build args without the job options: bench/chaos_score.py does)
+    fmt, tokenizer_at, error_file = (getattr(args, k, None) for k in ("out_format", "tokenizer", "error_file"))
+    fmt = fmt or "native"
+    as_job = fmt != "native" or tokenizer_at or error_file
     if as_job and (getattr(args, "cluster", None) or not store.is_job(data_dir, args.name)):
         _err(f"--out-format, --error-file and --tokenizer are a job's: {args.name!r} is no job in {data_dir}")
         return 2
-    if args.error_file and args.out_format != "openai":
+    if error_file and fmt != "openai":
         _err("--error-file goes with --out-format openai (the native format keeps errors in its rows)")
         return 2
-    tokenizer, code = open_tokenizer(args.tokenizer)
+    tokenizer, code = open_tokenizer(tokenizer_at)
     if code:
         return code
     entries = load_entries(data_dir, args.name) if as_job else None
     ids = None if as_job else _load_ids(data_dir, args.name)
-    errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" and args.out else None
+    errors_at = (error_file or error_path(args.out)) if fmt == "openai" and args.out else None
     try:
         producer = _open_producer(args, args.name, data_dir)
     except (BrokerError, OSError, ValueError) as exc:
@@ -41,7 +44,7 @@ def results(args) -> int:
         with producer, _output(args.out) as out, ExitStack() as files:
             if as_job:
                 errors = files.enter_context(_output(errors_at)) if errors_at else None
-                sink = JobSink(out, errors, producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
+                sink = JobSink(out, errors, producer, fmt, tokenizer, written_keys(args.out, errors_at))
 
                 def write(r) -> bool:
                     return sink.result(r, entries.get(r.item_id))
