@@ -386,21 +386,34 @@ def test_a_400_fails_only_the_refused_prompt_with_the_servers_message(server_fac
     assert out.results[4].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
     for i in (0, 1, 2, 3, 5):
         assert_ok(out.results[i], tokens[i], 3)
-    # never retried as is: one prompt alone is tried ([5] ok: the refusal is a prompt's), then the request
-    # is split in halves, and the halves holding the refused prompt again
-    # [0..5] 400 -> [5] ok -> [0, 1, 2] ok, [3, 4, 5] 400 -> [3] ok, [4, 5] 400 -> [4] 400, [5] ok
+    # never retried as is: the first prompt alone is tried ([0] ok: the refusal is a prompt's), then the
+    # request is split in halves, and the halves holding the refused prompt again
+    # [0..5] 400 -> [0] ok -> [0, 1, 2] ok, [3, 4, 5] 400 -> [3] ok, [4, 5] 400 -> [4] 400, [5] ok
     assert server.statuses == [400, 200, 200, 400, 200, 400, 400, 200]
     assert [len(b["prompt"]) for b in server.bodies] == [6, 1, 3, 3, 1, 2, 1, 1]
 
 
 def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_factory, engines):
-    """A strict server refusing a field the engine sends refuses every request alike: two requests
-    (the batch, one prompt alone), not 2n - 1."""
+    """A strict server refusing a field the engine sends refuses every request alike: three requests
+    (the batch, its first and its last prompt alone), not 2n - 1."""
     server = server_factory(refuse_field="return_token_ids")
     out = engines(server, max_items_per_request=16).run(batch(prompts(16), 2))
     assert [r.status for r in out.results] == ["engine_error"] * 16
     assert out.results[0].error == "HTTP 400: unknown field 'return_token_ids'"
-    assert [len(b["prompt"]) for b in server.bodies] == [16, 1]
+    assert [len(b["prompt"]) for b in server.bodies] == [16, 1, 1]
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_refused_prompt_first_or_last_of_a_request_fails_alone(server_factory, engines, bad):
+    """The prompts asked alone to tell a request's refusal from a prompt's may be the refused one: the
+    first and the last are both asked, so only it fails (the last alone was asked before: when it was
+    the refused one, its neighbour failed with it, as tests/test_poison.py once saw)."""
+    server = server_factory()
+    tokens = prompts(2)
+    tokens[bad] = np.concatenate([tokens[bad], [REJECTED]]).astype(np.uint32)
+    out = engines(server, max_items_per_request=2).run(batch(tokens, 3))
+    assert [r.status for r in out.results] == ["engine_error" if i == bad else "ok" for i in range(2)]
+    assert_ok(out.results[1 - bad], tokens[1 - bad], 3)
 
 
 def test_an_unknown_model_fails_at_once_without_retries_or_splits(server_factory, engines):

@@ -220,23 +220,20 @@ class OpenAICompatible(StreamingRun):
 
     def request(self, prompts: list, max_tokens: int, *, probed: bool = False) -> Reply:
         """The reply to these prompts; a refused request of several prompts is split in halves, so that
-        only the prompts the server refuses fail. First one prompt alone is tried: when the server
-        refuses it with the very same reason, the refusal is the request's, not a prompt's (an option
-        it does not take, say), and every prompt fails at once instead of after 2n - 1 requests."""
+        only the prompts the server refuses fail. First the first prompt alone is tried, then (refused
+        alike) the last: when the server refuses both with the very same reason, the refusal is the
+        request's, not a prompt's (an option it does not take, say), and every prompt fails at once
+        instead of after 2n - 1 requests. (One prompt alone was asked before, the last: when it was the
+        refused one, every prompt of the request failed with it.)"""
         try:
             return self.post(prompts, max_tokens)
         except RequestFailed as exc:
             if exc.status not in SPLIT_STATUSES or len(prompts) == 1:
                 raise
             whole = exc
-        if not probed:
-            try:
-                self.post(prompts[-1:], max_tokens)
-            except RequestFailed as exc:
-                if exc.down:
-                    raise  # the server went down meanwhile: the whole request is handed back
-                if str(exc) == str(whole) and exc.status == whole.status:
-                    raise whole from None
+        if not probed and self._refused_alone(prompts[:1], whole, max_tokens) \
+                and self._refused_alone(prompts[-1:], whole, max_tokens):
+            raise whole from None  # the first and the last prompt alone refused alike: the request's fault
         half = len(prompts) // 2
         replies = []
         for sub in (prompts[:half], prompts[half:]):
@@ -248,6 +245,17 @@ class OpenAICompatible(StreamingRun):
                 replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
                      sub_replies=[s for r in replies for s in (r.sub_replies or [r])])
+
+    def _refused_alone(self, prompt: list, whole, max_tokens: int) -> bool:
+        """Whether this one prompt alone is refused with the very reason the whole request was. Both the
+        first and the last prompt are asked: one of them may be the prompt the server refuses."""
+        try:
+            self.post(prompt, max_tokens)
+        except RequestFailed as exc:
+            if exc.down:
+                raise  # the server went down meanwhile: the whole request is handed back
+            return str(exc) == str(whole) and exc.status == whole.status
+        return False
 
     def post(self, prompts: list, max_tokens: int) -> Reply:
         """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed."""
