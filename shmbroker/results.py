@@ -210,11 +210,12 @@ class Router(Replayer, BehindNames, CursorSaves):
             for w, mine in _groups(writers):
                 self.backlog.ack(w, seqs if mine is None else seqs[mine])
             self.counters[2] += n
-            self.jobs.count(item_ids, status, data, pos)
         self.counters[0] += n
         producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
         for p, mine in _groups(producers):
             rows = pos if mine is None else pos[mine]
+            if ack:  # fresh from a GPU (not a replay): a job's results are counted
+                self.jobs.count(p, mine, item_ids, status, data, rows)
             outlet = self.outlets.get(p)
             name = outlet.name if outlet is not None else self._name_of(p)
             if outlet is None and name is not None:

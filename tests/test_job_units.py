@@ -85,14 +85,15 @@ def test_tally_counts_each_item_once_and_reads_back(tmp_path):
     other = (np.uint64(8) << np.uint64(SEQ_BITS)) | np.arange(3, dtype=np.uint64)
     status = np.array([Status.OK, Status.OK, Status.TOO_LONG, Status.OK, Status.CANCELLED, Status.OK], np.uint32)
     data, pos = result_headers([5, 6, 0, 7, 0, 8, 1, 1, 1])  # generated tokens of each record
-    tallies.count(np.r_[ids, other], np.r_[status, np.zeros(3, np.uint32)], data, pos)
-    tallies.count(ids[:3], status[:3], data, pos[:3])  # delivered again (an item run twice): not counted again
+    tallies.count(7, None, ids, status, data, pos[:6])
+    tallies.count(8, None, other, np.zeros(3, np.uint32), data, pos[6:])
+    tallies.count(7, None, ids[:3], status[:3], data, pos[:3])  # delivered again (an item run twice): not counted again
     tallies.save()
     tally = JobTally(tmp_path, "a")
     assert tally.counts == {"ok": 4, "too_long": 1, "cancelled": 1} and tally.generated_tokens == 26
     assert not (store.job_dir(tmp_path, "not-a-job")).exists()
     again = JobTallies(tmp_path, names.get)  # a restarted results process
-    again.count(ids, status, data, pos[:6])
+    again.count(7, np.ones(6, bool), ids, status, data, pos[:6])
     again.save()
     assert JobTally(tmp_path, "a").counts == {"ok": 4, "too_long": 1, "cancelled": 1}
     assert store.view(tmp_path, "a")["generated_tokens"] == 26

@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 
 from ..durable import atomic_write
-from ..ring.items import SEQ_BITS, SEQ_MASK, STATUS_NAMES
+from ..ring.items import SEQ_MASK, STATUS_NAMES
 from ..ring.wire import result_num_tokens
 from ..seen import SeenSet
 from .store import is_job, job_dir, read_counts
@@ -76,19 +76,15 @@ class JobTallies:
         self.by_producer[producer_id] = tally
         return tally
 
-    def count(self, item_ids: np.ndarray, status: np.ndarray, data: np.ndarray, pos: np.ndarray) -> None:
-        """Count the result records at data[pos[i]] (their item ids and statuses given) of jobs' producers."""
-        if item_ids.size == 0:
-            return
-        producers = item_ids >> np.uint64(SEQ_BITS)
-        lo, hi = int(producers.min()), int(producers.max())
-        for p in [lo] if lo == hi else np.unique(producers).tolist():
-            tally = self._tally(int(p))
-            if tally is None:
-                continue
-            mine = slice(None) if lo == hi else producers == p
-            tally.add(int(p), (item_ids[mine] & np.uint64(SEQ_MASK)).astype(np.int64), status[mine],
-                      result_num_tokens(data, pos[mine]))
+    def count(self, producer_id: int, mine, item_ids: np.ndarray, status: np.ndarray, data: np.ndarray,
+              rows: np.ndarray) -> None:
+        """Count producer `producer_id`'s results when it is a job's: `mine` selects them (None: all) of the
+        router's columns `item_ids`, `status`; `rows` are their records' positions in `data`."""
+        tally = self._tally(producer_id)
+        if tally is not None:
+            sel = slice(None) if mine is None else mine
+            tally.add(producer_id, (item_ids[sel] & np.uint64(SEQ_MASK)).astype(np.int64), status[sel],
+                      result_num_tokens(data, rows))
 
     def save(self) -> None:
         for tally in self.by_name.values():
