@@ -169,14 +169,16 @@ def _result_row(r, ids: dict) -> str:
 
 
 class ResultSink:
-    """Result rows to an output, acknowledged to the broker once they are durable there: every
-    COMMIT_ROWS rows or COMMIT_SECONDS, and at `commit()`, the output is flushed and fsynced
-    (where it can be: a pipe or a terminal cannot) and then the producer's results are acked."""
+    """Result rows to an output (and, where the format has one, failed results to an error file),
+    acknowledged to the broker once they are durable there: every COMMIT_ROWS rows or COMMIT_SECONDS,
+    and at `commit()`, the files are flushed and fsynced (where they can be: a pipe or a terminal
+    cannot) and then the producer's results are acked. `jobrun.JobSink` keys a job's rows by custom_id."""
 
-    def __init__(self, out, producer, written: set[int] | None = None):
+    def __init__(self, out, producer, written: set | None = None, errors=None):
         self.out = out
+        self.errors = errors
         self.producer = producer
-        self.written = written or set()  # item ids the output holds already (an earlier run's)
+        self.written = written or set()  # the keys (here item ids) the output holds already (an earlier run's)
         self.skipped = 0
         self.rows = 0
         self.since = time.monotonic()
@@ -186,18 +188,24 @@ class ResultSink:
         if item_id in self.written:
             self.skipped += 1
             return False
-        self.out.write(row + "\n")
+        self._put(self.out, row)
+        return True
+
+    def _put(self, fh, row: str) -> None:
+        fh.write(row + "\n")
         self.rows += 1
         if self.rows >= COMMIT_ROWS or time.monotonic() - self.since >= COMMIT_SECONDS:
             self.commit()
-        return True
 
     def commit(self) -> None:
-        self.out.flush()
-        try:
-            os.fsync(self.out.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass  # not a file (a pipe, a terminal, a StringIO): flushed is all there is
+        for fh in (self.out, self.errors):
+            if fh is None:
+                continue
+            fh.flush()
+            try:
+                os.fsync(fh.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass  # not a file (a pipe, a terminal, a StringIO): flushed is all there is
         self.producer.ack()
         self.rows = 0
         self.since = time.monotonic()

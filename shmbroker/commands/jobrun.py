@@ -25,7 +25,7 @@ from ..jobs import store
 from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
 from ..ring.items import SEQ_BITS, SEQ_MASK
-from .common import _err, load_entries
+from .common import ResultSink, _err, load_entries
 
 META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
 CANCEL_POLL_SECONDS = 0.5
@@ -257,68 +257,48 @@ class JobRun:
         self.save()
 
 
-class JobSink:
-    """A job's results to its output (and, in the OpenAI format, failed ones to the error file),
-    keyed by custom_id; acknowledged to the broker once both files are durable (`ResultSink`'s rule)."""
+class JobSink(ResultSink):
+    """A job's results to its output (and, in the OpenAI format, failed ones to the error file), keyed
+    by custom_id (`key_of`), on `ResultSink`'s rule: acknowledged once both files are durable."""
 
     def __init__(self, out, errors, producer, fmt: str, tokenizer, written: set[str]):
-        self.out, self.errors, self.producer, self.fmt, self.tokenizer = out, errors, producer, fmt, tokenizer
-        self.written = written
-        self.rows = 0
-        self.since = time.monotonic()
+        super().__init__(out, producer, written, errors)
+        self.fmt, self.tokenizer = fmt, tokenizer
 
     def result(self, r, entry: dict | None) -> bool:
         """Write one result (False: its key is in the output already, or no entry names it)."""
-        if entry is None:
+        if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
             return False
-        key = key_of(entry.get("id"), int(entry["line"]))
-        if key in self.written:
-            return False
-        self.written.add(key)
         tokens = r.tokens.tolist()
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None and r.status == "ok" else None
         if self.fmt == "openai":
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None and r.status == "ok" else None
-            row, is_error = output_row(r.item_id, entry.get("id"), r.status, tokens, r.error, entry, text)
-            self._write(row, is_error)
+            self._row(*output_row(r.item_id, entry.get("id"), r.status, tokens, r.error, entry, text))
         else:
             row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
                    "tokens": tokens, "error": r.error}
-            if self.tokenizer is not None and r.status == "ok":
-                row["text"] = self.tokenizer.decode(tokens)
-            self._write(row, False)
+            if text is not None:
+                row["text"] = text
+            self._row(row, False)
         return True
 
     def line(self, number: int, message: str, cid=None, code: str = "invalid_request", status: str = "invalid") -> None:
         """A line that was not submitted: not a prompt (its error), or left when the job was cancelled."""
-        key = key_of(cid, number)
-        if key in self.written:
+        if not self._fresh(key_of(cid, number)):
             return
-        self.written.add(key)
         if self.fmt == "openai":
-            self._write(line_error_row(number, message, cid, code), True)
+            self._row(line_error_row(number, message, cid, code), True)
         else:
-            self._write({"item_id": None, "id": cid, "line": number, "status": status, "tokens": [], "error": message}, False)
+            self._row({"item_id": None, "id": cid, "line": number, "status": status, "tokens": [], "error": message}, False)
 
-    def _write(self, row: dict, is_error: bool) -> None:
-        (self.errors if is_error and self.errors is not None else self.out).write(json.dumps(row) + "\n")
-        self.rows += 1
-        from .common import COMMIT_ROWS, COMMIT_SECONDS
+    def _fresh(self, key: str) -> bool:
+        if key in self.written:
+            self.skipped += 1
+            return False
+        self.written.add(key)
+        return True
 
-        if self.rows >= COMMIT_ROWS or time.monotonic() - self.since >= COMMIT_SECONDS:
-            self.commit()
-
-    def commit(self) -> None:
-        for fh in (self.out, self.errors):
-            if fh is None:
-                continue
-            fh.flush()
-            try:
-                os.fsync(fh.fileno())
-            except (OSError, ValueError, AttributeError):
-                pass
-        self.producer.ack()
-        self.rows = 0
-        self.since = time.monotonic()
+    def _row(self, row: dict, is_error: bool) -> None:
+        self._put(self.errors if is_error and self.errors is not None else self.out, json.dumps(row))
 
 
 def open_tokenizer(path: str | None):
