@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
 from ..jobs.openai_batch import is_request, parse_request
 from ..prompts import LineError, Prompt, parse_line
 
@@ -67,19 +65,13 @@ def custom_id_of(line_text: str):
 
 def read_trace(path: str, default_max_new: int | None):
     """Mooncake trace lines as Prompts (tokens synthesised as `workloads.trace.load` does), LineError per bad line."""
-    from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise
+    from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise_items
 
     rows: list[tuple[int, int, int, list[int]]] = []
 
     def flush():
-        lengths = np.array([r[1] for r in rows], np.int64)
-        offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        hash_offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum([len(r[3]) for r in rows], out=hash_offsets[1:])
-        hashes = np.array([h for r in rows for h in r[3]], np.int64)
-        tokens = np.empty(int(offsets[-1]), np.uint32)
-        synthesise(hashes, hash_offsets, lengths, TRACE_BLOCK_TOKENS, 32_000, tokens, offsets)
+        tokens, offsets = synthesise_items([r[1] for r in rows], [h for r in rows for h in r[3]],
+                                           [len(r[3]) for r in rows], TRACE_BLOCK_TOKENS, 32_000)
         out = [Prompt(r[0], tokens[offsets[i] : offsets[i + 1]], r[2]) for i, r in enumerate(rows)]
         rows.clear()
         return out
