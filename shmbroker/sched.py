@@ -102,8 +102,8 @@ class Scheduler(Admission):
         self.undone_items = [0] * len(batch_rings)
         self.queued_items = [queued_items(c.contract.max_batch_size, m) for c, m in zip(cfg.consumers, modes)]
         self.num_batches = 0
-        self.cancels = CancelWatch(cfg.data_dir)  # cancelled jobs (`jobs/cancels.py`)
-        self.cancelled = np.zeros(0, np.uint64)  # their producer ids, sorted
+        self.cancels = CancelWatch(cfg.data_dir)  # cancelled jobs (`jobs/cancels.py`), read before any item
+        self.cancelled = np.array(sorted(self.cancels.poll() or ()), np.uint64)  # their producer ids, sorted
 
     # -- taking items in --------------------------------------------------------------------
 
@@ -338,7 +338,6 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
     sched = Scheduler(cfg, modes, appended, batches, bell, stats.values)
     next_gauges = 0.0
     try:
-        sched.cancelled = np.array(sorted(sched.cancels.poll() or ()), np.uint64)  # before the recovered items
         sched.recover(cfg.data_dir)
         while not stopping():
             beat(slot)

@@ -58,11 +58,11 @@ class SeenSet:
     def contains(self, seqs: np.ndarray) -> np.ndarray:
         """True for each of seqs already seen (nothing is marked)."""
         seqs = np.asarray(seqs, np.int64)
-        out = np.zeros(seqs.size, bool)
-        for i, s in enumerate(seqs.tolist()):
-            c = s >> self.CHUNK_BITS
-            flags = self.partial.get(c)
-            out[i] = c < self.full_below or c in self.full or (flags is not None and bool(flags[s & (self.CHUNK - 1)]))
+        chunks = seqs >> self.CHUNK_BITS
+        out = (chunks < self.full_below) | np.isin(chunks, list(self.full))
+        for c, flags in self.partial.items():
+            mine = chunks == c
+            out[mine] = flags[seqs[mine] & (self.CHUNK - 1)]
         return out
 
     def state(self) -> dict:
