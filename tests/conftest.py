@@ -5,9 +5,9 @@ from __future__ import annotations
 import secrets
 
 import pytest
-from harness import BrokerSide, sweep_shm
+from support.harness import BrokerSide, sweep_shm
 
-from shmbroker import registry as registry_module
+from shmbroker.frontdoor import registry as registry_module
 from shmbroker.ring.owner import Owner
 
 

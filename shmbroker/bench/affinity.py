@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
+from ..config.defaults import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..workloads.feeders import PackerFeeder
 from ..workloads.packsim import simulate

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ingest import BATCH_RECORDS
+from ..ingest.loop import BATCH_RECORDS
 from ..ring.items import SEQ_BITS
 from ..spill import layout as L
 from ..spill.store import Backlog

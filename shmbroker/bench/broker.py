@@ -49,7 +49,7 @@ class BenchBroker:
                                       "--data-dir", self.data_dir], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, poll_seconds: float = 0.05) -> dict:
-        from ..registry import request
+        from ..frontdoor.registry import request
 
         while True:
             try:
@@ -105,8 +105,8 @@ def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_ne
                      timeout_seconds: float) -> CardRun:
     """Start a broker of `config` (one consumer named "card") under `tmp`, wait until its engine is
     built, submit the items in one `submit_many`, take every result back, stop the broker."""
-    from ..client import Producer
-    from ..watch import BrokerView
+    from ..client.producer import Producer
+    from ..observe.watch import BrokerView
 
     os.makedirs(tmp, exist_ok=True)
     broker = BenchBroker(tmp, config)

@@ -72,7 +72,7 @@ class Broker:
             time.sleep(0.05)
 
     def role_pids(self) -> dict[str, int]:
-        from ..control import Control
+        from ..control.segment import Control
 
         try:
             info = self.b.wait_ready()

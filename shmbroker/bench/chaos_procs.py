@@ -30,7 +30,7 @@ def prompt(seed: int, producer: int, k: int) -> tuple[np.ndarray, int]:
 
 def produce(name: str, index: int, data_dir: str, seed: int, stop, accepted_path: str) -> None:
     """Submit prompts until `stop`; one line "<item id> <k>" per accepted item."""
-    from ..client import Producer
+    from ..client.producer import Producer
     from ..errors import BrokerError, Full
 
     producer = None
@@ -63,7 +63,7 @@ def produce(name: str, index: int, data_dir: str, seed: int, stop, accepted_path
 
 def short_lived(data_dir: str, seed: int, stop, accepted_path: str) -> None:
     """A new name every SHORT_NAME_SECONDS, one item each: "<name> <item id> <k>" per line."""
-    from ..client import Producer
+    from ..client.producer import Producer
     from ..errors import BrokerError
 
     k = 0

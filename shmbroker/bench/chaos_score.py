@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import roles
+from ..control import roles
 from .chaos_fire import Broker
 from .chaos_procs import prompt
 
@@ -54,7 +54,7 @@ def backlog(data_dir: str) -> dict[str, int]:
     """Items waiting for a batch (in the scheduler's memory, and on disk only) and results waiting
     for readers far behind, as the broker's shared counters say now; {} if it cannot be read."""
     from ..errors import BrokerError
-    from ..watch import BrokerView
+    from ..observe.watch import BrokerView
 
     try:  # a role being restarted: its segment may be gone for a moment
         view = BrokerView.attach(data_dir)
@@ -129,7 +129,7 @@ def _ids_in(path: str) -> set[int]:
 
 
 def score(accepted: dict, outs: dict[str, str], seed: int) -> dict:
-    from ..gpu.engines.sim import Sim
+    from ..engines.sim import Sim
 
     items = lost = duplicated = wrong = failed = 0
     lost_by_name: dict[str, int] = {}

@@ -107,7 +107,7 @@ class LocalNode:
 
     def bridge(self) -> dict | None:
         """The node's bridge statistics (status's "cluster"), None while it is not up."""
-        from ..watch import BrokerView
+        from ..observe.watch import BrokerView
 
         try:
             view = BrokerView.attach(self.data_dir)

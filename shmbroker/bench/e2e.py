@@ -53,7 +53,7 @@ OBSERVER_FIELDS = ("scrapes", "scrape_seconds_max", "top_bytes", "exported_token
                    "watch_cpu_seconds", "watch_cpu_share")
 
 def _producer(index: int, data_dir: str, items: int, conn) -> None:
-    from ..client import Producer
+    from ..client.producer import Producer
     from ..ring.items import SEQ_MASK
 
     rng = np.random.default_rng(index)
@@ -65,7 +65,7 @@ def _producer(index: int, data_dir: str, items: int, conn) -> None:
     sent_ns = np.zeros(items, np.int64)
     latency_ns = np.zeros(items, np.int64)
     got = 0
-    from ..warmup import warm_rings
+    from ..supervisor.warmup import warm_rings
 
     warm_rings()  # the client's kernels in memory before the clock starts, as the broker's are
     with Producer(f"bench{index}", data_dir=data_dir) as p:
@@ -233,7 +233,7 @@ class Observer:
         import sys
         import threading
 
-        from ..watch import BrokerView
+        from ..observe.watch import BrokerView
 
         self.addr = json.loads((Path(data_dir) / "broker.json").read_text())["metrics_addr"]
         view = BrokerView.attach(data_dir)

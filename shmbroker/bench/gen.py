@@ -157,7 +157,7 @@ class Setup:
     contract: Contract
 
     def settings_object(self):
-        from ..settings import parse
+        from ..config.settings import parse
 
         cfg = parse({"block_tokens": BLOCK_TOKENS, "consumers": [self.consumer_table()]})
         return cfg.consumers[0].engine_settings
@@ -193,8 +193,8 @@ def alone_vllm(setup: Setup, items: Items) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ..gpu.engines.packed_args import hits_between, vllm_cache_tokens, vllm_llm_kwargs, vllm_sampling
-    from ..gpu.engines.vllm import FINAL_ONLY, build_engine
+    from ..engines.packed_args import hits_between, vllm_cache_tokens, vllm_llm_kwargs, vllm_sampling
+    from ..engines.vllm import FINAL_ONLY, build_engine
 
     engine = build_engine(vllm_llm_kwargs(setup.settings_object(), setup.contract))
     try:
@@ -220,8 +220,8 @@ def alone_vllm(setup: Setup, items: Items) -> dict:
 def alone_generic(setup: Setup, items: Items) -> dict:
     """Any registry engine in this process: every item added at once in arrival order (a padded
     engine: in FIFO batches of max_batch_size), polled until all are back."""
-    from ..gpu.engines.base import BatchResults, EngineBatch
-    from ..gpu.engines.registry import load_engine
+    from ..engines.base import BatchResults, EngineBatch
+    from ..engines.catalogue import load_engine
 
     engine = load_engine(setup.engine, setup.settings_object(), block_tokens=BLOCK_TOKENS, contract=setup.contract)
     try:
@@ -294,7 +294,7 @@ def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
-            from ..gpu.engines.base import EngineUnavailable
+            from ..engines.base import EngineUnavailable
 
             raise EngineUnavailable(f"bench gen --engine vllm needs vllm ({exc}): `make vllm`, then "
                                     ".venv-vllm/bin/shmbroker bench gen") from None

@@ -182,8 +182,8 @@ def _sample_check(engine, wl: Workload, plan: list, sample: np.ndarray, setup: S
     that copy's unbatched outputs."""
     import torch
 
-    from ..gpu.engines.base import EngineBatch
-    from ..gpu.engines.hf import unbatched
+    from ..engines.base import EngineBatch
+    from ..engines.hf import unbatched
 
     def alone(e, r):
         return unbatched(e, wl.tokens[wl.offsets[r] : wl.offsets[r + 1]], setup.max_new_tokens)
@@ -246,16 +246,16 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
         import torch
         import transformers  # noqa: F401 - the hf engine's other package
     except ImportError as exc:
-        from ..gpu.engines.base import EngineUnavailable
+        from ..engines.base import EngineUnavailable
 
         raise EngineUnavailable(f"bench gpu runs the hf engine, whose packages are not installed ({exc}): "
                                 "pip install 'shmbroker[hf]'") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench gpu --device cuda: torch sees no CUDA GPU")
 
+    from ..engines.hf import HF
+    from ..engines.options import HFSettings
     from ..gpu.core import ConsumerCore
-    from ..gpu.engines.hf import HF
-    from ..gpu.engines.options import HFSettings
     from ..pack.shapes import shape_items
     from ..workloads.feeders import FifoFeeder, PackerFeeder
 

@@ -31,7 +31,7 @@ max_batch_size S_1..S_N, and T the largest max_batch_tokens:
                  + batch_overhead_seconds x prefill_only
 
 (a step that decodes costs decode_step_seconds, any other batch_overhead_seconds,
-plus its tokens: `gpu/engines/continuous.py`; a padded batch pays the same per
+plus its tokens: `engines/continuous.py`; a padded batch pays the same per
 step). Prefill only (D = 0) it is ceil(P / T) full batches of prefill, a bound
 on any feeding. With decode it bounds the feedings that keep every consumer
 decoding, all slots busy, as long as the others (the split that finishes
@@ -51,7 +51,7 @@ import math
 
 import numpy as np
 
-from ..gpu.engines.sim import SimCost
+from ..engines.sim import SimCost
 from ..pack.contract import Contract
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import roles
+from ..control import roles
 from ..pack.index import PackIndex
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..ring.items import NO_PREFIX, SEQ_BITS
@@ -87,7 +87,7 @@ def _rss_peak(pid: int) -> int:
 
 
 def _serve(tmp: str, tokens: int, capacity: int) -> dict:
-    from ..control import Control
+    from ..control.segment import Control
 
     made = write_backlog(os.path.join(tmp, "data"), tokens)
     broker = BenchBroker(tmp, CONFIG.format(pid=os.getpid(), capacity=capacity) + ZERO_COST_CONSUMERS)

@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from ..ingest import RingSet
-from ..registry import Registry
+from ..frontdoor.registry import Registry
+from ..ingest.loop import RingSet
 from ..ring.digest import DeliveryCheck, digest_tokens, expected_digest
 from ..ring.owner import Owner
 
@@ -85,7 +85,7 @@ def _broker_side(data_dir: str, conn, mpq, plan: dict) -> None:
 
 
 def _producer_side(data_dir: str, conn, mpq, plan: dict) -> None:
-    from ..client import Producer
+    from ..client.producer import Producer
 
     single = _pool(SEED, POOL_ITEMS, SINGLE_TOKENS)
     items = [single[i] for i in range(POOL_ITEMS)]

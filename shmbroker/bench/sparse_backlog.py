@@ -23,7 +23,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from ..ingest import BATCH_RECORDS
+from ..ingest.loop import BATCH_RECORDS
 from ..ring.items import SEQ_BITS, SEQ_MASK
 from ..spill import layout as L
 from ..spill.records import write_records

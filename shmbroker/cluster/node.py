@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..control import beat
-from ..roles import Kind
+from ..control.roles import Kind
+from ..control.segment import beat
 
 log = logging.getLogger("shmbroker.bridge")
 
@@ -26,8 +26,8 @@ STATS_SECONDS = 0.1
 
 
 def bridge_main(cfg, control, stopping) -> None:
-    from ..client import Producer
-    from ..stats import StatsWriter
+    from ..client.producer import Producer
+    from ..control.stats import StatsWriter
     from .nats_loop import require_nats
 
     nats = require_nats()

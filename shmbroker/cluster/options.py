@@ -32,9 +32,9 @@ import re
 import socket
 from dataclasses import dataclass
 
-from ..config import DEFAULT_CLUSTER_EPSILON
+from ..config.defaults import DEFAULT_CLUSTER_EPSILON
+from ..config.validator import Validator
 from ..errors import ConfigError
-from ..validator import Validator
 from .subjects import ClusterNames, StreamSettings
 
 DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
+from ..config.defaults import DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
 from ..jit import kernel
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, DEFAULT_SEED, family_key, hash_span, shape_items
 

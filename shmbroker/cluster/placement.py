@@ -65,7 +65,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..config import DEFAULT_CLUSTER_EPSILON
+from ..config.defaults import DEFAULT_CLUSTER_EPSILON
 
 _TOLERANCE = 1e-9  # relative slack of the bound against float rounding
 

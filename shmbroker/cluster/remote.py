@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .. import config
-from ..client_checks import as_offsets, batch_fields, check_prefix_len, check_u32
+from ..client.checks import as_offsets, batch_fields, check_prefix_len, check_u32
+from ..client.reader import RESULT_BATCH, Result, ResultBatch
+from ..client.seen import SeenSet
+from ..config import defaults as config
 from ..errors import BrokerError, Full
-from ..reader import RESULT_BATCH, Result, ResultBatch
 from ..ring.items import as_tokens, model_id
-from ..seen import SeenSet
 from .nats_loop import NatsLoop, require_nats
 from .options import DEFAULT_SERVERS, NatsOptions
 from .partition import partition_of, partitions_of

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DEFAULT_CLUSTER_PARTITIONS
+from ..config.defaults import DEFAULT_CLUSTER_PARTITIONS
 from ..ring.items import NO_PREFIX, STATUS_CODES, STATUS_NAMES, U32_MAX
 
 PRODUCER_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")

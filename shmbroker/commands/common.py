@@ -30,7 +30,7 @@ def _err(message: str) -> None:
 
 
 def _data_dir(args) -> str | None:
-    from .. import settings
+    from ..config import settings
 
     try:
         return settings.load(args.config, data_dir=args.data_dir).data_dir
@@ -47,7 +47,7 @@ def _open_producer(args, name: str, data_dir: str, **kw):
         from ..cluster.remote import RemoteProducer
 
         return RemoteProducer(name, servers=tuple(u.strip() for u in args.cluster.split(",") if u.strip()), **kw)
-    from ..client import Producer
+    from ..client.producer import Producer
 
     return Producer(name, data_dir=data_dir, **kw)
 

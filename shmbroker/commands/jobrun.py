@@ -124,7 +124,7 @@ class JobRun:
             return cls(data_dir, meta, True)
         if resume:
             raise JobError(f"no job {name!r} to resume in {data_dir}")
-        from ..producer_book import ProducerBook
+        from ..frontdoor.producer_book import ProducerBook
 
         if name in ProducerBook(data_dir).names:
             raise JobError(f"{name!r} is a producer name submitted under without a job; pick another job name")

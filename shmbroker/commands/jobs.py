@@ -113,8 +113,8 @@ def _watch(data_dir: str, name: str, v: dict, plain_seconds: float | None) -> in
 
 
 def cancel(args) -> int:
+    from ..frontdoor.producer_book import ProducerBook
     from ..jobs import cancels, store
-    from ..producer_book import ProducerBook
 
     data_dir, v, code = _named(args)
     if v is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..jobs.openai_batch import is_request, parse_request
-from ..prompts import LineError, Prompt, parse_line
+from ..jobs.prompts import LineError, Prompt, parse_line
 
 TRACE_CHUNK_LINES = 256  # trace lines synthesised at once
 DEFAULT_MODEL = "default"  # `--model default`: the broker's default model (consumers that declare none)

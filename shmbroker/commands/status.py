@@ -17,7 +17,7 @@ RATE_SECONDS = 0.5  # `status` samples the counters twice, this far apart
 
 
 def status(args) -> int:
-    from ..watch import BrokerView, NoBroker, rates
+    from ..observe.watch import BrokerView, NoBroker, rates
 
     data_dir = _data_dir(args)
     if data_dir is None:
@@ -61,7 +61,7 @@ def _render(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..watch import format_bytes
+    from ..observe.watch import format_bytes
 
     console = Console()
     up = report["uptime_seconds"]

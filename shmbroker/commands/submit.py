@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..jobs.progress import Progress
-from ..prompts import U32_MAX, LineError, Prompt
+from ..jobs.prompts import U32_MAX, LineError, Prompt
 from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _open_producer, _output, _result_row, _written_ids
 from .reading import count_lines, read_prompts, read_trace
 
@@ -330,7 +330,7 @@ def submit(args) -> int:
 def _unserved(data_dir: str, models) -> None:
     """Say which of the models submitted no consumer of the broker serves (their items come back
     `invalid`): an OpenAI Batch file names its model in every line, a broker's consumers may name none."""
-    from ..watch import BROKER_FILE
+    from ..observe.watch import BROKER_FILE
 
     try:
         served = set(json.loads((Path(data_dir) / BROKER_FILE).read_text())["models"])

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from .engines.base import ENGINE_FAILURES_MAX, EngineDead, EngineDown
+from ..engines.base import ENGINE_FAILURES_MAX, EngineDead, EngineDown
 
 log = logging.getLogger("shmbroker.gpu")
 

@@ -20,8 +20,9 @@ import time
 
 import numpy as np
 
-from .. import roles
-from ..control import R_DEADLINE, beat
+from ..control import roles
+from ..control.segment import R_DEADLINE, beat
+from ..engines.base import BatchResults
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
@@ -31,7 +32,6 @@ from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_results
 from .core import ConsumerCore
 from .deliveries import Deliveries
-from .engines.base import BatchResults
 from .segments import SegmentViews
 from .window import WINDOW_COUNTS, Window, WindowLimits
 
@@ -105,9 +105,9 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
         os.environ.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(cfg.consumers[c].device))
     from pathlib import Path
 
+    from ..control.stats import StatsWriter
+    from ..engines.catalogue import load_engine
     from ..spill.store import BACKLOG_DIR
-    from ..stats import StatsWriter
-    from .engines.registry import load_engine
 
     consumer = cfg.consumers[c]
     role = control.roles.index(roles.gpu(c, consumer.name).name)

@@ -28,11 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pack.contract import Batch, Contract
-from ..pack.guard import Guard
-from ..ring.items import Status
-from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
-from .engines.base import (
+from ..engines.base import (
     RUN_DEADLINE_SECONDS,
     BatchResults,
     BatchStream,
@@ -42,6 +38,10 @@ from .engines.base import (
     ItemResult,
     engine_error,
 )
+from ..pack.contract import Batch, Contract
+from ..pack.guard import Guard
+from ..ring.items import Status
+from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
 from .segments import BatchTokens
 
 NUM_CODES = len(Status)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engines.base import BatchResults
 from ..pack.contract import BATCH_ROW, Batch, Shape
 from ..ring.items import Status
 from .core import RECOVERED_CORRUPT
-from .engines.base import BatchResults
 
 
 class Taken:

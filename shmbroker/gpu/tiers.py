@@ -25,8 +25,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from ..config.settings import GIB, Card, ConsumerConfig, Tier
 from ..errors import BrokerError
-from ..settings import GIB, Card, ConsumerConfig, Tier
 
 __all__ = ["GIB", "Card", "Tier", "TierError", "apply_gpus_auto", "assign", "consumers_for", "detect_cards",
            "probe_nvml", "select_tier", "visible"]

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import config
+from ..config import defaults as config
+from ..engines.base import BatchResults
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
@@ -39,7 +40,6 @@ from ..ring.wire import batch_locations, batch_meta
 from .backoff import Backoff
 from .core import ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
-from .engines.base import BatchResults
 from .segments import BatchTokens
 from .taken import Taken, engine_batch, failed_results
 

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from ..durable import atomic_write, mkdir
+from ..disk.durable import atomic_write, mkdir
 from .store import jobs_root
 
 CANCELS_FILE = "cancels.json"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from ..prompts import U32_MAX, Prompt, token_ids
+from .prompts import U32_MAX, Prompt, token_ids
 
 ENDPOINT = "/v1/completions"
 DEFAULT_MAX_TOKENS = 16  # the completions API's default

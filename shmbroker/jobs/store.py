@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..durable import atomic_write, mkdir
+from ..disk.durable import atomic_write, mkdir
 from ..ring.items import Status
 from ..ring.liveness import is_alive
 

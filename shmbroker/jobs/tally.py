@@ -18,10 +18,10 @@ from collections import Counter
 
 import numpy as np
 
-from ..durable import atomic_write
+from ..client.seen import SeenSet
+from ..disk.durable import atomic_write
 from ..ring.items import SEQ_MASK, STATUS_NAMES
 from ..ring.wire import result_num_tokens
-from ..seen import SeenSet
 from .store import is_job, job_dir, read_counts
 
 

@@ -53,9 +53,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..crc import crc32c_final, crc32c_init, crc32c_update
 from ..jit import kernel
 from .atomics import load_acquire, memcpy, store_release
+from .crc import crc32c_final, crc32c_init, crc32c_update
 from .layout import (
     CLOSE_BAD_TAIL,
     H_CLOSED,

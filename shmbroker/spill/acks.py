@@ -26,7 +26,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from ..durable import atomic_write, keep_reserve
+from ..disk.durable import atomic_write, keep_reserve
 
 ACKS_MAGIC = 0x314B434142484D53  # "SHMBACK1"
 ACKS_VERSION = 1

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..crc import crc32c_final, crc32c_init, crc32c_update
 from ..jit import kernel
 from ..ring.atomics import load_acquire, memcpy, store_release
+from ..ring.crc import crc32c_final, crc32c_init, crc32c_update
 from .layout import (
     FLAG_CONT,
     R64_ITEM,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import durable
+from ..disk import durable
 from ..ring.items import SEQ_BITS
 from .acks import Acks
 from .layout import PENDING_DTYPE, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, idx_name, pending_from_headers, segment_name

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import crc32c
 
-from .. import durable
+from ..disk import durable
 from ..errors import DiskFull
 
 RESERVED_FILE = "RESERVED"

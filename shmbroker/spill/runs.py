@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .. import durable
+from ..disk import durable
 
 
 class RunLander:

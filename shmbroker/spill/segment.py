@@ -20,7 +20,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from .. import durable
+from ..disk import durable
 from ..errors import DiskFull
 from .acks import atomic_write
 from .layout import (

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import durable
+from ..disk import durable
 from .acks import AckFileCorrupt, Acks
 from .layout import DEFAULT_SEGMENT_BYTES, PENDING_DTYPE, RECORD_HEADER_BYTES, idx_name, segment_name, writer_dir_name
 from .records import gather

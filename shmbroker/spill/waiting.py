@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import durable
+from ..disk import durable
 from ..ring.wire import LOC_DTYPE
 from .layout import segment_name, writer_dir_name
 from .locate import block_hashes

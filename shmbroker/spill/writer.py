@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import durable
-from ..config import DEFAULT_FSYNC_INTERVAL_MS
-from ..lockfile import flock_exclusive
+from ..config.defaults import DEFAULT_FSYNC_INTERVAL_MS
+from ..disk import durable
+from ..disk.lockfile import flock_exclusive
 from .layout import (
     DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,

@@ -10,7 +10,7 @@ earliest clock acts next. A feeder says how its consumers are fed
 
 - "batch": one batch at a time. A padded engine runs the batch's rectangle
   (`SimEngine.run`); a packed one is the continuous model
-  (`gpu/engines/continuous.py`) given the batch and stepped until the batch's
+  (`engines/continuous.py`) given the batch and stepped until the batch's
   last item finishes, so the engine idles through every batch's tail. The
   clock advances by the batch's modeled seconds.
 - "window": the GPU process keeps an in-flight window in a packed engine
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..gpu.engines.continuous import ContinuousSim
-from ..gpu.engines.sim import SimCost, SimEngine
+from ..engines.continuous import ContinuousSim
+from ..engines.sim import SimCost, SimEngine
 from ..pack.contract import Contract
 
 WINDOW_HEADROOM = 1 / 8  # in-flight items past max_batch_size, as a share of it

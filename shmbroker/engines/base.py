@@ -1,0 +1,350 @@
+"""The engine interface: a stream of items in, each item's result out when it finishes.
+
+A GPU process keeps an in-flight window in its engine (DESIGN.md "Feeding an engine"):
+
+    engine.add(batch)              # non-blocking: these items start now, or queue inside the engine
+    outcome = engine.poll(0.05)    # results of items finished since the last poll, in any order
+
+`add` takes an `EngineBatch` (item ids, token ids as zero-copy views where the caller can,
+max_new_tokens; the items of one add are one shape-pure group, in the scheduler's order) and
+returns at once; an item the engine refuses at admission may raise (the caller then adds the
+group's items one by one, so only that item fails). `poll(timeout_seconds)` waits at most that
+long for at least one item to finish and returns an `EngineOutcome`: one `ItemResult` per
+finished item (token ids, a status, error text) plus what the engine knows of its cache and its
+own busy seconds since the last poll. An item is in flight from its `add` until a poll returns
+its result; `pending()` is how many are.
+
+Two kinds of engine sit behind it:
+- streaming engines (`packed` ones: vLLM, TensorRT-LLM, an OpenAI-compatible server, the
+  simulated engine) batch continuously: they keep up to `max_batch_size` sequences running and
+  admit the next the moment one finishes. `StreamingRun` gives them `run(batch)` (add, then
+  poll until every item is back) for callers that want one batch at a time;
+- batch engines (`padded` ones: transformers) compute a whole rectangle per call: they define
+  `run(batch)`, and `BatchStream` runs those calls on a worker thread in order, so the GPU
+  process takes and prepares its next batch while one runs (and a batch that raises is run
+  item by item, so an engine error fails only the items that cause it).
+
+Engines never see rings, segments or the index. The registry (`registry.py`) declares each
+engine once: name, module, class, extra, settings class and mode.
+
+Failures. An item the engine refuses (its add raises, or its result says engine_error) fails
+alone. The engine being down is not the items' fault, and nothing is failed for it:
+- an engine that cannot run what it holds now (its server unreachable, overloaded, timing out)
+  hands those items back: `EngineOutcome.down`, an `EngineDown` naming them (or `add` raising
+  `EngineDown`: the group is not taken). The GPU process adds them again after a back-off
+  (`engine_retry_min_seconds`, doubling to `engine_retry_max_seconds` while it stays down;
+  `gpu/window.py`), counted (`engine_retries`, the `engine_down` gauge);
+- a poll that raises anything else means the engine broke while running what it held: the items
+  are handed back as above; after ENGINE_FAILURES_MAX such polls in a row, with no result between,
+  the engine is dead (`EngineDead`, which an adapter may also raise itself: vLLM's
+  EngineDeadError): the GPU process exits, the supervisor starts a fresh one and the batches are
+  redelivered (a death counts as a delivery: `gpu/deliveries.py`).
+`call_seconds_max` (optional): how long the engine itself may take to answer or give up on an
+item (the `openai` engine's timeouts and retries); a batch's deadline is never shorter.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import BrokerError
+from ..ring.items import STATUS_CODES, STATUS_NAMES, Status
+
+# an engine reports each item's status by its label (ItemResult.status; ring.items.Status is the table)
+OK = Status.OK.label
+TOO_LONG = Status.TOO_LONG.label
+INVALID = Status.INVALID.label
+ENGINE_ERROR = Status.ENGINE_ERROR.label
+CORRUPT = Status.CORRUPT.label
+STATUSES = tuple(STATUS_CODES)
+
+
+
+class EngineBatch:
+    """item_ids (uint64), tokens (a sequence of uint32 arrays, one per item, zero-copy views where
+    the caller can; read lazily), max_new_tokens (int64); `prefix_tokens`, the tokens every item
+    shares at its start, is computed on first use (an engine that ignores it reads no tokens)."""
+
+    __slots__ = ("item_ids", "tokens", "max_new_tokens", "_prefix")
+
+    def __init__(self, item_ids, tokens, max_new_tokens, prefix_tokens: int | None = None):
+        self.item_ids = item_ids
+        self.tokens = tokens
+        self.max_new_tokens = max_new_tokens
+        self._prefix = prefix_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        if self._prefix is None:
+            self._prefix = common_prefix(self.tokens)
+        return self._prefix
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+
+def common_prefix(tokens) -> int:
+    """Tokens every array shares at its start."""
+    if not len(tokens):
+        return 0
+    n = min(t.size for t in tokens)
+    first = tokens[0][:n]
+    for t in tokens[1:]:
+        diff = np.flatnonzero(t[:n] != first)
+        if diff.size:
+            n = int(diff[0])
+            first = first[:n]
+    return n
+
+
+@dataclass
+class ItemResult:
+    item_id: int
+    status: str
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    error: str | None = None
+
+    def __post_init__(self):
+        assert self.status in STATUSES, self.status
+
+
+@dataclass
+class BatchResults:
+    """One result per item, in columns: what a GPU process writes (no Python object per item)."""
+
+    item_ids: np.ndarray  # uint64
+    status: np.ndarray  # uint32 codes (STATUS_CODES)
+    flat: np.ndarray  # uint32 generated tokens of every item, concatenated
+    offsets: np.ndarray  # int64, n + 1: item i's tokens are flat[offsets[i]:offsets[i+1]]
+    errors: dict = field(default_factory=dict)  # row -> error text
+
+    def __len__(self) -> int:
+        return int(self.item_ids.size)
+
+    @classmethod
+    def of(cls, results: list) -> BatchResults:
+        n = len(results)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum([r.tokens.size for r in results], out=offsets[1:])
+        flat = np.concatenate([r.tokens for r in results]).astype(np.uint32) if n else np.zeros(0, np.uint32)
+        return cls(np.array([r.item_id for r in results], np.uint64),
+                   np.array([STATUS_CODES[r.status] for r in results], np.uint32), flat, offsets,
+                   {i: r.error for i, r in enumerate(results) if r.error is not None})
+
+    def items(self) -> list[ItemResult]:
+        return [ItemResult(int(self.item_ids[i]), STATUS_NAMES[int(self.status[i])],
+                           self.flat[self.offsets[i] : self.offsets[i + 1]], self.errors.get(i))
+                for i in range(len(self))]
+
+
+class EngineDown(Exception):
+    """The engine cannot run these items now (its server is unreachable, overloaded or timing out);
+    they are not at fault: the consumer adds them again after a back-off. `item_ids`: the items
+    handed back (an `add` that raises it hands back the whole group, whatever it names)."""
+
+    def __init__(self, reason: str, item_ids=()):
+        super().__init__(reason)
+        self.item_ids = np.asarray(item_ids, np.uint64)
+
+
+class EngineDead(Exception):
+    """The engine in this process is broken for good: the GPU process exits and is started afresh
+    (what it held is redelivered to its successor)."""
+
+
+ENGINE_FAILURES_MAX = 3  # polls in a row that raise (no result between) before the engine is dead
+
+
+@dataclass
+class EngineOutcome:
+    results: list  # [ItemResult], in the batch's order, or one BatchResults
+    hit_blocks: int = 0  # what the engine knows of its prefix cache for this batch
+    queried_blocks: int = 0
+    engine_seconds: float = 0.0  # the engine's own (or modeled) time for the batch
+    padded_tokens: int = 0  # a padded engine's rectangle cells that computed nothing
+    rect_tokens: int = 0  # a padded engine's rectangle (count x longest suffix)
+    reused_tokens: int = 0  # prefix tokens served from a cache instead of computed (hf: the shared prefix)
+    down: EngineDown | None = None  # items handed back unrun: the engine is down (module docstring)
+
+
+class Engine(Protocol):
+    mode: str  # from the registry entry (registry.py)
+
+    def add(self, batch: EngineBatch) -> None: ...
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome: ...
+
+    def pending(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def merge_outcomes(outcomes: list[EngineOutcome]) -> EngineOutcome:
+    """Several outcomes as one: results concatenated, figures summed."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    results: list = []
+    for o in outcomes:
+        results.extend(o.results.items() if isinstance(o.results, BatchResults) else o.results)
+    downs = [o.down for o in outcomes if o.down is not None]
+    down = None if not downs else downs[0] if len(downs) == 1 else EngineDown(
+        str(downs[-1]), np.concatenate([d.item_ids for d in downs]))
+    return EngineOutcome(results, sum(o.hit_blocks for o in outcomes), sum(o.queried_blocks for o in outcomes),
+                         sum(o.engine_seconds for o in outcomes), sum(o.padded_tokens for o in outcomes),
+                         sum(o.rect_tokens for o in outcomes), sum(o.reused_tokens for o in outcomes), down)
+
+
+RUN_DEADLINE_SECONDS = 24 * 3600.0  # run(): the longest one batch may take before it is given up
+
+
+class StreamingRun:
+    """`run(batch)` for a streaming engine: add the batch, poll until every item has a result; the
+    results in the batch's order (an item the engine never answered: engine_error). One call, no
+    retry policy: an item the engine hands back as down comes back engine_error with the reason (the
+    GPU process's window retries those instead, `gpu/window.py`)."""
+
+    def _configure(self, name: str, settings, block_tokens: int, contract, needs: str | None) -> None:
+        """The settings every streaming engine keeps, checked: `needs` says what the engine derives
+        from the consumer's contract (None: it runs without one)."""
+        if needs is not None and contract is None:
+            raise ValueError(f"engine '{name}' needs the consumer's contract ({needs} is derived from it)")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.settings = settings
+        self.contract = contract
+        self.block_tokens = block_tokens
+
+    def run(self, batch: EngineBatch) -> EngineOutcome:
+        self.add(batch)
+        want = {int(i) for i in batch.item_ids}
+        got: dict[int, ItemResult] = {}
+        parts: list[EngineOutcome] = []
+        deadline = time.monotonic() + RUN_DEADLINE_SECONDS
+        while len(got) < len(want) and time.monotonic() < deadline:
+            out = self.poll(0.05)
+            parts.append(out)
+            rs = out.results.items() if isinstance(out.results, BatchResults) else out.results
+            got.update((r.item_id, r) for r in rs if r.item_id in want)
+            if out.down is not None:
+                got.update((int(i), ItemResult(int(i), ENGINE_ERROR, error=str(out.down)))
+                           for i in out.down.item_ids.tolist() if int(i) in want and int(i) not in got)
+        total = merge_outcomes(parts) if parts else EngineOutcome([])
+        total.results = [got.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result")
+                         for i in batch.item_ids]
+        total.down = None
+        return total
+
+
+class BatchStream:
+    """A batch engine (one that defines `run(batch)`) behind the streaming interface: each added
+    batch runs whole on a worker thread, in order, while the caller prepares the next; `poll`
+    hands back the outcomes of the batches finished meanwhile. A batch that raises runs item by
+    item, so an engine error fails only the items that cause it; one that raises EngineDown is
+    handed back whole (`EngineOutcome.down`), and EngineDead is raised by the next poll."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.mode = engine.mode
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._dead: EngineDead | None = None
+
+    def add(self, batch: EngineBatch) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+            self._thread.start()
+        self._pending += len(batch)
+        self._todo.put(batch)
+
+    def pending(self) -> int:
+        return self._pending
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        if self._dead is not None:
+            raise self._dead
+        outs = []
+        try:
+            outs.append(self._done.get(timeout=timeout_seconds) if self._pending and timeout_seconds > 0
+                        else self._done.get_nowait())
+            while True:
+                outs.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        if not outs:
+            return EngineOutcome([])
+        out = merge_outcomes(outs)
+        self._pending -= len(out.results) + (0 if out.down is None else out.down.item_ids.size)
+        return out
+
+    def run(self, batch: EngineBatch) -> EngineOutcome:
+        return run_isolated(self.engine, batch)
+
+    def _work(self) -> None:
+        while True:
+            batch = self._todo.get()
+            if batch is None:
+                return
+            try:
+                self._done.put(answered(batch, run_isolated(self.engine, batch)))
+            except EngineDown as exc:
+                self._done.put(EngineOutcome([], down=EngineDown(str(exc), batch.item_ids)))
+            except EngineDead as exc:
+                self._dead = exc
+                self._done.put(EngineOutcome([]))  # wakes a poll waiting for this batch
+                return
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join(timeout=60)
+        self.engine.close()
+
+
+def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
+    """engine.run(batch); if it raises, each item alone, so an error fails only its own item."""
+    try:
+        return engine.run(batch)
+    except (EngineDown, EngineDead):
+        raise
+    except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
+        if len(batch) == 1:
+            return EngineOutcome([engine_error(batch.item_ids[0], exc)])
+    parts = []
+    for k in range(len(batch)):
+        one = EngineBatch(batch.item_ids[k : k + 1], [batch.tokens[k]], batch.max_new_tokens[k : k + 1])
+        try:
+            parts.append(engine.run(one))
+        except (EngineDown, EngineDead):
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
+            parts.append(EngineOutcome([engine_error(batch.item_ids[k], exc)]))
+    return merge_outcomes(parts)
+
+
+def answered(batch: EngineBatch, outcome: EngineOutcome) -> EngineOutcome:
+    """The outcome with exactly one result per item of the batch, in its order: an item the engine
+    gave no result for is an engine_error, a result for an item it was not given is dropped."""
+    res = outcome.results
+    if isinstance(res, BatchResults) and np.array_equal(res.item_ids, batch.item_ids):
+        return outcome
+    rs = res.items() if isinstance(res, BatchResults) else res
+    by_id = {r.item_id: r for r in rs}
+    outcome.results = [by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result for it")
+                       for i in batch.item_ids]
+    return outcome
+
+
+def engine_error(item_id, exc: Exception) -> ItemResult:
+    return ItemResult(int(item_id), ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
+
+
+class EngineUnavailable(BrokerError):
+    """The engine's packages are not installed (the message names the extra to install)."""

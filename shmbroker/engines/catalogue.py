@@ -1,0 +1,101 @@
+"""The engine registry: each engine declared once (name, module, class, extra, settings, mode).
+
+Adding an engine is one `EngineEntry` here. Nothing in this module imports an engine's packages:
+`load_engine(name, settings)` imports the module only when a GPU process loads the engine, so the
+broker imports no torch, vllm or tensorrt_llm unless a consumer uses them.
+
+The mode (DESIGN.md "Words") is declared by the entry: `padded` for a rectangle engine, `packed`
+for a paged-KV one, `SETTINGS` where the engine's settings choose it (the simulated engine models
+either). An engine class may state a `mode` too; `load_engine` refuses one that disagrees with
+its entry. A `padded` engine computes whole batches (`run`); the registry puts it behind the
+streaming interface with `BatchStream`, so every loaded engine has `add`/`poll`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ..pack.contract import MODES
+from .base import BatchStream, EngineUnavailable
+
+SETTINGS = "settings"  # the mode is the engine settings' `mode` field
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str
+    module: str
+    cls: str
+    extra: str | None  # the package extra that installs what it imports (None: the core has it)
+    settings: str  # "module:Class" of its settings dataclass (parsed without importing the engine)
+    mode: str  # "padded", "packed" or SETTINGS
+    streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
+
+    def __post_init__(self):
+        if self.mode not in (*MODES, SETTINGS):
+            raise ValueError(f"engine {self.name!r}: mode must be one of {MODES} or {SETTINGS!r}, got {self.mode!r}")
+
+    def settings_class(self):
+        module, cls = self.settings.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def mode_of(self, settings) -> str:
+        return settings.mode if self.mode == SETTINGS else self.mode
+
+
+_OPT = "shmbroker.engines.options"
+ENGINES = {e.name: e for e in (
+    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True),
+    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", "padded", False),
+    EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", "packed", True),
+    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", "packed", True),
+    EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
+                "packed", True),
+)}
+
+
+def entry(name: str) -> EngineEntry:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
+
+
+def engine_mode(name: str, settings) -> str:
+    """The mode of engine `name` with these settings, without importing it."""
+    return entry(name).mode_of(settings)
+
+
+def engine_class(e: EngineEntry):
+    try:
+        impl = getattr(importlib.import_module(e.module), e.cls)
+    except ImportError as exc:
+        hint = f": pip install 'shmbroker[{e.extra}]'" if e.extra else ""
+        raise EngineUnavailable(f"engine {e.name!r} needs packages that are not installed ({exc}){hint}") from exc
+    return impl
+
+
+def check_entry(e: EngineEntry, impl, settings) -> str:
+    """The entry's mode, after checking the class agrees (a class that states another mode, or an
+    entry that says it streams for a class without add/poll, is refused)."""
+    mode = e.mode_of(settings)
+    stated = getattr(impl, "mode", None)
+    if isinstance(stated, str) and stated != mode and e.mode != SETTINGS:
+        raise TypeError(f"engine {e.name!r}: its class {e.cls} says mode {stated!r} but its registry entry says {mode!r}")
+    if e.streaming and not (callable(getattr(impl, "add", None)) and callable(getattr(impl, "poll", None))):
+        raise TypeError(f"engine {e.name!r}: its entry streams but {e.cls} has no add/poll")
+    if not e.streaming and not callable(getattr(impl, "run", None)):
+        raise TypeError(f"engine {e.name!r}: its entry runs batches but {e.cls} has no run")
+    return mode
+
+
+def load_engine(name: str, settings, **options):
+    """An engine instance by name with the streaming interface (settings: its engine_settings;
+    options: broker-wide ones such as block_tokens, and the consumer's contract); imported only now."""
+    e = entry(name)
+    impl = engine_class(e)
+    mode = check_entry(e, impl, settings)
+    engine = impl(settings, **options)
+    engine.mode = mode
+    return engine if e.streaming else BatchStream(engine)

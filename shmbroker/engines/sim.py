@@ -1,0 +1,356 @@
+"""The simulated engine: a documented cost model of a GPU inference engine.
+
+It runs on the CPU in virtual time, so a large trace drains in seconds. Two
+modes (DESIGN.md "Words"):
+
+- `padded`, a rectangle engine (transformers, static TensorRT engines): the
+  batch's common prefix (the blocks every item shares) is computed once, or
+  not at all for the blocks the previous batch's prefix left cached (the
+  engine keeps the last prefix's KV, as many leading blocks as fit
+  `cache_tokens`); then count x longest remaining suffix. Cache hits: every
+  item's common-prefix blocks except the one computation.
+- `packed`, a paged-KV engine (vLLM, TensorRT-LLM, SGLang): no padding; items
+  run in batch order and each computes only its blocks after its longest
+  cached prefix in an LRU block cache holding at most `cache_tokens` tokens (a block
+  computed by an earlier item of the batch is a hit for a later one, as with
+  prefix caching of completed blocks).
+
+Cost of one batch (all parameters in `SimCost`):
+
+    seconds = batch_overhead_seconds
+            + prefill_token_seconds x computed prefill tokens
+            + decode_step_seconds x (longest max_new_tokens - 1)
+            + decode_token_seconds x decoded sequence-steps
+
+The first generated token comes out of prefill; decode steps follow. A padded
+engine decodes every sequence for the longest max_new_tokens; a packed one
+retires each sequence at its own. The defaults approximate transformers on an
+H200 with a ~1B-parameter model (DESIGN.md: about 130k prefill tokens/s); a
+later issue calibrates them against real engines. `zero_cost` makes every
+batch free, so a benchmark measures the broker, not the model.
+
+`SimEngine` is the cost model over block hashes (the packing benchmark drives
+it directly); `Sim` puts it behind the engine interface (`base.py`) for a GPU
+process: token ids in, generated token ids and cache figures out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+
+from ..pack.contract import MODES
+from ..pack.shapes import shape_items
+from .base import BatchResults, EngineOutcome, StreamingRun
+from .faults import SimFaults
+
+
+@dataclass(frozen=True)
+class SimCost:
+    batch_overhead_seconds: float = 0.003
+    prefill_token_seconds: float = 7.5e-6
+    decode_step_seconds: float = 0.012
+    decode_token_seconds: float = 2e-5
+    zero_cost: bool = False
+
+    def seconds(self, computed_tokens: int, decode_steps: int, decode_seq_steps: int) -> float:
+        if self.zero_cost:
+            return 0.0
+        return (self.batch_overhead_seconds + self.prefill_token_seconds * computed_tokens
+                + self.decode_step_seconds * decode_steps + self.decode_token_seconds * decode_seq_steps)
+
+
+@dataclass
+class BatchCost:
+    items: int
+    input_tokens: int
+    computed_tokens: int
+    padded_tokens: int  # rectangle cells that compute nothing (padded mode)
+    rect_tokens: int  # count x longest suffix (padded mode), the denominator of padding waste
+    prefix_tokens: int  # the batch's common prefix (padded mode)
+    hit_blocks: int
+    queried_blocks: int
+    seconds: float
+
+
+class SimEngine:
+    """Blocks come from `ItemShapes` (pack/shapes.py): the family key is an item's first block."""
+
+    def __init__(self, mode: str, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
+        if mode not in MODES:
+            raise ValueError(f"sim engine mode must be one of {MODES}, got {mode!r}")
+        if cache_tokens < 0 or block_tokens < 1:
+            raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
+        self.mode = mode
+        self.block_tokens = block_tokens
+        self.cache_tokens = cache_tokens
+        self.cost = cost
+        self._lru: OrderedDict = OrderedDict()  # block hash -> its tokens, least recently used first
+        self._lru_tokens = 0
+        self._last_prefix: list = []  # padded: the previous batch's common prefix blocks
+
+    def run(self, shapes, rows, max_new_tokens) -> BatchCost:
+        assert shapes.block_tokens == self.block_tokens, "items hashed with another block size"
+        rows = [int(r) for r in rows]
+        blocks = [shapes.sized_blocks(r) for r in rows]
+        lengths = [int(shapes.lengths[r]) for r in rows]
+        max_new = [max(1, int(m)) for m in max_new_tokens]
+        if self.mode == "padded":
+            cost = self._padded(blocks, lengths)
+            steps = max(max_new) - 1
+            seq_steps = len(rows) * steps
+        else:
+            cost = self._packed(blocks, lengths)
+            steps = max(max_new) - 1
+            seq_steps = sum(m - 1 for m in max_new)
+        cost.seconds = self.cost.seconds(cost.computed_tokens, steps, seq_steps)
+        return cost
+
+    def _padded(self, blocks, lengths) -> BatchCost:
+        count = len(blocks)
+        common = 0
+        first = blocks[0]
+        while common < len(first) and all(len(b) > common and b[common] == first[common] for b in blocks):
+            common += 1
+        if common and any(sum(t for _, t in first[:common]) == n for n in lengths) and count > 1:
+            common -= 1  # keep at least one token of every item outside the shared prefix
+        prefix = first[:common]
+        prefix_tokens = sum(t for _, t in prefix)
+        cached = 0
+        while cached < min(common, len(self._last_prefix)) and self._last_prefix[cached] == prefix[cached]:
+            cached += 1
+        cached_tokens = sum(t for _, t in prefix[:cached])
+        # the engine keeps this batch's prefix KV for the next batch, as much of it as fits its cache
+        kept = 0
+        budget = self.cache_tokens
+        while kept < len(prefix) and prefix[kept][1] <= budget:
+            budget -= prefix[kept][1]
+            kept += 1
+        self._last_prefix = prefix[:kept]
+        suffixes = [n - prefix_tokens for n in lengths]
+        rect = count * max(suffixes)
+        return BatchCost(items=count, input_tokens=sum(lengths),
+                         computed_tokens=prefix_tokens - cached_tokens + rect,
+                         padded_tokens=rect - sum(suffixes), rect_tokens=rect, prefix_tokens=prefix_tokens,
+                         hit_blocks=count * cached + (count - 1) * (common - cached),
+                         queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
+
+    def _packed(self, blocks, lengths) -> BatchCost:
+        lru = self._lru
+        hits = 0
+        computed = 0
+        for item in blocks:
+            hitting = True
+            for h, t in item:
+                if h < 0:  # a pooled item's input: never cached
+                    computed += t
+                    hitting = False
+                    continue
+                if hitting and h in lru:
+                    lru.move_to_end(h)
+                    hits += 1
+                    continue
+                hitting = False
+                computed += t
+                if t <= self.cache_tokens:
+                    if h not in lru:
+                        self._lru_tokens += t
+                    lru[h] = t
+                    lru.move_to_end(h)
+                    while self._lru_tokens > self.cache_tokens:
+                        self._lru_tokens -= lru.popitem(last=False)[1]
+        return BatchCost(items=len(blocks), input_tokens=sum(lengths), computed_tokens=computed, padded_tokens=0,
+                         rect_tokens=0, prefix_tokens=0, hit_blocks=hits,
+                         queried_blocks=sum(len(b) for b in blocks), seconds=0.0)
+
+
+class Sim(StreamingRun):
+    """The simulated engine behind the streaming interface (`base.py`): it hashes each added group's
+    tokens into blocks and "generates" max_new_tokens deterministic token ids per item (a function
+    of the item's id and of its prompt's tokens: `generated`), so results can be checked end to end.
+
+    - `packed`: a continuous-batching engine (`continuous.ContinuousSim`): up to max_batch_size
+      sequences run, each step decodes one token of each and prefills new items within
+      max_batch_tokens; an item's result is ready at the step it finishes.
+    - `padded`: each added group is one rectangle (`SimEngine.run`), run in order; every item of
+      it is ready when the rectangle is.
+
+    Time: modeled seconds. Unpaced (`pace_seconds` 0) a poll computes until an item is ready and
+    reports the modeled seconds, spending none. Paced, an item is handed back only when the wall
+    clock reaches its modeled finish x pace_seconds (counted from when the engine last became busy),
+    so consumers of different sizes split the work as real cards would; a poll sleeps until then or
+    its timeout. `zero_cost` hands everything back at once and reads no prompt (its outputs are those
+    of a prompt digest 0: `generated_many(ids, counts, zeros)`), so a benchmark measures the broker."""
+
+    VOCAB = 32_000
+
+    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+        self.mode = settings.mode
+        self.block_tokens = block_tokens
+        self.pace = float(getattr(settings, "pace_seconds", 0.0))
+        self.cost = settings.cost
+        self.model = SimEngine(settings.mode, cache_tokens=settings.cache_tokens, block_tokens=self.block_tokens,
+                               cost=settings.cost)
+        self.contract = contract
+        self.stream = None
+        if self.mode == "packed" and not self.cost.zero_cost:
+            from .continuous import ContinuousSim
+
+            bs = contract.max_batch_size if contract is not None else 1 << 20
+            bt = contract.max_batch_tokens if contract is not None else 1 << 40
+            self.stream = ContinuousSim(bs, bt, settings.cache_tokens, settings.cost)
+        self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
+        self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
+        self._seqs: dict[int, tuple[int, int]] = {}  # packed: sequence key -> (item id, max_new_tokens)
+        self._num_seqs = 0
+        self._pending = 0
+        self.clock = 0.0  # modeled seconds computed
+        self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
+        self._figures = [0, 0, 0, 0]  # hit, queried, padded, rect since the last poll
+        self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
+        self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
+
+    def pending(self) -> int:
+        return self._pending
+
+    def add(self, batch) -> None:
+        if self.faults is not None:
+            batch = self.faults.added_batch(batch)
+        n = len(batch)
+        if not n:
+            return
+        ids = np.asarray(batch.item_ids, np.uint64)
+        max_new = np.asarray(batch.max_new_tokens, np.int64)
+        if not self.cost.zero_cost:  # zero cost reads no prompt: a benchmark measures the broker
+            self._remember(ids, batch.tokens)
+        if self._pending == 0 and not self._ready:
+            # idle until now: the modeled clock resumes at the wall clock
+            self._origin = time.monotonic() - self.clock * self.pace
+        self._pending += n
+        if self.cost.zero_cost:
+            self._ready.append((self.clock, ids, max_new))
+            return
+        lengths = np.array([t.size for t in batch.tokens], np.int64)
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(batch.tokens) if n else np.zeros(0, np.uint32)
+        shapes = shape_items(flat, offsets, block_tokens=self.block_tokens)
+        if self.stream is None:
+            self._groups.append((ids, max_new, shapes))
+            return
+        for k in range(n):  # each sequence its own key: the same item added twice runs twice
+            self._num_seqs += 1
+            self._seqs[self._num_seqs] = (int(ids[k]), int(max_new[k]))
+            self.stream.add(self._num_seqs, shapes.sized_blocks(k), int(lengths[k]), max(1, int(max_new[k])))
+
+    def _compute_one(self) -> bool:
+        """Compute the next step (packed) or rectangle (padded); False when nothing is left."""
+        if self.stream is not None:
+            if self.stream.idle:
+                return False
+            h0, q0 = self.stream.hit_blocks, self.stream.queried_blocks
+            seconds, keys = self.stream.step()
+            self.clock += seconds
+            self._figures[0] += self.stream.hit_blocks - h0
+            self._figures[1] += self.stream.queried_blocks - q0
+            if keys:
+                done = [self._seqs.pop(k) for k in keys]
+                self._ready.append((self.clock, np.array([i for i, _ in done], np.uint64),
+                                    np.array([m for _, m in done], np.int64)))
+            return True
+        if not self._groups:
+            return False
+        ids, max_new, shapes = self._groups.popleft()
+        cost = self.model.run(shapes, np.arange(len(ids)), max_new)
+        self.clock += cost.seconds
+        f = self._figures
+        f[0] += cost.hit_blocks
+        f[1] += cost.queried_blocks
+        f[2] += cost.padded_tokens
+        f[3] += cost.rect_tokens
+        self._ready.append((self.clock, ids, max_new))
+        return True
+
+    def poll(self, timeout_seconds: float) -> EngineOutcome:
+        if self.faults is not None:
+            self.faults.polled()
+        deadline = time.monotonic() + max(0.0, timeout_seconds)
+        start_clock = self.clock
+        while not self._ready and self._compute_one():
+            pass
+        out = []
+        while True:
+            while self._ready and self._due(self._ready[0][0]) <= time.monotonic():
+                out.append(self._ready.pop(0))
+            if out or not self._ready:
+                break
+            wait = min(self._due(self._ready[0][0]), deadline) - time.monotonic()
+            if wait <= 0:
+                break
+            time.sleep(wait)
+        hit, queried, padded, rect = self._figures
+        self._figures = [0, 0, 0, 0]
+        seconds = self.clock - start_clock
+        if not out:
+            return EngineOutcome([], hit, queried, seconds, padded, rect)
+        ids = np.concatenate([o[1] for o in out])
+        max_new = np.concatenate([o[2] for o in out])
+        self._pending -= ids.size
+        digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
+        return EngineOutcome(self.generated_many(ids, max_new, digests), hit, queried, seconds, padded, rect)
+
+    def _due(self, clock: float) -> float:
+        return self._origin + clock * self.pace if self.pace else 0.0
+
+    def _remember(self, ids: np.ndarray, tokens) -> None:
+        """Note the prompt digest of each item added (an item may be in flight twice)."""
+        digests = self._digests
+        for i, t in zip(ids.tolist(), tokens):
+            held = digests.get(i)
+            digests[i] = (self.digest(t), 1) if held is None else (held[0], held[1] + 1)
+
+    def _recall(self, ids: np.ndarray) -> np.ndarray:
+        """The prompt digests of items finished (each forgotten once no copy of it is in flight)."""
+        digests = self._digests
+        out = np.empty(ids.size, np.uint32)
+        for k, i in enumerate(ids.tolist()):
+            digest, times = digests.pop(i)
+            out[k] = digest
+            if times > 1:
+                digests[i] = (digest, times - 1)
+        return out
+
+    @staticmethod
+    def digest(tokens) -> int:
+        """What of a prompt the generated tokens depend on besides the item id: crc32c of its token ids
+        (uint32, little-endian)."""
+        return crc32c.crc32c(np.ascontiguousarray(tokens, np.uint32))
+
+    @classmethod
+    def generated(cls, item_id: int, count: int, tokens) -> np.ndarray:
+        """The tokens the simulated engine returns for an item: count ids derived from its id and its prompt
+        `tokens` (their `digest`), so a prompt read back damaged gives other tokens."""
+        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64),
+                                  np.array([cls.digest(tokens)], np.uint32)).flat
+
+    @classmethod
+    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray, digests: np.ndarray) -> BatchResults:
+        """`generated` for many items at once, as columns (`digests`: each prompt's `digest`)."""
+        counts = np.asarray(counts, np.int64)
+        offsets = np.zeros(counts.size + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        steps = (np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)).astype(np.uint64)
+        keys = np.asarray(item_ids, np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.asarray(digests, np.uint64)
+        z = np.repeat(keys, counts) + steps * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer per step
+        z ^= z >> np.uint64(31)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(29)
+        flat = (z % np.uint64(cls.VOCAB)).astype(np.uint32)
+        return BatchResults(np.asarray(item_ids, np.uint64), np.zeros(counts.size, np.uint32), flat, offsets)
+
+    def close(self) -> None:
+        pass

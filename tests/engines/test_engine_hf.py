@@ -1,0 +1,279 @@
+"""The `hf` engine on the CPU with a tiny random-weight Llama: prefix reuse changes no output, a bad
+item fails alone, generation through the whole broker, and a small `bench gpu` run."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the hf engine needs torch (the test extra installs it)")
+pytest.importorskip("transformers", reason="the hf engine needs transformers (the test extra installs it)")
+
+from support.brokerproc import BrokerProc  # noqa: E402
+
+from shmbroker.client.producer import Producer  # noqa: E402
+from shmbroker.engines.base import EngineBatch, EngineUnavailable  # noqa: E402
+from shmbroker.engines.catalogue import load_engine  # noqa: E402
+from shmbroker.engines.hf import HF, unbatched  # noqa: E402
+from shmbroker.engines.options import HFSettings  # noqa: E402
+from shmbroker.gpu.core import ConsumerCore  # noqa: E402
+from shmbroker.pack.contract import Batch, Contract, Shape  # noqa: E402
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 1024,
+        "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+# float64: batched and unbatched sums then differ by ~1e-15, far below any gap between two logits
+EXACT = HFSettings(config=TINY, dtype="float64", device="cpu", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HF(EXACT, block_tokens=16)
+
+
+def _family(rng, prefix_len: int, suffixes) -> list[np.ndarray]:
+    prefix = rng.integers(0, 500, size=prefix_len).astype(np.uint32)
+    return [np.concatenate([prefix, rng.integers(0, 500, size=int(k)).astype(np.uint32)]) for k in suffixes]
+
+
+def test_prefix_reuse_changes_no_output(engine):
+    rng = np.random.default_rng(1)
+    items = _family(rng, 48, (5, 17, 1, 9))
+    max_new = np.array([3, 6, 2, 4])
+    out = engine.run(EngineBatch(np.arange(4, dtype=np.uint64), items, max_new))
+    for r, tokens, m in zip(out.results.items(), items, max_new):
+        assert r.status == "ok"
+        assert r.tokens.size == m  # max_new_tokens honoured (no EOS in this model)
+        assert r.tokens.tolist() == unbatched(engine, tokens, int(m))
+    # the prefix (48 tokens = 3 blocks of 16) was computed once and served all four items
+    assert out.reused_tokens == 3 * 48 and out.hit_blocks == 3 * 3
+    assert out.queried_blocks == sum(t.size // 16 for t in items)
+    suffixes = [t.size - 48 for t in items]
+    assert out.rect_tokens == 4 * max(suffixes) and out.padded_tokens == 4 * max(suffixes) - sum(suffixes)
+
+
+def test_the_next_batch_of_the_family_reuses_the_kept_prefix(engine):
+    rng = np.random.default_rng(2)
+    first = _family(rng, 40, (4, 6))
+    engine.run(EngineBatch(np.arange(2, dtype=np.uint64), first, np.array([2, 2])))
+    second = [np.concatenate([first[0][:40], rng.integers(0, 500, size=k).astype(np.uint32)]) for k in (3, 8, 2)]
+    out = engine.run(EngineBatch(np.arange(3, dtype=np.uint64), second, np.array([3, 3, 3])))
+    assert out.reused_tokens == 3 * 40  # all of it from the kept cache, none recomputed
+    for r, tokens in zip(out.results.items(), second):
+        assert r.tokens.tolist() == unbatched(engine, tokens, 3)
+    other = _family(rng, 40, (5, 5))  # another family: the kept prefix does not match
+    out = engine.run(EngineBatch(np.arange(2, dtype=np.uint64), other, np.array([2, 2])))
+    assert out.reused_tokens == 40  # computed once, reused by the second item
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(engine, t, 2) for t in other]
+
+
+def test_max_new_tokens_zero_is_prefill_only(engine):
+    rng = np.random.default_rng(13)
+    items = _family(rng, 20, (4, 6))
+    out = engine.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([0, 3])))
+    got = [r.tokens.tolist() for r in out.results.items()]
+    assert got[0] == [] and got[1] == unbatched(engine, items[1], 3)
+
+
+def test_without_reuse_it_is_a_plain_padded_batch(engine):
+    plain = HF(dataclasses.replace(EXACT, reuse_prefix=False, keep_prefix=False), block_tokens=16)
+    rng = np.random.default_rng(4)
+    items = _family(rng, 32, (3, 11))
+    out = plain.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([2, 2])))
+    assert out.reused_tokens == 0 and out.hit_blocks == 0
+    assert out.rect_tokens == 2 * max(t.size for t in items)
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(engine, t, 2) for t in items]
+
+
+def test_generation_stops_at_eos():
+    probe = HF(EXACT, block_tokens=16)
+    tokens = np.arange(20, dtype=np.uint32)
+    first = unbatched(probe, tokens, 1)[0]
+    with_eos = HF(dataclasses.replace(EXACT, config={**TINY, "eos_token_id": first}), block_tokens=16)
+    out = with_eos.run(EngineBatch(np.array([7], np.uint64), [tokens], np.array([5])))
+    assert out.results.items()[0].tokens.tolist() == [first]  # the EOS is kept, nothing after it
+
+
+def test_a_failing_item_does_not_fail_its_batch(engine):
+    rng = np.random.default_rng(5)
+    items = _family(rng, 32, (4, 4, 4))
+    items[1] = items[1].copy()
+    items[1][-1] = 10_000  # outside the 500-token vocabulary
+    contract = Contract(8, 4096, 512)
+    rows = np.arange(3, dtype=np.uint64)
+    lengths = np.array([t.size for t in items], np.int64)
+    batch = Batch.of(0, Shape(0, 1, int(lengths.min()), int(lengths.max())), rows, lengths, np.full(3, 2, np.int64),
+                     families=np.ones(3, np.uint64))
+    res = ConsumerCore(contract, engine).process(batch, items)
+    assert res.status.tolist() == [0, 3, 0]  # ok, engine_error, ok
+    assert "outside the model's vocabulary" in res.errors[1]
+    assert res.flat[res.offsets[0] : res.offsets[1]].tolist() == unbatched(engine, items[0], 2)
+
+
+def test_a_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    monkeypatch.delitem(sys.modules, "shmbroker.engines.hf", raising=False)
+    with pytest.raises(EngineUnavailable, match=r"pip install 'shmbroker\[hf\]'"):
+        load_engine("hf", EXACT, block_tokens=16)
+
+
+HF_CONFIG = """
+metrics_addr = ""
+block_tokens = 16
+
+[[consumers]]
+name = "cpu"
+engine = "hf"
+max_batch_size = 8
+max_batch_tokens = 4096
+max_input_len = 512
+
+[consumers.engine_settings]
+dtype = "float64"
+device = "cpu"
+seed = 3
+threads = 1
+
+[consumers.engine_settings.config]
+model_type = "llama"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+vocab_size = 500
+max_position_embeddings = 1024
+"""
+
+
+@pytest.mark.timeout(180)
+def test_generation_through_the_whole_broker(tmp_path, engine):
+    rng = np.random.default_rng(6)
+    items = _family(rng, 48, (3, 9, 14, 2, 7)) + _family(rng, 20, (6, 6, 30))
+    items.append(np.arange(600, dtype=np.uint32) % 500)  # longer than max_input_len: too_long
+    with BrokerProc(tmp_path, config=HF_CONFIG) as broker:
+        with Producer("hf", data_dir=broker.data_dir) as p:
+            ids = [p.submit(t, max_new_tokens=3) for t in items]
+            got = {}
+            deadline = time.monotonic() + 120
+            while len(got) < len(items):
+                assert time.monotonic() < deadline, "results did not all arrive"
+                for r in p.results(timeout_seconds=1.0):
+                    got[r.item_id] = r
+        from shmbroker.observe.watch import BrokerView
+
+        view = BrokerView.attach(broker.data_dir)
+        try:
+            while view.snapshot()["consumers"]["cpu"]["items"] < len(items) - 1:  # counted just after results
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            card = view.snapshot()["consumers"]["cpu"]
+        finally:
+            view.close()
+    # the GPU process's accounting: the engine's own seconds, the loop's busy time, the prefixes reused
+    assert card["tokens"] == sum(t.size for t in items[:-1])
+    assert card["busy_ns"] >= card["engine_own_ns"] > 0
+    assert card["reused_tokens"] > 0 and card["rect_tokens"] > 0
+    for item_id, tokens in zip(ids[:-1], items[:-1]):
+        assert got[item_id].status == "ok", got[item_id].error
+        assert got[item_id].tokens.tolist() == unbatched(engine, tokens, 3)  # same seed, same weights
+    assert got[ids[-1]].status == "too_long"
+
+
+@pytest.mark.timeout(180)
+def test_bench_gpu_small_run_on_the_cpu():
+    from shmbroker.bench import gpu
+
+    out = gpu.run(scale=0.25)
+    assert out["device"] == "cpu"
+    assert out["items"] >= 8 and out["input_tokens"] > 0
+    for side in ("fifo", "broker"):
+        assert out[side]["useful_tokens_per_s"] > 0 and out[side]["batches"] > 0
+        assert out[side]["consumer_overhead"] is not None
+    assert out["fifo"]["prefix_tokens_reused"] == 0
+    assert out["broker"]["padding_waste"] < out["fifo"]["padding_waste"]
+    assert out["sample_outputs_equal_unbatched"] == out["sample_items"] > 0
+    live = out["live"]  # through a running broker with an hf consumer
+    assert live["batches"] > 0 and live["useful_tokens_per_s"] > 0
+    assert live["busy_seconds"] >= live["engine_seconds"] > 0 and live["consumer_loop_overhead"] >= 0
+    assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
+                                           rel=1e-2)
+
+
+def test_the_broker_imports_no_engine_package_until_a_gpu_process_loads_one():
+    import subprocess
+
+    code = ("import sys\n"
+            "from shmbroker import cli\n"
+            "from shmbroker.config import settings\n"
+            "from shmbroker.observe import watch\n"
+            "from shmbroker.supervisor import supervise as supervisor\n"
+            "from shmbroker.gpu import consumer\n"
+            "settings.parse({'consumers': [{'name': 'a', 'max_batch_size': 4, 'max_batch_tokens': 4096, "
+            "'max_input_len': 1024, 'engine': 'hf', 'engine_settings': {'config': {'model_type': 'llama'}}}]})\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'tensorrt_llm', 'httpx') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
+
+
+@CUDA
+def test_on_a_gpu_prefix_reuse_changes_no_output():
+    gpu = HF(dataclasses.replace(EXACT, device="cuda"), block_tokens=16)  # float64 on the GPU: exact
+    rng = np.random.default_rng(9)
+    items = _family(rng, 64, (5, 30, 2, 17))
+    out = gpu.run(EngineBatch(np.arange(4, dtype=np.uint64), items, np.array([4, 4, 4, 4])))
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(gpu, t, 4) for t in items]
+    assert out.reused_tokens == 3 * 64
+
+
+@CUDA
+def test_on_a_gpu_bf16_runs_by_default():
+    gpu = HF(dataclasses.replace(EXACT, dtype="auto", device="auto"), block_tokens=16)
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
+    rng = np.random.default_rng(10)
+    items = _family(rng, 32, (4, 8))
+    out = gpu.run(EngineBatch(np.arange(2, dtype=np.uint64), items, np.array([3, 5])))
+    assert [r.status for r in out.results.items()] == ["ok", "ok"]
+    assert [r.tokens.size for r in out.results.items()] == [3, 5]
+
+
+def test_a_sliding_window_model_runs_its_suffixes_unpadded():
+    """Sliding-window masks follow cache columns: a right-padded item would lose real tokens from its
+    window while decoding. Such a model keeps the shared prefix but runs each suffix unpadded."""
+    cfg = {**TINY, "model_type": "mistral", "sliding_window": 8}
+    cfg.pop("max_position_embeddings")
+    sliding = HF(dataclasses.replace(EXACT, config=cfg), block_tokens=16)
+    assert sliding.sliding
+    rng = np.random.default_rng(12)
+    items = _family(rng, 30, (3, 12, 7))
+    out = sliding.run(EngineBatch(np.arange(3, dtype=np.uint64), items, np.array([6, 6, 6])))
+    assert [r.tokens.tolist() for r in out.results.items()] == [unbatched(sliding, t, 6) for t in items]
+    assert out.padded_tokens == 0 and out.reused_tokens == 2 * 30
+
+
+def test_bench_gpu_checks_bf16_samples_on_a_float32_copy():
+    """On a GPU the bench runs bf16; its sample check re-runs the sampled batches on a float32 copy
+    of the same weights (here: the same path on the CPU)."""
+    from shmbroker.bench import gpu
+    from shmbroker.pack.shapes import shape_items
+    from shmbroker.workloads.feeders import PackerFeeder
+
+    setup = dataclasses.replace(gpu.CPU_SETUP, dtype="bfloat16", items=24)
+    wl = gpu.backlog(setup, None, 1.0, 0)
+    shapes = shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens)
+    plan = gpu.batches(PackerFeeder, setup, wl, shapes)
+    engine = HF(HFSettings(config=setup.model, dtype="bfloat16", device="cpu", seed=0, threads=1),
+                block_tokens=setup.block_tokens)
+    sample = np.arange(0, len(wl), 5)
+    equal, dtype = gpu._sample_check(engine, wl, plan, sample, setup, outputs={})
+    assert dtype == "float32 copy of the weights"
+    assert equal == sample.size
+    assert engine.model.dtype == torch.bfloat16  # the copy, not the engine's weights, went to float32
