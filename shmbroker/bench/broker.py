@@ -49,7 +49,7 @@ class BenchBroker:
                                       "--data-dir", self.data_dir], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, poll_seconds: float = 0.05) -> dict:
-        from ..frontdoor.registry import request
+        from ..protocol import request
 
         while True:
             try:

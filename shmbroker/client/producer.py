@@ -25,9 +25,9 @@ from collections import deque
 
 import numpy as np
 
-from ..config import defaults as config
+from .. import protocol
 from ..errors import BrokerError, Full, NotRunning, PeerDead
-from ..frontdoor.registry import PROTOCOL_VERSION, request
+from ..protocol import PROTOCOL_VERSION, request
 from ..ring import layout as L
 from ..ring.items import (
     ITEM_BAD_MAX_NEW,
@@ -45,6 +45,9 @@ from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u3
 from .reader import Result, ResultReader
 from .seen import SeenSet
 
+SUBMIT_TIMEOUT_SECONDS = 10.0  # how long a submit waits on a full ring before it raises Full
+CONNECT_TIMEOUT_SECONDS = 5.0  # how long connecting (or reconnecting) waits for a broker
+
 
 class _Retry(Exception):
     """Internal: the broker restarted under a submit; submit again on the new rings."""
@@ -61,11 +64,11 @@ class Producer(ResultReader):
         name: str | None = None,
         *,
         data_dir: str | os.PathLike | None = None,
-        timeout_seconds: float = config.DEFAULT_SUBMIT_TIMEOUT_SECONDS,
-        connect_timeout_seconds: float = config.DEFAULT_CONNECT_TIMEOUT_SECONDS,
+        timeout_seconds: float = SUBMIT_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
     ):
         self.name = name if name is not None else f"p{os.getpid()}-{secrets.token_hex(3)}"
-        self.data_dir = config.data_dir(data_dir)
+        self.data_dir = protocol.data_dir(data_dir)
         self.timeout_seconds = float(timeout_seconds)
         self.connect_timeout_seconds = float(connect_timeout_seconds)
         self._buf = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PeerDead
-from ..frontdoor.registry import request
+from ..protocol import request
 from ..ring import layout as L
 from ..ring.items import SEQ_BITS, SEQ_MASK, STATUS_NAMES
 from .seen import SeenSet

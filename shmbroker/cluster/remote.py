@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ..client.checks import as_offsets, batch_fields, check_prefix_len, check_u32
+from ..client.producer import CONNECT_TIMEOUT_SECONDS, SUBMIT_TIMEOUT_SECONDS
 from ..client.reader import RESULT_BATCH, Result, ResultBatch
 from ..client.seen import SeenSet
-from ..config import defaults as config
 from ..errors import BrokerError, Full
 from ..ring.items import as_tokens, model_id
 from .nats_loop import NatsLoop, require_nats
@@ -100,8 +100,8 @@ class RemoteProducer:
         names: ClusterNames | None = None,
         settings: StreamSettings | None = None,
         partition_fn: PartitionFn | None = None,
-        timeout_seconds: float = config.DEFAULT_SUBMIT_TIMEOUT_SECONDS,
-        connect_timeout_seconds: float = config.DEFAULT_CONNECT_TIMEOUT_SECONDS,
+        timeout_seconds: float = SUBMIT_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
         max_pending: int = DEFAULT_MAX_PENDING,
         create_streams: bool = True,
     ):

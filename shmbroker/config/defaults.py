@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 DEFAULT_CONFIG_FILE = "shmbroker.toml"
-DEFAULT_DATA_DIR = "shmbroker-data"
 DEFAULT_INSTANCE = "main"
-DEFAULT_SUBMIT_TIMEOUT_SECONDS = 10.0
-DEFAULT_CONNECT_TIMEOUT_SECONDS = 5.0
 DEFAULT_INGEST_RING_BYTES = 8 << 20  # fits L2/L3 (measured: 16 MiB rings move 512-token records ~15 % slower); items up to ~1M tokens
 DEFAULT_RESULT_RING_BYTES = 16 << 20
-
-
-def data_dir(explicit: str | os.PathLike | None = None) -> str:
-    """The data directory: the argument, else $SHMBROKER_DATA_DIR, else ./shmbroker-data."""
-    if explicit is not None:
-        return os.fspath(explicit)
-    return os.environ.get("SHMBROKER_DATA_DIR", DEFAULT_DATA_DIR)
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_FSYNC = "interval"

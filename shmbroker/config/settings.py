@@ -73,6 +73,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+from .. import protocol
 from ..cluster.options import ClusterConfig, parse_cluster
 from ..control.stats import MAX_MODELS
 from ..engines import options
@@ -193,7 +194,7 @@ def default_consumers() -> tuple[ConsumerConfig, ...]:
 def load(path: str | os.PathLike | None = None, *, data_dir: str | None = None) -> BrokerConfig:
     """The configuration in `path` (TOML); None: the built-in default. `data_dir` overrides the file's."""
     if path is None:
-        return BrokerConfig(data_dir=config.data_dir(data_dir), consumers=default_consumers())
+        return BrokerConfig(data_dir=protocol.data_dir(data_dir), consumers=default_consumers())
     where = os.fspath(path)
     try:
         with open(where, "rb") as fh:
@@ -224,8 +225,8 @@ def parse(raw: dict, where: str = config.DEFAULT_CONFIG_FILE, *, data_dir: str |
     known = {f.name for f in dataclasses.fields(BrokerConfig)} - {"source"}
     v.no_unknown(raw, known, "")
     out: dict = {}
-    out["data_dir"] = config.data_dir(data_dir) if data_dir is not None else (
-        v.string(raw, "data_dir") if "data_dir" in raw else config.data_dir(None))
+    out["data_dir"] = protocol.data_dir(data_dir) if data_dir is not None else (
+        v.string(raw, "data_dir") if "data_dir" in raw else protocol.data_dir(None))
     if "instance" in raw:
         out["instance"] = v.pattern(raw, "instance", INSTANCE_RE, "1-32 letters, digits, '_' or '-'")
     if "ingest_processes" in raw:

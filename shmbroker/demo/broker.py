@@ -21,7 +21,7 @@ SHM_DIR = "/dev/shm"
 def wait_ready(sup: subprocess.Popen, data: str, log_path: Path) -> dict:
     """The registry's info once it answers for this supervisor and every broker process runs its loop."""
     from ..control.segment import R_BEAT, R_PID, R_STARTED, Control
-    from ..frontdoor.registry import request
+    from ..protocol import request
 
     deadline = time.monotonic() + READY_SECONDS
     while True:

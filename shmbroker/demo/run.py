@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import defaults as config
+from .. import protocol
 from ..control import roles
 from .broker import read_counters, shm_left, stop, wait_ready
 from .figures import consumer_figures, fifo_figures, total_figures
@@ -47,7 +47,7 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
     from ..config import settings
 
     t_start = time.monotonic()
-    root = Path(config.data_dir(data_dir))
+    root = Path(protocol.data_dir(data_dir))
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=root))
     data = str(tmp / "data")

@@ -1,14 +1,8 @@
 """The broker's front door: producers get their ring pair through a Unix socket.
 
-`<data_dir>/broker.sock` (mode 0600, in a 0700 directory). One request per
-connection, one JSON line each way (each connection answered on its own short-lived thread,
-MAX_HANDLERS at once, so a slow client delays nobody):
-
-    -> {"op": "connect", "version": 1, "name": "ingest-7"}
-    <- {"ok": true, "producer_id": 3,
-        "ingest": {"segment": ..., "data_bell": ..., "space_bell": ...},
-        "results": {...}}
-    <- {"ok": false, "error": "..."}
+The protocol (`protocol.py`): `<data_dir>/broker.sock` (mode 0600, in a 0700 directory), one
+request per connection, one JSON line each way. Each connection is answered on its own
+short-lived thread, MAX_HANDLERS at once, so a slow client delays nobody.
 
 The registry learns the peer's pid and uid from SO_PEERCRED (it trusts no pid
 the client claims) and refuses other users. A name held by a live process is
@@ -30,12 +24,12 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..config import defaults as config
 from ..control.segment import MAX_PRODUCERS
+from ..protocol import PROTOCOL_VERSION, read_line, socket_path
 from ..ring.items import MAX_PRODUCER_ID
 from ..ring.layout import (
     H_CONSUMER_PID,
@@ -55,9 +49,6 @@ from ..ring.owned import OwnedRing, create_ring
 from ..ring.owner import Owner
 from .producer_book import ProducerBook
 
-SOCKET_NAME = "broker.sock"
-PROTOCOL_VERSION = 1
-MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_SECONDS = 2.0
 ACCEPT_POLL_SECONDS = 0.2
 ACCEPT_BACKOFF_SECONDS = 0.01  # after a failed accept (no descriptors left), doubling up to
@@ -77,10 +68,6 @@ class ProducerEntry:
     results: OwnedRing
     slot: int = -1
     idle_since: float | None = None  # monotonic time it was first seen with nothing left to do
-
-
-def socket_path(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / SOCKET_NAME
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -242,7 +229,7 @@ class Registry:
         pid, uid, _gid = peer_credentials(conn)
         if uid not in (os.geteuid(), 0):
             return {"ok": False, "error": f"uid {uid} may not use this broker"}
-        request = _read_line(conn)
+        request = read_line(conn)
         if request.get("op") == "info":
             return {"ok": True, **self.info}
         if request.get("op") != "connect":
@@ -346,31 +333,3 @@ def _idle(entry: ProducerEntry) -> bool:
         return False
     return (int(i[H_HEAD]) == int(i[H_TAIL]) and int(r[H_NUM_ACKED]) == int(r[H_NUM_PUSHED])
             and int(r[H_SESSION]) == int(r[H_SESSION_READY]))
-
-
-def _read_line(conn: socket.socket) -> dict:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(MAX_REQUEST_BYTES)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > MAX_REQUEST_BYTES:
-            raise ValueError("request too long")
-    try:
-        request = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"malformed request: {exc}") from None
-    if not isinstance(request, dict):
-        raise ValueError("request must be a JSON object")
-    return request
-
-
-def request(data_dir: str | os.PathLike, message: dict, timeout_seconds: float) -> dict:
-    """Client side: send one JSON request to the broker's socket and return its reply."""
-    path = socket_path(data_dir)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_seconds)
-        sock.connect(str(path))
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        return _read_line(sock)

@@ -23,13 +23,8 @@ from support.harness import DEV_SHM, BrokerSide, shm_leftovers
 
 from shmbroker.client.producer import Producer
 from shmbroker.errors import NotRunning
-from shmbroker.frontdoor.registry import (
-    MAX_REQUEST_BYTES,
-    PROTOCOL_VERSION,
-    REQUEST_TIMEOUT_SECONDS,
-    Registry,
-    request,
-)
+from shmbroker.frontdoor.registry import REQUEST_TIMEOUT_SECONDS, Registry
+from shmbroker.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, request
 from shmbroker.ring.liveness import start_ticks
 from shmbroker.ring.owner import Owner
 

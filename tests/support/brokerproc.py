@@ -81,7 +81,7 @@ class BrokerProc:
         return self
 
     def info(self) -> dict | None:
-        from shmbroker.frontdoor.registry import request
+        from shmbroker.protocol import request
 
         try:
             reply = request(self.data_dir, {"op": "info"}, 1.0)
