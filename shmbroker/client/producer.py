@@ -176,7 +176,8 @@ class Producer:
         that writes results somewhere calls it after its own write is durable. What a reader that
         dies had not acknowledged comes again to the next reader under this name.
         """
-        return self._reader.results(timeout_seconds, auto_ack)
+        # a generator of its own: it holds this Producer (whose rings the reader reads) while it runs
+        yield from self._reader.results(timeout_seconds, auto_ack)
 
     def pop_results(self, max_results: int = RESULT_BATCH) -> list[Result]:
         """The results that arrived (up to `max_results`, at once, not waiting), without duplicates,

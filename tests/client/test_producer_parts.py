@@ -79,6 +79,20 @@ def test_a_dropped_producer_closes_its_rings_at_once(broker):
         assert again.submit([2], max_new_tokens=0) & SEQ_MASK == 1
 
 
+def test_results_keep_a_producer_nobody_else_holds_open(broker):
+    p = Producer("held", data_dir=broker.data_dir)
+    first = p.submit([1], max_new_tokens=0)
+    out = broker.entry("held").results.attach(PRODUCER)
+    try:
+        out.header[L.H_SESSION_READY] = out.header[L.H_SESSION]
+        assert out.push(np.array([5], np.uint32), first, STATUS_CODES["ok"], 1, 0, 0) == L.OK
+        results = p.results(timeout_seconds=0.2)
+        del p
+        assert [r.item_id for r in results] == [first]
+    finally:
+        out.close()
+
+
 def test_batch_fields_are_named():
     offs = np.array([0, 2, 5], np.int64)
     fields = batch_fields(3, [1, 2], offs)
