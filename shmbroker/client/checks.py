@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,18 +61,27 @@ def check_prefix_len(prefix_len, tokens) -> int:
     return value
 
 
-def batch_fields(max_new_tokens, prefix_len, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """submit_many's per-item fields, checked: (max_new_tokens, prefix_len or None, shared), one
-    value each when `shared` (the same for every item), else one per item."""
+class BatchFields(NamedTuple):
+    """submit_many's per-item fields, checked: one value each when `shared` (the same for every
+    item), else one per item."""
+
+    max_new: np.ndarray  # max_new_tokens (int64)
+    prefixes: np.ndarray | None  # prefix_len (int64), None when not declared
+    shared: bool
+
+
+def batch_fields(max_new_tokens, prefix_len, offs: np.ndarray) -> BatchFields:
+    """The checked max_new_tokens and prefix_len of the items `offs` delimits (each argument one
+    value for all or one per item)."""
     count = offs.size - 1
     shared = is_one(max_new_tokens) and is_one(prefix_len)
     max_new = per_item(max_new_tokens, count, "max_new_tokens", shared)
     if prefix_len is None:
-        return max_new, None, shared
+        return BatchFields(max_new, None, shared)
     prefixes = per_item(prefix_len, count, "prefix_len", shared)
     if np.any(prefixes > np.diff(offs)):
         raise ValueError("prefix_len exceeds its item's length")
-    return max_new, prefixes, shared
+    return BatchFields(max_new, prefixes, shared)
 
 
 def as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:

@@ -14,6 +14,13 @@ ValueError before anything is written, so nothing already submitted is
 affected. The fast path is one numba call: a C-contiguous uint32 array and
 plain ints pass numba's own type check; anything else takes a slower path
 that converts it or says what is wrong.
+
+A Producer is its connection to the broker (`connection.Connection`) and two
+collaborators it delegates to: a `Submitter` (the ingest ring, sequence numbers,
+model ids) and a `ResultReader` (the result ring, dedupe, acknowledgements). When
+a ring's peer dies, either side asks the Producer to recover: it waits while the
+same broker restarts that process, else connects again and attaches both sides
+to the new rings.
 """
 
 from __future__ import annotations
@@ -21,39 +28,25 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections import deque
+import weakref
+from collections.abc import Iterator
 
 import numpy as np
 
 from .. import protocol
-from ..errors import BrokerError, Full, NotRunning, PeerDead
-from ..protocol import PROTOCOL_VERSION, request
-from ..ring import layout as L
-from ..ring.items import (
-    ITEM_BAD_MAX_NEW,
-    ITEM_EMPTY,
-    NO_PREFIX,
-    U32_MAX,
-    as_tokens,
-    item_id,
-    model_id,
-    push_item,
-    push_item_readonly,
-)
-from ..ring.ring import CONSUMER, PRODUCER, Ring, RingNames
-from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32
-from .reader import Result, ResultReader
-from .seen import SeenSet
+from ..errors import BrokerError, NotRunning
+from .connection import Connection, connect, same_broker
+from .reader import RESULT_BATCH, Result, ResultBatch, ResultReader
+from .submitter import Resubmit, Submitter
 
 SUBMIT_TIMEOUT_SECONDS = 10.0  # how long a submit waits on a full ring before it raises Full
 CONNECT_TIMEOUT_SECONDS = 5.0  # how long connecting (or reconnecting) waits for a broker
+RECONNECT_POLL_SECONDS = 0.05  # how often reconnecting tries again while no broker answers
+
+__all__ = ["CONNECT_TIMEOUT_SECONDS", "SUBMIT_TIMEOUT_SECONDS", "Producer", "Result", "ResultBatch"]
 
 
-class _Retry(Exception):
-    """Internal: the broker restarted under a submit; submit again on the new rings."""
-
-
-class Producer(ResultReader):
+class Producer:
     """A producer's connection to a running broker: one ingest ring and one result ring.
 
     The rings are single-producer: use one Producer per thread (or a lock).
@@ -69,43 +62,25 @@ class Producer(ResultReader):
     ):
         self.name = name if name is not None else f"p{os.getpid()}-{secrets.token_hex(3)}"
         self.data_dir = protocol.data_dir(data_dir)
-        self.timeout_seconds = float(timeout_seconds)
         self.connect_timeout_seconds = float(connect_timeout_seconds)
-        self._buf = None
-        self._result_out = None
-        self._pending: deque[tuple[int, Result]] = deque()  # (ring index, result) popped, not handed out
-        self._auto_ack = True
-        self._seen: dict[int, SeenSet] = {}  # producer id -> the seqs whose results were yielded (dedupe)
-        self._models: dict[str | None, int] = {None: 0}
         self.reconnects = 0
+        self.producer_id = 0  # the broker's id for this producer (`connection.Connection`); set on connect
+        self._broker_pid: int | None = None  # the broker this producer connected to last
+        self._conn: Connection | None = None  # None while not attached
+        # the sides hold the recovery weakly: a Producer nobody holds closes when it is dropped
+        # (`__del__`), not at the garbage collector's next round through a reference cycle
+        recover = weakref.WeakMethod(self._recover)
+        self._submitter = Submitter(float(timeout_seconds), lambda: recover()())
+        self._reader = ResultReader(lambda: recover()())
         self._connect(self.connect_timeout_seconds)
 
     def _connect(self, timeout_seconds: float) -> None:
-        try:
-            reply = request(
-                self.data_dir,
-                {"op": "connect", "version": PROTOCOL_VERSION, "name": self.name},
-                timeout_seconds,
-            )
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise NotRunning(f"no broker is running on data directory {self.data_dir!r} ({exc.strerror})") from None
-        except ValueError as exc:  # no reply, or half of one: the broker died answering
-            raise BrokerError(f"the broker on {self.data_dir!r} gave no valid reply to connect ({exc}); try again") from None
-        if not reply.get("ok"):
-            raise BrokerError(f"broker refused producer {self.name!r}: {reply.get('error')}")
-        self.producer_id = int(reply["producer_id"])
-        self._broker_pid = reply.get("broker_pid")
-        self._ingest = Ring.attach(RingNames.from_dict(reply["ingest"]), PRODUCER)
-        try:
-            self._results = Ring.attach(RingNames.from_dict(reply["results"]), CONSUMER)
-        except BaseException:
-            self._ingest.close()
-            raise
-        self._begin_session()
-        self._buf = self._ingest.buf
-        self._seq = self._ingest.next_key  # resumes after a reconnect
-        self._id_base = item_id(self.producer_id, 0)
-        self.max_tokens = self._ingest.max_tokens
+        conn = connect(self.data_dir, self.name, timeout_seconds)
+        self._conn = conn
+        self.producer_id = conn.producer_id
+        self._broker_pid = conn.broker_pid
+        self._reader.attach(conn.results)
+        self._submitter.attach(conn.ingest, conn.producer_id)
 
     def reconnect(self, timeout_seconds: float | None = None) -> None:
         """Attach again under the same name: to the same rings while the broker runs, to new ones
@@ -120,7 +95,15 @@ class Producer(ResultReader):
             except (NotRunning, BrokerError, OSError):
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.05)
+                time.sleep(RECONNECT_POLL_SECONDS)
+
+    def _recover(self) -> bool:
+        """A ring's peer died (`connection.Recover`): False while the broker this producer connected
+        to still runs (it restarts that process, the rings stay); else connect again, True."""
+        if same_broker(self.data_dir, self._broker_pid):
+            return False
+        self.reconnect()
+        return True
 
     # -- submit ----------------------------------------------------------------------
 
@@ -138,76 +121,9 @@ class Producer(ResultReader):
         restarts meanwhile, the producer reconnects under its name and submits it there."""
         while True:
             try:
-                return self._submit(tokens, max_new_tokens, prefix_len, model, block, timeout_seconds)
-            except _Retry:
+                return self._submitter.submit(tokens, max_new_tokens, prefix_len, model, block, timeout_seconds)
+            except Resubmit:
                 continue
-
-    def _submit(self, tokens, max_new_tokens, prefix_len, model, block, timeout_seconds) -> int:
-        seq = self._seq
-        if prefix_len is None and model is None and type(max_new_tokens) is int:
-            # the common case in one numba call; numba's own type check refuses anything but
-            # a C-contiguous uint32 array, and those go the general way below
-            try:
-                rc = push_item(self._buf, tokens, seq, max_new_tokens, NO_PREFIX, 0)
-            except (TypeError, OverflowError):
-                pass
-            else:
-                if rc != L.OK:
-                    self._submit_slow(rc, tokens, seq, max_new_tokens, NO_PREFIX, 0, block, timeout_seconds)
-                self._seq = seq + 1
-                return self._id_base | seq
-        prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
-        mid = self._models.get(model)
-        if mid is None:
-            mid = self._models.setdefault(model, model_id(model))
-        if type(max_new_tokens) is not int:
-            max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
-        try:
-            rc = push_item(self._buf, tokens, seq, max_new_tokens, prefix, mid)
-        except TypeError:
-            if self._buf is None:
-                raise BrokerError("producer is closed") from None
-            tokens = as_tokens(tokens)
-            prefix = NO_PREFIX if prefix_len is None else self._prefix(prefix_len, tokens)
-            push = push_item if tokens.flags.writeable else push_item_readonly
-            rc = push(self._buf, tokens, seq, check_u32(max_new_tokens, "max_new_tokens"), prefix, mid)
-        except OverflowError:
-            raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}") from None
-        if rc != L.OK:
-            self._submit_slow(rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds)
-        self._seq = seq + 1
-        return self._id_base | seq
-
-    def _submit_slow(self, rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds) -> None:
-        if rc == L.OK_WAKE:
-            self._ingest.data_bell.ring()
-            return
-        if rc == ITEM_EMPTY:
-            raise ValueError("tokens is empty: an item needs at least one token")
-        if rc == ITEM_BAD_MAX_NEW:
-            raise ValueError(f"max_new_tokens must be in 0..{U32_MAX}, got {max_new_tokens}")
-        if rc == L.TOO_LARGE:
-            raise ValueError(f"item of {tokens.size} tokens exceeds the ingest ring's limit of {self.max_tokens}")
-        assert rc == L.FULL
-        if not block:
-            raise Full("ingest ring is full")
-        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._ingest.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0,
-                                       max(0.0, deadline - time.monotonic()))
-                return
-            except PeerDead:
-                if not self._same_broker():
-                    # the broker went away: its next incarnation salvaged what the ring held;
-                    # start over on new rings (a new producer id) and push this item there
-                    self.reconnect()
-                    raise _Retry() from None
-                # the same broker restarts its ingest process: the ring stays, wait on
-                if time.monotonic() >= deadline:
-                    raise Full(f"ingest ring stayed full for {timeout} s (its ingest process is restarting)") from None
-                time.sleep(0.01)
 
     def submit_many(
         self,
@@ -227,75 +143,88 @@ class Producer(ResultReader):
         (uint64). A full ring past the deadline raises Full whose `submitted`
         and `ids` say which items went in.
         """
-        flat = as_tokens(flat_tokens, "flat_tokens")
-        offs = as_offsets(offsets, flat.size, self.max_tokens)
-        count = offs.size - 1
-        mid = self._models.get(model)
-        if mid is None:
-            mid = self._models.setdefault(model, model_id(model))
-        max_new, prefixes, shared = batch_fields(max_new_tokens, prefix_len, offs)
-        meta = np.zeros((1 if shared else count, L.META_WORDS), np.uint32)
-        meta[:, 0] = max_new
-        meta[:, 1] = NO_PREFIX if prefixes is None else prefixes
-        meta[:, 2] = mid
-        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
-        deadline = time.monotonic() + (timeout if block else 0.0)
-        out = np.empty(count, np.uint64)
-        done = 0
-        while True:
-            seq0 = self._seq
-            ids = np.arange(self._id_base | seq0, (self._id_base | seq0) + count - done, dtype=np.uint64)
-            part = offs[done:] - offs[done]
-            sub = flat[offs[done] : offs[-1]]
-            m = meta if meta.shape[0] == 1 else meta[done:]
-            try:
-                self._ingest.push_many(sub, part, seq0, m, max(0.0, deadline - time.monotonic()))
-            except Full as exc:
-                self._seq = seq0 + exc.submitted
-                out[done : done + exc.submitted] = ids[: exc.submitted]
-                done += exc.submitted
-                raise Full(str(exc), submitted=done, ids=out[:done]) from None
-            except PeerDead as exc:
-                pushed = getattr(exc, "submitted", 0)
-                self._seq = seq0 + pushed
-                out[done : done + pushed] = ids[:pushed]
-                done += pushed
-                if not self._same_broker():
-                    self.reconnect()  # the broker restarted: the rest goes to the new one
-                elif time.monotonic() >= deadline:
-                    raise Full("ingest ring stayed full (its ingest process is restarting)", submitted=done,
-                               ids=out[:done]) from None
-                else:
-                    time.sleep(0.01)  # the same broker restarts its ingest process: wait on
-                continue
-            self._seq = seq0 + count - done
-            out[done:] = ids
-            return out
-
-    def _prefix(self, prefix_len, tokens) -> int:
-        return check_prefix_len(prefix_len, tokens)
-
-    # -- lifetime --------------------------------------------------------------------
+        return self._submitter.submit_many(flat_tokens, offsets, max_new_tokens, prefix_len, model, block,
+                                           timeout_seconds)
 
     @property
     def next_item_id(self) -> int:
-        return self._id_base | self._seq
+        return self._submitter.next_item_id
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest item (in tokens) the ingest ring takes."""
+        return self._submitter.max_tokens
+
+    @property
+    def timeout_seconds(self) -> float:
+        """How long a submit waits on a full ring by default before it raises Full."""
+        return self._submitter.timeout_seconds
+
+    @timeout_seconds.setter
+    def timeout_seconds(self, value: float) -> None:
+        self._submitter.timeout_seconds = float(value)
+
+    # -- results ---------------------------------------------------------------------
+
+    def results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> Iterator[Result]:
+        """Yield results as they arrive; stops once none has come for `timeout_seconds`.
+
+        Each item's result is yielded once by this Producer (the broker delivers at least once;
+        duplicates are dropped here by item id). A result stays the broker's until it is
+        acknowledged: with `auto_ack` a result counts as handled when the caller asks for the next
+        one (or closes the Producer); with `auto_ack=False` only `ack()` acknowledges, so a caller
+        that writes results somewhere calls it after its own write is durable. What a reader that
+        dies had not acknowledged comes again to the next reader under this name.
+        """
+        # a generator of its own: it holds this Producer (whose rings the reader reads) while it runs
+        yield from self._reader.results(timeout_seconds, auto_ack)
+
+    def pop_results(self, max_results: int = RESULT_BATCH) -> list[Result]:
+        """The results that arrived (up to `max_results`, at once, not waiting), without duplicates,
+        not acknowledged: call `ack()` once they are handled (for a caller that forwards results
+        in bulk, like a cluster node's bridge)."""
+        return self._reader.pop_results(max_results)
+
+    def take_results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> ResultBatch:
+        """The results that arrived (up to RESULT_BATCH, waiting up to `timeout_seconds` for the
+        first), in columns and without duplicates: for producers that handle many at once. With
+        `auto_ack` the results of the previous call count as handled (acknowledged) when this one
+        is made; otherwise call `ack()`."""
+        return self._reader.take_results(timeout_seconds, auto_ack)
+
+    def ack(self) -> None:
+        """Acknowledge every result handed out so far (and the duplicates dropped meanwhile): the
+        broker forgets them, and a later reader under this name does not get them again."""
+        self._reader.ack()
+
+    @property
+    def _auto_ack(self) -> bool:
+        """Does `close` acknowledge the results handed out (they were handed out with auto_ack)?
+        Tests set it False to leave as a reader that dies before acknowledging does."""
+        return self._reader.auto_ack
+
+    @_auto_ack.setter
+    def _auto_ack(self, value: bool) -> None:
+        self._reader.auto_ack = value
+
+    # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
         """Detach from the rings (idempotent). Items already submitted stay with the broker, and so
         do results not acknowledged (with auto_ack, those handed out are acknowledged here)."""
         try:
-            if self._buf is not None and self._auto_ack:
-                self.ack()
+            if self._conn is not None and self._reader.auto_ack:
+                self._reader.ack()
         finally:
             self._detach()
 
     def _detach(self) -> None:
-        if self._buf is None:
+        conn, self._conn = self._conn, None
+        if conn is None:
             return
-        self._buf = None
-        self._ingest.close()
-        self._results.close()
+        self._submitter.detach()
+        self._reader.detach()
+        conn.close()
 
     def __enter__(self) -> Producer:
         return self

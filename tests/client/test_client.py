@@ -22,6 +22,7 @@ import pytest
 from support.harness import DRAIN_SECONDS, BrokerSide, Rec
 
 from shmbroker.client.producer import Producer, Result
+from shmbroker.client.reader import SeenIds
 from shmbroker.errors import BrokerError, Full, NotRunning
 from shmbroker.ring import items
 from shmbroker.ring import layout as L
@@ -712,17 +713,16 @@ def test_spawned_producer_delivers_10k_items_in_order(make_broker):
 def test_dedupe_keeps_each_producer_ids_apart_in_one_batch():
     """After a broker restart one batch of results mixes a name's old and new producer ids: each id is
     judged against its own producer's seen set (and a duplicate inside the batch is dropped)."""
-    p = object.__new__(Producer)
-    p._seen = {}
+    p = SeenIds()
     a, b = 1 << items.SEQ_BITS, 2 << items.SEQ_BITS
-    assert p._fresh(np.array([a | 5, b | 7, a | 6], np.uint64)).tolist() == [True, True, True]
-    assert p._fresh(np.array([a | 7, b | 5, b | 7, a | 5, a | 7], np.uint64)).tolist() == [True, True, False, False,
+    assert p.fresh(np.array([a | 5, b | 7, a | 6], np.uint64)).tolist() == [True, True, True]
+    assert p.fresh(np.array([a | 7, b | 5, b | 7, a | 5, a | 7], np.uint64)).tolist() == [True, True, False, False,
                                                                                           False]
-    assert p._fresh(np.array([b | 6, b | 6], np.uint64)).tolist() == [True, False]
+    assert p.fresh(np.array([b | 6, b | 6], np.uint64)).tolist() == [True, False]
 
 
 def test_seen_set_slides_and_stays_small_over_many_results():
-    from shmbroker.client.producer import SeenSet
+    from shmbroker.client.seen import SeenSet
 
     seen = SeenSet()
     rng = np.random.default_rng(1)
@@ -744,7 +744,7 @@ def test_seen_set_stays_small_for_a_reader_that_starts_late_or_misses_one():
     """Hole 15. Before: a reader whose first result had sequence S allocated S bytes (a new
     process reading an old name's results), and one result that never came stopped the window
     from sliding, so it grew with every result after it."""
-    from shmbroker.client.producer import SeenSet
+    from shmbroker.client.seen import SeenSet
 
     seen = SeenSet()
     start = 5_000_000_000  # a name that has submitted five billion items before this reader

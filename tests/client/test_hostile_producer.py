@@ -68,7 +68,7 @@ def _backlog_ids(tmp_path, backlog, writer) -> list[int]:
 
 def _push_raw(p: Producer, tokens: np.ndarray, key: int, prefix: int = NO_PREFIX, model: int = 0) -> None:
     """What a buggy producer does: push a record with fields the client would never write."""
-    assert spsc.push(p._buf, tokens, key, 1, prefix, model, 0) in (L.OK, L.OK_WAKE)
+    assert spsc.push(p._submitter.buf, tokens, key, 1, prefix, model, 0) in (L.OK, L.OK_WAKE)
 
 
 def _refused(appender, reason: str) -> int:
@@ -103,11 +103,11 @@ def test_prefix_len_beyond_the_item_is_refused_for_that_record_alone(broker, tmp
     with Producer("p", data_dir=tmp_path) as p:
         good = [p.submit(tokens, max_new_tokens=1, prefix_len=600)]
         for bad in (601, 1 << 20, NO_PREFIX - 1):
-            _push_raw(p, tokens, p._seq, prefix=bad)
-            p._seq += 1  # the client's own sequence goes on past the bad record
+            _push_raw(p, tokens, p._submitter.seq, prefix=bad)
+            p._submitter.seq += 1  # the client's own sequence goes on past the bad record
         good.append(p.submit(tokens, max_new_tokens=1, prefix_len=0))
-        _push_raw(p, tokens, p._seq, model=0x80000000)  # a model id the packing index cannot hold
-        p._seq += 1
+        _push_raw(p, tokens, p._submitter.seq, model=0x80000000)  # a model id the packing index cannot hold
+        p._submitter.seq += 1
         good.append(p.submit(tokens, max_new_tokens=1))
         _drain(registry, rings, appender, len(good))
         pump(rings, registry, appender, wait_seconds=0.01)
@@ -133,8 +133,8 @@ def test_a_corrupt_record_closes_that_ring_with_a_reason_and_the_others_go_on(br
     with Producer("good", data_dir=tmp_path) as good, Producer("bad", data_dir=tmp_path) as bad:
         ids = [good.submit(tokens, max_new_tokens=1), bad.submit(tokens, max_new_tokens=1)]
         _drain(registry, rings, appender, 2)
-        h = bad._buf[: L.HEADER_BYTES].view(np.int64)
-        w = bad._buf[L.HEADER_BYTES :].view(np.uint32)
+        h = bad._submitter.buf[: L.HEADER_BYTES].view(np.int64)
+        w = bad._submitter.buf[L.HEADER_BYTES :].view(np.uint32)
         w[int(h[L.H_HEAD]) & (w.size - 1)] = 7  # an odd commit word at the tail: no record is that
         for _ in range(5):  # every round meets it: before, each raised RingCorrupt out of the loop
             pump(rings, registry, appender, wait_seconds=0.01)
@@ -258,10 +258,10 @@ FUZZ_ACTS = {"key": 4, "meta": 4, "length": 1, "commit": 1, "geometry": 2, "head
 
 def _fuzz_ring(rng: random.Random, p: Producer) -> str:
     """One hostile act on p's rings; returns its name (the fuzzer counts them)."""
-    buf = p._buf
+    buf = p._submitter.buf
     h = buf[: L.HEADER_BYTES].view(np.int64)
     w = buf[L.HEADER_BYTES :].view(np.uint32)
-    rh = p._results.buf[: L.HEADER_BYTES].view(np.int64)
+    rh = p._reader.ring.buf[: L.HEADER_BYTES].view(np.int64)
     cap = w.size
     n = rng.randint(1, 64)
     tokens = np.arange(n, dtype=np.uint32)
@@ -274,9 +274,9 @@ def _fuzz_ring(rng: random.Random, p: Producer) -> str:
         prefix = rng.randint(n + 1, (1 << 32) - 2) if field == 0 else NO_PREFIX
         model = rng.randint(1 << 31, (1 << 32) - 1) if field == 1 else 0
         flags = rng.randint(1, (1 << 32) - 1) if field == 2 else 0
-        spsc.push(buf, tokens, p._seq, rng.randint(0, (1 << 32) - 1), prefix, model, flags)
+        spsc.push(buf, tokens, p._submitter.seq, rng.randint(0, (1 << 32) - 1), prefix, model, flags)
     elif act == "length":  # a committed record whose length word then changes under the reader
-        spsc.push(buf, tokens, p._seq, 1, NO_PREFIX, 0, 0)
+        spsc.push(buf, tokens, p._submitter.seq, 1, NO_PREFIX, 0, 0)
         w[((int(h[L.H_HEAD]) - L.record_words(n)) & (cap - 1)) + 1] = rng.randint(0, (1 << 32) - 1)
     elif act == "commit":  # a random commit word at the tail, or anywhere
         at = int(h[L.H_HEAD]) & (cap - 1) if rng.random() < 0.5 else rng.randrange(cap)
@@ -284,7 +284,7 @@ def _fuzz_ring(rng: random.Random, p: Producer) -> str:
     elif act == "geometry":  # the creator's words, then a record pushed by them (the client's kernels)
         h[rng.choice([L.H_CAPACITY, L.H_MAX_RECORD, L.H_DATA_OFFSET, L.H_MAGIC])] = rng.choice(
             [0, 1, cap * 64, (1 << 62), -1, rng.randint(0, 1 << 40)])
-        spsc.push(buf, tokens, p._seq, 1, NO_PREFIX, 0, 0)
+        spsc.push(buf, tokens, p._submitter.seq, 1, NO_PREFIX, 0, 0)
     elif act == "head_tail":
         head = int(h[L.H_HEAD])
         h[rng.choice([L.H_HEAD, L.H_TAIL, L.H_TAIL_CACHE, L.H_CLOSED, L.H_CLOSED_TAIL, L.H_CONSUMER_PID])] = \
@@ -292,7 +292,7 @@ def _fuzz_ring(rng: random.Random, p: Producer) -> str:
     else:  # its result ring: the tail it writes, and the words it should not
         rh[rng.choice([L.H_TAIL, L.H_HEAD, L.H_TAIL_CACHE, L.H_CAPACITY, L.H_MAX_RECORD])] = rng.choice(
             [rng.randint(-(1 << 40), 1 << 40), int(rh[L.H_HEAD]) + rng.randint(1, 4096), 1 << 62])
-    p._ingest.data_bell.ring()
+    p._submitter.ring.data_bell.ring()
     return act
 
 
