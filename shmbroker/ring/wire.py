@@ -51,6 +51,8 @@ generated tokens, meta[3] = error bytes; payload = tokens then the error text.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..jit import kernel
@@ -104,24 +106,33 @@ def new_announcement(count: int, nh: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return payload, payload[: count * LOC_WORDS].view(LOC_DTYPE), payload[count * LOC_WORDS :].view(np.uint64)
 
 
-def read_announcement(words: np.ndarray, count: int, nh: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(LOC rows, hash offsets, hashes), copied, of an appended ring record's payload: item i's block
-    hashes are hashes[hash_offsets[i]:hash_offsets[i + 1]] (`aux` counts them)."""
+class Announcement(NamedTuple):
+    """Items as an appended ring record announces them: their LOC rows and block hashes, item i's
+    hashes being hashes[hash_offsets[i]:hash_offsets[i + 1]] (the rows' `aux` counts them). Items
+    read back from disk take the same form."""
+
+    locs: np.ndarray  # LOC_DTYPE rows
+    hash_offsets: np.ndarray  # int64, one more than the rows
+    hashes: np.ndarray  # uint64
+
+    def subset(self, keep: np.ndarray) -> Announcement:
+        """The items where `keep` (a bool mask over the rows), with their hashes, in the same form."""
+        idx = np.flatnonzero(keep)
+        counts = np.diff(self.hash_offsets)[idx]
+        new_offsets = np.zeros(idx.size + 1, np.int64)
+        np.cumsum(counts, out=new_offsets[1:])
+        pick = (np.repeat(self.hash_offsets[idx], counts) + np.arange(int(new_offsets[-1]))
+                - np.repeat(new_offsets[:-1], counts))
+        return Announcement(self.locs[idx], new_offsets, self.hashes[pick])
+
+
+def read_announcement(words: np.ndarray, count: int, nh: int) -> Announcement:
+    """The items, copied, of an appended ring record's payload of `count` locations and `nh` hashes."""
     locs = words[: count * LOC_WORDS].view(LOC_DTYPE).copy()
     hashes = words[count * LOC_WORDS : count * LOC_WORDS + 2 * nh].view(np.uint64).copy()
     hash_offsets = np.zeros(count + 1, np.int64)
     np.cumsum(locs["aux"], out=hash_offsets[1:])
-    return locs, hash_offsets, hashes
-
-
-def announced_subset(locs: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray, keep: np.ndarray):
-    """The items of (locs, hash_offsets, hashes) where `keep`, with their hashes, in the same form."""
-    idx = np.flatnonzero(keep)
-    counts = np.diff(hash_offsets)[idx]
-    new_offsets = np.zeros(idx.size + 1, np.int64)
-    np.cumsum(counts, out=new_offsets[1:])
-    pick = np.repeat(hash_offsets[idx], counts) + np.arange(int(new_offsets[-1])) - np.repeat(new_offsets[:-1], counts)
-    return locs[idx], new_offsets, hashes[pick]
+    return Announcement(locs, hash_offsets, hashes)
 
 
 def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:

@@ -1,37 +1,62 @@
-"""What the scheduler admits: items no consumer can ever take, and items of cancelled jobs, are failed
-back (they ride the next batch records as failed rows, so a GPU process writes their results and the
-results process acks them like any other). A mixin of `sched.Scheduler`: it reads the scheduler's
-index, slots, `front` and statistics words."""
+"""What the scheduler admits into its index: items no consumer can ever take, and items of cancelled
+jobs, are refused and handed back as failed rows (LOC rows whose `aux` is their status). They ride
+the next batch records, so a GPU process writes their results and the results process acks them like
+any other.
+
+    admission = Admission(packer.model_max, cancelled, values)
+    admitted = admission.split(announcement)  # .servable: an Announcement; .refused: failed rows
+
+An item is refused, counted by reason in the statistics words, when
+- it has no tokens: `invalid` (`rejected_empty`),
+- no consumer serves its model: `invalid` (`rejected_no_consumer`),
+- it is longer than every contract of its model: `too_long` (`rejected_too_long`),
+- its producer's job was cancelled: `cancelled` (`cancelled`).
+The work is numpy per announcement (a loop over the models it names), never per item.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from ..control.stats import slot_of
 from ..ring.items import SEQ_BITS, Status
-from ..ring.wire import announced_subset
-from .pending import S_EMPTY, S_NO_CONSUMER, S_TOO_LONG
+from ..ring.wire import LOC_DTYPE, Announcement
+from .pending import S_CANCELLED, S_EMPTY, S_NO_CONSUMER, S_TOO_LONG
 
-S_CANCELLED = slot_of("sched", "cancelled")
+NO_ROWS = np.zeros(0, LOC_DTYPE)  # refused when nothing is: shared, read-only
+NO_ROWS.flags.writeable = False
+
+
+class Admitted(NamedTuple):
+    """An announcement split by admission: the items some consumer can take, and the refused rest as
+    failed rows (`aux` = status; NO_ROWS when none)."""
+
+    servable: Announcement
+    refused: np.ndarray
 
 
 class Admission:
-    def _servable(self, locs, hash_offsets, hashes, counted: bool = False):
-        """The items some consumer can take; the others go to a batch record as failed rows (and,
-        `counted`: already counted pending, out of the gauges)."""
-        bad = self._unservable(locs)
-        if bad is None:
-            return locs, hash_offsets, hashes
-        status, keep = bad
-        failed = locs[~keep].copy()
-        failed["aux"] = status[~keep]
-        self.failed.append(failed)
-        if counted:
-            self.pending.count_locs(failed, -1)
-        return announced_subset(locs, hash_offsets, hashes, keep)
+    """Which items some consumer can take, given each model's longest servable item and the producer
+    ids of cancelled jobs; counts each refusal into the statistics words `values`."""
 
-    def _unservable(self, locs):
-        """(status, keep) of items no consumer can ever take, counted by reason; None when all can be."""
+    def __init__(self, model_max: dict[int, int], cancelled, values: np.ndarray):
+        self.model_max = model_max  # model id -> the longest item some consumer of it takes
+        self.cancelled = np.array(sorted(cancelled), np.uint64)  # producer ids, sorted
+        self.values = values
+
+    def split(self, ann: Announcement) -> Admitted:
+        """`ann` as servable items and refused rows; `ann` itself (no copy) when all are servable."""
+        status = self._status(ann.locs)
+        if status is None:
+            return Admitted(ann, NO_ROWS)
+        keep = status == 0
+        refused = ann.locs[~keep].copy()
+        refused["aux"] = status[~keep]
+        return Admitted(ann.subset(keep), refused)
+
+    def _status(self, locs: np.ndarray) -> np.ndarray | None:
+        """Each item's refusal status (0: servable), counted by reason; None when all are servable."""
         status = np.zeros(locs.size, np.uint32)
         lengths = locs["num_tokens"]
         empty = lengths == 0
@@ -49,37 +74,22 @@ class Admission:
                 status[long] = Status.TOO_LONG
                 self.values[S_TOO_LONG] += int(long.sum())
         if self.cancelled.size:
-            gone = np.isin(locs["item_id"] >> np.uint64(SEQ_BITS), self.cancelled) & (status == 0)
+            gone = self.is_cancelled(locs) & (status == 0)
             status[gone] = Status.CANCELLED
             self.values[S_CANCELLED] += int(gone.sum())
-        keep = status == 0
-        if keep.all():
+        if not status.any():
             return None
         self.values[S_EMPTY] += int(empty.sum())
-        return status, keep
+        return status
 
-    def cancel(self, producer_ids) -> int:
-        """Answer `cancelled` for every item of these producers not yet dispatched: those in the index and
-        in `front` now, those beyond it and those still to come as they arrive (`_unservable`). The
-        items in batch records already pushed (or held for a full ring) run."""
+    def cancel(self, producer_ids) -> None:
+        """Refuse every item of these producers from now on."""
         self.cancelled = np.union1d(self.cancelled, np.array(sorted(producer_ids), np.uint64))
-        slots, handles = self.packer.index.live()
-        handles = handles.astype(np.int64)
-        gone = np.isin(self.slots["item_id"][handles] >> np.uint64(SEQ_BITS), self.cancelled)
-        for slot in slots[gone].tolist():
-            self.packer.index.remove(slot)
-        out = [self.slots[handles[gone]]]
-        self._free(handles[gone])
-        for _ in range(len(self.front)):
-            locs, hash_offsets, hashes, arrival_ns = self.front.popleft()
-            keep = ~np.isin(locs["item_id"] >> np.uint64(SEQ_BITS), self.cancelled)
-            out.append(locs[~keep])
-            if keep.any():
-                self.front.append((*announced_subset(locs, hash_offsets, hashes, keep), arrival_ns))
-        failed = np.concatenate(out)
-        failed["aux"] = Status.CANCELLED
-        self.pending.count_locs(failed, -1)
-        self.failed.append(failed)
-        self.values[S_CANCELLED] += failed.size
-        self._waited()
-        return int(failed.size)
+
+    def is_cancelled(self, locs: np.ndarray) -> np.ndarray:
+        """Per LOC row: whether its producer's job was cancelled."""
+        return np.isin(locs["item_id"] >> np.uint64(SEQ_BITS), self.cancelled)
+
+    def count_cancelled(self, num_items: int) -> None:
+        """Count items answered `cancelled` outside admission (taken back from the index)."""
+        self.values[S_CANCELLED] += num_items

@@ -159,7 +159,7 @@ def test_scheduler_cancel_takes_a_jobs_items_out_of_the_index(tmp_path):
     """Items of a cancelled producer leave the index (and those still to come are refused at admission),
     answered cancelled as failed rows; the other producer's items stay in the index."""
     from shmbroker.config import settings
-    from shmbroker.ring.wire import LOC_DTYPE
+    from shmbroker.ring.wire import LOC_DTYPE, Announcement
     from shmbroker.sched.scheduler import Scheduler
 
     cfg = settings.load(None, data_dir=str(tmp_path))
@@ -172,18 +172,18 @@ def test_scheduler_cancel_takes_a_jobs_items_out_of_the_index(tmp_path):
         locs["num_tokens"] = 64
         locs["max_new_tokens"] = 4
         locs["prefix_key"] = np.arange(n) % 5 + 1
-        return locs, np.zeros(n + 1, np.int64), np.zeros(0, np.uint64)
+        return Announcement(locs, np.zeros(n + 1, np.int64), np.zeros(0, np.uint64))
 
-    sched.add(*items(1, 40))
-    sched.add(*items(2, 30))
+    sched.add(items(1, 40))
+    sched.add(items(2, 30))
     assert len(sched.packer) == 70
     assert sched.cancel({1}) == 40
     left = sched.packer.index.live()[1].astype(np.int64)
     assert len(sched.packer) == 30 and left.size == 30
     assert set((sched.slots["item_id"][left] >> np.uint64(SEQ_BITS)).tolist()) == {2}
-    sched.add(*items(1, 5, first=40))  # still to come: refused at admission
+    sched.add(items(1, 5, first=40))  # still to come: refused at admission
     assert len(sched.packer) == 30
-    failed = np.concatenate(sched.failed)
+    failed = np.concatenate(sched.failed.parts)
     assert failed.size == 45
     assert set((failed["item_id"] >> np.uint64(SEQ_BITS)).tolist()) == {1}
     assert (failed["aux"] == Status.CANCELLED).all()

@@ -1,0 +1,121 @@
+"""The scheduler's collaborators alone: admission, the announcement form, the failed rows, the index
+slots, what waits beyond the index."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmbroker.control.stats import SCHED
+from shmbroker.ring.items import SEQ_BITS, Status
+from shmbroker.ring.wire import LOC_DTYPE, Announcement
+from shmbroker.sched import pending as P
+from shmbroker.sched.admission import Admission
+from shmbroker.sched.beyond import Arrived, BeyondIndex
+from shmbroker.sched.records import FailedRows, batch_record
+from shmbroker.sched.slots import NO_ITEM_NS, SlotTable
+
+
+def announcement(lengths, *, models=None, producer: int = 1, blocks=None) -> Announcement:
+    """Items of these lengths (model 0 unless `models`), item i with `blocks[i]` block hashes valued
+    1000 * i + j."""
+    n = len(lengths)
+    locs = np.zeros(n, LOC_DTYPE)
+    locs["num_tokens"] = lengths
+    locs["model"] = 0 if models is None else models
+    locs["item_id"] = (np.uint64(producer) << np.uint64(SEQ_BITS)) | np.arange(n, dtype=np.uint64)
+    blocks = [1] * n if blocks is None else blocks
+    locs["aux"] = blocks
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(blocks, out=offsets[1:])
+    hashes = np.array([1000 * i + j for i in range(n) for j in range(blocks[i])], np.uint64)
+    return Announcement(locs, offsets, hashes)
+
+
+def test_a_subset_keeps_each_items_block_hashes():
+    ann = announcement([5, 6, 7, 8], blocks=[2, 0, 3, 1])
+    sub = ann.subset(np.array([False, True, True, True]))
+    assert sub.locs["num_tokens"].tolist() == [6, 7, 8]
+    assert sub.hash_offsets.tolist() == [0, 0, 3, 4]
+    assert sub.hashes.tolist() == [2000, 2001, 2002, 3000]
+
+
+def test_admission_refuses_by_reason_and_counts_each():
+    values = np.zeros(len(SCHED), np.int64)
+    admission = Admission({0: 100, 7: 50}, {9}, values)
+    ann = announcement([10, 0, 101, 60, 40, 20], models=[0, 0, 0, 7, 3, 0], blocks=[1, 0, 1, 2, 1, 1])
+    servable, refused = admission.split(ann)
+    assert servable.locs["num_tokens"].tolist() == [10, 20]
+    assert servable.hashes.tolist() == [0, 5000]
+    assert refused["num_tokens"].tolist() == [0, 101, 60, 40]
+    assert refused["aux"].tolist() == [Status.INVALID, Status.TOO_LONG, Status.TOO_LONG, Status.INVALID]
+    assert (values[P.S_EMPTY], values[P.S_TOO_LONG], values[P.S_NO_CONSUMER], values[P.S_CANCELLED]) == (1, 2, 1, 0)
+
+
+def test_admission_hands_back_the_announcement_itself_when_all_are_servable_and_refuses_cancelled_jobs():
+    values = np.zeros(len(SCHED), np.int64)
+    admission = Admission({0: 100}, (), values)
+    ann = announcement([10, 20])
+    servable, refused = admission.split(ann)
+    assert servable is ann and refused.size == 0
+    admission.cancel({1})
+    servable, refused = admission.split(ann)
+    assert servable.locs.size == 0
+    assert (refused["aux"] == Status.CANCELLED).all() and refused.size == 2
+    assert values[P.S_CANCELLED] == 2
+    assert admission.split(announcement([10], producer=2)).refused.size == 0
+
+
+def test_failed_rows_ride_records_of_at_most_rows_max_in_order():
+    failed = FailedRows(rows_max=5)
+    parts = [announcement([1] * n, producer=p).locs for p, n in ((1, 3), (2, 4), (3, 2))]
+    for part in parts:
+        failed.append(part)
+    failed.append(parts[0][:0])  # nothing: no part
+    assert len(failed) == 9
+    sizes = []
+    while (record := batch_record(None, failed)) is not None:
+        rows = record.payload.view(LOC_DTYPE)
+        assert (record.n_run, record.n_failed) == (0, rows.size)
+        sizes.append(rows.size)
+    assert sizes == [5, 4] and len(failed) == 0
+    run = announcement([4, 4]).locs
+    record = batch_record(run, failed)
+    assert (record.n_run, record.n_failed) == (2, 0)
+
+
+def test_index_slots_are_taken_from_the_free_stack_and_given_back():
+    table = SlotTable(8)
+    slots = table.free_slots(3)
+    assert slots.tolist() == [0, 1, 2] and table.num_free == 8
+    locs = announcement([5, 6, 7]).locs
+    table.fill(slots[:2], locs[:2], arrival_ns=100)
+    assert table.num_free == 6 and table.rows["num_tokens"][:2].tolist() == [5, 6]
+    assert table.free_slots(1).tolist() == [2]  # the one not filled is next
+    table.fill(table.free_slots(1), locs[2:], arrival_ns=200)
+    assert table.oldest_ns() == 100
+    rows = table.release(np.array([0, 1]))
+    assert rows["num_tokens"].tolist() == [5, 6] and table.num_free == 7
+    assert table.oldest_ns() == 200
+    table.release(np.array([2]))
+    assert table.oldest_ns() == NO_ITEM_NS and table.num_free == 8
+
+
+def test_beyond_the_index_the_front_goes_first_and_a_cancel_takes_from_it(tmp_path):
+    values = np.zeros(len(SCHED), np.int64)
+    beyond = BeyondIndex(str(tmp_path), 1 << 20, values)
+    try:
+        assert not beyond and beyond.oldest_ns() is None
+        beyond.append(announcement([3] * 4, producer=2).locs, 50)
+        beyond.put_front(Arrived(announcement([5, 6, 7], blocks=[1, 2, 1]), 40))
+        assert beyond and not beyond.on_disk()
+        assert (values[P.S_OVERFLOW], values[P.S_WAITING]) == (3, 4)
+        assert beyond.oldest_ns() == 40
+        gone = beyond.drop_front(lambda locs: locs["num_tokens"] == 6)
+        assert [g["num_tokens"].tolist() for g in gone] == [[6]]
+        front = beyond.pop_front()
+        assert front.items.locs["num_tokens"].tolist() == [5, 7] and front.items.hashes.tolist() == [0, 2000]
+        assert front.arrival_ns == 40 and beyond.pop_front() is None
+        assert beyond.on_disk() and values[P.S_OVERFLOW] == 0 and beyond.oldest_ns() == 50
+    finally:
+        beyond.close()
+    assert not (tmp_path / "sched" / "waiting").exists()
