@@ -19,6 +19,9 @@ synced before the entry was saved. A replay cuts the name's log to E, replays it
 cursor, then copies the name's results from T on again: the same records in the same order as
 before the crash, so ring indexes (`delivery.py`) still hold. A directory not named by an entry
 (a crash before the entry was saved, or after it was dropped) is deleted at start.
+
+`NameLog` is one name's own log; `FarBehind` holds them all and decides, at each checkpoint,
+which name moves to its own log and which comes back (`rebalance`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,13 @@ acknowledge to the next reader under its name, and a replay after a restart give
 results from its cursor on. A damaged record in the log is skipped (the scan resyncs on the next
 valid record) and counted; when its frame is whole, so that its item id can be read, the item is
 told `corrupt`. Only a torn tail of the newest file (nothing valid after it) is cut.
+
+The `Router` owns the log, the backlog and its collaborators, each behind its own methods:
+`Recipients` (`recipients.py`: who a result goes to, what is parked or held), `FarBehind`
+(`behind.py`: the names read far behind and their own logs), `CursorKeeper` (`cursor_save.py`:
+the cursor entries, their save and the trims) and, after a restart, a `Replay` (`replay.py`)
+given the route step and what it reads. Its statistics are the results role's, by name
+(`slots.py`).
 """
 
 from __future__ import annotations

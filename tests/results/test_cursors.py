@@ -7,7 +7,6 @@ import json
 
 import crc32c
 import numpy as np
-from test_results_bound import RECORD, _records
 
 from shmbroker.frontdoor.registry import ProducerBook
 from shmbroker.results.behind import BEHIND_DIR, FarBehind
@@ -17,6 +16,21 @@ from shmbroker.results.log import CURSOR_FILE, FILE_BYTES_MIN, OffsetQueue, Resu
 from shmbroker.results.recipients import Recipients
 from shmbroker.results.replay import ReplayPlans
 from shmbroker.results.slots import C_MOVED, NUM_SLOTS
+from shmbroker.ring.wire import encode_results, res_bytes
+
+TOKENS = 60
+RECORD = res_bytes(TOKENS)
+
+
+def records(ids: np.ndarray) -> np.ndarray:
+    """One ok result record of TOKENS tokens per item id, as a GPU batch holds them."""
+    count = ids.size
+    out = np.zeros(count * RECORD, np.uint8)
+    zeros = np.zeros(count, np.uint32)
+    done, at = encode_results(out, 0, ids, ids, zeros, zeros, np.ones(TOKENS * count, np.uint32),
+                              np.arange(count + 1, dtype=np.int64) * TOKENS, 0, count)
+    assert done == count and at == out.size
+    return out
 
 
 def _write_cursor_file(root, body: dict) -> None:
@@ -64,7 +78,7 @@ class _Parts:
         self.keeper = CursorKeeper(self.cursors, self.log, self.recipients, self.behind)
 
     def park(self, name: str, ids: np.ndarray) -> np.ndarray:
-        at = self.log.append(_records(ids))
+        at = self.log.append(records(ids))
         offsets = at + np.arange(ids.size, dtype=np.int64) * RECORD
         self.recipients.park(name, offsets)
         return offsets
