@@ -19,6 +19,9 @@ synced before the entry was saved. A replay cuts the name's log to E, replays it
 cursor, then copies the name's results from T on again: the same records in the same order as
 before the crash, so ring indexes (`delivery.py`) still hold. A directory not named by an entry
 (a crash before the entry was saved, or after it was dropped) is deleted at start.
+
+`NameLog` is one name's own log; `FarBehind` holds them all and decides, at each checkpoint,
+which name moves to its own log and which comes back (`rebalance`).
 """
 
 from __future__ import annotations
@@ -28,18 +31,18 @@ import mmap
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import crc32c
 import numpy as np
 
-from ..control.stats import slot_of
-from .delivery import IndexedOffsets
+from .delivery import BehindEntry, Cursor, Cursors
 from .log import ResultsLog
+from .recipients import Recipients
+from .slots import C_DISK_FULL, C_MOVED
 
 BEHIND_DIR = "behind"
 COPY_CHUNK_BYTES = 4 << 20
-C_DISK_FULL, C_BEHIND, C_BEHIND_BYTES, C_MOVED = (
-    slot_of("results", k) for k in ("disk_full", "names_behind", "behind_bytes", "names_moved"))
 
 
 def record_sizes(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -52,9 +55,9 @@ def record_sizes(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
 class NameLog:
     """One name's own results log while it is read far behind."""
 
-    def __init__(self, root: Path, name: str, fsync: str, file_bytes: int, entry: dict | None = None):
-        """`entry`: the name's saved `cursor.json` details (an existing log, cut to what was synced);
-        None: a new log (a fresh directory)."""
+    def __init__(self, root: Path, name: str, fsync: str, file_bytes: int, entry: BehindEntry | None = None):
+        """`entry`: what the name's saved `cursor.json` entry says of its log (an existing log, cut to
+        what was synced); None: a new log (a fresh directory)."""
         self.name = name
         base = root / BEHIND_DIR
         if entry is None:
@@ -64,16 +67,17 @@ class NameLog:
                 n += 1
             self.dir_name = f"{stem}-{n}"
         else:
-            self.dir_name = str(entry["dir"])
+            self.dir_name = entry.dir_name
         # blocks allocated per append only: there may be many such logs, most of them small
         self.log = ResultsLog(base / self.dir_name, fsync, file_bytes, ahead_bytes=0)
         self.through = 0  # shared-log offset below which every result of the name is in this log
         if entry is not None:
-            self.through = int(entry["through"])
-            self.log.truncate_to(int(entry["end"]))
+            self.through = entry.through
+            self.log.truncate_to(entry.end)
 
-    def details(self, through: int) -> dict:
-        return {"dir": self.dir_name, "through": through, "end": self.log.end}
+    def details(self, through: int) -> BehindEntry:
+        """This log's part of the name's cursor entry, as of the shared log's offset `through`."""
+        return BehindEntry(self.dir_name, through, self.log.end)
 
     def append(self, data: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Copy the records at `rows` of `data` (in order) to the end of this log; their offsets here."""
@@ -123,77 +127,134 @@ class NameLog:
         shutil.rmtree(self.log.dir, ignore_errors=True)
 
 
-def names_behind(results_dir: Path, cursors) -> list[dict]:
-    """[{"name", "bytes"}] of the names read far behind per `cursors` (a `delivery.Cursors`), with
-    the bytes their own logs hold (for `status`)."""
+def names_behind(results_dir: Path, cursors: Cursors) -> list[dict]:
+    """[{"name", "bytes"}] of the names read far behind per `cursors`, with the bytes their own
+    logs hold (for `status`)."""
     out = []
-    for name, entry in sorted(cursors.names.items()):
-        if len(entry) > 3:
-            d = results_dir / BEHIND_DIR / entry[3]["dir"]
+    for name, cursor in sorted(cursors.names.items()):
+        if cursor.behind is not None:
+            d = results_dir / BEHIND_DIR / cursor.behind.dir_name
             size = sum(p.stat().st_size for p in d.glob("*.log")) if d.is_dir() else 0
             out.append({"name": name, "bytes": size})
     return out
 
 
-class BehindNames:
-    """`results.Router`'s handling of names read far behind (it uses the router's log, outlets,
-    parked queues, held names and counters)."""
+class BehindNow(NamedTuple):
+    """The gauges of the names read far behind."""
 
-    def _log_of(self, name: str) -> ResultsLog:
+    num_names: int
+    num_bytes: int  # their own logs hold
+
+
+class FarBehind:
+    """The names read far behind: each one's `NameLog`, the move to it and back.
+
+    `shared` is the shared results log; `counters` the results role's statistics (`slots.py`).
+    A name's offsets, wherever they wait (`Recipients`), are in the log `log_of(name)` gives."""
+
+    def __init__(self, root: Path, shared: ResultsLog, name_bytes: int, counters: np.ndarray,
+                 saved: dict[str, Cursor]):
+        """`saved`: the cursor entries loaded at start; a name's own log is opened (cut to what its
+        entry says was synced) where its entry has one, and every other name log is deleted."""
+        self.root = root
+        self.shared = shared
+        self.fsync = shared.fsync
+        self.name_bytes = name_bytes
+        self.counters = counters
+        self._logs: dict[str, NameLog] = {}
+        for name, cursor in saved.items():
+            if cursor.behind is not None:
+                self._logs[name] = NameLog(root, name, self.fsync, shared.file_bytes, cursor.behind)
+        remove_strays(root, {nl.dir_name for nl in self._logs.values()})
+        self._dropped: list[NameLog] = []  # back on the shared log: their logs go once the cursors say so
+
+    def __contains__(self, name: str | None) -> bool:
+        return name in self._logs
+
+    def __len__(self) -> int:
+        return len(self._logs)
+
+    def get(self, name: str | None) -> NameLog | None:
+        """The name's own log while it is read far behind, else None."""
+        return self._logs.get(name)
+
+    def logs(self) -> dict[str, ResultsLog]:
+        """Each name's own log, by name."""
+        return {name: behind.log for name, behind in self._logs.items()}
+
+    def details(self, shared_end: int) -> list[tuple[str, BehindEntry]]:
+        """Each name's part of its cursor entry (`shared_end`: the shared log's end now)."""
+        return [(name, behind.details(shared_end)) for name, behind in self._logs.items()]
+
+    def log_of(self, name: str) -> ResultsLog:
         """The log a name's offsets are in: its own while it is read far behind, else the shared one."""
-        behind = self.behind.get(name)
-        return self.log if behind is None else behind.log
+        behind = self._logs.get(name)
+        return self.shared if behind is None else behind.log
 
-    def _rebalance(self) -> None:
-        """Move a name whose cursor is more than `results_name_bytes` behind the shared log's end to
-        a log of its own; bring a name far behind whose reader has caught up back."""
-        end = self.log.end
-        for name, entry in self._entries().items():
-            behind = self.behind.get(name)
+    def behind_now(self) -> BehindNow:
+        return BehindNow(len(self._logs), sum(b.log.size_bytes() for b in self._logs.values()))
+
+    def rebalance(self, cursors: dict[str, Cursor], recipients: Recipients) -> None:
+        """Move a name whose cursor (of `cursors`, every name's as of now) is more than
+        `name_bytes` behind the shared log's end to a log of its own; bring a name far behind whose
+        reader has caught up back (its log is deleted once the cursors saved no longer name it)."""
+        end = self.shared.end
+        for name, cursor in cursors.items():
+            behind = self._logs.get(name)
             if behind is not None:
-                if entry[0] >= behind.log.end and name not in self.held:  # it owes the name nothing
-                    del self.behind[name]
-                    self.dropped.append(behind)
-            elif end - entry[0] > self.name_bytes:
+                if cursor.offset >= behind.log.end and not recipients.is_held(name):  # it owes the name nothing
+                    del self._logs[name]
+                    self._dropped.append(behind)
+            elif end - cursor.offset > self.name_bytes:
                 try:
-                    self._move_behind(name)
+                    self._move(name, recipients)
                 except OSError as exc:  # a full disk: the name stays where it was; tried again next time
                     if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                         raise
                     self.counters[C_DISK_FULL] += 1
                     return
 
-    def _move_behind(self, name: str) -> None:
+    def _move(self, name: str, recipients: Recipients) -> None:
         """Copy what the name is owed to its own log, then switch its offsets there; all or nothing (a
         full disk midway leaves the name as it was, its copy deleted, and raises)."""
-        behind = NameLog(self.root, name, self.fsync, self.log.file_bytes)
-        outlet = self.by_name.get(name)
-        queue = self.parked.get(name)
+        behind = NameLog(self.root, name, self.fsync, self.shared.file_bytes)
+        outlet = recipients.outlet_named(name)
+        queue = recipients.parked.get(name)
         try:
-            unacked = behind.copy_from(self.log, outlet.unacked_offsets()) if outlet is not None else None
-            waiting = [behind.copy_from(self.log, part) for part in outlet.waiting.peek_all()] if outlet else []
-            parked = [behind.copy_from(self.log, part) for part in queue.peek_all()] if queue is not None else []
+            unacked = behind.copy_from(self.shared, outlet.unacked_offsets()) if outlet is not None else None
+            waiting = [behind.copy_from(self.shared, part) for part in outlet.waiting.peek_all()] if outlet else []
+            parked = [behind.copy_from(self.shared, part) for part in queue.peek_all()] if queue is not None else []
         except BaseException:
             behind.remove()
             raise
         if outlet is not None:
-            inflight = IndexedOffsets(outlet.inflight.base)
-            inflight.append(unacked)
-            outlet.inflight = inflight
-            outlet.waiting.take_all()
-            for part in waiting:
-                outlet.waiting.extend(part)
+            outlet.relocate(unacked, waiting)
         if queue is not None:
-            queue.take_all()
-            for part in parked:
-                queue.extend(part)
-        behind.through = self.log.end
-        self.behind[name] = behind
+            queue.replace(parked)
+        behind.through = self.shared.end
+        self._logs[name] = behind
         self.counters[C_MOVED] += 1
 
-    def behind_now(self) -> tuple[int, int]:
-        """(names read far behind, bytes their own logs hold)."""
-        return len(self.behind), sum(b.log.size_bytes() for b in self.behind.values())
+    def sync(self) -> None:
+        for behind in self._logs.values():
+            behind.log.sync()
+
+    def saved(self, cursors: dict[str, Cursor]) -> None:
+        """The cursor file now holds `cursors`: each name's own log holds everything of it the shared
+        log has, and is trimmed below its cursor."""
+        for name, behind in self._logs.items():
+            behind.through = self.shared.end
+            behind.log.trim(cursors[name].offset)
+
+    def remove_dropped(self) -> None:
+        """Delete the logs of the names back on the shared log (no saved entry names them any more)."""
+        for behind in self._dropped:
+            behind.remove()
+        self._dropped.clear()
+
+    def close(self) -> None:
+        for behind in self._logs.values():
+            behind.log.close()
 
 
 def remove_strays(root: Path, keep: set[str]) -> int:

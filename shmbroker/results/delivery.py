@@ -11,6 +11,7 @@ gets) on the name's result ring. `results/cursor.json` keeps every name's cursor
      "crc32c": crc32c of the JSON of the rest (sorted keys)}
 
 (a name read far behind has a fourth element, and its offset is in its own log: `behind.py`).
+In memory an entry is a `Cursor`.
 
 `floor` (the smallest cursor) is where a replay starts and what the log may be trimmed to. A
 damaged file (not JSON, or its crc32c differs) is counted and replaced by floor 0: the whole log
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import crc32c
 import numpy as np
@@ -41,6 +43,48 @@ from ..ring import layout as L
 from ..ring.ring import Ring
 from ..spill.acks import atomic_write
 from .log import CURSOR_FILE, OffsetQueue
+
+
+class BehindEntry(NamedTuple):
+    """The fourth element of a name's cursor entry while it is read far behind (`behind.py`)."""
+
+    dir_name: str  # its own log's directory under results/behind/
+    through: int  # shared-log offset below which every result of the name is in its own log
+    end: int  # bytes of its own log synced before the entry was saved
+
+    def to_json(self) -> dict:
+        return {"dir": self.dir_name, "through": self.through, "end": self.end}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> BehindEntry:
+        return cls(str(doc["dir"]), int(doc["through"]), int(doc["end"]))
+
+
+class Cursor(NamedTuple):
+    """One name's entry in cursor.json: its first result not acknowledged and that result's ring index.
+
+    On disk a list, `[offset, ring_id, ring_index]`, with `behind.to_json()` appended for a name
+    read far behind."""
+
+    offset: int  # log offset (in the name's own log while it is read far behind)
+    ring_id: str | None  # the result ring segment `ring_index` counts on; None: no ring yet
+    ring_index: int
+    behind: BehindEntry | None = None
+
+    def to_json(self) -> list:
+        out = [self.offset, self.ring_id, self.ring_index]
+        if self.behind is not None:
+            out.append(self.behind.to_json())
+        return out
+
+    @classmethod
+    def from_json(cls, entry: list) -> Cursor:
+        offset, ring_id, index, *rest = entry
+        behind = None
+        if rest:
+            (doc,) = rest
+            behind = BehindEntry.from_json(doc)
+        return cls(int(offset), ring_id if isinstance(ring_id, str) else None, int(index), behind)
 
 
 class IndexedOffsets:
@@ -96,6 +140,18 @@ class Outlet:
     def pushed(self, offsets: np.ndarray) -> None:
         self.inflight.append(offsets)
 
+    def track_from(self, index: int) -> None:
+        """Forget what was noted as on the ring: the next offset pushed (or noted) has ring index `index`."""
+        self.inflight = IndexedOffsets(index)
+
+    def relocate(self, unacked: np.ndarray, waiting: list[np.ndarray]) -> None:
+        """The name's results moved to another log: the same results, in the same order and at
+        the same ring indexes, now at offsets `unacked` (pushed, not acknowledged) and `waiting`."""
+        inflight = IndexedOffsets(self.inflight.base)
+        inflight.append(unacked)
+        self.inflight = inflight
+        self.waiting.replace(waiting)
+
     def acked(self) -> int:
         return int(self.ring.header[L.H_NUM_ACKED])
 
@@ -130,14 +186,24 @@ class Outlet:
         h = self.ring.header
         h[L.H_SESSION_READY] = h[L.H_SESSION]
 
-    def cursor(self, log_end: int) -> list:
-        """[first unacknowledged offset, ring, its ring index]: this name's entry in cursor.json."""
+    def cursor(self, log_end: int) -> Cursor:
+        """This name's entry in cursor.json: its first unacknowledged offset and that result's ring
+        index (`log_end`, the end of the log its offsets are in, when nothing is owed)."""
         self.inflight.drop_below(self.acked())
         at = self.inflight.first()
         if at is not None:
-            return [at, self.ring_id, self.inflight.base]
+            return Cursor(at, self.ring_id, self.inflight.base)
         at = self.waiting.first() if self.waiting else log_end
-        return [at, self.ring_id, self.inflight.end]
+        return Cursor(at, self.ring_id, self.inflight.end)
+
+    def reader_cursor(self, again: np.ndarray, log_end: int) -> Cursor:
+        """The entry as it will be once `reset_for_reader` has run (`again`: the offsets it will
+        push again): the first of them, or of what waits, at the ring's next index."""
+        if again.size:
+            at = int(again[0])
+        else:
+            at = self.waiting.first() if self.waiting else log_end
+        return Cursor(at, self.ring_id, self.ring.num_pushed())
 
 
 class Cursors:
@@ -146,7 +212,7 @@ class Cursors:
     def __init__(self, root: Path):
         self.path = root / CURSOR_FILE
         self.floor = 0
-        self.names: dict[str, list] = {}
+        self.names: dict[str, Cursor] = {}
         try:
             doc = json.loads(self.path.read_bytes())
             body = {k: v for k, v in doc.items() if k != "crc32c"}
@@ -154,12 +220,7 @@ class Cursors:
                 raise ValueError("crc32c mismatch")
             self.floor = int(doc["floor"])
             for name, entry in doc.get("names", {}).items():
-                offset, ring_id, index, *rest = entry
-                e = [int(offset), ring_id if isinstance(ring_id, str) else None, int(index)]
-                if rest:
-                    (b,) = rest
-                    e.append({"dir": str(b["dir"]), "through": int(b["through"]), "end": int(b["end"])})
-                self.names[str(name)] = e
+                self.names[str(name)] = Cursor.from_json(entry)
         except FileNotFoundError:
             pass
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -170,14 +231,14 @@ class Cursors:
 
     damaged = False
 
-    def of(self, name: str) -> list:
-        return self.names.get(name, [self.floor, None, 0])
+    def of(self, name: str) -> Cursor:
+        return self.names.get(name, Cursor(self.floor, None, 0))
 
-    def save(self, names: dict[str, list], floor: int) -> bool:
+    def save(self, names: dict[str, Cursor], floor: int) -> bool:
         """Write the cursors when they changed; True when written."""
         if names == self.saved and floor == self.floor:
             return False
-        body = {"floor": floor, "names": names}
+        body = {"floor": floor, "names": {name: cursor.to_json() for name, cursor in names.items()}}
         atomic_write(self.path, json.dumps({**body, "crc32c": crc32c.crc32c(json.dumps(body, sort_keys=True).encode())})
                      .encode())
         self.saved = dict(names)
@@ -191,19 +252,19 @@ class ReplayPlan:
 
     SKIP, INFLIGHT, PUSH = 0, 1, 2
 
-    def __init__(self, entry: list, outlet: Outlet | None, fresh_reader: bool = False):
+    def __init__(self, cursor: Cursor, outlet: Outlet | None, fresh_reader: bool = False):
         """`fresh_reader`: the ring waits for a new reader's set-up (it will be emptied): what is
         on it counts as not pushed."""
-        self.start, ring_id, index = entry[:3]
+        self.start = cursor.offset
         self.outlet = outlet
         self.next_index = 0
         self.acked = self.pushed = 0
         if outlet is not None:
-            self.next_index = index if ring_id == outlet.ring_id else 0
+            self.next_index = cursor.ring_index if cursor.ring_id == outlet.ring_id else 0
             h = outlet.ring.header
             self.acked = int(h[L.H_NUM_ACKED])
             self.pushed = self.acked if fresh_reader else int(h[L.H_NUM_PUSHED])
-            outlet.inflight = IndexedOffsets(self.acked if self.pushed > self.acked else int(h[L.H_NUM_PUSHED]))
+            outlet.track_from(self.acked if self.pushed > self.acked else int(h[L.H_NUM_PUSHED]))
 
     def actions(self, offsets: np.ndarray) -> np.ndarray:
         """One action per offset (in log order, this name's only)."""

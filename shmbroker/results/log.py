@@ -249,3 +249,9 @@ class OffsetQueue:
         parts = self.peek_all()
         self.clear()
         return parts
+
+    def replace(self, parts: list) -> None:
+        """Hold the offsets of `parts` (arrays, in order) instead of those held now."""
+        self.clear()
+        for part in parts:
+            self.extend(part)

@@ -20,155 +20,142 @@ acknowledge to the next reader under its name, and a replay after a restart give
 results from its cursor on. A damaged record in the log is skipped (the scan resyncs on the next
 valid record) and counted; when its frame is whole, so that its item id can be read, the item is
 told `corrupt`. Only a torn tail of the newest file (nothing valid after it) is cut.
+
+The `Router` owns the log, the backlog and its collaborators, each behind its own methods:
+`Recipients` (`recipients.py`: who a result goes to, what is parked or held), `FarBehind`
+(`behind.py`: the names read far behind and their own logs), `CursorKeeper` (`cursor_save.py`:
+the cursor entries, their save and the trims) and, after a restart, a `Replay` (`replay.py`)
+given the route step and what it reads. Its statistics are the results role's, by name
+(`slots.py`).
 """
 
 from __future__ import annotations
 
 import errno
-import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..control.segment import Control, beat
-from ..control.stats import slot_of
-from ..frontdoor.registry import ProducerBook
 from ..jobs.tally import JobTallies
 from ..ring import layout as L
 from ..ring import spsc
 from ..ring.items import SEQ_BITS
-from ..ring.ring import CONSUMER, PRODUCER, Ring
+from ..ring.ring import CONSUMER, Ring
 from ..ring.waits import sleep_on
 from ..ring.wire import RES_HEADER_BYTES, chunk_bytes, push_results, result_fields, result_head
 from ..spill.store import BACKLOG_DIR, Backlog
-from .behind import C_BEHIND, C_BEHIND_BYTES, BehindNames, NameLog, remove_strays
-from .cursor_save import CursorSaves
-from .delivery import Cursors, Outlet, ReplayPlan
+from .behind import BehindNow, FarBehind
+from .cursor_save import CursorKeeper
+from .delivery import Cursors, Outlet
 from .log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
-from .replay import Replayer, scan_all
+from .recipients import Recipients
+from .replay import SCAN_MAX, Replay, ReplayPlans, scan_all
+from .slots import (
+    C_ACKED,
+    C_CHECKPOINTS,
+    C_DELIVERED,
+    C_DISK_FULL,
+    C_LOG_BYTES,
+    C_PARKED,
+    C_READERS,
+    C_REDELIVERED,
+    C_RESULTS,
+    G_BEHIND,
+    G_BEHIND_BYTES,
+    G_PARKED_NOW,
+    NUM_SLOTS,
+)
 
 ACK_SAVE_SECONDS = 0.2
 RECLAIM_SECONDS = 2.0
-SCAN_MAX = 1 << 16
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
-C_READERS, C_REDELIVERED = (slot_of("results", k) for k in ("readers", "redelivered"))
 
 
-class Router(Replayer, BehindNames, CursorSaves):
-    def __init__(self, data_dir: str, cfg, control: Control, counters=None):
-        self.data_dir = data_dir
-        self.root = Path(data_dir) / RESULTS_DIR
-        self.name_bytes = cfg.results_name_bytes
-        self.fsync = cfg.fsync
-        self.log = ResultsLog(self.root, cfg.fsync, file_bytes_for(self.name_bytes))
+class Columns(NamedTuple):
+    """The result fields of the records being routed, a row per record (scratch arrays of SCAN_MAX
+    rows, refilled for every ring record: `head(n)` views their first `n`)."""
+
+    item_ids: np.ndarray
+    seqs: np.ndarray
+    status: np.ndarray
+    writers: np.ndarray
+
+    @classmethod
+    def scratch(cls) -> Columns:
+        return cls(np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
+                   np.empty(SCAN_MAX, np.uint32))
+
+    def head(self, n: int) -> Columns:
+        return Columns(self.item_ids[:n], self.seqs[:n], self.status[:n], self.writers[:n])
+
+
+class Router:
+    """The results process's single writer: it owns the shared results log, the backlog's acks,
+    who each result goes to (`Recipients`), the names read far behind (`FarBehind`), the cursors
+    (`CursorKeeper`), and routes every record through them."""
+
+    def __init__(self, data_dir: str, cfg, control: Control, counters: np.ndarray | None = None):
+        """`counters`: the results role's statistics (`slots.py`; the process's `StatsWriter.values`)."""
         self.control = control
-        self.counters = counters if counters is not None else np.zeros(16, np.int64)
+        self.counters = counters if counters is not None else np.zeros(NUM_SLOTS, np.int64)
+        root = Path(data_dir) / RESULTS_DIR
+        self.log = ResultsLog(root, cfg.fsync, file_bytes_for(cfg.results_name_bytes))
         self.backlog = Backlog(Path(data_dir) / BACKLOG_DIR, cfg.segment_bytes)
         self.backlog.acks = _load_acks(self.backlog.root)
-        self.outlets: dict[int, Outlet] = {}  # producer id -> outlet (ids of this lifetime)
-        self.by_name: dict[str, Outlet] = {}
-        self.names: dict[int, str] = {}  # producer id -> name, every id ever given
-        self.parked: dict[str, OffsetQueue] = {}  # results for names not connected
-        self.seen_version = -1
-        self.cursors = Cursors(self.root)
-        self.floor = self.cursors.floor
+        self.recipients = Recipients(data_dir)
+        self.cursors = Cursors(root)
         # names read far behind (behind.py): their results in a log of their own
-        self.behind: dict[str, NameLog] = {}
-        for name, entry in self.cursors.names.items():
-            if len(entry) > 3:
-                self.behind[name] = NameLog(self.root, name, cfg.fsync, self.log.file_bytes, entry[3])
-        remove_strays(self.root, {nl.dir_name for nl in self.behind.values()})
-        self.dropped: list[NameLog] = []  # names back on the shared log: their logs go once the cursors say so
-        self.plans: dict[str, ReplayPlan] | None = None  # while replaying: each name's plan
+        self.behind = FarBehind(root, self.log, cfg.results_name_bytes, self.counters, self.cursors.names)
+        self.keeper = CursorKeeper(self.cursors, self.log, self.recipients, self.behind)
         self.replayed = False  # readers are set up (and cursors saved) only once the replay is done
-        self.unattachable: dict[int, str] = {}  # producer id -> why its result ring could not be attached
-        self.held: set[str] = set()  # names whose ring waits for its new reader's set-up: push nothing yet
         self._pos = np.empty(SCAN_MAX, np.int64)
-        self._cols = (np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
-                      np.empty(SCAN_MAX, np.uint32))
+        self._cols = Columns.scratch()
         self.last_save = time.monotonic()
         self.last_reclaim = time.monotonic()
-        self.jobs = JobTallies(data_dir, self._name_of)  # each job's results by status (`jobs/tally.py`)
+        self.jobs = JobTallies(data_dir, self.recipients.name_of)  # each job's results by status (`jobs/tally.py`)
+
+    @property
+    def parked(self) -> dict[str, OffsetQueue]:
+        """Results for names not connected, by name (their log offsets)."""
+        return self.recipients.parked
+
+    def behind_now(self) -> BehindNow:
+        """(names read far behind, bytes their own logs hold)."""
+        return self.behind.behind_now()
+
+    def parked_now(self) -> int:
+        """Results waiting for a producer: parked by name, or for a full ring."""
+        return self.recipients.parked_now()
 
     # -- producers -------------------------------------------------------------------
 
     def refresh(self) -> None:
-        if self.control.table_version != self.seen_version:
-            self.seen_version = self.control.table_version
-            table = self.control.producers()
-            live = {p.producer_id for p in table}
-            for producer_id in [i for i in self.outlets if i not in live]:
-                self._retire(producer_id)
-            for p in table:
-                if p.producer_id in self.outlets:
-                    continue
-                try:
-                    ring = Ring.attach(p.result_names, PRODUCER, untrusted=True)
-                except (OSError, ValueError, RuntimeError) as exc:  # resized or unlinked by a hostile producer
-                    if p.producer_id not in self.unattachable:
-                        self.unattachable[p.producer_id] = str(exc)
-                        sys.stderr.write(f"shmbroker results: cannot attach the result ring of {p.name!r}: {exc}\n")
-                    continue
-                outlet = Outlet(p.name, p.slot, ring)
-                self.outlets[p.producer_id] = outlet
-                self.by_name[p.name] = outlet
-                self.names[p.producer_id] = p.name
-                queue = self.parked.pop(p.name, None)
-                if queue is not None:
-                    for part in queue.take_all():
-                        outlet.waiting.extend(part)
-            if self.replayed:
-                self.answer_readers()  # a new name's reader at once; a returning one at the next checkpoint
-
-    def _retire(self, producer_id: int) -> None:
-        """The registry retired this name (nothing was left to do for it): let go of its ring. A
-        result pushed meanwhile and not acknowledged, and any waiting, waits by name for its next
-        connect, first."""
-        outlet = self.outlets.pop(producer_id)
-        if self.by_name.get(outlet.name) is outlet:
-            del self.by_name[outlet.name]
-        queue = OffsetQueue()
-        queue.extend(outlet.unacked_offsets())
-        for part in outlet.waiting.take_all():
-            queue.extend(part)
-        old = self.parked.pop(outlet.name, None)
-        if old is not None:
-            for part in old.take_all():
-                queue.extend(part)
-        if queue:
-            self.parked[outlet.name] = queue
-        outlet.ring.close()
+        """Follow the producer table (`Recipients.refresh`); set up a new name's reader at once (a
+        returning one's at the next checkpoint)."""
+        if self.recipients.refresh(self.control) and self.replayed:
+            self.answer_readers()
 
     def answer_readers(self) -> int:
         """Set up the rings whose new reader announced itself: what the earlier reader popped and
         never acknowledged is pushed again, in order, before anything newer."""
-        fresh = [o for o in self.by_name.values() if o.session_pending()]
+        fresh = self.recipients.new_readers()
         if not fresh:
             return 0
         again = {o.name: o.unacked_offsets() for o in fresh}
         # the cursor first: a crash between here and the answer leaves a cursor that is right
         # both for the ring as it is and as reset (see delivery.py)
-        self._save_cursors(again)
+        self.keeper.save(again)
         for outlet in fresh:
             outlet.reset_for_reader()
-            self.held.discard(outlet.name)
+            self.recipients.release(outlet.name)
             self.counters[C_REDELIVERED] += again[outlet.name].size
             self.counters[C_READERS] += 1
             outlet.answer_reader()
         return len(fresh)
-
-    def parked_now(self) -> int:
-        """Results waiting for a producer: parked by name, or for a full ring."""
-        return sum(len(q) for q in self.parked.values()) + sum(len(o.waiting) for o in self.outlets.values())
-
-    def _name_of(self, producer_id: int) -> str | None:
-        name = self.names.get(producer_id)
-        if name is None:
-            self.names.update(ProducerBook(self.data_dir).name_of())
-            name = self.names.get(producer_id)
-        return name
 
     # -- the flow ----------------------------------------------------------------------
 
@@ -186,73 +173,78 @@ class Router(Replayer, BehindNames, CursorSaves):
             start = (pos + L.RECORD_HEADER_WORDS) * 4
             data = ring.buf[L.HEADER_BYTES + start : L.HEADER_BYTES + start + nbytes]
             at = self.log.append(data)
-            self.counters[4] += nbytes
+            self.counters[C_LOG_BYTES] += nbytes
             # from our own GPU process through shared memory: framed by the ring, no CRC to check
             # (the CRC protects the copy on disk, checked when the log is replayed)
             count, _stop, _outcome = scan_all(data, self._pos, check_crc=False)
-            self._route(data, count, at, ack=True)
+            self.route(data, self._pos[:count], at, ack=True)
             ring.release(new_tail, 1)
             taken += 1
 
-    def _route(self, data: np.ndarray, n: int, at: int, ack: bool, source: NameLog | None = None) -> int:
-        """Route the `n` records of `data`, which lie at log offset `at` of the shared log (or, with
-        `source`, of that name's own log)."""
-        item_ids, seqs, status, writers = (c[:n] for c in self._cols)
-        pos = self._pos[:n]
-        result_fields(data, pos, n, item_ids, seqs, writers, status)
+    def route(self, data: np.ndarray, rows: np.ndarray, at: int, ack: bool, own_log: bool = False,
+              plans: ReplayPlans | None = None) -> int:
+        """Route the records at positions `rows` of `data`, which lie at log offset `at` of the
+        shared log (with `own_log`, of their name's own log: a replay of it); returns how many.
+        `ack`: fresh from a GPU or replayed (not a notice): their backlog records are acked.
+        `plans`: while replaying, which results each name still needs."""
+        n = rows.size
+        cols = self._cols.head(n)
+        result_fields(data, rows, n, cols.item_ids, cols.seqs, cols.writers, cols.status)
         if ack:
-            for w, mine in _groups(writers):
-                self.backlog.ack(w, seqs if mine is None else seqs[mine])
-            self.counters[2] += n
-        self.counters[0] += n
-        producers = (item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
+            for w, mine in _groups(cols.writers):
+                self.backlog.ack(w, cols.seqs if mine is None else cols.seqs[mine])
+            self.counters[C_ACKED] += n
+        self.counters[C_RESULTS] += n
+        producers = (cols.item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
         for p, mine in _groups(producers):
-            rows = pos if mine is None else pos[mine]
+            mine_rows = rows if mine is None else rows[mine]
             if ack:  # fresh from a GPU (not a replay): a job's results are counted
-                self.jobs.count(p, mine, item_ids, status, data, rows)
-            outlet = self.outlets.get(p)
-            name = outlet.name if outlet is not None else self._name_of(p)
-            if outlet is None and name is not None:
-                outlet = self.by_name.get(name)
-            offsets = rows + at
+                self.jobs.count(p, mine, cols.item_ids, cols.status, data, mine_rows)
+            outlet, name = self.recipients.find(p)
+            offsets = mine_rows + at
             behind = self.behind.get(name) if name is not None else None
-            if behind is not None and source is None:  # a name read far behind: copied to its own log
-                if self.plans is not None:  # replaying: those below `through` are there already
+            if behind is not None and not own_log:  # a name read far behind: copied to its own log
+                if plans is not None:  # replaying: those below `through` are there already
                     keep = offsets >= behind.through
-                    rows, offsets = rows[keep], offsets[keep]
-                    if rows.size == 0:
+                    mine_rows, offsets = mine_rows[keep], offsets[keep]
+                    if mine_rows.size == 0:
                         continue
-                offsets = behind.append(data, rows)
-            if self.plans is not None:
-                keep = self._plan(name, outlet, offsets)
-                rows, offsets = rows[keep], offsets[keep]
-                if rows.size == 0:
+                offsets = behind.append(data, mine_rows)
+            if plans is not None:
+                keep = plans.mask(name, outlet, offsets)
+                mine_rows, offsets = mine_rows[keep], offsets[keep]
+                if mine_rows.size == 0:
                     continue
             if outlet is None:
-                self.parked.setdefault(name or f"#{p}", OffsetQueue()).extend(offsets)
-                self.counters[3] += rows.size
-                continue
-            if outlet.waiting or name in self.held:
-                outlet.waiting.extend(offsets)
-                continue
-            rows = np.ascontiguousarray(rows)
-            pushed, wake = push_results(outlet.ring.buf, data, rows, 0, rows.size)
-            if wake:
-                outlet.ring.data_bell.ring()
-            if pushed:
-                outlet.pushed(offsets[:pushed])
-                self.counters[1] += pushed
-            if pushed < rows.size:
-                outlet.waiting.extend(offsets[pushed:])
+                self.recipients.park(name or f"#{p}", offsets)
+                self.counters[C_PARKED] += mine_rows.size
+            else:
+                self._deliver(outlet, data, mine_rows, offsets)
         return n
+
+    def _deliver(self, outlet: Outlet, data: np.ndarray, rows: np.ndarray, offsets: np.ndarray) -> None:
+        """Push the records at `rows` of `data` (at log `offsets`) on a connected name's ring; what
+        does not fit, or may not go yet, waits behind what already waits."""
+        if outlet.waiting or self.recipients.is_held(outlet.name):
+            outlet.waiting.extend(offsets)
+            return
+        rows = np.ascontiguousarray(rows)
+        pushed, wake = push_results(outlet.ring.buf, data, rows, 0, rows.size)
+        if wake:
+            outlet.ring.data_bell.ring()
+        if pushed:
+            outlet.pushed(offsets[:pushed])
+            self.counters[C_DELIVERED] += pushed
+        if pushed < rows.size:
+            outlet.waiting.extend(offsets[pushed:])
 
     def retry_waiting(self) -> int:
         """Push parked results of connected producers whose rings have room again."""
         moved = 0
-        for outlet in self.by_name.values():
-            if outlet.name in self.held:
+        for outlet in self.recipients.connected():
+            if self.recipients.is_held(outlet.name):
                 continue
-            log = self._log_of(outlet.name)
+            log = self.behind.log_of(outlet.name)
             while outlet.waiting:
                 at = outlet.waiting.first()
                 head = log.read(at, RES_HEADER_BYTES)
@@ -265,11 +257,22 @@ class Router(Replayer, BehindNames, CursorSaves):
                     break
                 outlet.waiting.pop()
                 outlet.pushed(np.array([at], np.int64))
-                self.counters[1] += 1
+                self.counters[C_DELIVERED] += 1
                 moved += 1
         return moved
 
-    # -- checkpoints (the cursor file: `cursor_save.py`) ---------------------------------
+    # -- replay and checkpoints ----------------------------------------------------------
+
+    def replay(self) -> dict:
+        """After a restart: route every result from each name's cursor to the log's end again
+        (`replay.py`); then set up the readers waiting and save a checkpoint."""
+        held = self.recipients.hold_new_readers()
+        report = Replay(self.route, self.log, self.behind.logs(), self.cursors, held, self.counters,
+                        self.recipients.name_of, self.backlog.acks).run()
+        self.replayed = True
+        self.answer_readers()
+        self.checkpoint(force=True)
+        return report
 
     def checkpoint(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -277,10 +280,9 @@ class Router(Replayer, BehindNames, CursorSaves):
             return
         self.last_save = now
         if self.replayed:
-            self._rebalance()
+            self.behind.rebalance(self.keeper.entries(), self.recipients)
         self.log.sync()  # results on disk before the acks that say their items are done
-        for behind in self.behind.values():
-            behind.log.sync()
+        self.behind.sync()
         self.jobs.save()  # after the results it counts are synced, before the acks that say they are done
         # reclaim before the ack file is saved: on a full disk, the step that frees space comes
         # first (a segment is reclaimed only once all its results are synced, just above, and
@@ -289,19 +291,17 @@ class Router(Replayer, BehindNames, CursorSaves):
             self.last_reclaim = now
             self.backlog.reclaim()
         self.backlog.save_acks()
-        self.counters[5] += 1
+        self.counters[C_CHECKPOINTS] += 1
         if self.replayed:
             self.answer_readers()
-            self._save_cursors()
+            self.keeper.save()
 
     def close(self) -> None:
         self.checkpoint(force=True)
         self.log.close()
-        for behind in self.behind.values():
-            behind.log.close()
+        self.behind.close()
         self.backlog.close()
-        for outlet in self.by_name.values():
-            outlet.ring.close()
+        self.recipients.close()
 
 
 def _groups(values: np.ndarray) -> list:
@@ -333,7 +333,6 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
     role = control.roles.index("results")
     slot = control.role(role)
     stats = StatsWriter(control, role)
-    parked_at = slot_of("results", "parked_now")
     router = Router(cfg.data_dir, cfg, control, stats.values)
     rings = [r.attach(CONSUMER) for r in results_rings]
     next_gauges = 0.0
@@ -352,7 +351,7 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
                     raise
                 # a full disk: nothing taken is lost (a GPU's ring record is released only once
                 # logged); wait and take it again, the GPUs wait on their full rings meanwhile
-                router.counters[6] += 1
+                router.counters[C_DISK_FULL] += 1
                 try:
                     router.checkpoint()  # it reclaims what is done: the space a full disk needs
                 except OSError as again:
@@ -363,8 +362,8 @@ def results_main(cfg, control: Control, results_rings, bell, stopping) -> None:
                 continue
             now = time.monotonic()
             if now >= next_gauges:
-                stats.values[parked_at] = router.parked_now()
-                stats.values[C_BEHIND], stats.values[C_BEHIND_BYTES] = router.behind_now()
+                stats.values[G_PARKED_NOW] = router.parked_now()
+                stats.values[G_BEHIND], stats.values[G_BEHIND_BYTES] = router.behind_now()
                 next_gauges = now + GAUGE_SECONDS
                 stats.publish()
             elif got:

@@ -42,13 +42,12 @@ def _feed(router: Router, ids: np.ndarray, per_batch: int = 64) -> None:
         at = router.log.append(data)
         n = ids[k : k + per_batch].size
         pos = np.arange(n, dtype=np.int64) * RECORD
-        router._pos[:n] = pos
-        router._route(data, n, at, ack=True)
+        router.route(data, pos, at, ack=True)
 
 
 def _parked_ids(router: Router, name: str) -> list[int]:
     """The item ids of a name's parked results, in order (left parked)."""
-    log = router._log_of(name)
+    log = router.behind.log_of(name)
     queue = router.parked[name]
     parts = queue.take_all()
     for part in parts:
