@@ -228,15 +228,17 @@ def readme_block(lang: str, contains: str) -> str:
 @pytest.mark.timeout(240)
 def test_the_readme_walk_through_works(tmp_path):
     """The README's configuration runs a broker (with small rings for a test machine); its Producer
-    example prints one `ok` result a prompt; its `shmbroker submit` line writes one `ok` row a prompt."""
+    example prints one `ok` result a prompt; its `shmbroker submit` line, on a file holding its prompt
+    line, writes one `ok` row a prompt."""
     config = readme_block("toml", "[[consumers]]")
     small = "ingest_ring_bytes = 1048576\nresult_ring_bytes = 1048576\nsegment_bytes = 4194304\nindex_items = 65536\n"
     _, _, example = producer_example()
     submit = next(line.split("#")[0].split() for line in readme_block("", "shmbroker submit").splitlines()
                   if line.startswith("shmbroker submit"))
+    line = json.loads(readme_block("", '{"tokens"'))  # the README's prompt line, and two more
+    asked = [line, *({"tokens": [7, 8, 9 + i], "max_new_tokens": 4, "id": f"more-{i}"} for i in range(2))]
     prompts = tmp_path / submit[2]
-    prompts.write_text("".join(json.dumps({"tokens": [7, 8, 9 + i], "max_new_tokens": 4, "id": f"q-{i}"}) + "\n"
-                               for i in range(3)))
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in asked))
     with BrokerProc(tmp_path, config=small + config, instance="d" + secrets.token_hex(4)) as broker:
         env = {**os.environ, "SHMBROKER_DATA_DIR": broker.data_dir}
         run = subprocess.run([sys.executable, "-c", example + "\nprint('SUBMITTED', len(ids))"], env=env, cwd=tmp_path, capture_output=True, text=True,
@@ -250,7 +252,7 @@ def test_the_readme_walk_through_works(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         out = [json.loads(line) for line in (tmp_path / submit[submit.index("--out") + 1]).read_text().splitlines()]
-        assert sorted(r["id"] for r in out) == ["q-0", "q-1", "q-2"]
+        assert sorted(r["id"] for r in out) == sorted(row["id"] for row in asked)
         assert all(r["status"] == "ok" for r in out)
 
 
