@@ -9,7 +9,8 @@
   first 15, a Producer example of at most 10 lines within its first 80;
 - the README's own walk-through works: its configuration runs a broker, its Producer example gets
   its results, and its `shmbroker submit` line writes one `ok` result a prompt;
-- no tracker references ("issue 12", "hole 3") in the documentation or in the package.
+- no tracker references (the word "issue" or "hole" followed by a number) in the documentation or in
+  the package.
 """
 
 from __future__ import annotations
