@@ -11,8 +11,9 @@ Each key's field carries its metadata (`key(...)`):
   `key`: the key's name where it differs from the field's; `table`: the header of a field that holds
   a table (`[[consumers]]`); `type`: the key's type where the field's is another (GiB, not bytes).
 
-Fields without `help` are not keys (`source`, `ConsumerConfig`'s). This module imports nothing but
-the checks and the packer's own declarations, so any process below the configuration may read it.
+Fields without `help` are not keys (`source`, `ConsumerConfig`'s). This module imports only the
+checks, the packer's declarations, the protocol's data directory and model ids: any process below the
+configuration (spill's segment files, the results log) may read a default here.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def seconds(default: float, help: str, *, low_open: bool = True):
 
 @dataclass(frozen=True)
 class BrokerConfig:
+    """The top-level keys of `shmbroker.toml` and its tables (`source`: the file it came from)."""
+
     data_dir: str = key(help="the registry socket, the backlog segments, the ack file, the results log", check=Text(),
-                        default=MISSING, default_text=f"`${DATA_DIR_ENV}`, else `\"{DEFAULT_DATA_DIR}\"`")
+                        default_text=f"`${DATA_DIR_ENV}`, else `\"{DEFAULT_DATA_DIR}\"`")
     instance: str = key("main", help="names the broker's shared memory (two brokers on a host need two)",
                         check=Pattern(INSTANCE_RE, "1-32 letters, digits, '_' or '-'"))
     ingest_processes: int = key(1, help="ingest processes draining the producer rings", check=Integer(1, 64))
