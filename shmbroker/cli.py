@@ -12,8 +12,6 @@ import json
 import sys
 import time
 
-from .config.defaults import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS
-
 BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
@@ -116,7 +114,13 @@ def _print_figures(result: dict, indent: str) -> None:
 
 
 def _config(args) -> int:
-    """Validate a configuration file (or show the built-in default) and print it resolved."""
+    """Validate a configuration file (or show the built-in default) and print it resolved; or print
+    the configuration reference (docs/configuration.md) generated from the settings' fields."""
+    if args.reference:
+        from .config import reference
+
+        sys.stdout.write(reference.markdown())
+        return 0
     from .config import settings
     from .gpu.tiers import TierError, apply_gpus_auto
 
@@ -189,6 +193,8 @@ def _commands(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cluster.options import NodeSettings  # light: declarations only (no nats, no kernels)
+
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "filling (needs the right to mount)")
     g = p.add_argument_group("cluster")
     g.add_argument("--key-blocks", type=int, default=None,
-                   help=f"cluster: blocks past the family root in an item's partition key (default {DEFAULT_CLUSTER_KEY_BLOCKS})")
+                   help="cluster: blocks past the family root in an item's partition key (default: the partitioner's, "
+                        "DEFAULT_KEY_BLOCKS in cluster/partition.py)")
     g.add_argument("--epsilon", type=float, default=None,
-                   help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {DEFAULT_CLUSTER_EPSILON})")
+                   help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {NodeSettings.epsilon})")
     g.add_argument("--items", type=int, default=None,
                    help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale)")
     g.add_argument("--repeats", type=int, default=None,
@@ -241,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
     p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
+    p.add_argument("--reference", action="store_true",
+                   help="print the reference of every key (markdown, docs/configuration.md) and exit")
     p.set_defaults(func=_config)
     p = sub.add_parser("supervise", help="run the broker: ingest, scheduler, results and one GPU process per consumer")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")

@@ -41,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_CLUSTER_EPSILON, DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..workloads.feeders import PackerFeeder
 from ..workloads.packsim import simulate
@@ -218,11 +217,13 @@ def _partition_of_us(wl: Workload, num_partitions: int, key_blocks: int) -> floa
 
 def run(trace: str | None = None, scale: float = 1.0, seed: int = 0, num_partitions: int | None = None,
         key_blocks: int | None = None, epsilon: float | None = None) -> dict:
-    from ..cluster.partition import partitions_of
+    from ..cluster.options import NodeSettings
+    from ..cluster.partition import DEFAULT_KEY_BLOCKS, partitions_of
+    from ..cluster.subjects import ClusterNames
 
-    num_partitions = DEFAULT_CLUSTER_PARTITIONS if num_partitions is None else num_partitions
-    key_blocks = DEFAULT_CLUSTER_KEY_BLOCKS if key_blocks is None else key_blocks
-    epsilon = DEFAULT_CLUSTER_EPSILON if epsilon is None else epsilon
+    num_partitions = ClusterNames.num_partitions if num_partitions is None else num_partitions
+    key_blocks = DEFAULT_KEY_BLOCKS if key_blocks is None else key_blocks
+    epsilon = NodeSettings.epsilon if epsilon is None else epsilon
     if trace is None and TRACE.exists():
         trace = str(TRACE)
     wl = workload_for(trace, scale, seed)

@@ -69,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config.broker import BrokerConfig
 from ..ring.items import SEQ_MASK
 from ..spill import layout as L
 from ..spill.store import Backlog
@@ -89,7 +90,7 @@ RECOVERY_TOKENS = 1_000_000_000
 def _plan(scale: float) -> dict:
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    seg = L.DEFAULT_SEGMENT_BYTES if scale >= 1 else max(256 << 10, int(L.DEFAULT_SEGMENT_BYTES * scale) // PAGE_BYTES * PAGE_BYTES)
+    seg = BrokerConfig.segment_bytes if scale >= 1 else max(256 << 10, int(BrokerConfig.segment_bytes * scale) // PAGE_BYTES * PAGE_BYTES)
     return {
         "volume_bytes": max(1 << 20, int(VOLUME_BYTES * scale)),
         "recovery_tokens": max(RECOVERY_RECORD_TOKENS * 64, int(RECOVERY_TOKENS * scale)),

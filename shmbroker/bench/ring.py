@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from ..config.broker import BrokerConfig
 from ..frontdoor.registry import Registry
 from ..ingest.loop import RingSet
 from ..ring.digest import DeliveryCheck, digest_tokens, expected_digest
@@ -54,7 +55,8 @@ def _plan(scale: float) -> dict:
 
 def _broker_side(data_dir: str, conn, mpq, plan: dict) -> None:
     owner = Owner(data_dir, "bench")
-    registry = Registry(owner, data_dir, result_ring_bytes=1 << 20)
+    registry = Registry(owner, data_dir, ingest_ring_bytes=BrokerConfig.ingest_ring_bytes, result_ring_bytes=1 << 20,
+                        retire_seconds=BrokerConfig.producer_retire_seconds)
     registry.start()
     rings = RingSet(registry.ingest_bell)
     try:
@@ -137,7 +139,8 @@ print(time.monotonic() - t0)
 def _attach_seconds(data_dir: str) -> float:
     """Wall time of a fresh interpreter: import, connect, first submit (cache warm)."""
     owner = Owner(data_dir, "attach")
-    registry = Registry(owner, data_dir, ingest_ring_bytes=1 << 20, result_ring_bytes=1 << 16)
+    registry = Registry(owner, data_dir, ingest_ring_bytes=1 << 20, result_ring_bytes=1 << 16,
+                        retire_seconds=BrokerConfig.producer_retire_seconds)
     registry.start()
     try:
         t0 = time.monotonic()

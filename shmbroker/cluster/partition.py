@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_CLUSTER_KEY_BLOCKS, DEFAULT_CLUSTER_PARTITIONS
 from ..jit import kernel
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, DEFAULT_SEED, family_key, hash_span, shape_items
+from .subjects import ClusterNames
+
+DEFAULT_KEY_BLOCKS = 1  # blocks past the family root in the key (the module docstring says why 1)
 
 
 @kernel
@@ -91,7 +93,7 @@ def _check_params(num_partitions: int, key_blocks: int, block_tokens: int) -> No
 
 
 def partition_of(tokens, prefix_len: int | None, model_id: int, num_partitions: int, *,
-                 key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  seed: int = DEFAULT_SEED) -> int:
     """The partition (0..num_partitions-1) of one item: uint32 tokens, its declared prefix (None or 0: none)
     and its model's id (`ring.items.model_id`)."""
@@ -106,8 +108,8 @@ def partition_of(tokens, prefix_len: int | None, model_id: int, num_partitions: 
                               int(seed)))
 
 
-def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int = DEFAULT_CLUSTER_PARTITIONS, *,
-                  key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int = ClusterNames.num_partitions, *,
+                  key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                   seed: int = DEFAULT_SEED) -> np.ndarray:
     """Partitions of many items: flat uint32 tokens, int64 offsets (items + 1), per-item prefix_len (0: none)
     and model ids (default 0). Returns int64 partitions."""
@@ -131,7 +133,7 @@ def partitions_of(flat, offsets, prefixes=None, models=None, num_partitions: int
 
 
 def partition_reference(tokens, prefix_len: int | None, model_id: int, num_partitions: int, *,
-                        key_blocks: int = DEFAULT_CLUSTER_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                        key_blocks: int = DEFAULT_KEY_BLOCKS, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                         seed: int = DEFAULT_SEED) -> int:
     """`partition_of` from the broker's own shapes: the family key, else the trie node at the key's depth."""
     arr = np.ascontiguousarray(tokens, dtype=np.uint32)

@@ -65,7 +65,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_CLUSTER_EPSILON
+from .options import NodeSettings
 
 _TOLERANCE = 1e-9  # relative slack of the bound against float rounding
 
@@ -91,7 +91,7 @@ def _owners_of(current, num_partitions: int, index: dict[str, int]) -> list[int]
     return out
 
 
-def assign(weights, nodes: Iterable[str], *, epsilon: float = DEFAULT_CLUSTER_EPSILON,
+def assign(weights, nodes: Iterable[str], *, epsilon: float = NodeSettings.epsilon,
            current: Mapping[int, str | None] | Sequence[str | None] | None = None) -> list[str]:
     """Owner of every partition (the module docstring's rule): weights[p] = partition p's pending tokens."""
     w = np.asarray(weights, np.float64)

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_CLUSTER_PARTITIONS
 from ..ring.items import NO_PREFIX, STATUS_CODES, STATUS_NAMES, U32_MAX
 
 PRODUCER_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -44,11 +43,14 @@ def check_producer_name(name) -> str:
 class ClusterNames:
     """Where the cluster's things live: stream, bucket and subject names, and the partition count."""
 
-    subject_prefix: str = "shmb"
-    prompts_stream: str = "SHMB_PROMPTS"
-    results_stream: str = "SHMB_RESULTS"
-    leases_bucket: str = "SHMB_LEASES"
-    num_partitions: int = DEFAULT_CLUSTER_PARTITIONS
+    subject_prefix: str = field(default="shmb", metadata={"help": "the first tokens of every subject "
+                                                                  "(`<prefix>.prompts.<partition>`)"})
+    prompts_stream: str = field(default="SHMB_PROMPTS", metadata={"help": "the prompts stream (work-queue retention)"})
+    results_stream: str = field(default="SHMB_RESULTS", metadata={"help": "the results stream"})
+    leases_bucket: str = field(default="SHMB_LEASES", metadata={"help": "the key-value bucket of leases, liveness "
+                                                                        "and producers' sequence blocks"})
+    num_partitions: int = field(default=128, metadata={"help": "partitions the cluster's items spread over "
+                                                               "(producers and nodes must agree)"})
 
     def __post_init__(self):
         for token in self.subject_prefix.split("."):
@@ -101,13 +103,18 @@ class ClusterNames:
 class StreamSettings:
     """The streams' limits and the consumers' windows (what `streams.ensure_*` creates)."""
 
-    replicas: int = 1  # 1 on a single server, 3 on a cluster
-    prompts_max_bytes: int = 8 << 30  # a full prompts stream refuses new items: the producers' back-pressure
-    results_max_bytes: int = 8 << 30
+    replicas: int = field(default=1, metadata={"help": "the streams' and the bucket's replicas: 1 on a single "
+                                                       "server, 3 or 5 on a cluster"})
+    prompts_max_bytes: int = field(default=8 << 30, metadata={"help": "a full prompts stream refuses new items: "
+                                                                      "the producers' back-pressure"})
+    results_max_bytes: int = field(default=8 << 30, metadata={"help": "the results stream's bound"})
     results_max_age_seconds: float = 7 * 24 * 3600.0
-    duplicate_window_seconds: float = 600.0
-    ack_wait_seconds: float = 30.0  # a partition consumer's (and a results consumer's) redelivery time
-    max_ack_pending: int = 4096  # a node's staging window per partition
+    duplicate_window_seconds: float = field(default=600.0, metadata={"help": "a result (or prompt) published again "
+                                                                             "within this window is dropped"})
+    ack_wait_seconds: float = field(default=30.0, metadata={"help": "a prompt pulled and not answered this long is "
+                                                                    "delivered again"})
+    max_ack_pending: int = field(default=4096, metadata={"help": "per partition: JetStream's bound on what a node "
+                                                                 "stages"})
     results_max_ack_pending: int = 4096
 
     def __post_init__(self):

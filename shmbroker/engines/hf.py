@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import transformers
 
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import BatchResults, EngineOutcome
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -42,7 +43,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class HF:
     mode = "padded"
 
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+    def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
         self.settings = settings
         self.block_tokens = block_tokens
         if settings.threads:

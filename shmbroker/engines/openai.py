@@ -76,6 +76,7 @@ from time import monotonic
 
 import httpx
 
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
 from .openai_reply import Reply, RequestFailed, parse_reply, server_message
 from .packed_args import BusyClock
@@ -113,7 +114,7 @@ def retry_after(resp) -> float | None:
 class OpenAICompatible(StreamingRun):
     """The streaming engine interface (`base.Engine`) over an OpenAI-compatible completions server."""
 
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+    def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
         if not settings.model:
             raise ValueError("engine 'openai' needs engine_settings.model (the served model's name)")
         self._configure("openai", settings, block_tokens, contract, needs=None)

@@ -38,24 +38,28 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c
 import numpy as np
 
 from ..pack.contract import MODES
-from ..pack.shapes import shape_items
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
 from .faults import SimFaults
 
 
 @dataclass(frozen=True)
 class SimCost:
-    batch_overhead_seconds: float = 0.003
-    prefill_token_seconds: float = 7.5e-6
-    decode_step_seconds: float = 0.012
-    decode_token_seconds: float = 2e-5
-    zero_cost: bool = False
+    """The cost model: a batch's modeled seconds (keys of the simulated engine's `engine_settings`)."""
+
+    batch_overhead_seconds: float = field(default=0.003, metadata={"help": "cost model: seconds per batch"})
+    prefill_token_seconds: float = field(default=7.5e-6, metadata={"help": "cost model: seconds per computed "
+                                                                           "input token (cache misses)"})
+    decode_step_seconds: float = field(default=0.012, metadata={"help": "cost model: seconds per decoding step"})
+    decode_token_seconds: float = field(default=2e-5, metadata={"help": "cost model: seconds per sequence per "
+                                                                        "decoding step"})
+    zero_cost: bool = field(default=False, metadata={"help": "every batch free (benchmarks of the broker itself)"})
 
     def seconds(self, computed_tokens: int, decode_steps: int, decode_seq_steps: int) -> float:
         if self.zero_cost:
@@ -188,7 +192,7 @@ class Sim(StreamingRun):
 
     VOCAB = 32_000
 
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
+    def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
         self.mode = settings.mode
         self.block_tokens = block_tokens
         self.pace = float(getattr(settings, "pace_seconds", 0.0))

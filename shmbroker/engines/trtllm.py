@@ -71,6 +71,7 @@ import numpy as np
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import (
     BusyClock,
@@ -91,7 +92,7 @@ ENDED = ("cancelled", "timeout")  # finish reasons that are not a completion
 
 
 class TRTLLM(StreamingRun):
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, llm=None, **_options):
+    def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, llm=None, **_options):
         self._configure("trtllm", settings, block_tokens, contract, needs="max_seq_len")
         self.llm_kwargs = trtllm_llm_kwargs(settings, contract)
         if llm is None:

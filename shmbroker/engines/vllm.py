@@ -52,6 +52,7 @@ import numpy as np
 from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, OK, TOO_LONG, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 
@@ -102,7 +103,7 @@ def refused(item_id: int, exc: Exception) -> ItemResult:
 
 
 class VLLM(StreamingRun):
-    def __init__(self, settings, *, block_tokens: int = 512, contract=None, engine=None, llm=None, **_options):
+    def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, engine=None, llm=None, **_options):
         self._configure("vllm", settings, block_tokens, contract, needs="max_model_len")
         self.llm_kwargs = vllm_llm_kwargs(settings, contract)
         given = engine if engine is not None else llm

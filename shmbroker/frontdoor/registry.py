@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import defaults as config
 from ..control.segment import MAX_PRODUCERS
 from ..protocol import PROTOCOL_VERSION, read_line, socket_path
 from ..ring.items import MAX_PRODUCER_ID
@@ -89,12 +88,12 @@ class Registry:
         owner: Owner,
         data_dir: str | os.PathLike,
         *,
-        ingest_ring_bytes: int = config.DEFAULT_INGEST_RING_BYTES,
-        result_ring_bytes: int = config.DEFAULT_RESULT_RING_BYTES,
+        ingest_ring_bytes: int,
+        result_ring_bytes: int,
         control=None,
         ingest_bells: list | None = None,
         info: dict | None = None,
-        retire_seconds: float = config.DEFAULT_PRODUCER_RETIRE_SECONDS,
+        retire_seconds: float,
     ):
         self.owner = owner
         self.control = control

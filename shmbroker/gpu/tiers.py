@@ -25,7 +25,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..config.settings import GIB, Card, ConsumerConfig, Tier
+from ..config.broker import GIB, Card, ConsumerConfig, Tier
 from ..errors import BrokerError
 
 __all__ = ["GIB", "Card", "Tier", "TierError", "apply_gpus_auto", "assign", "consumers_for", "detect_cards",

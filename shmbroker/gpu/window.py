@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import defaults as config
 from ..engines.base import BatchResults
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
@@ -48,12 +47,13 @@ log = logging.getLogger("shmbroker.gpu")
 
 @dataclass(frozen=True)
 class WindowLimits:
-    """The window's deadline and retry settings (config.py has the defaults and what they mean)."""
+    """The window's deadline and retry settings, taken from the broker's configuration
+    (`WindowLimits.of(cfg)`; config/broker.py has each one's default and what it means)."""
 
-    deadline_seconds: float = config.DEFAULT_BATCH_DEADLINE_SECONDS
-    deadline_token_seconds: float = config.DEFAULT_BATCH_DEADLINE_TOKEN_SECONDS
-    retry_min_seconds: float = config.DEFAULT_ENGINE_RETRY_MIN_SECONDS
-    retry_max_seconds: float = config.DEFAULT_ENGINE_RETRY_MAX_SECONDS
+    deadline_seconds: float
+    deadline_token_seconds: float
+    retry_min_seconds: float
+    retry_max_seconds: float
 
     @classmethod
     def of(cls, cfg) -> WindowLimits:
@@ -73,7 +73,7 @@ class Window:
     PEEK_MAX = 4096  # records the window may hold
 
     def __init__(self, core: ConsumerCore, ring, writer, views, c: int, limit: int, *,
-                 deliveries: Deliveries | None = None, limits: WindowLimits = WindowLimits()):
+                 limits: WindowLimits, deliveries: Deliveries | None = None):
         self.core, self.ring, self.writer, self.views, self.c = core, ring, writer, views, c
         self.limit = limit
         self.deliveries = deliveries if deliveries is not None else private(int(ring.header[L.H_TAIL]))

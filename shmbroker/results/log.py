@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config.broker import BrokerConfig
 from ..disk import durable
 
 RESULTS_DIR = "results"
@@ -56,7 +57,7 @@ def preallocate(fd: int, size: int) -> bool:
 class ResultsLog:
     """Append-only result records across files named by their first byte's log offset."""
 
-    def __init__(self, directory: Path, fsync: str = "interval", file_bytes: int = LOG_FILE_BYTES,
+    def __init__(self, directory: Path, fsync: str = BrokerConfig.fsync, file_bytes: int = LOG_FILE_BYTES,
                  ahead_bytes: int = PREALLOCATE_BYTES):
         """`ahead_bytes`: how far ahead of the writes blocks are allocated (0: each append's own)."""
         self.dir = directory

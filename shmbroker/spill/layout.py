@@ -59,8 +59,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_SEGMENT_BYTES  # noqa: F401  (re-exported: the spill package's default)
-
 SEGMENT_MAGIC = 0x3147455342484D53  # "SHMBSEG1"
 RECORD_MAGIC = 0x52424D53  # "SMBR"
 FLAG_CONT = 0x80000000  # record flags: a record after the first of its write (run)

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config.broker import BrokerConfig
 from ..disk import durable
 from .acks import AckFileCorrupt, Acks
-from .layout import DEFAULT_SEGMENT_BYTES, PENDING_DTYPE, RECORD_HEADER_BYTES, idx_name, segment_name, writer_dir_name
+from .layout import PENDING_DTYPE, RECORD_HEADER_BYTES, idx_name, segment_name, writer_dir_name
 from .records import gather
 from .recovery import Recovery, RecoveryReport, WriterState
 from .segment import SegmentFile
-from .writer import DEFAULT_FSYNC_INTERVAL_MS, SegmentWriter
+from .writer import SegmentWriter
 
 DIR_MODE = 0o700
 BACKLOG_DIR = "backlog"
@@ -48,7 +49,7 @@ class Backlog:
     # -- recovery ------------------------------------------------------------------
 
     @classmethod
-    def open(cls, data_dir: str | os.PathLike, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    def open(cls, data_dir: str | os.PathLike, *, segment_bytes: int = BrokerConfig.segment_bytes,
              readonly: bool = False, writers: set[int] | None = None) -> tuple[Backlog, RecoveryReport]:
         """Recover the backlog. `readonly`: look without changing anything on disk (no tail cut, no
         index written, nothing reclaimed or set aside), as a scheduler does while ingest processes
@@ -123,8 +124,8 @@ class Backlog:
         self,
         writer: int,
         *,
-        fsync: str = "interval",
-        fsync_interval_ms: float = DEFAULT_FSYNC_INTERVAL_MS,
+        fsync: str = BrokerConfig.fsync,
+        fsync_interval_ms: float = BrokerConfig.fsync_interval_ms,
         sparse: bool = False,
     ) -> SegmentWriter:
         """The writer `writer`, continuing after its last recovered record."""

@@ -39,11 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config.defaults import DEFAULT_FSYNC_INTERVAL_MS
+from ..config.broker import FSYNC_POLICIES, BrokerConfig
 from ..disk import durable
 from ..disk.lockfile import flock_exclusive
 from .layout import (
-    DEFAULT_SEGMENT_BYTES,
     ITEM_DTYPE,
     MIN_SEGMENT_BYTES,
     R64_SEQ,
@@ -57,7 +56,6 @@ from .reservation import continue_at, lower_to, raise_to
 from .runs import RunLander
 from .segment import CLEAN_FILE, SegmentFile, allocate_spare, idx_bytes, write_clean_marker, write_idx
 
-FSYNC_POLICIES = ("never", "interval", "always")
 PAGE_BYTES = 4096
 SEAL_QUEUE_MAX = 2  # segments waiting for the sync thread to seal them; more seal inline
 STAGING_BYTES = 2 << 20  # one run (pwrite) at most, unless a single record is larger
@@ -77,9 +75,9 @@ class SegmentWriter:
         active: SegmentFile | None,
         active_end: int,
         active_offsets: list[np.ndarray],
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        fsync: str = "interval",
-        fsync_interval_ms: float = DEFAULT_FSYNC_INTERVAL_MS,
+        segment_bytes: int = BrokerConfig.segment_bytes,
+        fsync: str = BrokerConfig.fsync,
+        fsync_interval_ms: float = BrokerConfig.fsync_interval_ms,
         sparse: bool = False,
     ):
         if fsync not in FSYNC_POLICIES:

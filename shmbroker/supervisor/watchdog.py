@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import defaults as config
 from ..control.segment import (
     R_BEAT,
     R_CRASH_LOOP,
@@ -67,13 +66,14 @@ _SIDE_WORDS = {PRODUCER: (L.H_PRODUCER_PID, L.H_PRODUCER_BEAT), CONSUMER: (L.H_C
 
 @dataclass(frozen=True)
 class Limits:
-    """The watchdog's and the restart policy's settings (config.py has the defaults and what they mean)."""
+    """The watchdog's and the restart policy's settings, taken from the broker's configuration
+    (`Limits.of(cfg)`; config/broker.py has each one's default and what it means)."""
 
-    heartbeat_timeout_seconds: float = config.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-    startup_timeout_seconds: float = config.DEFAULT_STARTUP_TIMEOUT_SECONDS
-    restart_backoff_max_seconds: float = config.DEFAULT_RESTART_BACKOFF_MAX_SECONDS
-    crash_loop_restarts: int = config.DEFAULT_CRASH_LOOP_RESTARTS
-    crash_loop_window_seconds: float = config.DEFAULT_CRASH_LOOP_WINDOW_SECONDS
+    heartbeat_timeout_seconds: float
+    startup_timeout_seconds: float
+    restart_backoff_max_seconds: float
+    crash_loop_restarts: int
+    crash_loop_window_seconds: float
 
     @classmethod
     def of(cls, cfg) -> Limits:

@@ -24,6 +24,7 @@ import numpy as np
 from ..pack.contract import Batch, Shape
 from ..pack.guard import Guard
 from ..pack.packer import ConsumerSpec, Packer
+from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 
 
 class PackerFeeder:
@@ -31,7 +32,7 @@ class PackerFeeder:
 
     name = "shmbroker"
 
-    def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=1 / 16):
+    def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=DEFAULT_PADDING_TOLERANCE):
         specs = [ConsumerSpec(c.name, c.contract, mode) for c in consumers]
         cap = capacity or len(shapes)
         # sized as a scheduler would size it for this backlog: items, twice the distinct families
@@ -99,7 +100,7 @@ class FifoFeeder:
     name = "fifo"
     feeding = "batch"
 
-    def __init__(self, consumers, mode, shapes, wl, *, tolerance=1 / 16, group: int | None = None,
+    def __init__(self, consumers, mode, shapes, wl, *, tolerance=DEFAULT_PADDING_TOLERANCE, group: int | None = None,
                  guarded: bool = True, **_):
         self.consumers = consumers
         self.shapes = shapes

@@ -22,6 +22,7 @@ import pytest
 from support.harness import DEV_SHM, BrokerSide, shm_leftovers
 
 from shmbroker.client.producer import Producer
+from shmbroker.config.broker import BrokerConfig
 from shmbroker.errors import NotRunning
 from shmbroker.frontdoor.registry import REQUEST_TIMEOUT_SECONDS, Registry
 from shmbroker.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, request
@@ -270,7 +271,8 @@ def test_start_replaces_a_stale_socket_and_works_as_a_context_manager(tmp_path):
         stale.close()  # a crashed broker's socket file: connect is refused
         with pytest.raises(NotRunning):
             Producer("x", data_dir=data, connect_timeout_seconds=1.0)
-        with Registry(owner, data, ingest_ring_bytes=1 << 12, result_ring_bytes=1 << 12) as reg:
+        with Registry(owner, data, ingest_ring_bytes=1 << 12, result_ring_bytes=1 << 12,
+                      retire_seconds=BrokerConfig.producer_retire_seconds) as reg:
             assert mode_of(reg.path) == 0o600
             with Producer("x", data_dir=data) as p:
                 assert p.producer_id == 1

@@ -10,6 +10,7 @@ a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from http.server import ThreadingHTTPServer
 
@@ -348,6 +350,7 @@ def test_the_watchdog_tells_startup_waiting_and_progress_from_a_hang(owner):
     """Real processes in role slots of a real control segment: one that starts slowly (no beat yet),
     one waiting on a ring (its ring side beats), one that beats and one that missed its deadline;
     only the silent and the late ones are judged hung."""
+    from shmbroker.config.broker import BrokerConfig
     from shmbroker.control.segment import R_BEAT, R_DEADLINE, R_PID, R_STARTED
     from shmbroker.ring.owned import create_ring
     from shmbroker.ring.ring import CONSUMER
@@ -379,7 +382,9 @@ def test_the_watchdog_tells_startup_waiting_and_progress_from_a_hang(owner):
             kids.append(pid)
             ctl.role(r)[R_PID] = pid
         ctl.role(roles.index("late"))[R_DEADLINE] = time.monotonic_ns() + 500_000_000
-        dog = Watchdog(ctl, roles, Limits(heartbeat_timeout_seconds=0.6, startup_timeout_seconds=5.0),
+        limits = Limits.of(BrokerConfig(data_dir="unused"))
+        limits = dataclasses.replace(limits, heartbeat_timeout_seconds=0.6, startup_timeout_seconds=5.0)
+        dog = Watchdog(ctl, roles, limits,
                        rings={"waiting": [(ring.segment.buf, CONSUMER)]})
         time.sleep(1.2)
         hung = dict(dog.check({role: pid for role, pid in zip(roles, kids)}))
@@ -393,7 +398,13 @@ def test_the_watchdog_tells_startup_waiting_and_progress_from_a_hang(owner):
 
 
 def test_the_failure_settings_are_validated_with_their_defaults_in_one_place():
-    from shmbroker.config import defaults, settings
+    from shmbroker.config import settings
+    from shmbroker.config.broker import BrokerConfig
+
+    # each default is declared once, on its field
+    defaults = types.SimpleNamespace(DEFAULT_POISON_ATTEMPTS=BrokerConfig.poison_attempts,
+                                     DEFAULT_BATCH_DEADLINE_SECONDS=BrokerConfig.batch_deadline_seconds,
+                                     DEFAULT_HEARTBEAT_TIMEOUT_SECONDS=BrokerConfig.heartbeat_timeout_seconds)
 
     cfg = settings.parse({})
     assert cfg.poison_attempts == defaults.DEFAULT_POISON_ATTEMPTS == 3

@@ -8,9 +8,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shmbroker.config.broker import BrokerConfig
 from shmbroker.engines.base import EngineOutcome, ItemResult
 from shmbroker.gpu.core import ConsumerCore
-from shmbroker.gpu.window import Window
+from shmbroker.gpu.window import Window, WindowLimits
 from shmbroker.pack.contract import Contract
 from shmbroker.pack.feeding import window_items
 from shmbroker.ring import layout as L
@@ -103,7 +104,8 @@ def make(owner, contract, engine, role="b"):
     prod, cons = owned.attach(PRODUCER), owned.attach(CONSUMER)
     writes = Writes()
     core = ConsumerCore(contract, engine)
-    window = Window(core, cons, writes, Views(), 0, window_items(contract.max_batch_size, engine.mode))
+    window = Window(core, cons, writes, Views(), 0, window_items(contract.max_batch_size, engine.mode),
+                    limits=WindowLimits.of(BrokerConfig(data_dir="unused")))
     return prod, cons, writes, window
 
 

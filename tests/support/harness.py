@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from shmbroker.config.broker import BrokerConfig
 from shmbroker.frontdoor.registry import Registry
 from shmbroker.ingest.loop import RingSet
 from shmbroker.ring import layout as L
@@ -69,7 +70,8 @@ class BrokerSide:
         self.owner = Owner(self.data_dir, self.instance)
         try:
             self.reg = Registry(
-                self.owner, self.data_dir, ingest_ring_bytes=ingest_ring_bytes, result_ring_bytes=result_ring_bytes
+                self.owner, self.data_dir, ingest_ring_bytes=ingest_ring_bytes, result_ring_bytes=result_ring_bytes,
+                retire_seconds=BrokerConfig.producer_retire_seconds,
             )
             self.reg.start()
         except BaseException:
@@ -139,7 +141,8 @@ def ingest_side(data_dir: Path) -> Iterator[tuple]:
     """(registry, rings, backlog, writer): what ingest-0 holds (an Owner + Registry with 64 KiB ingest
     rings, the RingSet over them, a Backlog of 1 MiB segments and its writer, no fsync) on `data_dir`."""
     owner = Owner(data_dir, "t" + secrets.token_hex(3))
-    registry = Registry(owner, data_dir, ingest_ring_bytes=64 << 10, result_ring_bytes=4096)
+    registry = Registry(owner, data_dir, ingest_ring_bytes=64 << 10, result_ring_bytes=4096,
+                        retire_seconds=BrokerConfig.producer_retire_seconds)
     registry.start()
     rings = RingSet(registry.ingest_bell)
     backlog, _ = Backlog.open(data_dir, segment_bytes=1 << 20)
