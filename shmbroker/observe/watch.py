@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
+from ..control.deaths import death_report
 from ..control.roles import Kind, gpu, kind_of
 from ..control.segment import (
     C_METRICS_PORT,
@@ -44,7 +45,6 @@ from ..results.log import RESULTS_DIR
 from ..ring import layout as L
 from ..ring.liveness import is_alive, start_ticks
 from ..ring.shm import Segment
-from ..supervisor.watchdog import death_report
 
 BROKER_FILE = "broker.json"
 WATCHER_NICE = 10  # the exporter and `shmbroker top` yield the CPU to the broker's processes

@@ -42,13 +42,14 @@ import time
 import traceback
 from pathlib import Path
 
+from ..control.deaths import describe_status, note_exception
 from ..control.roles import STOP_ORDER, broker_roles
 from ..control.segment import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_PID, R_RESTARTS, Control, mark_started
 from ..disk.lockfile import AlreadyRunning, InstanceLock
 from ..observe.watch import describe, remove_description, write_description
 from ..ring.owner import Owner
 from .salvage import salvage_at_start, salvage_at_stop
-from .watchdog import Limits, Supervision, describe_status, note_exception
+from .watchdog import Limits, Supervision
 from .wiring import Wiring, run_child
 
 log = logging.getLogger("shmbroker.supervisor.supervise")
