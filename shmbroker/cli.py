@@ -167,13 +167,13 @@ def _supervise(args) -> int:
 
 def _top(args) -> int:
     """A live view of a running broker until q, Ctrl-C or SIGTERM."""
-    from .commands.common import _data_dir, _err
+    from .commands.common import config_data_dir, print_error
     from .observe import top
 
     if not 0 < args.interval <= top.INTERVAL_SECONDS_MAX:
-        _err(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")
+        print_error(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")
         return 2
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     return top.run(data_dir, args.interval)

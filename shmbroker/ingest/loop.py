@@ -46,7 +46,7 @@ from ..spill.collect import REFUSALS, collect
 from ..spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from ..spill.locate import fill_locations
 from ..spill.writer import SegmentWriter
-from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
+from .sources import BATCH_RECORDS, OnRecords, RingSet  # noqa: F401 (RingSet: tests drive it)
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
 IDLE_SECONDS_MIN = 0.005  # a round with no producer's ring to wait on sleeps at least this
@@ -302,7 +302,7 @@ def _final_drain(rings: RingSet, announcer, stopping) -> bool:
         close_ring(src.ring.buf)
     time.sleep(0.005)
     for src in rings.sources:
-        drain_closed(src.ring.buf, lambda pos, n, src=src: announcer(src.entry, src.ring, pos, n), rings._positions)
+        drain_closed(src.ring.buf, lambda pos, n, src=src: announcer(src.entry, src.ring, pos, n), rings.positions)
     return True
 
 

@@ -26,14 +26,14 @@ from ..jit import kernel
 from .ages import age_push
 from .bands import bit_clear, bit_set
 from .links import (
-    _branch_list_set,
-    _bucket_append,
-    _bucket_unlink,
-    _child_append,
-    _child_unlink,
-    _family_list_set,
-    _nitem_append,
-    _nitem_unlink,
+    branch_list_set,
+    bucket_append,
+    bucket_unlink,
+    child_append,
+    child_unlink,
+    family_list_set,
+    nitem_append,
+    nitem_unlink,
 )
 from .listing import branch_reclass, class_of, family_reclass, hinted_consumer, remember_server
 from .shapes import LENGTH_MAX, band_of
@@ -152,13 +152,13 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
     it[slot].length = length
     it[slot].max_new = max_new
     it[slot].fam = f
-    _nitem_append(it, nd, x, slot)
+    nitem_append(it, nd, x, slot)
     y = x
     while y != -1 and nd[y].live == 0:
         nd[y].live = 1
         p = nd[y].parent
         if p != -1:
-            _child_append(nd, p, y)
+            child_append(nd, p, y)
         y = p
     br = nd[x].branch
     if br != -1:
@@ -180,7 +180,7 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
         bk[b].band = band
         ht_put(S.bucket_keys, S.bucket_slots, bkey, b)
         bit_set(S.band_bits, S.band_summary, f, band)
-    _bucket_append(it, bk, b, slot)
+    bucket_append(it, bk, b, slot)
     fm[f].pending += 1
     fm[f].tokens += length
     fm[f].generate += max_new
@@ -231,19 +231,19 @@ def remove_quiet(S, slot):
     meta = S.meta
     cons = S.consumers
     f = it[slot].fam
-    b = _bucket_unlink(it, bk, slot)
+    b = bucket_unlink(it, bk, slot)
     if bk[b].count == 0:
         bit_clear(S.band_bits, S.band_summary, f, bk[b].band)
         ht_delete(S.bucket_keys, S.bucket_slots, bk[b].key)
         push_free(S.free_buckets, meta, M_BUCKETS_FREE, b)
-    x = _nitem_unlink(it, nd, slot)
+    x = nitem_unlink(it, nd, slot)
     while x != -1 and nd[x].nitems == 0 and nd[x].chead == -1:
         p = nd[x].parent
         nd[x].live = 0
         if p != -1:
-            _child_unlink(nd, p, x)
+            child_unlink(nd, p, x)
         if nd[x].depth == 1:
-            _branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
+            branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
             remember_server(S, x)
         elif nd[x].depth == 0:
             fm[f].root = -1
@@ -259,7 +259,7 @@ def remove_quiet(S, slot):
     meta[M_ITEMS] -= 1
     meta[M_TOKENS] -= it[slot].length
     if fm[f].pending == 0:
-        _family_list_set(fm, S.family_heads, S.family_tails, f, -1)
+        family_list_set(fm, S.family_heads, S.family_tails, f, -1)
         for c in range(cons.shape[0]):
             if cons[c, C_FAM] == f:
                 cons[c, C_FAM] = -1
