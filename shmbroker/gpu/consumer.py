@@ -203,8 +203,7 @@ class GpuCounting:
         self.at = {k: stats.index[k] for k in (*self.KEYS, *WINDOW_COUNTS, "tokens", "busy_ns", "idle_ns",
                                                 "batch_wait_ns", "engine_own_ns", "last_family", "engine_down")}
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
-            core._last_family = stats["last_family"] & U64_MASK
-            core._families[core._last_family] = None
+            core.resume_family(stats["last_family"] & U64_MASK)
 
     def idle(self, idle_ns: int) -> None:
         self.stats.values[self.at["idle_ns"]] += idle_ns
@@ -235,7 +234,7 @@ class GpuCounting:
         v[at["busy_ns"]] += busy_ns
         v[at["idle_ns"]] += idle_ns
         v[at["batch_wait_ns"]] += wait_ns
-        family = self.core._last_family
+        family = self.core.last_family
         if family is not None:
             v[at["last_family"]] = family - (1 << 64) if family >= 1 << 63 else family
         self._window()

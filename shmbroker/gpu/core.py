@@ -108,6 +108,16 @@ class ConsumerCore:
         self.returned = np.zeros(0, np.uint64)
         self.failure: Exception | None = None
 
+    @property
+    def last_family(self) -> int | None:
+        """The prefix family of the last batch taken (None: none yet)."""
+        return self._last_family
+
+    def resume_family(self, family: int) -> None:
+        """Go on from a predecessor's run (a restarted process): `family`, its last batch's, was served."""
+        self._last_family = family
+        self._families[family] = None
+
     def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
         """Account for one batch record and fail what the contract cannot take and what its backlog
         record does not hold intact (tokens viewed in the segments, `BatchTokens`: each record is

@@ -32,7 +32,9 @@ import time
 import numpy as np
 
 from ..control import roles
+from ..control.roles import Kind
 from ..control.segment import beat
+from ..control.stats import StatsWriter, slot_of
 from ..errors import DiskFull, Full, PeerDead
 from ..frontdoor.registry import ProducerEntry, Registry
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
@@ -50,9 +52,12 @@ from .sources import BATCH_RECORDS, OnRecords, RingSet  # noqa: F401 (RingSet: t
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
 IDLE_SECONDS_MIN = 0.005  # a round with no producer's ring to wait on sleeps at least this
-I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = range(5)  # stats.INGEST
-I_REFUSED = 5  # stats.INGEST: refused_<reason>, one per collect.REFUSALS, then rings_closed
-I_RINGS_CLOSED = I_REFUSED + len(REFUSALS)
+# the ingest process's statistics words (stats.INGEST), by name
+I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = (
+    slot_of(Kind.INGEST, k) for k in ("items", "tokens", "bytes", "batches", "disk_full"))
+I_REFUSED = slot_of(Kind.INGEST, f"refused_{REFUSALS[0]}")  # refused_<reason>, one per collect.REFUSALS, in order
+I_RINGS_CLOSED = slot_of(Kind.INGEST, "rings_closed")
+assert [slot_of(Kind.INGEST, f"refused_{r}") for r in REFUSALS] == list(range(I_REFUSED, I_REFUSED + len(REFUSALS)))
 
 
 class BacklogAppender:
@@ -237,7 +242,6 @@ class LeftRings:
 def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, left=()) -> None:
     """Ingest process k: drain the rings of producers assigned to it into backlog writer k (and, in
     process 0, the rings `left` from a dead broker that its start had no room to salvage)."""
-    from ..control.stats import StatsWriter
     from ..spill.store import Backlog
 
     backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes, writers={k})
