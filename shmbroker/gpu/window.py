@@ -8,7 +8,7 @@ crash redelivers what is not released; the client drops a result it has already 
 bookkeeping is columnar: the window's items are id/record/row columns, not a Python object each.
 A record taken and what its rows become are `taken.py`'s.
 
-Failures (issue 14, holes 6, 8 and 9):
+Failures:
 - the deliveries (`deliveries.py`): records a dead predecessor held are taken again alone, and
   after poison_attempts deaths their items run one at a time; an item on which the process died
   poison_attempts times alone fails here, engine_error, without running;
