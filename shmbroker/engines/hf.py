@@ -34,13 +34,14 @@ import numpy as np
 import torch
 import transformers
 
+from ..pack.contract import Mode
 from .base import BatchResults, EngineOutcome
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class HF:
-    mode = "padded"
+    mode = Mode.PADDED
 
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
         self.settings = settings

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..config import defaults as config
 from ..config.validator import Validator
-from ..pack.contract import MODES
+from ..pack.contract import Mode
 from .sim import SimCost
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -42,7 +42,7 @@ class SimSettings:
     raises ValueError); `fail_after`: a dead engine, once this many items were added every poll
     raises RuntimeError."""
 
-    mode: str = "packed"
+    mode: Mode = Mode.PACKED
     cache_tokens: int = 2 << 20
     cost: SimCost = SimCost()
     pace_seconds: float = config.DEFAULT_SIM_PACE_SECONDS
@@ -171,7 +171,7 @@ def sim_settings(v: Validator, raw: dict, at: str) -> SimSettings:
     cost_keys = {f.name for f in dataclasses.fields(SimCost)}
     faults = set(SIM_FAULT_TOKENS) | {"fail_after", "poison_kill"}
     v.no_unknown(raw, {"mode", "cache_tokens", "pace_seconds"} | cost_keys | faults, at)
-    mode = v.choice(raw, "mode", MODES, at) if "mode" in raw else "packed"
+    mode = Mode(v.choice(raw, "mode", tuple(Mode), at)) if "mode" in raw else Mode.PACKED
     cache = v.integer(raw, "cache_tokens", 0, 1 << 40, at=at) if "cache_tokens" in raw else 2 << 20
     cost = {}
     for key in sorted(cost_keys & raw.keys()):

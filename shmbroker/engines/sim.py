@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from ..pack.contract import MODES
+from ..pack.contract import Mode, as_mode
 from ..pack.shapes import shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
 from .faults import SimFaults
@@ -80,9 +80,8 @@ class BatchCost:
 class SimEngine:
     """Blocks come from `ItemShapes` (pack/shapes.py): the family key is an item's first block."""
 
-    def __init__(self, mode: str, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
-        if mode not in MODES:
-            raise ValueError(f"sim engine mode must be one of {MODES}, got {mode!r}")
+    def __init__(self, mode: Mode, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
+        mode = as_mode(mode, "sim engine mode")
         if cache_tokens < 0 or block_tokens < 1:
             raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
         self.mode = mode
@@ -99,7 +98,7 @@ class SimEngine:
         blocks = [shapes.sized_blocks(r) for r in rows]
         lengths = [int(shapes.lengths[r]) for r in rows]
         max_new = [max(1, int(m)) for m in max_new_tokens]
-        if self.mode == "padded":
+        if self.mode == Mode.PADDED:
             cost = self._padded(blocks, lengths)
             steps = max(max_new) - 1
             seq_steps = len(rows) * steps
@@ -189,7 +188,7 @@ class Sim(StreamingRun):
     VOCAB = 32_000
 
     def __init__(self, settings, *, block_tokens: int = 512, contract=None, **_options):
-        self.mode = settings.mode
+        self.mode = as_mode(settings.mode, "sim engine mode")
         self.block_tokens = block_tokens
         self.pace = float(getattr(settings, "pace_seconds", 0.0))
         self.cost = settings.cost
@@ -197,7 +196,7 @@ class Sim(StreamingRun):
                                cost=settings.cost)
         self.contract = contract
         self.stream = None
-        if self.mode == "packed" and not self.cost.zero_cost:
+        if self.mode == Mode.PACKED and not self.cost.zero_cost:
             from .continuous import ContinuousSim
 
             bs = contract.max_batch_size if contract is not None else 1 << 20

@@ -38,7 +38,7 @@ from ..engines.base import (
     ItemResult,
     engine_error,
 )
-from ..pack.contract import Batch, Contract
+from ..pack.contract import Batch, Contract, Mode
 from ..pack.guard import Guard
 from ..ring.items import Status
 from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
@@ -96,7 +96,7 @@ class ConsumerCore:
         if not callable(getattr(engine, "add", None)):
             engine = BatchStream(engine)
         self.engine = engine
-        self.guard = Guard(tolerance if engine.mode == "padded" else None)
+        self.guard = Guard(tolerance if engine.mode == Mode.PADDED else None)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that

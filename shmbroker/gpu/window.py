@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import defaults as config
 from ..engines.base import BatchResults
+from ..pack.contract import Mode
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
@@ -88,7 +89,7 @@ class Window:
         self.events = 0  # bumped whenever `down` or `counts` change (the process publishes its statistics)
         self.on_event = None  # called at once with a redelivery: the engine it goes to may die on it
         self._end = 0  # ring position past the newest record taken
-        self.padded = core.engine.mode == "padded"
+        self.padded = core.engine.mode == Mode.PADDED
         self.taken: deque[Taken] = deque()
         # the runnable items of the records taken, as columns (no Python object per item): id, the
         # serial of its record, its row there; `_order` sorts them by id (None: to be sorted again)

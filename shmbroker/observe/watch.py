@@ -39,6 +39,7 @@ from ..control.segment import (
 from ..control.stats import MAX_MODELS, read_role
 from ..errors import BrokerError
 from ..jobs.store import JobsWatch
+from ..pack.contract import Mode
 from ..results.behind import names_behind
 from ..results.delivery import Cursors
 from ..results.log import RESULTS_DIR
@@ -57,7 +58,7 @@ class NoBroker(BrokerError):
 
 # -- the description file (written by the supervisor) ----------------------------------------------
 
-def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], modes: list[str],
+def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], modes: list[Mode],
              metrics_addr: str | None) -> dict:
     models: dict[int, str] = {}
     for c in cfg.consumers:

@@ -75,6 +75,7 @@ from ..jit import kernel
 from .ages import oldest
 from .branches import claim_item_branch, goes_before, select_packed
 from .commit import finish
+from .contract import Mode
 from .links import family_list_set
 from .listing import family_reclass
 from .shapes import NUM_BANDS, band_of
@@ -327,4 +328,4 @@ class PackedPolicy(Policy):
 
 
 
-POLICIES = {"padded": PaddedPolicy, "packed": PackedPolicy}
+POLICIES = {Mode.PADDED: PaddedPolicy, Mode.PACKED: PackedPolicy}

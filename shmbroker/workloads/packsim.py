@@ -39,7 +39,7 @@ import numpy as np
 
 from ..engines.continuous import ContinuousSim
 from ..engines.sim import SimCost, SimEngine
-from ..pack.contract import Contract
+from ..pack.contract import Contract, Mode
 
 WINDOW_HEADROOM = 1 / 8  # in-flight items past max_batch_size, as a share of it
 
@@ -147,11 +147,11 @@ def merge(tallies: list[Tally]) -> dict:
 class _Runner:
     """One consumer's engine and the items it has received but not yet put into it."""
 
-    def __init__(self, consumer: SimConsumer, mode: str, shapes, cost: SimCost):
+    def __init__(self, consumer: SimConsumer, mode: Mode, shapes, cost: SimCost):
         k = consumer.contract
         self.contract = k
         self.shapes = shapes
-        if mode == "packed":
+        if mode == Mode.PACKED:
             self.engine = ContinuousSim(k.max_batch_size, k.max_batch_tokens, consumer.cache_tokens, cost)
         else:
             self.engine = SimEngine(mode, cache_tokens=consumer.cache_tokens, block_tokens=shapes.block_tokens,
@@ -172,11 +172,11 @@ class _Runner:
         return seconds
 
 
-def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCost | None = None) -> dict:
+def simulate(feeder, consumers, mode: Mode, shapes, wl, *, arrivals=None, cost: SimCost | None = None) -> dict:
     """Drain every item; arrivals=None is offline (all at 0)."""
     cost = cost or SimCost()
     window = feeder.feeding == "window"
-    if window and mode != "packed":
+    if window and mode != Mode.PACKED:
         raise ValueError("only a packed engine is fed an in-flight window")
     count = len(shapes)
     runners = [_Runner(c, mode, shapes, cost) for c in consumers]
@@ -231,7 +231,7 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
                 done += len(batch.failed)
                 if len(batch):
                     rows = batch.handles.astype(np.int64)
-                    if mode == "packed":
+                    if mode == Mode.PACKED:
                         seconds = run.run_batch(rows, batch.max_new_tokens)
                         tallies[c].group(batch.shape.family, len(batch), int(lengths[rows].sum()))
                     else:
@@ -255,7 +255,7 @@ def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCos
         else:
             finished[c] = True
     for run, tally in zip(runners, tallies):
-        if mode == "packed":
+        if mode == Mode.PACKED:
             tally.absorb(run.engine)
     figures = merge(tallies)
     figures["makespan_seconds"] = round(max(clocks), 3)
