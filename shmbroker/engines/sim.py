@@ -77,6 +77,16 @@ class BatchCost:
     seconds: float
 
 
+@dataclass
+class CacheFigures:
+    """What the engine's cache did since the last poll (an EngineOutcome's figures)."""
+
+    hit_blocks: int = 0
+    queried_blocks: int = 0
+    padded_tokens: int = 0
+    rect_tokens: int = 0
+
+
 class SimEngine:
     """Blocks come from `ItemShapes` (pack/shapes.py): the family key is an item's first block."""
 
@@ -209,7 +219,7 @@ class Sim(StreamingRun):
         self._pending = 0
         self.clock = 0.0  # modeled seconds computed
         self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
-        self._figures = [0, 0, 0, 0]  # hit, queried, padded, rect since the last poll
+        self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
 
@@ -254,8 +264,8 @@ class Sim(StreamingRun):
             h0, q0 = self.stream.hit_blocks, self.stream.queried_blocks
             seconds, keys = self.stream.step()
             self.clock += seconds
-            self._figures[0] += self.stream.hit_blocks - h0
-            self._figures[1] += self.stream.queried_blocks - q0
+            self._figures.hit_blocks += self.stream.hit_blocks - h0
+            self._figures.queried_blocks += self.stream.queried_blocks - q0
             if keys:
                 done = [self._seqs.pop(k) for k in keys]
                 self._ready.append((self.clock, np.array([i for i, _ in done], np.uint64),
@@ -267,10 +277,10 @@ class Sim(StreamingRun):
         cost = self.model.run(shapes, np.arange(len(ids)), max_new)
         self.clock += cost.seconds
         f = self._figures
-        f[0] += cost.hit_blocks
-        f[1] += cost.queried_blocks
-        f[2] += cost.padded_tokens
-        f[3] += cost.rect_tokens
+        f.hit_blocks += cost.hit_blocks
+        f.queried_blocks += cost.queried_blocks
+        f.padded_tokens += cost.padded_tokens
+        f.rect_tokens += cost.rect_tokens
         self._ready.append((self.clock, ids, max_new))
         return True
 
@@ -291,16 +301,16 @@ class Sim(StreamingRun):
             if wait <= 0:
                 break
             time.sleep(wait)
-        hit, queried, padded, rect = self._figures
-        self._figures = [0, 0, 0, 0]
+        f, self._figures = self._figures, CacheFigures()
         seconds = self.clock - start_clock
         if not out:
-            return EngineOutcome([], hit, queried, seconds, padded, rect)
+            return EngineOutcome([], f.hit_blocks, f.queried_blocks, seconds, f.padded_tokens, f.rect_tokens)
         ids = np.concatenate([o[1] for o in out])
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
         digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
-        return EngineOutcome(self.generated_many(ids, max_new, digests), hit, queried, seconds, padded, rect)
+        return EngineOutcome(self.generated_many(ids, max_new, digests), f.hit_blocks, f.queried_blocks, seconds,
+                             f.padded_tokens, f.rect_tokens)
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0

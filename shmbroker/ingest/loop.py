@@ -28,6 +28,7 @@ never stalls or crashes the loop that drains every other.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +61,20 @@ I_RINGS_CLOSED = slot_of(Kind.INGEST, "rings_closed")
 assert [slot_of(Kind.INGEST, f"refused_{r}") for r in REFUSALS] == list(range(I_REFUSED, I_REFUSED + len(REFUSALS)))
 
 
+class Appended(NamedTuple):
+    """What one `BacklogAppender.append` made durable, and where: the records' tokens (flat, item i at
+    flat[offsets[i]:offsets[i + 1]]), their ITEM_DTYPE rows, and each one's writer sequence number,
+    segment (its first_seq) and byte offset there. Views of the appender's buffers, valid until its
+    next append."""
+
+    flat: np.ndarray
+    offsets: np.ndarray
+    items: np.ndarray
+    seqs: np.ndarray
+    segments: np.ndarray
+    rec_offsets: np.ndarray
+
+
 class BacklogAppender:
     """`drain_once` callback: append a ring's records to this ingest process's backlog writer."""
 
@@ -78,10 +93,10 @@ class BacklogAppender:
     def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:
         self.append(entry.producer_id, ring.buf, positions, count)
 
-    def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int):
+    def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int) -> Appended | None:
         """Append the records at `positions` of a ring (its whole segment, `ring_buf`) to the backlog,
-        less those refused (`refused_now`). Returns (flat, offsets, items, seqs, segments, record
-        offsets): what was appended, and where; None when every record was refused."""
+        less those refused (`refused_now`): what was appended, and where; None when every record was
+        refused."""
         data = ring_buf[L.HEADER_BYTES :]
         words = data.view(np.uint32)
         if self._flat.size < words.size:
@@ -101,7 +116,7 @@ class BacklogAppender:
         self.refused += self.refused_now
         self.num_items += count
         self.num_tokens += total
-        return flat, offsets, items, seqs, segments, rec_offsets
+        return Appended(flat, offsets, items, seqs, segments, rec_offsets)
 
 
 def ingest_round(rings: RingSet, on_records: OnRecords, wait_seconds: float, left: LeftRings | None = None,
@@ -157,7 +172,7 @@ class Announcer:
             self.counters[I_REFUSED : I_REFUSED + len(REFUSALS)] += app.refused_now
         if appended is None:
             return
-        flat, offsets, items, seqs, segments, rec_offsets = appended
+        flat, offsets, items = appended.flat, appended.offsets, appended.items
         count = items.size
         total = flat.size
         prefixes = self._prefixes[:count]
@@ -172,11 +187,11 @@ class Announcer:
         chain_items(flat, offsets[:-1], np.diff(offsets), prefixes, np.ascontiguousarray(items["prefix_key"]),
                     app.block_tokens, hash_offsets, hashes)
         payload, locs, announced_hashes = new_announcement(count, nh)
-        fill_locations(locs, items, writer=self.writer.writer, segment=segments, offset=rec_offsets, seq=seqs,
-                       length=np.diff(offsets))
+        fill_locations(locs, items, writer=self.writer.writer, segment=appended.segments, offset=appended.rec_offsets,
+                       seq=appended.seqs, length=np.diff(offsets))
         locs["aux"] = np.diff(hash_offsets)
         announced_hashes[:] = hashes
-        push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
+        push_announcement(self.appended, payload, int(appended.seqs.max()) if count else 0, count, nh, self.stopping)
         if self.counters is not None:
             c = self.counters
             c[I_ITEMS] += count
