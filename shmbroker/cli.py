@@ -192,10 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_bench, _add_broker, _add_prompts, _add_jobs, _add_operations):
+        add(sub)
+    return parser
+
+
+def _add_demo(sub) -> None:
+    """`demo`: the broker on its built-in configuration, fed and checked."""
     p = sub.add_parser("demo", help="start the broker on its built-in configuration (two simulated consumers), feed it a seeded "
                        "workload from two producers, check every result, and compare with FIFO feeding")
     p.add_argument("--data-dir", default=None, help="data directory (default $SHMBROKER_DATA_DIR or ./shmbroker-data)")
     p.set_defaults(func=_demo)
+
+
+def _add_bench(sub) -> None:
+    """`bench NAME`, with each benchmark's options in its own group."""
     p = sub.add_parser("bench", help="run a benchmark against its baseline in the same run")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -238,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)
+
+
+def _add_broker(sub) -> None:
+    """`config` and `supervise`: check a configuration, run the broker on it."""
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
     p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
@@ -247,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
     p.set_defaults(func=_supervise)
+
+
+def _add_prompts(sub) -> None:
+    """`submit` and `results`: prompts in, results out."""
     p = sub.add_parser("submit", help="submit prompts from a JSONL file (or a Mooncake-format trace) to a running broker")
     p.add_argument("file", help="prompts, one JSON object a line: {\"tokens\": [...], \"max_new_tokens\": N, ...}")
     p.add_argument("--trace", action="store_true", help="FILE is a Mooncake-format trace (tokens synthesised from its hash ids)")
@@ -289,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="a job's results: generated ids as text too")
     p.set_defaults(func=_commands("results"))
+
+
+def _add_jobs(sub) -> None:
+    """`jobs`, `job` and `cancel`: the batch jobs of a data directory."""
     p = sub.add_parser("jobs", help="list the batch jobs of a data directory")
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
@@ -309,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.set_defaults(func=_commands("cancel"))
+
+
+def _add_operations(sub) -> None:
+    """`nats`, `status`, `top` and `warm`: a local NATS server, a running broker watched, the kernels compiled."""
     p = sub.add_parser("nats", help="start a local NATS server (or a cluster) with JetStream in the foreground and print its URLs")
     p.add_argument("--servers", type=int, choices=(1, 3), default=1, help="1 server, or a cluster of 3 (default 1)")
     p.add_argument("--dir", default=None, help="where the servers keep their stores and logs (default: a temporary directory)")
@@ -325,7 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_top)
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache (make demo and make test do)")
     p.set_defaults(func=_warm)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
