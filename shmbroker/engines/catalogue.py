@@ -90,7 +90,7 @@ def check_entry(e: EngineEntry, impl, settings) -> Mode:
     mode = e.mode_of(settings)
     stated = getattr(impl, "mode", None)
     if isinstance(stated, str) and stated != mode and e.mode is not SETTINGS:
-        raise TypeError(f"engine {e.name!r}: its class {e.cls} says mode {stated!r} but its registry entry says {mode!r}")
+        raise TypeError(f"engine {e.name!r}: its class {e.cls} says mode {str(stated)!r} but its registry entry says {str(mode)!r}")
     if e.streaming and not (callable(getattr(impl, "add", None)) and callable(getattr(impl, "poll", None))):
         raise TypeError(f"engine {e.name!r}: its entry streams but {e.cls} has no add/poll")
     if not e.streaming and not callable(getattr(impl, "run", None)):
