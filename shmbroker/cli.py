@@ -171,13 +171,13 @@ def _supervise(args) -> int:
 
 def _top(args) -> int:
     """A live view of a running broker until q, Ctrl-C or SIGTERM."""
-    from .commands.common import _data_dir, _err
+    from .commands.common import config_data_dir, print_error
     from .observe import top
 
     if not 0 < args.interval <= top.INTERVAL_SECONDS_MAX:
-        _err(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")
+        print_error(f"--interval must be more than 0 and at most {top.INTERVAL_SECONDS_MAX} seconds (got {args.interval})")
         return 2
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     return top.run(data_dir, args.interval)
@@ -193,15 +193,25 @@ def _commands(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cluster.options import NodeSettings  # light: declarations only (no nats, no kernels)
 
     parser = argparse.ArgumentParser(prog="shmbroker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_bench, _add_broker, _add_prompts, _add_jobs, _add_operations):
+        add(sub)
+    return parser
+
+
+def _add_demo(sub) -> None:
+    """`demo`: the broker on its built-in configuration, fed and checked."""
     p = sub.add_parser("demo", help="start the broker on its built-in configuration (two simulated consumers), feed it a seeded "
                        "workload from two producers, check every result, and compare with FIFO feeding")
     p.add_argument("--data-dir", default=None, help="data directory (default $SHMBROKER_DATA_DIR or ./shmbroker-data)")
     p.set_defaults(func=_demo)
+
+
+def _add_bench(sub) -> None:
+    """`bench NAME`, with each benchmark's options in its own group."""
     p = sub.add_parser("bench", help="run a benchmark against its baseline in the same run")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -232,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fs-mib", type=int, default=None,
                    help="chaos: run the broker's data directory on a tmpfs of this many MiB that a filler keeps "
                         "filling (needs the right to mount)")
+    from .cluster.options import NodeSettings  # light: declarations only (no nats, no kernels)
+
     g = p.add_argument_group("cluster")
     g.add_argument("--key-blocks", type=int, default=None,
                    help="cluster: blocks past the family root in an item's partition key (default: the partitioner's, "
@@ -245,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)
+
+
+def _add_broker(sub) -> None:
+    """`config` and `supervise`: check a configuration, run the broker on it."""
     p = sub.add_parser("config", help="check a configuration file and print it resolved (defaults filled in)")
     p.add_argument("--config", default=None, help="shmbroker.toml (default: the built-in configuration)")
     p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
@@ -256,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--gpus", choices=("auto",), default=None, help=GPUS_HELP)
     p.set_defaults(func=_supervise)
+
+
+def _add_prompts(sub) -> None:
+    """`submit` and `results`: prompts in, results out."""
     p = sub.add_parser("submit", help="submit prompts from a JSONL file (or a Mooncake-format trace) to a running broker")
     p.add_argument("file", help="prompts, one JSON object a line: {\"tokens\": [...], \"max_new_tokens\": N, ...}")
     p.add_argument("--trace", action="store_true", help="FILE is a Mooncake-format trace (tokens synthesised from its hash ids)")
@@ -298,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="a job's results: generated ids as text too")
     p.set_defaults(func=_commands("results"))
+
+
+def _add_jobs(sub) -> None:
+    """`jobs`, `job` and `cancel`: the batch jobs of a data directory."""
     p = sub.add_parser("jobs", help="list the batch jobs of a data directory")
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
@@ -318,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="shmbroker.toml (for its data_dir)")
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.set_defaults(func=_commands("cancel"))
+
+
+def _add_operations(sub) -> None:
+    """`nats`, `status`, `top` and `warm`: a local NATS server, a running broker watched, the kernels compiled."""
     p = sub.add_parser("nats", help="start a local NATS server (or a cluster) with JetStream in the foreground and print its URLs")
     p.add_argument("--servers", type=int, choices=(1, 3), default=1, help="1 server, or a cluster of 3 (default 1)")
     p.add_argument("--dir", default=None, help="where the servers keep their stores and logs (default: a temporary directory)")
@@ -334,7 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_top)
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache (make demo and make test do)")
     p.set_defaults(func=_warm)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..workloads.feeders import PackerFeeder
 from ..workloads.packsim import simulate
@@ -73,8 +74,8 @@ def _node_figures(wl: Workload, rows: np.ndarray, arrivals: np.ndarray | None, m
                 "modeled_seconds": 0.0, "makespan_seconds": 0.0}
     sub = _subset(wl, rows)
     shapes = shape_items(sub.tokens, sub.offsets, sub.prefix_lens, sub.models, block_tokens=DEFAULT_BLOCK_TOKENS)
-    feeder = PackerFeeder(CONSUMERS, "packed", shapes, sub, max_wait_seconds=max_wait_seconds)
-    res = simulate(feeder, CONSUMERS, "packed", shapes, sub, arrivals=None if arrivals is None else arrivals[rows])
+    feeder = PackerFeeder(CONSUMERS, Mode.PACKED, shapes, sub, max_wait_seconds=max_wait_seconds)
+    res = simulate(feeder, CONSUMERS, Mode.PACKED, shapes, sub, arrivals=None if arrivals is None else arrivals[rows])
     # blocks looked up per item: its family root and its blocks (a pooled item: one)
     queried = int(np.where(shapes.pooled, 1, np.diff(shapes.hash_offsets) + 1).sum())
     return {"items": int(rows.size), "input_tokens": int(sub.lengths.sum()), "computed_tokens": res["computed_tokens"],
@@ -253,7 +254,7 @@ def run(trace: str | None = None, scale: float = 1.0, seed: int = 0, num_partiti
                            {"single": single, "cluster": cluster, "random": rand})
     return {
         "workload": wl.name, "items": len(wl), "input_tokens": int(lengths.sum()), "nodes": len(NODES),
-        "consumers_per_node": [c.name for c in CONSUMERS], "engine_mode": "packed",
+        "consumers_per_node": [c.name for c in CONSUMERS], "engine_mode": Mode.PACKED,
         "num_partitions": num_partitions, "key_blocks": key_blocks, "epsilon": epsilon,
         "single_node_hit_rate": base, "two_node_hit_rate": cluster["hit_rate"],
         "random_routing_hit_rate": rand["hit_rate"],

@@ -65,6 +65,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +198,95 @@ def data_root() -> Path:
     return Path(tempfile.gettempdir()) / f"shmbroker-bench-backlog-{os.getuid()}"
 
 
+@dataclass(frozen=True)
+class IntervalRun:
+    """The interval phase and the read and drain phases on its backlog (the module docstring)."""
+
+    disk_seconds: float
+    append_seconds: float
+    read_seconds: float
+    pages: float
+    extents: float
+    pages_min: float
+    read_batches: int
+    disk_before: int
+    disk_after: int
+    writers: int
+
+
+@dataclass(frozen=True)
+class NeverRun:
+    """The never phase: shape-clustered, then FIFO layout (the latter's pages and extents per batch)."""
+
+    never_seconds: float
+    fifo_seconds: float
+    pages_fifo: float
+    extents_fifo: float
+
+
+@dataclass(frozen=True)
+class RecoveryRun:
+    """The recovery phase: the better fresh process's report, the first one's seconds, and the drain."""
+
+    recovered: dict
+    first_seconds: float
+    process_seconds: float
+    build_seconds: float
+    disk_before: int
+    disk_after: int
+    writers: int
+
+
+def _interval_run(root: Path, seg_bytes: int, flat, offsets, items) -> IntervalRun:
+    """The disk baseline and the interval appends, then the backlog read back in shape order and drained."""
+    lengths = np.diff(offsets)
+    sums = record_sums(flat, offsets)
+    (root / "interval").mkdir(mode=0o700)
+    disk_s = disk_write_seconds(root / "interval" / "disk.bin", flat)
+    append_s = append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
+    backlog, _ = Backlog.open(root / "interval", segment_bytes=seg_bytes)
+    recs, bounds = _shape_batches(backlog.pending())
+    if recs.size != items.size:
+        raise AssertionError(f"{recs.size} records pending after the append, {items.size} appended")
+    read_s = _read_back(backlog, recs, bounds, lengths, sums)
+    pages, extents = _layout_stats(recs, bounds)
+    pages_min = _min_pages_per_batch(recs, bounds)
+    before, after = _drain(backlog)
+    writers = len(np.unique(recs["writer"]))
+    backlog.close()
+    shutil.rmtree(root / "interval")
+    return IntervalRun(disk_s, append_s, read_s, pages, extents, pages_min, int(bounds.size - 1), before, after, writers)
+
+
+def _never_run(root: Path, seg_bytes: int, flat, offsets, items) -> NeverRun:
+    """The appends without fsync, shape-clustered and in FIFO layout (its layout read back)."""
+    never_s = append_seconds(root / "never", seg_bytes, flat, offsets, items, fsync="never")
+    shutil.rmtree(root / "never")
+    fifo_s = append_seconds(root / "fifo", seg_bytes, flat, offsets, items, fsync="never", cluster=False)
+    backlog, _ = Backlog.open(root / "fifo", segment_bytes=seg_bytes)
+    pages_fifo, extents_fifo = _layout_stats(*_shape_batches(backlog.pending()))
+    backlog.close()
+    shutil.rmtree(root / "fifo")
+    return NeverRun(never_s, fifo_s, pages_fifo, extents_fifo)
+
+
+def _recovery_run(root: Path, tokens: int, seg_bytes: int) -> RecoveryRun:
+    """The recovery backlog built, opened by two fresh processes, reopened here, checked and drained."""
+    t0 = time.perf_counter()
+    built = build_recovery_backlog(root / "recovery", tokens, seg_bytes)
+    build_s = time.perf_counter() - t0
+    # Two fresh processes: the first may compile kernels when spill/ sources changed since
+    # numba's cache was filled (its key); a restart of a deployed broker finds them cached.
+    runs = [recover_in_fresh_process(root / "recovery", seg_bytes) for _ in range(2)]
+    recovered, process_s = min(runs, key=lambda run: run[0]["open_seconds"])
+    backlog, report = Backlog.open(root / "recovery", segment_bytes=seg_bytes)
+    verify_recovered(backlog, report, built)
+    before, after = _drain(backlog)
+    backlog.close()
+    return RecoveryRun(recovered, float(runs[0][0]["open_seconds"]), process_s, build_s, before, after,
+                       built["writers"])
+
+
 def run(scale: float = 1.0) -> dict:
     plan = _plan(scale)
     seg_bytes = plan["segment_bytes"]
@@ -205,86 +295,53 @@ def run(scale: float = 1.0) -> dict:
     root.mkdir(mode=0o700)
     try:
         flat, offsets, items = workload(plan["volume_bytes"])
-        lengths = np.diff(offsets)
-        sums = record_sums(flat, offsets)
         volume = flat.nbytes
         warm_kernels(root / "warm", flat, offsets, items, seg_bytes)
-        (root / "interval").mkdir(mode=0o700)
-        disk_s = disk_write_seconds(root / "interval" / "disk.bin", flat)
-        append_s = append_seconds(root / "interval", seg_bytes, flat, offsets, items, fsync="interval")
-
-        backlog, _ = Backlog.open(root / "interval", segment_bytes=seg_bytes)
-        recs, bounds = _shape_batches(backlog.pending())
-        if recs.size != items.size:
-            raise AssertionError(f"{recs.size} records pending after the append, {items.size} appended")
-        read_s = _read_back(backlog, recs, bounds, lengths, sums)
-        pages, extents = _layout_stats(recs, bounds)
-        pages_min = _min_pages_per_batch(recs, bounds)
-        before, after = _drain(backlog)
-        writers = len(np.unique(recs["writer"]))
-        backlog.close()
-        shutil.rmtree(root / "interval")
-
-        never_s = append_seconds(root / "never", seg_bytes, flat, offsets, items, fsync="never")
-        shutil.rmtree(root / "never")
-        fifo_s = append_seconds(root / "fifo", seg_bytes, flat, offsets, items, fsync="never", cluster=False)
-        backlog, _ = Backlog.open(root / "fifo", segment_bytes=seg_bytes)
-        pages_fifo, extents_fifo = _layout_stats(*_shape_batches(backlog.pending()))
-        backlog.close()
-        shutil.rmtree(root / "fifo")
-        del flat, sums
-
-        t0 = time.perf_counter()
-        built = build_recovery_backlog(root / "recovery", plan["recovery_tokens"], seg_bytes)
-        build_s = time.perf_counter() - t0
-        # Two fresh processes: the first may compile kernels when spill/ sources changed since
-        # numba's cache was filled (its key); a restart of a deployed broker finds them cached.
-        runs = [recover_in_fresh_process(root / "recovery", seg_bytes) for _ in range(2)]
-        recovered, process_s = min(runs, key=lambda run: run[0]["open_seconds"])
-        backlog, report = Backlog.open(root / "recovery", segment_bytes=seg_bytes)
-        verify_recovered(backlog, report, built)
-        rec_before, rec_after = _drain(backlog)
-        backlog.close()
+        iv = _interval_run(root, seg_bytes, flat, offsets, items)
+        nv = _never_run(root, seg_bytes, flat, offsets, items)
+        del flat
+        rc = _recovery_run(root, plan["recovery_tokens"], seg_bytes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     tokens = volume // 4
+    recovered = rc.recovered
     result = {
-        "disk_write_bytes_per_s": volume / disk_s,
-        "append_bytes_per_s": volume / append_s,
-        "append_tokens_per_s": tokens / append_s,
-        "append_never_bytes_per_s": volume / never_s,
-        "append_never_fifo_bytes_per_s": volume / fifo_s,
-        "read_bytes_per_s": volume / read_s,
-        "read_tokens_per_s": tokens / read_s,
-        "pages_per_batch": pages,
-        "extents_per_batch": extents,
-        "pages_per_batch_fifo": pages_fifo,
-        "extents_per_batch_fifo": extents_fifo,
-        "pages_per_batch_min": pages_min,
-        "records_per_batch": float(items.size / (bounds.size - 1)),
-        "read_batches": int(bounds.size - 1),
+        "disk_write_bytes_per_s": volume / iv.disk_seconds,
+        "append_bytes_per_s": volume / iv.append_seconds,
+        "append_tokens_per_s": tokens / iv.append_seconds,
+        "append_never_bytes_per_s": volume / nv.never_seconds,
+        "append_never_fifo_bytes_per_s": volume / nv.fifo_seconds,
+        "read_bytes_per_s": volume / iv.read_seconds,
+        "read_tokens_per_s": tokens / iv.read_seconds,
+        "pages_per_batch": iv.pages,
+        "extents_per_batch": iv.extents,
+        "pages_per_batch_fifo": nv.pages_fifo,
+        "extents_per_batch_fifo": nv.extents_fifo,
+        "pages_per_batch_min": iv.pages_min,
+        "records_per_batch": float(items.size / iv.read_batches),
+        "read_batches": iv.read_batches,
         "recovery_seconds": float(recovered["open_seconds"]),
-        "recovery_seconds_first": float(runs[0][0]["open_seconds"]),
+        "recovery_seconds_first": rc.first_seconds,
         "recovery_tokens": int(recovered["tokens"]),
         "recovery_records": int(recovered["records"]),
         "recovery_segments": int(recovered["segments"]),
         "recovery_scanned_segments": int(recovered["scanned_segments"]),
         "recovery_clean_writers": int(recovered["clean_writers"]),
-        "recovery_process_seconds": process_s,
-        "recovery_build_seconds": build_s,
-        "recovery_disk_bytes_before_drain": rec_before,
-        "recovery_disk_bytes_after_drain": rec_after,
-        "recovery_writers": built["writers"],
-        "disk_bytes_before_drain": before,
-        "disk_bytes_after_drain": after,
+        "recovery_process_seconds": rc.process_seconds,
+        "recovery_build_seconds": rc.build_seconds,
+        "recovery_disk_bytes_before_drain": rc.disk_before,
+        "recovery_disk_bytes_after_drain": rc.disk_after,
+        "recovery_writers": rc.writers,
+        "disk_bytes_before_drain": iv.disk_before,
+        "disk_bytes_after_drain": iv.disk_after,
         "segment_bytes": seg_bytes,
-        "writers": writers,
+        "writers": iv.writers,
         "records": int(items.size),
         "volume_bytes": volume,
-        "disk_write_seconds": disk_s,
-        "append_seconds": append_s,
-        "read_seconds": read_s,
+        "disk_write_seconds": iv.disk_seconds,
+        "append_seconds": iv.append_seconds,
+        "read_seconds": iv.read_seconds,
         "verified": True,
         "cpus": os.cpu_count(),
     }

@@ -21,20 +21,31 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 STATUS_POLL_SECONDS = 0.05
 NODE_READY_SECONDS = 60.0
 
-SIM_CONSUMERS = (("big", 64, 65536, 262144), ("small", 16, 16384, 65536))  # name, batch, batch tokens, cache
+class SimConsumer(NamedTuple):
+    """One of the nodes' simulated consumers."""
+
+    name: str
+    max_batch_size: int
+    max_batch_tokens: int
+    cache_tokens: int
+
+
+SIM_CONSUMERS = (SimConsumer("big", 64, 65536, 262144), SimConsumer("small", 16, 16384, 65536))
 
 
 def consumers_toml(extra: str) -> str:
     """The nodes' two simulated consumers as [[consumers]] tables (`extra`: more engine settings)."""
-    return "".join(f'\n[[consumers]]\nname = "{name}"\nmax_batch_size = {batch}\nmax_batch_tokens = {tokens}\n'
-                   f'max_input_len = 16384\nengine_settings = {{ mode = "packed", cache_tokens = {cache}{extra} }}\n'
-                   for name, batch, tokens, cache in SIM_CONSUMERS)
+    return "".join(f'\n[[consumers]]\nname = "{c.name}"\nmax_batch_size = {c.max_batch_size}\n'
+                   f'max_batch_tokens = {c.max_batch_tokens}\nmax_input_len = 16384\n'
+                   f'engine_settings = {{ mode = "packed", cache_tokens = {c.cache_tokens}{extra} }}\n'
+                   for c in SIM_CONSUMERS)
 
 
 @dataclass

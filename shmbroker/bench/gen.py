@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pack.contract import Contract
+from ..pack.contract import Contract, Mode
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 32  # tokens per 512-token trace block after scaling, and the engine's block size
@@ -52,7 +52,7 @@ CONVERSATIONS = 30
 MIN_TURNS = 4
 MAX_BATCH_SIZE = 16
 MAX_BATCH_TOKENS = 8192
-# a 4-layer, 256-wide random Llama (as in issue 13's measurements); eos = vocab_size, an id the model
+# a 4-layer, 256-wide random Llama (small enough for a CPU); eos = vocab_size, an id the model
 # never produces, so every item generates its max_new_tokens on both sides
 MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 16384,
@@ -177,7 +177,7 @@ def setup_for(engine: str, items: Items, kv_blocks: int, model_dir: str | None, 
                     "gpu_memory_utilization": VLLM_MEMORY_FRACTION, "seed": 0,
                     "extra": {"block_size": BLOCK_TOKENS, "num_gpu_blocks_override": kv_blocks}}
     elif engine == "sim":
-        settings = {"mode": "packed", "cache_tokens": kv_blocks * BLOCK_TOKENS, "pace_seconds": 1.0}  # modeled time, spent
+        settings = {"mode": Mode.PACKED, "cache_tokens": kv_blocks * BLOCK_TOKENS, "pace_seconds": 1.0}  # modeled time, spent
     elif engine == "hf":
         settings = {"config": {k: v for k, v in MODEL.items()}, "dtype": "float32", "device": "cpu", "seed": 0}
     else:
@@ -225,7 +225,7 @@ def alone_generic(setup: Setup, items: Items) -> dict:
 
     engine = load_engine(setup.engine, setup.settings_object(), block_tokens=BLOCK_TOKENS, contract=setup.contract)
     try:
-        step = setup.contract.max_batch_size if engine.mode == "padded" else len(items)
+        step = setup.contract.max_batch_size if engine.mode == Mode.PADDED else len(items)
         generated = hit = queried = 0
         t0 = time.perf_counter()
         for start in range(0, len(items), step):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pack.contract import Contract
+from ..pack.contract import Contract, Mode
 from ..workloads.synthetic import Workload
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -119,7 +119,7 @@ def backlog(setup: Setup, trace: str | os.PathLike | None, scale: float, seed: i
 
 def batches(feeder_cls, setup: Setup, wl: Workload, shapes) -> list:
     """Every batch the feeder gives the one consumer for the whole backlog, in order."""
-    feeder = feeder_cls([_Consumer(setup.contract)], "padded", shapes, wl)
+    feeder = feeder_cls([_Consumer(setup.contract)], Mode.PADDED, shapes, wl)
     for row in range(len(wl)):
         feeder.add(row, 0.0)
     out = []

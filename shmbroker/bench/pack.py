@@ -52,7 +52,7 @@ import math
 import numpy as np
 
 from ..engines.sim import SimCost
-from ..pack.contract import Contract
+from ..pack.contract import Contract, Mode
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items
 from ..workloads.feeders import EngineAloneFeeder, FifoFeeder, PackerFeeder
@@ -62,7 +62,6 @@ CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
     SimConsumer("small", Contract(64, 16384, 16384), cache_tokens=256 << 10),
 )
-MODES = ("padded", "packed")
 
 
 def workload_for(trace: str | None, scale: float, seed: int):
@@ -146,7 +145,7 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
 
 def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) -> None:
     lb, strict = bounds
-    for engine_mode in MODES:
+    for engine_mode in Mode:
         offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol)
         res = simulate(offline_packer, CONSUMERS, engine_mode, shapes, wl, cost=cost)
         arrivals = None

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..control import roles
+from ..control.segment import R_PID
+from ..control.stats import slot_of
 from ..pack.index import PackIndex
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from ..ring.items import NO_PREFIX, SEQ_BITS
@@ -38,6 +40,8 @@ index_items = {capacity}
 """
 
 CHUNK_ITEMS = 1024
+GPU_BATCHES = slot_of(roles.Kind.GPU, "batches")  # its statistics word: > 0 once a batch ran
+RESULTS_LOGGED = slot_of(roles.Kind.RESULTS, "results")  # results in the results log
 
 
 def write_backlog(data_dir: str, tokens: int, seed: int = 0) -> dict:
@@ -103,14 +107,14 @@ def _serve(tmp: str, tokens: int, capacity: int) -> dict:
         peaks: dict[str, int] = {}
         while True:
             now = time.perf_counter()
-            if first is None and any(ctl.values(r)[0] > 0 for r in gpus):
+            if first is None and any(ctl.values(r)[GPU_BATCHES] > 0 for r in gpus):
                 first = now - t0
             for r, name in enumerate(info["roles"]):
-                pid = int(ctl.role(r)[0])
+                pid = int(ctl.role(r)[R_PID])
                 if pid:
                     peaks[name] = max(peaks.get(name, 0), _rss_peak(pid))
             peaks["supervisor"] = max(peaks.get("supervisor", 0), _rss_peak(sup.pid))
-            if ctl.values(res)[0] >= made["items"]:
+            if ctl.values(res)[RESULTS_LOGGED] >= made["items"]:
                 drained = now - t0
                 break
             if now - t0 > 600:

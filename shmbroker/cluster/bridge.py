@@ -38,7 +38,7 @@ from collections import deque
 from ..errors import Full
 from . import placement, subjects
 from .publisher import AckedPublisher, PublishRefused
-from .staging import Answer, Staged, columns, decode_message, ranges
+from .staging import Answer, Pulled, Staged, columns, decode_message, ranges
 
 log = logging.getLogger("shmbroker.bridge")
 
@@ -227,7 +227,7 @@ class Bridge:
                 if key is not None and key != (model, prompt.prefix_len is None):
                     break
                 key = (model, prompt.prefix_len is None)
-                run.append((p, msg, prompt, producer))
+                run.append(Pulled(p, msg, prompt, producer))
             if not run:
                 continue
             took = self._submit_run(run, key[0])
@@ -237,27 +237,28 @@ class Bridge:
         self.counts["submitted"] += n
         return n
 
-    def _submit_run(self, run: list, model) -> int:
+    def _submit_run(self, run: list[Pulled], model) -> int:
         """One submit_many of a run; the number the local ring took (each staged, or answered
         `invalid` when the local broker's checks refuse it)."""
-        flat, offsets, max_new, prefixes = columns([r[2] for r in run])
+        cols = columns([r.prompt for r in run])
         try:
-            ids = self.local.submit_many(flat, offsets, max_new_tokens=max_new, prefix_len=prefixes, model=model,
-                                         block=False)
+            ids = self.local.submit_many(cols.flat, cols.offsets, max_new_tokens=cols.max_new, prefix_len=cols.prefixes,
+                                         model=model, block=False)
         except Full as exc:
             ids = exc.ids
         except (TypeError, ValueError) as exc:  # the local broker's own checks (a model it has no slot for)
-            for _p, msg, prompt, producer in run:
+            for r in run:
                 self.waiting.popleft()
                 self.counts["invalid"] += 1
-                self.unsent.append(Answer(producer, prompt.seq, "invalid", (), str(exc), msg=msg))
+                self.unsent.append(Answer(r.producer, r.prompt.seq, "invalid", (), str(exc), msg=r.msg))
             return len(run)
         now = self.clock()
-        for local_id, (p, msg, prompt, producer) in zip(ids, run):
+        for local_id, r in zip(ids, run):
             self.waiting.popleft()
-            mean = self.mean_tokens.get(p, float(prompt.tokens.size))
-            self.mean_tokens[p] = 0.99 * mean + 0.01 * prompt.tokens.size
-            self.staged[int(local_id)] = Staged(msg, producer, prompt.seq, p, int(prompt.tokens.size), now)
+            size = r.prompt.tokens.size
+            mean = self.mean_tokens.get(r.partition, float(size))
+            self.mean_tokens[r.partition] = 0.99 * mean + 0.01 * size
+            self.staged[int(local_id)] = Staged(r.msg, r.producer, r.prompt.seq, r.partition, int(size), now)
         return len(ids)
 
     async def _refuse(self, msg, why: str) -> None:

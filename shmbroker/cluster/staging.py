@@ -5,10 +5,30 @@ published for them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from . import subjects
+
+
+class Pulled(NamedTuple):
+    """A pulled prompt message, decoded: its partition, the message, the prompt, its producer."""
+
+    partition: int
+    msg: object
+    prompt: subjects.PromptMsg
+    producer: str
+
+
+class Columns(NamedTuple):
+    """A run of prompts as the columns of one `submit_many`: tokens (flat, prompt i at
+    flat[offsets[i]:offsets[i + 1]]), max_new_tokens, and prefix_len (None: none declares one)."""
+
+    flat: np.ndarray
+    offsets: np.ndarray
+    max_new: np.ndarray
+    prefixes: np.ndarray | None
 
 
 @dataclass
@@ -49,15 +69,14 @@ def decode_message(msg):
     return prompt, producer, headers.get(subjects.HEADER_MODEL)
 
 
-def columns(prompts: list) -> tuple:
-    """(flat tokens, offsets, max_new_tokens, prefix_len or None) of decoded prompts that all
-    declare a prefix or all declare none."""
+def columns(prompts: list) -> Columns:
+    """The columns of decoded prompts that all declare a prefix or all declare none."""
     offsets = np.zeros(len(prompts) + 1, np.int64)
     np.cumsum([p.tokens.size for p in prompts], out=offsets[1:])
     flat = np.concatenate([p.tokens for p in prompts])
     max_new = np.array([p.max_new_tokens for p in prompts], np.uint32)
     prefixes = None if prompts[0].prefix_len is None else np.array([p.prefix_len for p in prompts], np.int64)
-    return flat, offsets, max_new, prefixes
+    return Columns(flat, offsets, max_new, prefixes)
 
 
 def ranges(ps: list[int]) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -147,14 +148,14 @@ def prompt_headers(producer: str, seq: int, model: str | None) -> dict[str, str]
     return headers
 
 
-def _unpack_header(payload: bytes, header: struct.Struct, magic: bytes, what: str) -> tuple:
-    """The fields after the magic of a payload's header, or ValueError for a short or foreign one."""
+def _read_header(payload: bytes, header: struct.Struct, fields, magic: bytes, what: str):
+    """A payload's header as `fields` (its NamedTuple), or ValueError for a short or foreign one."""
     if len(payload) < header.size:
         raise ValueError(f"{what} payload of {len(payload)} bytes is shorter than its {header.size}-byte header")
-    fields = header.unpack_from(payload)
-    if fields[0] != magic:
-        raise ValueError(f"{what} payload has magic {fields[0]!r}, not {magic!r}")
-    return fields[1:]
+    head = fields._make(header.unpack_from(payload))
+    if head.magic != magic:
+        raise ValueError(f"{what} payload has magic {head.magic!r}, not {magic!r}")
+    return head
 
 
 # Prompt payload (little-endian): a 24-byte header, then the tokens.
@@ -170,6 +171,16 @@ def _unpack_header(payload: bytes, header: struct.Struct, magic: bytes, what: st
 PROMPT_MAGIC = b"SBP1"
 PROMPT_HEADER = struct.Struct("<4sIIIQ")
 assert PROMPT_HEADER.size == 24
+
+
+class PromptHeader(NamedTuple):
+    """PROMPT_HEADER's fields, in the table's order."""
+
+    magic: bytes
+    max_new_tokens: int
+    prefix_len: int
+    num_tokens: int
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -188,7 +199,8 @@ def encode_prompt(tokens: np.ndarray, seq: int, max_new_tokens: int, prefix_len:
 
 def decode_prompt(payload: bytes) -> PromptMsg:
     """Check a prompt payload right after reading it; ValueError naming what is wrong."""
-    max_new, prefix, num_tokens, seq = _unpack_header(payload, PROMPT_HEADER, PROMPT_MAGIC, "prompt")
+    head = _read_header(payload, PROMPT_HEADER, PromptHeader, PROMPT_MAGIC, "prompt")
+    num_tokens, prefix = head.num_tokens, head.prefix_len
     if len(payload) != PROMPT_HEADER.size + 4 * num_tokens:
         raise ValueError(f"prompt payload of {len(payload)} bytes does not hold its {num_tokens} tokens")
     if num_tokens == 0:
@@ -196,7 +208,7 @@ def decode_prompt(payload: bytes) -> PromptMsg:
     if prefix != NO_PREFIX and prefix > num_tokens:
         raise ValueError(f"prompt prefix_len {prefix} exceeds its {num_tokens} tokens")
     tokens = np.frombuffer(payload, "<u4", num_tokens, PROMPT_HEADER.size)
-    return PromptMsg(seq, max_new, None if prefix == NO_PREFIX else prefix, tokens)
+    return PromptMsg(head.seq, head.max_new_tokens, None if prefix == NO_PREFIX else prefix, tokens)
 
 
 # Result payload (little-endian): a 24-byte header, the generated tokens, the error text.
@@ -212,6 +224,16 @@ def decode_prompt(payload: bytes) -> PromptMsg:
 RESULT_MAGIC = b"SBR1"
 RESULT_HEADER = struct.Struct("<4sIQII")
 assert RESULT_HEADER.size == 24
+
+
+class ResultHeader(NamedTuple):
+    """RESULT_HEADER's fields, in the table's order."""
+
+    magic: bytes
+    status: int
+    seq: int
+    num_tokens: int
+    error_len: int
 
 
 @dataclass(frozen=True)
@@ -236,7 +258,8 @@ def encode_result(seq: int, status: str | int, tokens, error: str | None = None)
 
 def decode_result(payload: bytes) -> ResultMsg:
     """Check a result payload right after reading it; ValueError naming what is wrong."""
-    code, seq, num_tokens, error_len = _unpack_header(payload, RESULT_HEADER, RESULT_MAGIC, "result")
+    head = _read_header(payload, RESULT_HEADER, ResultHeader, RESULT_MAGIC, "result")
+    code, num_tokens, error_len = head.status, head.num_tokens, head.error_len
     if len(payload) != RESULT_HEADER.size + 4 * num_tokens + error_len:
         raise ValueError(f"result payload of {len(payload)} bytes does not hold {num_tokens} tokens and "
                          f"{error_len} bytes of error text")
@@ -246,4 +269,4 @@ def decode_result(payload: bytes) -> ResultMsg:
     tokens = np.frombuffer(payload, "<u4", num_tokens, RESULT_HEADER.size).astype(np.uint32)
     end = RESULT_HEADER.size + 4 * num_tokens
     error = payload[end:].decode("utf-8", "replace") if error_len else None
-    return ResultMsg(seq, status, tokens, error)
+    return ResultMsg(head.seq, status, tokens, error)

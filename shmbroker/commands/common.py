@@ -25,21 +25,24 @@ COMMIT_ROWS = 4096  # results written between two flush+fsync+ack steps, at most
 COMMIT_SECONDS = 0.5  # and seconds
 
 
-def _err(message: str) -> None:
+def print_error(message: str) -> None:
+    """A command's error line on standard error, "shmbroker: <message>"."""
     print(f"shmbroker: {message}", file=sys.stderr, flush=True)
 
 
-def _data_dir(args) -> str | None:
+def config_data_dir(args) -> str | None:
+    """The data directory the command's --config and --data-dir name; None once the configuration's
+    error was printed."""
     from ..config import settings
 
     try:
         return settings.load(args.config, data_dir=args.data_dir).data_dir
     except settings.ConfigError as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return None
 
 
-def _open_producer(args, name: str, data_dir: str, **kw):
+def open_producer(args, name: str, data_dir: str, **kw):
     """The producer a command submits and reads through: a `Producer` on the data directory's broker,
     or with --cluster URL[,URL...] a `RemoteProducer` on those NATS servers. Raises BrokerError or
     OSError (no broker, no server) and ValueError (a name the cluster refuses)."""
@@ -55,7 +58,7 @@ def _open_producer(args, name: str, data_dir: str, **kw):
 ITEM_ID_RE = re.compile(rb'"item_id": (\d+)')
 
 
-def _written_ids(path: str | None) -> set[int]:
+def written_ids(path: str | None) -> set[int]:
     """The item ids already in an output file (its whole lines)."""
     if path is None:
         return set()
@@ -67,7 +70,7 @@ def _written_ids(path: str | None) -> set[int]:
 
 
 @contextmanager
-def _output(path: str | None):
+def open_output(path: str | None):
     """The results file (appended to: results are read once) or standard output."""
     if path is None:
         yield sys.stdout
@@ -126,12 +129,12 @@ def load_entries(data_dir: str, name: str) -> dict[int, dict]:
     return out
 
 
-def _load_ids(data_dir: str, name: str) -> dict[int, str | int]:
+def load_ids(data_dir: str, name: str) -> dict[int, str | int]:
     """item id -> user id from the sidecar of producer `name`."""
     return {i: row.get("id") for i, row in load_entries(data_dir, name).items()}
 
 
-class _IdLog:
+class IdLog:
     """Appends {"item_id", "id", "line"} for every submitted prompt that has an id; opened on first use."""
 
     def __init__(self, data_dir: str, name: str):
@@ -163,7 +166,7 @@ class _IdLog:
             self._fh = None
 
 
-def _result_row(r, ids: dict) -> str:
+def result_row(r, ids: dict) -> str:
     return json.dumps({"item_id": r.item_id, "id": ids.get(r.item_id), "status": r.status,
                        "tokens": r.tokens.tolist(), "error": r.error})
 

@@ -25,7 +25,7 @@ from ..jobs import store
 from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
 from ..ring.items import SEQ_BITS, SEQ_MASK
-from .common import ResultSink, _err, load_entries
+from .common import ResultSink, load_entries, print_error
 
 META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
 CANCEL_POLL_SECONDS = 0.5
@@ -310,7 +310,7 @@ def open_tokenizer(path: str | None):
     try:
         return Tokenizer(path), 0
     except TextError as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return None, 2
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from .common import _data_dir, _err
+from .common import config_data_dir, print_error
 
 WATCH_POLL_SECONDS = 0.5
 
@@ -31,7 +31,7 @@ def _table(views: list[dict]):
 def jobs(args) -> int:
     from ..jobs import store
 
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     views = store.views(data_dir)
@@ -65,13 +65,13 @@ def _named(args) -> tuple[str | None, dict | None, int]:
     """(data dir, the job's view, exit status when either is missing: 2 a bad configuration, 1 no such job)."""
     from ..jobs import store
 
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return None, None, 2
     try:
         return data_dir, store.view(data_dir, args.name), 0
     except store.JobError as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return data_dir, None, 1
 
 
@@ -120,13 +120,13 @@ def cancel(args) -> int:
     if v is None:
         return code
     if v["status"] in ("cancelling", "cancelled"):
-        _err(f"job {args.name!r} is {v['status']} already")
+        print_error(f"job {args.name!r} is {v['status']} already")
         return 0
     if v["status"] in store.TERMINAL:
-        _err(f"job {args.name!r} is {v['status']}: nothing to cancel")
+        print_error(f"job {args.name!r} is {v['status']}: nothing to cancel")
         return 1
     store.write_cancel(data_dir, args.name)
     cancels.add(data_dir, args.name, ProducerBook(data_dir).names.get(args.name, []))
-    _err(f"cancelling job {args.name!r}: its items not yet dispatched come back cancelled, those in flight finish "
+    print_error(f"cancelling job {args.name!r}: its items not yet dispatched come back cancelled, those in flight finish "
          f"(shmbroker job {args.name} --watch)")
     return 0

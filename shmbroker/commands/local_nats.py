@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from .common import _err
+from .common import print_error
 
 WATCH_SECONDS = 0.5
 
@@ -27,20 +27,20 @@ def nats(args) -> int:
         try:
             servers = NatsServers.start(args.servers, args.dir)
         except (ConfigError, ValueError, OSError, RuntimeError, TimeoutError) as exc:
-            _err(str(exc))
+            print_error(str(exc))
             return 2 if isinstance(exc, (ConfigError, ValueError)) else 1
         with servers:
             for url in servers.urls:
                 print(url, flush=True)
             kind = "server" if servers.num_servers == 1 else f"cluster of {servers.num_servers} servers"
-            _err(f"NATS {kind} with JetStream on {','.join(servers.urls)} (stores in {servers.base_dir}); "
+            print_error(f"NATS {kind} with JetStream on {','.join(servers.urls)} (stores in {servers.base_dir}); "
                  f"Ctrl-C stops it. Submit with: shmbroker submit FILE --cluster {servers.urls[0]}")
             while not stop.wait(WATCH_SECONDS):
                 dead = [i for i in range(servers.num_servers) if not servers.alive(i)]
                 if dead:
-                    _err(f"nats-server n{dead[0]} exited (its log: {servers.base_dir}/n{dead[0]}/nats-server.log); stopping")
+                    print_error(f"nats-server n{dead[0]} exited (its log: {servers.base_dir}/n{dead[0]}/nats-server.log); stopping")
                     return 1
-        _err("stopped")
+        print_error("stopped")
         return 0
     finally:
         for sig, handler in previous.items():

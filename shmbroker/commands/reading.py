@@ -8,6 +8,7 @@ bad line costs only itself. A JSON object with a `custom_id` is an OpenAI Batch 
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from ..jobs.openai_batch import is_request, parse_request
 from ..jobs.prompts import LineError, Prompt, parse_line
@@ -63,16 +64,25 @@ def custom_id_of(line_text: str):
     return None
 
 
+class TraceRow(NamedTuple):
+    """A Mooncake trace line read and checked, its tokens not yet synthesised."""
+
+    line: int
+    input_length: int
+    max_new: int
+    hash_ids: list[int]
+
+
 def read_trace(path: str, default_max_new: int | None):
     """Mooncake trace lines as Prompts (tokens synthesised as `workloads.trace.load` does), LineError per bad line."""
     from ..workloads.trace import TRACE_BLOCK_TOKENS, synthesise_items
 
-    rows: list[tuple[int, int, int, list[int]]] = []
+    rows: list[TraceRow] = []
 
     def flush():
-        tokens, offsets = synthesise_items([r[1] for r in rows], [h for r in rows for h in r[3]],
-                                           [len(r[3]) for r in rows], TRACE_BLOCK_TOKENS, 32_000)
-        out = [Prompt(r[0], tokens[offsets[i] : offsets[i + 1]], r[2]) for i, r in enumerate(rows)]
+        tokens, offsets = synthesise_items([r.input_length for r in rows], [h for r in rows for h in r.hash_ids],
+                                           [len(r.hash_ids) for r in rows], TRACE_BLOCK_TOKENS, 32_000)
+        out = [Prompt(r.line, tokens[offsets[i] : offsets[i + 1]], r.max_new) for i, r in enumerate(rows)]
         rows.clear()
         return out
 
@@ -98,7 +108,7 @@ def read_trace(path: str, default_max_new: int | None):
             if not all(-(1 << 63) <= h < (1 << 63) for h in hashes):
                 yield LineError(path, number, "hash_ids must be 64-bit integers")
                 continue
-            rows.append((number, n, max_new, hashes))
+            rows.append(TraceRow(number, n, max_new, hashes))
             if len(rows) >= TRACE_CHUNK_LINES:
                 yield from flush()
     if rows:

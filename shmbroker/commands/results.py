@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import ExitStack
 
-from .common import ResultSink, _data_dir, _err, _load_ids, _open_producer, _output, _result_row, _written_ids, load_entries
+from .common import ResultSink, config_data_dir, load_entries, load_ids, open_output, open_producer, print_error, result_row, written_ids
 
 
 def results(args) -> int:
@@ -14,7 +14,7 @@ def results(args) -> int:
     from ..jobs import store
     from .jobrun import JobSink, error_path, open_tokenizer, written_keys
 
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     # (a caller may build args without the job options: bench/chaos_score.py does)
@@ -22,52 +22,52 @@ def results(args) -> int:
     fmt = fmt or "native"
     as_job = fmt != "native" or tokenizer_at or error_file
     if as_job and (getattr(args, "cluster", None) or not store.is_job(data_dir, args.name)):
-        _err(f"--out-format, --error-file and --tokenizer are a job's: {args.name!r} is no job in {data_dir}")
+        print_error(f"--out-format, --error-file and --tokenizer are a job's: {args.name!r} is no job in {data_dir}")
         return 2
     if error_file and fmt != "openai":
-        _err("--error-file goes with --out-format openai (the native format keeps errors in its rows)")
+        print_error("--error-file goes with --out-format openai (the native format keeps errors in its rows)")
         return 2
     tokenizer, code = open_tokenizer(tokenizer_at)
     if code:
         return code
     entries = load_entries(data_dir, args.name) if as_job else None
-    ids = None if as_job else _load_ids(data_dir, args.name)
+    ids = None if as_job else load_ids(data_dir, args.name)
     errors_at = (error_file or error_path(args.out)) if fmt == "openai" and args.out else None
     try:
-        producer = _open_producer(args, args.name, data_dir)
+        producer = open_producer(args, args.name, data_dir)
     except (BrokerError, OSError, ValueError) as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return 1
     count = 0
     statuses: Counter[str] = Counter()
     try:
-        with producer, _output(args.out) as out, ExitStack() as files:
+        with producer, open_output(args.out) as out, ExitStack() as files:
             if as_job:
-                errors = files.enter_context(_output(errors_at)) if errors_at else None
+                errors = files.enter_context(open_output(errors_at)) if errors_at else None
                 sink = JobSink(out, errors, producer, fmt, tokenizer, written_keys(args.out, errors_at))
 
                 def write(r) -> bool:
                     return sink.result(r, entries.get(r.item_id))
             else:
-                sink = ResultSink(out, producer, _written_ids(args.out))
+                sink = ResultSink(out, producer, written_ids(args.out))
 
                 def write(r) -> bool:
-                    return sink.write(r.item_id, _result_row(r, ids))
+                    return sink.write(r.item_id, result_row(r, ids))
             for r in producer.results(timeout_seconds=max(0.0, args.timeout), auto_ack=False):
                 if write(r):
                     statuses[r.status] += 1
                     count += 1
             sink.commit()
     except BrokerError as exc:
-        _err(f"{exc} (after {count} results)")
+        print_error(f"{exc} (after {count} results)")
         return 1
     except OSError as exc:  # the --out file
-        _err(f"{exc} (after {count} results)")
+        print_error(f"{exc} (after {count} results)")
         return 2 if count == 0 else 1
     except KeyboardInterrupt:
-        _err(f"interrupted after {count} results")
+        print_error(f"interrupted after {count} results")
         return 130
     counts = ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))
     where = f" to {args.out}" if args.out else ""
-    _err(f"{count} results for producer {args.name!r}" + (f" ({counts})" if counts else "") + f" written{where}")
+    print_error(f"{count} results for producer {args.name!r}" + (f" ({counts})" if counts else "") + f" written{where}")
     return 0

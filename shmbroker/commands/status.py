@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from .common import _data_dir, _err
+from .common import config_data_dir, print_error
 
 RATE_SECONDS = 0.5  # `status` samples the counters twice, this far apart
 
@@ -19,13 +19,13 @@ RATE_SECONDS = 0.5  # `status` samples the counters twice, this far apart
 def status(args) -> int:
     from ..observe.watch import BrokerView, NoBroker, rates
 
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     try:
         view = BrokerView.attach(data_dir)
     except NoBroker as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return 1
     try:
         first = view.snapshot()

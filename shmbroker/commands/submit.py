@@ -20,7 +20,7 @@ import numpy as np
 
 from ..jobs.progress import Progress
 from ..jobs.prompts import U32_MAX, LineError, Prompt
-from .common import ResultSink, _data_dir, _err, _IdLog, _load_ids, _open_producer, _output, _result_row, _written_ids
+from .common import IdLog, ResultSink, config_data_dir, load_ids, open_output, open_producer, print_error, result_row, written_ids
 from .reading import count_lines, read_prompts, read_trace
 
 CHUNK_ITEMS = 1024  # prompts handed to submit_many at once
@@ -32,7 +32,7 @@ WAIT_IDLE_SECONDS = 60.0  # --wait gives up when no result came for this long
 class _Submission:
     """One `submit` run: pushes chunks, records ids, and (--wait) collects the results."""
 
-    def __init__(self, producer, idlog: _IdLog, path: str, data_dir: str, job=None, progress=None):
+    def __init__(self, producer, idlog: IdLog, path: str, data_dir: str, job=None, progress=None):
         self.producer = producer
         self.data_dir = data_dir  # where the id sidecar lives (a remote producer's too)
         self.idlog = idlog
@@ -53,7 +53,7 @@ class _Submission:
 
     def refuse(self, line: int, message: str, cid=None) -> None:
         self.refused += 1
-        _err(f"{self.path}:{line}: {message}")
+        print_error(f"{self.path}:{line}: {message}")
         if self.job is not None and self.sink is not None:
             self.sink.line(line, message, cid)
 
@@ -157,10 +157,10 @@ class _Submission:
             return self.sink.result(r, self.job.entries.pop(r.item_id, None))
         ids = self.ids
         if r.item_id not in ids and self._old_ids is None:
-            self._old_ids = _load_ids(self.data_dir, self.producer.name)  # an earlier run's
+            self._old_ids = load_ids(self.data_dir, self.producer.name)  # an earlier run's
         if r.item_id not in ids:
             ids = self._old_ids
-        return self.sink.write(r.item_id, _result_row(r, ids))
+        return self.sink.write(r.item_id, result_row(r, ids))
 
     def show(self) -> None:
         if self.progress is not None:
@@ -207,51 +207,33 @@ def _checks(args) -> str | None:
 
 def submit(args) -> int:
     from ..errors import BrokerError, Full
-    from ..jobs.store import JobError
-    from .jobrun import JobRun, JobSink, error_path, open_tokenizer, written_keys
+    from .jobrun import open_tokenizer
 
-    data_dir = _data_dir(args)
+    data_dir = config_data_dir(args)
     if data_dir is None:
         return 2
     problem = _checks(args)
     if problem:
-        _err(problem)
+        print_error(problem)
         return 2
     tokenizer, code = open_tokenizer(args.tokenizer)
     if code:
         return code
-    job = None
-    if args.job is not None or args.resume:
-        try:
-            job = JobRun.begin(data_dir, args.job or None, args.file, "trace" if args.trace else "jsonl", args.resume)
-        except (JobError, OSError, ValueError) as exc:  # ValueError: a damaged producer book
-            _err(str(exc))
-            return 2
-        name = job.name
-    else:
-        # a default name no other run can have had (a pid is reused; the results of an earlier run's
-        # name would come to this one)
-        name = args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
+    named = _job_and_name(args, data_dir)
+    if named is None:
+        return 2
+    job, name = named
     try:
-        producer = _open_producer(args, name, data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
+        producer = open_producer(args, name, data_dir, timeout_seconds=SUBMIT_STALL_SECONDS)
     except ValueError as exc:  # a producer name the cluster refuses
-        _err(str(exc))
+        print_error(str(exc))
         return _failed(job, str(exc), 2)
     except (BrokerError, OSError) as exc:
-        _err(str(exc))
+        print_error(str(exc))
         return _failed(job, str(exc), 1)
-    where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
-    if job is not None:
-        job.claim()
-        job.attach(producer)
-        if not args.wait:
-            job.entries.clear()  # no results to write: the sidecar keeps them
-        again = f", resumed: {len(job.done_lines)} lines submitted before" if job.resumed else ""
-        _err(f"job {name!r}: {job.meta.lines} lines of {args.file}{again} (shmbroker job {name}; shmbroker cancel {name})")
-    else:
-        _err(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name}{where})")
+    _announce(args, job, name, producer)
     t0 = time.monotonic()
-    idlog = _IdLog(data_dir, name)
+    idlog = IdLog(data_dir, name)
     total = job.meta.lines if job is not None else count_lines(args.file)
     progress = Progress(f"job {name}" if job is not None else "submit", total, plain_seconds=args.progress_seconds)
     run = _Submission(producer, idlog, args.file, data_dir, job, progress)
@@ -259,64 +241,23 @@ def submit(args) -> int:
     try:
         with producer, ExitStack() as files, progress:
             if args.wait:
-                out = files.enter_context(_output(args.out))
-                if job is None:
-                    run.sink = ResultSink(out, producer, _written_ids(args.out))
-                else:
-                    errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" else None
-                    errors = files.enter_context(_output(errors_at)) if errors_at is not None else None
-                    run.sink = JobSink(out, errors, producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
-                    run.outstanding |= job.waiting_for(run.sink.written)
-                    job.keep_entries = True
-            lines = read_trace(args.file, args.max_new_tokens) if args.trace else \
-                read_prompts(args.file, args.max_new_tokens, tokenizer, args.model)
-            chunk: list[Prompt] = []
-            tokens = 0
-            for entry in lines:
-                if isinstance(entry, LineError):
-                    run.refuse(entry.line, entry.message, entry.id)
-                    continue
-                chunk.append(entry)
-                tokens += entry.tokens.size
-                if len(chunk) >= CHUNK_ITEMS or tokens >= CHUNK_TOKENS:
-                    run.push(chunk)
-                    chunk, tokens = [], 0
-            if chunk:
-                run.push(chunk)
-            if job is not None:
-                job.submit_done(run.refused)
-            if not getattr(args, "cluster", None):
-                _unserved(data_dir, run.models)
-            more = f", {run.skipped} submitted by an earlier run" if run.skipped else ""
-            more += f", {run.cancelled} not submitted (the job was cancelled)" if run.cancelled else ""
-            _err(f"submitted {run.submitted} items, refused {run.refused} line{'' if run.refused == 1 else 's'}{more}, "
-                 f"in {time.monotonic() - t0:.2f} s (producer {name!r})")
+                _attach_sink(args, run, files, tokenizer)
+            _submit_all(args, run, tokenizer)
+            print_error(f"{_submitted_line(run)}, in {time.monotonic() - t0:.2f} s (producer {name!r})")
             if args.wait:
-                complete = run.wait()
-                if job is not None and complete:
-                    job.meta.phase = "finalizing"
-                    job.save()
-                run.sink.commit()
-                counts = ", ".join(f"{k} {v}" for k, v in sorted(run.statuses.items()))
-                where = f" to {args.out}" if args.out else ""
-                _err(f"{sum(run.statuses.values())} results ({counts or 'none'}) written{where}")
-                if not complete:
-                    _err(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(run.outstanding)} items still "
-                         f"without one (later: shmbroker results --name {name})")
-                elif job is not None:
-                    job.finished(cancelled=job.cancelled)
+                complete = _wait_all(args, run, name)
     except Full as exc:
-        _err(f"the {'cluster' if getattr(args, 'cluster', None) else 'broker'} took no item for {SUBMIT_STALL_SECONDS:.0f} s ({exc}); stopped after "
+        print_error(f"the {'cluster' if getattr(args, 'cluster', None) else 'broker'} took no item for {SUBMIT_STALL_SECONDS:.0f} s ({exc}); stopped after "
              f"{run.submitted} items: the rest of {args.file} was not submitted")
         return 1
     except BrokerError as exc:
-        _err(f"{exc} (after {run.submitted} items)")
+        print_error(f"{exc} (after {run.submitted} items)")
         return 1
     except OSError as exc:  # the --out file, or the prompts file gone meanwhile
-        _err(f"{exc} (after {run.submitted} items)")
+        print_error(f"{exc} (after {run.submitted} items)")
         return 2 if run.submitted == 0 else 1
     except KeyboardInterrupt:
-        _err(f"interrupted after {run.submitted} items (producer {name!r})")
+        print_error(f"interrupted after {run.submitted} items (producer {name!r})")
         return 130
     finally:
         idlog.close()
@@ -325,6 +266,102 @@ def submit(args) -> int:
             job.meta.submitter_pid = 0  # this run is over: the status need not wait for its pid to go
             job.save()
     return 0 if run.refused == 0 and complete else 1
+
+
+def _job_and_name(args, data_dir: str):
+    """(the JobRun of --job/--resume or None, the producer name); None when the job cannot begin
+    (why is printed)."""
+    from ..jobs.store import JobError
+    from .jobrun import JobRun
+
+    if args.job is None and not args.resume:
+        # a default name no other run can have had (a pid is reused; the results of an earlier run's
+        # name would come to this one)
+        return None, args.name or f"submit-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        job = JobRun.begin(data_dir, args.job or None, args.file, "trace" if args.trace else "jsonl", args.resume)
+    except (JobError, OSError, ValueError) as exc:  # ValueError: a damaged producer book
+        print_error(str(exc))
+        return None
+    return job, job.name
+
+
+def _announce(args, job, name: str, producer) -> None:
+    """Take the job (when there is one) for this run, and say on stderr what is being submitted."""
+    if job is None:
+        where = f" --cluster {args.cluster}" if getattr(args, "cluster", None) else ""
+        print_error(f"submitting {args.file} as producer {name!r} (results: shmbroker results --name {name}{where})")
+        return
+    job.claim()
+    job.attach(producer)
+    if not args.wait:
+        job.entries.clear()  # no results to write: the sidecar keeps them
+    again = f", resumed: {len(job.done_lines)} lines submitted before" if job.resumed else ""
+    print_error(f"job {name!r}: {job.meta.lines} lines of {args.file}{again} (shmbroker job {name}; shmbroker cancel {name})")
+
+
+def _attach_sink(args, run: _Submission, files: ExitStack, tokenizer) -> None:
+    """--wait: where the run's results go (--out, and a job's error file), opened in `files`."""
+    from .jobrun import JobSink, error_path, written_keys
+
+    out = files.enter_context(open_output(args.out))
+    job = run.job
+    if job is None:
+        run.sink = ResultSink(out, run.producer, written_ids(args.out))
+        return
+    errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" else None
+    errors = files.enter_context(open_output(errors_at)) if errors_at is not None else None
+    run.sink = JobSink(out, errors, run.producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
+    run.outstanding |= job.waiting_for(run.sink.written)
+    job.keep_entries = True
+
+
+def _submit_all(args, run: _Submission, tokenizer) -> None:
+    """Push the file's prompts in chunks (a bad line refused alone), then tell the job it is all in."""
+    lines = read_trace(args.file, args.max_new_tokens) if args.trace else \
+        read_prompts(args.file, args.max_new_tokens, tokenizer, args.model)
+    chunk: list[Prompt] = []
+    tokens = 0
+    for entry in lines:
+        if isinstance(entry, LineError):
+            run.refuse(entry.line, entry.message, entry.id)
+            continue
+        chunk.append(entry)
+        tokens += entry.tokens.size
+        if len(chunk) >= CHUNK_ITEMS or tokens >= CHUNK_TOKENS:
+            run.push(chunk)
+            chunk, tokens = [], 0
+    if chunk:
+        run.push(chunk)
+    if run.job is not None:
+        run.job.submit_done(run.refused)
+    if not getattr(args, "cluster", None):
+        _unserved(run.data_dir, run.models)
+
+
+def _submitted_line(run: _Submission) -> str:
+    more = f", {run.skipped} submitted by an earlier run" if run.skipped else ""
+    more += f", {run.cancelled} not submitted (the job was cancelled)" if run.cancelled else ""
+    return f"submitted {run.submitted} items, refused {run.refused} line{'' if run.refused == 1 else 's'}{more}"
+
+
+def _wait_all(args, run: _Submission, name: str) -> bool:
+    """--wait: every result written (or WAIT_IDLE_SECONDS without one); whether all came."""
+    job = run.job
+    complete = run.wait()
+    if job is not None and complete:
+        job.meta.phase = "finalizing"
+        job.save()
+    run.sink.commit()
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(run.statuses.items()))
+    where = f" to {args.out}" if args.out else ""
+    print_error(f"{sum(run.statuses.values())} results ({counts or 'none'}) written{where}")
+    if not complete:
+        print_error(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(run.outstanding)} items still "
+             f"without one (later: shmbroker results --name {name})")
+    elif job is not None:
+        job.finished(cancelled=job.cancelled)
+    return complete
 
 
 def _unserved(data_dir: str, models) -> None:
@@ -338,7 +375,7 @@ def _unserved(data_dir: str, models) -> None:
         return  # a remote producer, or a broker that has not described itself: nothing to compare
     for model, n in sorted(models.items(), key=lambda kv: str(kv[0])):
         if (model or "default") not in served:
-            _err(f"no consumer of this broker serves model {model!r} ({n} items: they come back invalid); it serves "
+            print_error(f"no consumer of this broker serves model {model!r} ({n} items: they come back invalid); it serves "
                  f"{', '.join(sorted(served))} (--model NAME sets every line's model; --model default: the default one)")
 
 

@@ -15,13 +15,13 @@ from ..engines.catalogue import ENGINES, entry
 from ..engines.options import DTYPES, REQUIRED, SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
 from ..engines.sim import SimCost
 from ..errors import ConfigError
-from ..pack.contract import MODES
+from ..pack.contract import Mode
 from .validator import Choice, Flag, Integer, Number, Validator
 
 ENGINE_CHECK = Choice(tuple(ENGINES))  # a consumer's or a tier's `engine`
 COST_KEYS = tuple(sorted(f.name for f in dataclasses.fields(SimCost)))  # keys of the sim's table, into SimCost
 SIM_CHECKS = {  # the simulated engine's keys, in the order they are read
-    "mode": Choice(MODES),
+    "mode": Choice(tuple(Mode)),
     "cache_tokens": Integer(0, 1 << 40),
     **{key: Flag() if key == "zero_cost" else Number(0.0, 3600.0) for key in COST_KEYS},
     "pace_seconds": Number(0.0, 3600.0),
@@ -49,6 +49,8 @@ def sim_settings(v: Validator, raw: dict, at: str) -> SimSettings:
     v.no_unknown(raw, set(SIM_CHECKS), at)
     values = {key: check.read(v, raw, key, at) for key, check in SIM_CHECKS.items() if key in raw}
     cost = SimCost(**{key: values.pop(key) for key in COST_KEYS if key in values})
+    if "mode" in values:
+        values["mode"] = Mode(values["mode"])
     return SimSettings(cost=cost, **values)
 
 

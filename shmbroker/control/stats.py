@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ring import seqlock
+from ..spill.collect import REFUSALS
 from .roles import Kind, kind_of
 from .segment import R_SEQ, R_VALUES, VALUE_WORDS, Control
 
@@ -107,7 +108,7 @@ INGEST = (
     # one per spill.collect.REFUSALS, in its order (ingest.I_REFUSED), then rings_closed
     *(_c(f"refused_{reason}", "ingest_refused_records_total",
          "Ring records refused alone (not appended) because a field the producer wrote failed its check.",
-         (("reason", reason),)) for reason in ("key", "prefix", "model", "flags", "frame")),
+         (("reason", reason),)) for reason in REFUSALS),
     _c("rings_closed", "ingest_rings_closed_total",
        "Producers' ingest rings closed because their frame was broken (a corrupt record)."),
 )

@@ -54,6 +54,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import BrokerError
+from ..pack.contract import Mode
 from ..ring.items import STATUS_CODES, STATUS_NAMES, Status
 
 # an engine reports each item's status by its label (ItemResult.status; ring.items.Status is the table)
@@ -174,7 +175,7 @@ class EngineOutcome:
 
 
 class Engine(Protocol):
-    mode: str  # from the registry entry (registry.py)
+    mode: Mode  # from the registry entry (catalogue.py)
 
     def add(self, batch: EngineBatch) -> None: ...
 

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from enum import Enum
 
-from ..pack.contract import MODES
+from ..pack.contract import Mode, as_mode
 from .base import BatchStream, EngineUnavailable
 
-SETTINGS = "settings"  # the mode is the engine settings' `mode` field
+
+class FromSettings(Enum):
+    """An entry's mode that is no Mode: the engine settings' `mode` field chooses it."""
+
+    SETTINGS = "settings"
+
+
+SETTINGS = FromSettings.SETTINGS
 
 
 @dataclass(frozen=True)
@@ -29,29 +37,29 @@ class EngineEntry:
     cls: str
     extra: str | None  # the package extra that installs what it imports (None: the core has it)
     settings: str  # "module:Class" of its settings dataclass (parsed without importing the engine)
-    mode: str  # "padded", "packed" or SETTINGS
+    mode: Mode | FromSettings  # a Mode, or SETTINGS
     streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
 
     def __post_init__(self):
-        if self.mode not in (*MODES, SETTINGS):
-            raise ValueError(f"engine {self.name!r}: mode must be one of {MODES} or {SETTINGS!r}, got {self.mode!r}")
+        if self.mode is not SETTINGS:
+            object.__setattr__(self, "mode", as_mode(self.mode, f"engine {self.name!r}: mode"))
 
     def settings_class(self):
         module, cls = self.settings.split(":")
         return getattr(importlib.import_module(module), cls)
 
-    def mode_of(self, settings) -> str:
-        return settings.mode if self.mode == SETTINGS else self.mode
+    def mode_of(self, settings) -> Mode:
+        return Mode(settings.mode) if self.mode is SETTINGS else self.mode
 
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
     EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True),
-    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", "padded", False),
-    EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", "packed", True),
-    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", "packed", True),
+    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
+    EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True),
+    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
-                "packed", True),
+                Mode.PACKED, True),
 )}
 
 
@@ -62,7 +70,7 @@ def entry(name: str) -> EngineEntry:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
 
 
-def engine_mode(name: str, settings) -> str:
+def engine_mode(name: str, settings) -> Mode:
     """The mode of engine `name` with these settings, without importing it."""
     return entry(name).mode_of(settings)
 
@@ -76,13 +84,13 @@ def engine_class(e: EngineEntry):
     return impl
 
 
-def check_entry(e: EngineEntry, impl, settings) -> str:
+def check_entry(e: EngineEntry, impl, settings) -> Mode:
     """The entry's mode, after checking the class agrees (a class that states another mode, or an
     entry that says it streams for a class without add/poll, is refused)."""
     mode = e.mode_of(settings)
     stated = getattr(impl, "mode", None)
-    if isinstance(stated, str) and stated != mode and e.mode != SETTINGS:
-        raise TypeError(f"engine {e.name!r}: its class {e.cls} says mode {stated!r} but its registry entry says {mode!r}")
+    if isinstance(stated, str) and stated != mode and e.mode is not SETTINGS:
+        raise TypeError(f"engine {e.name!r}: its class {e.cls} says mode {str(stated)!r} but its registry entry says {str(mode)!r}")
     if e.streaming and not (callable(getattr(impl, "add", None)) and callable(getattr(impl, "poll", None))):
         raise TypeError(f"engine {e.name!r}: its entry streams but {e.cls} has no add/poll")
     if not e.streaming and not callable(getattr(impl, "run", None)):

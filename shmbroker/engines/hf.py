@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import transformers
 
+from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import BatchResults, EngineOutcome
 
@@ -41,7 +42,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class HF:
-    mode = "padded"
+    mode = Mode.PADDED
 
     def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
         self.settings = settings

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..pack.contract import Mode
 from .sim import SimCost
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -37,7 +38,7 @@ class SimSettings:
     raises ValueError); `fail_after`: a dead engine, once this many items were added every poll
     raises RuntimeError."""
 
-    mode: str = field(default="packed", metadata={"help": "`padded` or `packed`: the engine the simulation models"})
+    mode: Mode = field(default=Mode.PACKED, metadata={"help": "`padded` or `packed`: the engine the simulation models"})
     cache_tokens: int = field(default=2 << 20, metadata={"help": "the prefix cache's size in tokens"})
     cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, sim.py)
     pace_seconds: float = field(default=0.04, metadata={"help": "wall seconds per modeled second (0: unpaced, as "

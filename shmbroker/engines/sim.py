@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import crc32c
 import numpy as np
 
-from ..pack.contract import MODES
+from ..pack.contract import Mode, as_mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
 from .faults import SimFaults
@@ -81,12 +81,21 @@ class BatchCost:
     seconds: float
 
 
+@dataclass
+class CacheFigures:
+    """What the engine's cache did since the last poll (an EngineOutcome's figures)."""
+
+    hit_blocks: int = 0
+    queried_blocks: int = 0
+    padded_tokens: int = 0
+    rect_tokens: int = 0
+
+
 class SimEngine:
     """Blocks come from `ItemShapes` (pack/shapes.py): the family key is an item's first block."""
 
-    def __init__(self, mode: str, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
-        if mode not in MODES:
-            raise ValueError(f"sim engine mode must be one of {MODES}, got {mode!r}")
+    def __init__(self, mode: Mode, *, cache_tokens: int, block_tokens: int, cost: SimCost = SimCost()):
+        mode = as_mode(mode, "sim engine mode")
         if cache_tokens < 0 or block_tokens < 1:
             raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
         self.mode = mode
@@ -103,7 +112,7 @@ class SimEngine:
         blocks = [shapes.sized_blocks(r) for r in rows]
         lengths = [int(shapes.lengths[r]) for r in rows]
         max_new = [max(1, int(m)) for m in max_new_tokens]
-        if self.mode == "padded":
+        if self.mode == Mode.PADDED:
             cost = self._padded(blocks, lengths)
             steps = max(max_new) - 1
             seq_steps = len(rows) * steps
@@ -193,7 +202,7 @@ class Sim(StreamingRun):
     VOCAB = 32_000
 
     def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
-        self.mode = settings.mode
+        self.mode = as_mode(settings.mode, "sim engine mode")
         self.block_tokens = block_tokens
         self.pace = float(getattr(settings, "pace_seconds", 0.0))
         self.cost = settings.cost
@@ -201,7 +210,7 @@ class Sim(StreamingRun):
                                cost=settings.cost)
         self.contract = contract
         self.stream = None
-        if self.mode == "packed" and not self.cost.zero_cost:
+        if self.mode == Mode.PACKED and not self.cost.zero_cost:
             from .continuous import ContinuousSim
 
             bs = contract.max_batch_size if contract is not None else 1 << 20
@@ -214,7 +223,7 @@ class Sim(StreamingRun):
         self._pending = 0
         self.clock = 0.0  # modeled seconds computed
         self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
-        self._figures = [0, 0, 0, 0]  # hit, queried, padded, rect since the last poll
+        self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
 
@@ -259,8 +268,8 @@ class Sim(StreamingRun):
             h0, q0 = self.stream.hit_blocks, self.stream.queried_blocks
             seconds, keys = self.stream.step()
             self.clock += seconds
-            self._figures[0] += self.stream.hit_blocks - h0
-            self._figures[1] += self.stream.queried_blocks - q0
+            self._figures.hit_blocks += self.stream.hit_blocks - h0
+            self._figures.queried_blocks += self.stream.queried_blocks - q0
             if keys:
                 done = [self._seqs.pop(k) for k in keys]
                 self._ready.append((self.clock, np.array([i for i, _ in done], np.uint64),
@@ -272,10 +281,10 @@ class Sim(StreamingRun):
         cost = self.model.run(shapes, np.arange(len(ids)), max_new)
         self.clock += cost.seconds
         f = self._figures
-        f[0] += cost.hit_blocks
-        f[1] += cost.queried_blocks
-        f[2] += cost.padded_tokens
-        f[3] += cost.rect_tokens
+        f.hit_blocks += cost.hit_blocks
+        f.queried_blocks += cost.queried_blocks
+        f.padded_tokens += cost.padded_tokens
+        f.rect_tokens += cost.rect_tokens
         self._ready.append((self.clock, ids, max_new))
         return True
 
@@ -296,16 +305,16 @@ class Sim(StreamingRun):
             if wait <= 0:
                 break
             time.sleep(wait)
-        hit, queried, padded, rect = self._figures
-        self._figures = [0, 0, 0, 0]
+        f, self._figures = self._figures, CacheFigures()
         seconds = self.clock - start_clock
         if not out:
-            return EngineOutcome([], hit, queried, seconds, padded, rect)
+            return EngineOutcome([], f.hit_blocks, f.queried_blocks, seconds, f.padded_tokens, f.rect_tokens)
         ids = np.concatenate([o[1] for o in out])
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
         digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
-        return EngineOutcome(self.generated_many(ids, max_new, digests), hit, queried, seconds, padded, rect)
+        return EngineOutcome(self.generated_many(ids, max_new, digests), f.hit_blocks, f.queried_blocks, seconds,
+                             f.padded_tokens, f.rect_tokens)
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0

@@ -5,11 +5,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import crc32c
 
 from ..disk.durable import atomic_write
 from ..ring.items import MAX_PRODUCER_ID
+
+
+class BookCopy(NamedTuple):
+    """One copy of the producer book, read and checked: where it is, its next id, its names, and
+    whether it had a checksum (a copy written before the checksum was kept has none)."""
+
+    path: Path
+    next_id: int
+    names: dict[str, list[int]]
+    checked: bool
 
 
 class ProducerBook:
@@ -31,22 +42,23 @@ class ProducerBook:
         self.next_id = 1
         self.names: dict[str, list[int]] = {}
         self.damaged: list[str] = []
-        found = []
+        found: list[BookCopy] = []
         for path in (self.path, self.copy_path):
             try:
-                found.append((path, *_read_book(path)))
+                found.append(_read_book(path))
             except FileNotFoundError:
                 continue
             except ValueError as exc:
                 self.damaged.append(f"{path.name}: {exc}")
-        if any(checked for *_, checked in found):  # then one without a checksum lost its key to damage
-            self.damaged += [f"{path.name}: no checksum" for path, *_, checked in found if not checked]
-            found = [book for book in found if book[3]]
+        if any(book.checked for book in found):  # then one without a checksum lost its key to damage
+            self.damaged += [f"{book.path.name}: no checksum" for book in found if not book.checked]
+            found = [book for book in found if book.checked]
         if self.damaged and not found:
             raise ValueError(f"the producer book is damaged in every copy ({'; '.join(self.damaged)}): "
                              "ids given out before cannot be known")
         if found:
-            _, self.next_id, self.names, _ = max(found, key=lambda book: book[1])
+            best = max(found, key=lambda book: book.next_id)
+            self.next_id, self.names = best.next_id, best.names
 
     def assign(self, name: str) -> int:
         """A fresh id for `name`, recorded on disk (both copies) before it is handed out."""
@@ -65,9 +77,9 @@ class ProducerBook:
         return {i: name for name, ids in self.names.items() for i in ids}
 
 
-def _read_book(path: Path) -> tuple[int, dict[str, list[int]], bool]:
-    """(next_id, names, whether it had a checksum) of one copy of the producer book; ValueError when it
-    fails its checks (a copy written before the checksum was kept has none to check)."""
+def _read_book(path: Path) -> BookCopy:
+    """One copy of the producer book; ValueError when it fails its checks (a copy written before the
+    checksum was kept has none to check)."""
     try:
         record = json.loads(path.read_bytes())
         body = {"next_id": int(record["next_id"]),
@@ -76,4 +88,4 @@ def _read_book(path: Path) -> tuple[int, dict[str, list[int]], bool]:
         raise ValueError(f"unreadable ({exc})") from None
     if "crc32c" in record and record["crc32c"] != crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):
         raise ValueError("checksum mismatch")
-    return body["next_id"], body["names"], "crc32c" in record
+    return BookCopy(path, body["next_id"], body["names"], "crc32c" in record)

@@ -1,6 +1,6 @@
 """The GPU process: keep its engine full from its batch ring, exactly one result per item out.
 
-`gpu_main` is the process loop: load the consumer's engine (`engines/registry.py`), then take
+`gpu_main` is the process loop: load the consumer's engine (`engines/catalogue.py`), then take
 batch records into the in-flight window (`window.py`; item locations, tokens viewed zero-copy in
 the backlog's segment files, `segments.py`), poll the engine, write each finished item's result
 record to the results ring (`ResultWriter`), release the records whose items all have results;
@@ -27,7 +27,7 @@ from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
 from ..ring.items import Status
-from ..ring.ring import CONSUMER, PRODUCER
+from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_results
 from .core import ConsumerCore
@@ -130,57 +130,63 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                     limits=WindowLimits.of(cfg))
     counting = GpuCounting(stats, core, window)
     window.on_event = counting.publish_window
-    events = window.events
-    if events:
-        counting.publish_window()
-    mark = time.monotonic_ns()  # busy (window not empty) or idle time is counted from here
-    idle_from = mark
     try:
-        while True:
-            beat(slot)
-            slot[R_DEADLINE] = window.deadline_ns()
-            if window.events != events:
-                events = window.events
-                counting.publish_window()
-            if stopping() == 2 or (stopping() and window.backoff.down):
-                break  # stop now, or stop while the engine is down: what is not released comes again next start
-            was_empty = window.empty
-            taking = time.monotonic_ns()  # busy from here: taking adds to the engine, which may start at once
-            window.take_more()
-            if window.empty:
-                if stopping():
-                    break
-                try:
-                    ring.wait_readable(SLEEP_SLICE_SECONDS, YIELD_ROUNDS)
-                except PeerDead:
-                    pass  # the scheduler is restarting; its ring and our batches stay
-                now = time.monotonic_ns()
-                if now - idle_from >= IDLE_PUBLISH_NS:  # a long idle shows as it happens, not at the next batch
-                    counting.idle(now - idle_from)
-                    idle_from = mark = now
-                continue
-            if was_empty:  # the window just filled: what went before was idle
-                counting.idle(max(0, taking - idle_from))
-                mark = taking
-            room = window.num_admitted < window.limit and not window.padded
-            done = window.poll(POLL_SHORT_SECONDS if room else SLEEP_SLICE_SECONDS)
-            if done or window.taken[0].open == 0:
-                window.admit()
-                now = time.monotonic_ns()
-                # counted before the release: a crash in between re-runs those items and counts them
-                # again (the engine did run them twice), but a record is never released uncounted
-                counting.batch(now - mark, 0, window.wait_ns)
-                window.wait_ns = 0
-                mark = now
-                window.release_done()
-                if window.empty:
-                    idle_from = time.monotonic_ns()
+        _serve(window, counting, ring, slot, stopping)
     finally:
         slot[R_DEADLINE] = 0
         views.close()
         ring.close()
         out.close()
         engine.close()
+
+
+def _serve(window: Window, counting: GpuCounting, ring: Ring, slot: np.ndarray, stopping) -> None:
+    """The process loop (module docstring) until a stop: take records into the window, poll the
+    engine, release the records done; the role slot beaten and the statistics published as it goes."""
+    events = window.events
+    if events:
+        counting.publish_window()
+    mark = time.monotonic_ns()  # busy (window not empty) or idle time is counted from here
+    idle_from = mark
+    while True:
+        beat(slot)
+        slot[R_DEADLINE] = window.deadline_ns()
+        if window.events != events:
+            events = window.events
+            counting.publish_window()
+        if stopping() == 2 or (stopping() and window.backoff.down):
+            break  # stop now, or stop while the engine is down: what is not released comes again next start
+        was_empty = window.empty
+        taking = time.monotonic_ns()  # busy from here: taking adds to the engine, which may start at once
+        window.take_more()
+        if window.empty:
+            if stopping():
+                break
+            try:
+                ring.wait_readable(SLEEP_SLICE_SECONDS, YIELD_ROUNDS)
+            except PeerDead:
+                pass  # the scheduler is restarting; its ring and our batches stay
+            now = time.monotonic_ns()
+            if now - idle_from >= IDLE_PUBLISH_NS:  # a long idle shows as it happens, not at the next batch
+                counting.idle(now - idle_from)
+                idle_from = mark = now
+            continue
+        if was_empty:  # the window just filled: what went before was idle
+            counting.idle(max(0, taking - idle_from))
+            mark = taking
+        room = window.num_admitted < window.limit and not window.padded
+        done = window.poll(POLL_SHORT_SECONDS if room else SLEEP_SLICE_SECONDS)
+        if done or window.taken[0].open == 0:
+            window.admit()
+            now = time.monotonic_ns()
+            # counted before the release: a crash in between re-runs those items and counts them
+            # again (the engine did run them twice), but a record is never released uncounted
+            counting.batch(now - mark, 0, window.wait_ns)
+            window.wait_ns = 0
+            mark = now
+            window.release_done()
+            if window.empty:
+                idle_from = time.monotonic_ns()
 
 
 U64_MASK = (1 << 64) - 1
@@ -203,8 +209,7 @@ class GpuCounting:
         self.at = {k: stats.index[k] for k in (*self.KEYS, *WINDOW_COUNTS, "tokens", "busy_ns", "idle_ns",
                                                 "batch_wait_ns", "engine_own_ns", "last_family", "engine_down")}
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
-            core._last_family = stats["last_family"] & U64_MASK
-            core._families[core._last_family] = None
+            core.resume_family(stats["last_family"] & U64_MASK)
 
     def idle(self, idle_ns: int) -> None:
         self.stats.values[self.at["idle_ns"]] += idle_ns
@@ -235,7 +240,7 @@ class GpuCounting:
         v[at["busy_ns"]] += busy_ns
         v[at["idle_ns"]] += idle_ns
         v[at["batch_wait_ns"]] += wait_ns
-        family = self.core._last_family
+        family = self.core.last_family
         if family is not None:
             v[at["last_family"]] = family - (1 << 64) if family >= 1 << 63 else family
         self._window()

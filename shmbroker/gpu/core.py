@@ -38,7 +38,7 @@ from ..engines.base import (
     ItemResult,
     engine_error,
 )
-from ..pack.contract import Batch, Contract
+from ..pack.contract import Batch, Contract, Mode
 from ..pack.guard import Guard
 from ..ring.items import Status
 from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
@@ -96,7 +96,7 @@ class ConsumerCore:
         if not callable(getattr(engine, "add", None)):
             engine = BatchStream(engine)
         self.engine = engine
-        self.guard = Guard(tolerance if engine.mode == "padded" else None)
+        self.guard = Guard(tolerance if engine.mode == Mode.PADDED else None)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
@@ -107,6 +107,16 @@ class ConsumerCore:
         # later (`take_returned`), and why: EngineDown, or what a failing poll raised
         self.returned = np.zeros(0, np.uint64)
         self.failure: Exception | None = None
+
+    @property
+    def last_family(self) -> int | None:
+        """The prefix family of the last batch taken (None: none yet)."""
+        return self._last_family
+
+    def resume_family(self, family: int) -> None:
+        """Go on from a predecessor's run (a restarted process): `family`, its last batch's, was served."""
+        self._last_family = family
+        self._families[family] = None
 
     def take(self, batch: Batch, tokens) -> tuple[BatchResults | None, np.ndarray]:
         """Account for one batch record and fail what the contract cannot take and what its backlog

@@ -1,5 +1,5 @@
 """A GPU process's deliveries: how often a process died holding a batch, kept where its death
-cannot take it (issue 14, hole 8: poison items).
+cannot take it (poison items).
 
 A batch record that kills the engine process (a segfault, the OOM killer, an abort, or a hang the
 supervisor's watchdog kills) would be redelivered forever: a restarted process takes its ring's
@@ -36,8 +36,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..control.segment import OWN_WORDS
+
 NORMAL, AGAIN, SPLIT = "normal", "again", "split"
+# the own words' layout (the table above), declared here only
 O_TAKEN_END, O_DELIVERIES, O_SOLO_AT, O_SOLO_ROW, O_SOLO_DELIVERIES = range(5)
+assert O_SOLO_DELIVERIES < OWN_WORDS, "the deliveries fit a role slot's own words"
 
 
 def poison_message(attempts: int) -> str:

@@ -8,7 +8,7 @@ crash redelivers what is not released; the client drops a result it has already 
 bookkeeping is columnar: the window's items are id/record/row columns, not a Python object each.
 A record taken and what its rows become are `taken.py`'s.
 
-Failures (issue 14, holes 6, 8 and 9):
+Failures:
 - the deliveries (`deliveries.py`): records a dead predecessor held are taken again alone, and
   after poison_attempts deaths their items run one at a time; an item on which the process died
   poison_attempts times alone fails here, engine_error, without running;
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines.base import BatchResults
+from ..pack.contract import Mode
 from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
@@ -88,7 +89,7 @@ class Window:
         self.events = 0  # bumped whenever `down` or `counts` change (the process publishes its statistics)
         self.on_event = None  # called at once with a redelivery: the engine it goes to may die on it
         self._end = 0  # ring position past the newest record taken
-        self.padded = core.engine.mode == "padded"
+        self.padded = core.engine.mode == Mode.PADDED
         self.taken: deque[Taken] = deque()
         # the runnable items of the records taken, as columns (no Python object per item): id, the
         # serial of its record, its row there; `_order` sorts them by id (None: to be sorted again)

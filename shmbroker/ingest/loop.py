@@ -28,11 +28,14 @@ never stalls or crashes the loop that drains every other.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from ..control import roles
+from ..control.roles import Kind
 from ..control.segment import beat
+from ..control.stats import StatsWriter, slot_of
 from ..errors import DiskFull, Full, PeerDead
 from ..frontdoor.registry import ProducerEntry, Registry
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
@@ -46,13 +49,30 @@ from ..spill.collect import REFUSALS, collect
 from ..spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from ..spill.locate import fill_locations
 from ..spill.writer import SegmentWriter
-from .sources import BATCH_RECORDS, OnRecords, RingSet, _Source  # noqa: F401 (RingSet: tests drive it)
+from .sources import BATCH_RECORDS, OnRecords, RingSet  # noqa: F401 (RingSet: tests drive it)
 
 DISK_FULL_BACKOFF_SECONDS = 0.05
 IDLE_SECONDS_MIN = 0.005  # a round with no producer's ring to wait on sleeps at least this
-I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = range(5)  # stats.INGEST
-I_REFUSED = 5  # stats.INGEST: refused_<reason>, one per collect.REFUSALS, then rings_closed
-I_RINGS_CLOSED = I_REFUSED + len(REFUSALS)
+# the ingest process's statistics words (stats.INGEST), by name
+I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = (
+    slot_of(Kind.INGEST, k) for k in ("items", "tokens", "bytes", "batches", "disk_full"))
+I_REFUSED = slot_of(Kind.INGEST, f"refused_{REFUSALS[0]}")  # refused_<reason>, one per collect.REFUSALS, in order
+I_RINGS_CLOSED = slot_of(Kind.INGEST, "rings_closed")
+assert [slot_of(Kind.INGEST, f"refused_{r}") for r in REFUSALS] == list(range(I_REFUSED, I_REFUSED + len(REFUSALS)))
+
+
+class Appended(NamedTuple):
+    """What one `BacklogAppender.append` made durable, and where: the records' tokens (flat, item i at
+    flat[offsets[i]:offsets[i + 1]]), their ITEM_DTYPE rows, and each one's writer sequence number,
+    segment (its first_seq) and byte offset there. Views of the appender's buffers, valid until its
+    next append."""
+
+    flat: np.ndarray
+    offsets: np.ndarray
+    items: np.ndarray
+    seqs: np.ndarray
+    segments: np.ndarray
+    rec_offsets: np.ndarray
 
 
 class BacklogAppender:
@@ -73,10 +93,10 @@ class BacklogAppender:
     def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:
         self.append(entry.producer_id, ring.buf, positions, count)
 
-    def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int):
+    def append(self, producer_id: int, ring_buf: np.ndarray, positions: np.ndarray, count: int) -> Appended | None:
         """Append the records at `positions` of a ring (its whole segment, `ring_buf`) to the backlog,
-        less those refused (`refused_now`). Returns (flat, offsets, items, seqs, segments, record
-        offsets): what was appended, and where; None when every record was refused."""
+        less those refused (`refused_now`): what was appended, and where; None when every record was
+        refused."""
         data = ring_buf[L.HEADER_BYTES :]
         words = data.view(np.uint32)
         if self._flat.size < words.size:
@@ -96,7 +116,7 @@ class BacklogAppender:
         self.refused += self.refused_now
         self.num_items += count
         self.num_tokens += total
-        return flat, offsets, items, seqs, segments, rec_offsets
+        return Appended(flat, offsets, items, seqs, segments, rec_offsets)
 
 
 def ingest_round(rings: RingSet, on_records: OnRecords, wait_seconds: float, left: LeftRings | None = None,
@@ -152,7 +172,7 @@ class Announcer:
             self.counters[I_REFUSED : I_REFUSED + len(REFUSALS)] += app.refused_now
         if appended is None:
             return
-        flat, offsets, items, seqs, segments, rec_offsets = appended
+        flat, offsets, items = appended.flat, appended.offsets, appended.items
         count = items.size
         total = flat.size
         prefixes = self._prefixes[:count]
@@ -167,11 +187,11 @@ class Announcer:
         chain_items(flat, offsets[:-1], np.diff(offsets), prefixes, np.ascontiguousarray(items["prefix_key"]),
                     app.block_tokens, hash_offsets, hashes)
         payload, locs, announced_hashes = new_announcement(count, nh)
-        fill_locations(locs, items, writer=self.writer.writer, segment=segments, offset=rec_offsets, seq=seqs,
-                       length=np.diff(offsets))
+        fill_locations(locs, items, writer=self.writer.writer, segment=appended.segments, offset=appended.rec_offsets,
+                       seq=appended.seqs, length=np.diff(offsets))
         locs["aux"] = np.diff(hash_offsets)
         announced_hashes[:] = hashes
-        push_announcement(self.appended, payload, int(seqs.max()) if count else 0, count, nh, self.stopping)
+        push_announcement(self.appended, payload, int(appended.seqs.max()) if count else 0, count, nh, self.stopping)
         if self.counters is not None:
             c = self.counters
             c[I_ITEMS] += count
@@ -237,7 +257,6 @@ class LeftRings:
 def ingest_main(k: int, cfg, control, appended_ring, bell: Doorbell, stopping, left=()) -> None:
     """Ingest process k: drain the rings of producers assigned to it into backlog writer k (and, in
     process 0, the rings `left` from a dead broker that its start had no room to salvage)."""
-    from ..control.stats import StatsWriter
     from ..spill.store import Backlog
 
     backlog, _ = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes, writers={k})
@@ -302,7 +321,7 @@ def _final_drain(rings: RingSet, announcer, stopping) -> bool:
         close_ring(src.ring.buf)
     time.sleep(0.005)
     for src in rings.sources:
-        drain_closed(src.ring.buf, lambda pos, n, src=src: announcer(src.entry, src.ring, pos, n), rings._positions)
+        drain_closed(src.ring.buf, lambda pos, n, src=src: announcer(src.entry, src.ring, pos, n), rings.positions)
     return True
 
 

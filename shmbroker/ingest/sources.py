@@ -32,7 +32,9 @@ OnRecords = Callable[[ProducerEntry, Ring, np.ndarray, int], None]
 
 
 @dataclass
-class _Source:
+class Source:
+    """One producer's ingest ring, attached (its consumer side)."""
+
     entry: ProducerEntry
     ring: Ring
 
@@ -45,10 +47,10 @@ class RingSet:
     one, or not attachable); `num_closed`: the rings this RingSet closed itself."""
 
     bell: Doorbell
-    sources: list[_Source] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
     closed: dict[int, str] = field(default_factory=dict)
     num_closed: int = 0
-    _positions: np.ndarray = field(default_factory=lambda: np.empty(BATCH_RECORDS, np.int64))
+    positions: np.ndarray = field(default_factory=lambda: np.empty(BATCH_RECORDS, np.int64))  # drain_once's
     _seen_version: int = -1
 
     def refresh(self, registry: Registry) -> None:
@@ -75,13 +77,13 @@ class RingSet:
             ring.close()
             self.closed[entry.producer_id] = reason
             return
-        self.sources.append(_Source(entry, ring))
+        self.sources.append(Source(entry, ring))
 
     def drain_once(self, on_records: OnRecords, max_records: int = BATCH_RECORDS) -> int:
         """Give each ring's committed records (up to max_records each) to `on_records`; return the total.
         A corrupt ring is closed (`close_source`); the others are drained all the same."""
         total = 0
-        positions = self._positions
+        positions = self.positions
         limit = min(max_records, positions.size)
         broken = None
         for src in self.sources:
@@ -107,7 +109,7 @@ class RingSet:
         for producer_id in [i for i in self.closed if i not in live]:
             del self.closed[producer_id]
 
-    def close_source(self, src: _Source, reason: int, why: str) -> None:
+    def close_source(self, src: Source, reason: int, why: str) -> None:
         """Close a ring its producer broke, with `reason` (its producer's next wait raises RingClosed),
         wake the producer if it waits for space, and read no more of it."""
         close_ring_for(src.ring.buf, reason)

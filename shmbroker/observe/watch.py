@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
+from ..control.deaths import death_report
 from ..control.roles import Kind, gpu, kind_of
 from ..control.segment import (
     C_METRICS_PORT,
@@ -38,13 +39,13 @@ from ..control.segment import (
 from ..control.stats import MAX_MODELS, read_role
 from ..errors import BrokerError
 from ..jobs.store import JobsWatch
+from ..pack.contract import Mode
 from ..results.behind import names_behind
 from ..results.delivery import Cursors
 from ..results.log import RESULTS_DIR
 from ..ring import layout as L
 from ..ring.liveness import is_alive, start_ticks
 from ..ring.shm import Segment
-from ..supervisor.watchdog import death_report
 
 BROKER_FILE = "broker.json"
 WATCHER_NICE = 10  # the exporter and `shmbroker top` yield the CPU to the broker's processes
@@ -57,7 +58,7 @@ class NoBroker(BrokerError):
 
 # -- the description file (written by the supervisor) ----------------------------------------------
 
-def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], modes: list[str],
+def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], modes: list[Mode],
              metrics_addr: str | None) -> dict:
     models: dict[int, str] = {}
     for c in cfg.consumers:

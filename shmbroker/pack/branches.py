@@ -20,7 +20,7 @@ generation: `_claim_branch`).
 from __future__ import annotations
 
 from ..jit import kernel
-from .links import _branch_list_set
+from .links import branch_list_set
 from .listing import branch_reclass
 from .state import C_BRANCH, C_MAXIN
 
@@ -28,7 +28,7 @@ from .state import C_BRANCH, C_MAXIN
 @kernel(_nrt=False)
 def _claim(S, c, x):
     nd = S.nodes
-    _branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
+    branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
     nd[x].claimed = c + 1
     nd[x].affine = c
     S.consumers[c, C_BRANCH] = x

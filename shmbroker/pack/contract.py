@@ -8,12 +8,28 @@ belongs to the engine adapter the consumer runs; the policy asks for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
 from .shapes import LENGTH_MAX
 
-MODES = ("padded", "packed")
+
+class Mode(StrEnum):
+    """An engine's mode (DESIGN.md "Words"): `padded` computes whole rectangles (count x longest
+    input), `packed` batches continuously over a paged KV cache. A StrEnum, equal to its text, so
+    TOML values, JSON output and comparisons with the text work as they did."""
+
+    PADDED = "padded"
+    PACKED = "packed"
+
+
+def as_mode(value, what: str = "mode") -> Mode:
+    """`value` (a Mode or its text) as a Mode; ValueError naming the modes otherwise (`what`: whose)."""
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ValueError(f"{what} must be one of {', '.join(Mode)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)

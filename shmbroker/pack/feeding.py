@@ -15,17 +15,19 @@ without waiting for a decision.
 
 from __future__ import annotations
 
+from .contract import Mode
+
 AHEAD = 3  # batch records queued or running per consumer, at least
 PADDED_BATCHES_IN = 2  # rectangles in a padded engine at once
 
 
-def window_items(max_batch_size: int, mode: str) -> int:
+def window_items(max_batch_size: int, mode: Mode) -> int:
     """Items in the engine at once (padded: PADDED_BATCHES_IN batches of at most max_batch_size)."""
-    if mode == "packed":
+    if mode == Mode.PACKED:
         return max_batch_size + max(1, max_batch_size // 8)
     return PADDED_BATCHES_IN * max_batch_size
 
 
-def queued_items(max_batch_size: int, mode: str) -> int:
+def queued_items(max_batch_size: int, mode: Mode) -> int:
     """Undone items the scheduler keeps in a consumer's ring (0: only the AHEAD records count)."""
-    return window_items(max_batch_size, mode) + max_batch_size if mode == "packed" else 0
+    return window_items(max_batch_size, mode) + max_batch_size if mode == Mode.PACKED else 0

@@ -30,7 +30,7 @@ from enum import IntEnum
 import numpy as np
 
 from ..jit import kernel
-from .contract import MODES, Batch, Contract, Shape
+from .contract import Batch, Contract, Mode, Shape, as_mode
 
 
 class Verdict(IntEnum):
@@ -97,11 +97,10 @@ class Guard:
     mode: "padded" checks count x longest, "packed" does not; by default the tolerance says
     which (a number: padded; None: packed, which is what a packed consumer passes)."""
 
-    def __init__(self, tolerance: float | None, mode: str | None = None):
-        if mode not in (None, *MODES):
-            raise ValueError(f"guard mode must be one of {MODES}, got {mode!r}")
+    def __init__(self, tolerance: float | None, mode: Mode | None = None):
+        mode = None if mode is None else as_mode(mode, "guard mode")
         self.tolerance = float("inf") if tolerance is None else float(tolerance)
-        self.rectangle = (tolerance is not None) if mode is None else mode == "padded"
+        self.rectangle = (tolerance is not None) if mode is None else mode == Mode.PADDED
         self.refusals: Counter = Counter()
 
     @property

@@ -3,7 +3,7 @@
 Bounded, array-backed, written by one owner (sched). Every operation costs
 O(the item's blocks) to insert or remove and O(batch + trie depth) to pack;
 nothing walks the backlog. The records and the named arrays (`State`) are in
-`state.py`, the age queues in `ages.py`; where an unclaimed family or branch is
+`state.py`, the trie's nodes in `trie.py`, the age queues in `ages.py`; where an unclaimed family or branch is
 listed, and which consumer a branch is affine to, is the policy's
 (`listing.py`), which this mechanism calls as items come and go.
 
@@ -26,16 +26,14 @@ from ..jit import kernel
 from .ages import age_push
 from .bands import bit_clear, bit_set
 from .links import (
-    _branch_list_set,
-    _bucket_append,
-    _bucket_unlink,
-    _child_append,
-    _child_unlink,
-    _family_list_set,
-    _nitem_append,
-    _nitem_unlink,
+    branch_list_set,
+    bucket_append,
+    bucket_unlink,
+    child_unlink,
+    family_list_set,
+    nitem_unlink,
 )
-from .listing import branch_reclass, class_of, family_reclass, hinted_consumer, remember_server
+from .listing import class_of, family_reclass, remember_server
 from .shapes import LENGTH_MAX, band_of
 from .state import (
     C_BRANCH,
@@ -53,6 +51,7 @@ from .state import (
     push_free,
 )
 from .tables import ht_delete, ht_find, ht_put
+from .trie import end_node, hang_item
 
 # insert() results
 FULL_ITEMS = -1
@@ -62,48 +61,10 @@ FULL_BUCKETS = -4
 
 
 @kernel(inline="always", _nrt=False)
-def _new_node(S, block_hash, parent, depth, f):
-    nd = S.nodes
-    meta = S.meta
-    x = pop_free(S.free_nodes, meta, M_NODES_FREE)
-    nd[x].hash = block_hash
-    nd[x].parent = parent
-    nd[x].depth = depth
-    nd[x].fam = f
-    nd[x].branch = -1 if depth == 0 else (x if depth == 1 else nd[parent].branch)
-    nd[x].chead = -1
-    nd[x].ctail = -1
-    nd[x].sprev = -1
-    nd[x].snext = -1
-    nd[x].ihead = -1
-    nd[x].itail = -1
-    nd[x].nitems = 0
-    nd[x].live = 0
-    nd[x].maxlen = 0
-    nd[x].maxnew = 0
-    nd[x].claimed = 0
-    nd[x].cls = -1
-    nd[x].cprev = -1
-    nd[x].cnext = -1
-    nd[x].affine = hinted_consumer(S, block_hash) if depth == 1 else -1
-    ht_put(S.node_keys, S.node_slots, block_hash, x)
-    return x
-
-
-@kernel(_nrt=False)
-def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
-    """Index one item; its slot, or a FULL_* code (nothing changed)."""
-    it = S.items
-    nd = S.nodes
+def _family_for(S, family_key, model):
+    """The family of `family_key`, made (empty, unlisted) when new; FULL_FAMILIES when none is free."""
     fm = S.families
-    bk = S.buckets
     meta = S.meta
-    if meta[M_ITEMS_FREE] < 1:
-        return FULL_ITEMS
-    if meta[M_NODES_FREE] < 3:
-        return FULL_NODES
-    if meta[M_BUCKETS_FREE] < 1:
-        return FULL_BUCKETS
     f = ht_find(S.family_keys, S.family_slots, family_key)
     if f == -1:
         if meta[M_FAMS_FREE] < 1:
@@ -121,58 +82,19 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
         fm[f].gprev = -1
         fm[f].gnext = -1
         ht_put(S.family_keys, S.family_slots, family_key, f)
-    # the trie: the family root, the branch (first block), then the item's own end node hung
-    # under its deepest indexed ancestor (path-compressed: only roots, branches and item ends
-    # are nodes, so the trie holds O(items) nodes, not O(blocks))
-    x = fm[f].root
-    if x == -1:
-        x = _new_node(S, family_key, -1, 0, f)
-        fm[f].root = x
-    if hashes.size >= 1:
-        br = ht_find(S.node_keys, S.node_slots, hashes[0])
-        if br == -1:
-            br = _new_node(S, hashes[0], x, 1, f)
-        x = br
-    if hashes.size >= 2:
-        last = hashes.size - 1
-        y = ht_find(S.node_keys, S.node_slots, hashes[last])
-        if y == -1:
-            p = br
-            for d in range(last - 1, 0, -1):
-                a = ht_find(S.node_keys, S.node_slots, hashes[d])
-                if a != -1:
-                    p = a
-                    break
-            y = _new_node(S, hashes[last], p, last + 1, f)
-        x = y
-    # the item
-    slot = pop_free(S.free_items, meta, M_ITEMS_FREE)
-    it[slot].handle = handle
-    it[slot].arrival = arrival
-    it[slot].length = length
-    it[slot].max_new = max_new
-    it[slot].fam = f
-    _nitem_append(it, nd, x, slot)
-    y = x
-    while y != -1 and nd[y].live == 0:
-        nd[y].live = 1
-        p = nd[y].parent
-        if p != -1:
-            _child_append(nd, p, y)
-        y = p
-    br = nd[x].branch
-    if br != -1:
-        if length > nd[br].maxlen:
-            nd[br].maxlen = length
-        if max_new > nd[br].maxnew:
-            nd[br].maxnew = max_new
-        branch_reclass(S, br)
-    # the band
+    return f
+
+
+@kernel(inline="always", _nrt=False)
+def _band_append(S, f, slot, length):
+    """Append item `slot` to its length band's bucket in family f (the bucket made, and its band's
+    bit set, when it is the band's first item)."""
+    bk = S.buckets
     band = band_of(length)
     bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
     b = ht_find(S.bucket_keys, S.bucket_slots, bkey)
     if b == -1:
-        b = pop_free(S.free_buckets, meta, M_BUCKETS_FREE)
+        b = pop_free(S.free_buckets, S.meta, M_BUCKETS_FREE)
         bk[b].key = bkey
         bk[b].head = -1
         bk[b].tail = -1
@@ -180,7 +102,33 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
         bk[b].band = band
         ht_put(S.bucket_keys, S.bucket_slots, bkey, b)
         bit_set(S.band_bits, S.band_summary, f, band)
-    _bucket_append(it, bk, b, slot)
+    bucket_append(S.items, bk, b, slot)
+
+
+@kernel(_nrt=False)
+def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
+    """Index one item; its slot, or a FULL_* code (nothing changed)."""
+    it = S.items
+    fm = S.families
+    meta = S.meta
+    if meta[M_ITEMS_FREE] < 1:
+        return FULL_ITEMS
+    if meta[M_NODES_FREE] < 3:
+        return FULL_NODES
+    if meta[M_BUCKETS_FREE] < 1:
+        return FULL_BUCKETS
+    f = _family_for(S, family_key, model)
+    if f == FULL_FAMILIES:
+        return FULL_FAMILIES
+    x = end_node(S, f, family_key, hashes)
+    slot = pop_free(S.free_items, meta, M_ITEMS_FREE)
+    it[slot].handle = handle
+    it[slot].arrival = arrival
+    it[slot].length = length
+    it[slot].max_new = max_new
+    it[slot].fam = f
+    hang_item(S, x, slot, length, max_new)
+    _band_append(S, f, slot, length)
     fm[f].pending += 1
     fm[f].tokens += length
     fm[f].generate += max_new
@@ -231,19 +179,19 @@ def remove_quiet(S, slot):
     meta = S.meta
     cons = S.consumers
     f = it[slot].fam
-    b = _bucket_unlink(it, bk, slot)
+    b = bucket_unlink(it, bk, slot)
     if bk[b].count == 0:
         bit_clear(S.band_bits, S.band_summary, f, bk[b].band)
         ht_delete(S.bucket_keys, S.bucket_slots, bk[b].key)
         push_free(S.free_buckets, meta, M_BUCKETS_FREE, b)
-    x = _nitem_unlink(it, nd, slot)
+    x = nitem_unlink(it, nd, slot)
     while x != -1 and nd[x].nitems == 0 and nd[x].chead == -1:
         p = nd[x].parent
         nd[x].live = 0
         if p != -1:
-            _child_unlink(nd, p, x)
+            child_unlink(nd, p, x)
         if nd[x].depth == 1:
-            _branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
+            branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
             remember_server(S, x)
         elif nd[x].depth == 0:
             fm[f].root = -1
@@ -259,7 +207,7 @@ def remove_quiet(S, slot):
     meta[M_ITEMS] -= 1
     meta[M_TOKENS] -= it[slot].length
     if fm[f].pending == 0:
-        _family_list_set(fm, S.family_heads, S.family_tails, f, -1)
+        family_list_set(fm, S.family_heads, S.family_tails, f, -1)
         for c in range(cons.shape[0]):
             if cons[c, C_FAM] == f:
                 cons[c, C_FAM] = -1

@@ -18,7 +18,7 @@ from ..jit import kernel
 
 
 @kernel(_nrt=False)
-def _bucket_append(it, bk, b, slot):
+def bucket_append(it, bk, b, slot):
     it[slot].bucket = b
     it[slot].bnext = -1
     it[slot].bprev = bk[b].tail
@@ -31,7 +31,7 @@ def _bucket_append(it, bk, b, slot):
 
 
 @kernel(_nrt=False)
-def _bucket_unlink(it, bk, slot):
+def bucket_unlink(it, bk, slot):
     b = it[slot].bucket
     p = it[slot].bprev
     n = it[slot].bnext
@@ -48,7 +48,7 @@ def _bucket_unlink(it, bk, slot):
 
 
 @kernel(_nrt=False)
-def _nitem_append(it, nd, x, slot):
+def nitem_append(it, nd, x, slot):
     it[slot].node = x
     it[slot].nnext = -1
     it[slot].nprev = nd[x].itail
@@ -61,7 +61,7 @@ def _nitem_append(it, nd, x, slot):
 
 
 @kernel(_nrt=False)
-def _nitem_unlink(it, nd, slot):
+def nitem_unlink(it, nd, slot):
     x = it[slot].node
     p = it[slot].nprev
     n = it[slot].nnext
@@ -78,7 +78,7 @@ def _nitem_unlink(it, nd, slot):
 
 
 @kernel(_nrt=False)
-def _child_append(nd, p, x):
+def child_append(nd, p, x):
     nd[x].snext = -1
     nd[x].sprev = nd[p].ctail
     if nd[p].ctail != -1:
@@ -89,7 +89,7 @@ def _child_append(nd, p, x):
 
 
 @kernel(_nrt=False)
-def _child_unlink(nd, p, x):
+def child_unlink(nd, p, x):
     a = nd[x].sprev
     b = nd[x].snext
     if a != -1:
@@ -105,7 +105,7 @@ def _child_unlink(nd, p, x):
 
 
 @kernel(_nrt=False)
-def _branch_list_set(nd, fbh, fbt, x, c):
+def branch_list_set(nd, fbh, fbt, x, c):
     """Move branch x to its family's class list c (-1: out of every list)."""
     old = nd[x].cls
     if old == c:
@@ -135,7 +135,7 @@ def _branch_list_set(nd, fbh, fbt, x, c):
 
 
 @kernel(_nrt=False)
-def _family_list_set(fm, gh, gt, f, c):
+def family_list_set(fm, gh, gt, f, c):
     """Move family f to the global class list c (-1: out of every list)."""
     old = fm[f].gcls
     if old == c:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..jit import kernel
 from .bands import band_next
-from .links import _branch_list_set, _family_list_set
+from .links import branch_list_set, family_list_set
 from .shapes import band_floor
 from .state import C_MAXIN
 
@@ -43,10 +43,10 @@ def family_reclass(S, f):
     """Put an unclaimed family in the class list of its shortest pending item."""
     fm = S.families
     if fm[f].claimed != 0 or fm[f].pending == 0:
-        _family_list_set(fm, S.family_heads, S.family_tails, f, -1)
+        family_list_set(fm, S.family_heads, S.family_tails, f, -1)
         return
     b = band_next(S.band_bits, S.band_summary, f, 0)
-    _family_list_set(fm, S.family_heads, S.family_tails, f, class_of(S.classes, fm[f].model, band_floor(b)))
+    family_list_set(fm, S.family_heads, S.family_tails, f, class_of(S.classes, fm[f].model, band_floor(b)))
 
 
 @kernel(inline="always", _nrt=False)
@@ -55,13 +55,13 @@ def branch_reclass(S, x):
     else in the class list of its longest item. Lists 0..K are classes, K+1+c consumer c's."""
     nd = S.nodes
     if nd[x].claimed != 0 or nd[x].live == 0:
-        _branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
+        branch_list_set(nd, S.branch_heads, S.branch_tails, x, -1)
         return
     a = nd[x].affine
     if a != -1 and nd[x].maxlen <= S.consumers[a, C_MAXIN]:
-        _branch_list_set(nd, S.branch_heads, S.branch_tails, x, S.classes.shape[0] + 1 + a)
+        branch_list_set(nd, S.branch_heads, S.branch_tails, x, S.classes.shape[0] + 1 + a)
     else:
-        _branch_list_set(nd, S.branch_heads, S.branch_tails, x,
+        branch_list_set(nd, S.branch_heads, S.branch_tails, x,
                          class_of(S.classes, S.families[nd[x].fam].model, nd[x].maxlen))
 
 

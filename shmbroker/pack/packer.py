@@ -1,6 +1,6 @@
 """The packer: one shape-pure batch for one consumer, to its contract.
 
-    packer = Packer([ConsumerSpec("big", Contract(256, 131072, 131072), "padded"), ...])
+    packer = Packer([ConsumerSpec("big", Contract(256, 131072, 131072), Mode.PADDED), ...])
     packer.add(handle, arrival, length, max_new, model, family, hashes)   # O(item's blocks)
     batch = packer.next_batch(consumer, now)                           # O(batch + trie depth)
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import BATCH_ROW, MODES, Batch, Contract, Shape
+from .contract import BATCH_ROW, Batch, Contract, Mode, Shape, as_mode
 from .guard import Guard, Verdict
 from .index import PackIndex
 from .policy import DEFAULT_PADDING_TOLERANCE, POLICIES
@@ -33,11 +33,10 @@ FAILED_MAX = 64  # failures collected per decision
 class ConsumerSpec:
     name: str
     contract: Contract
-    mode: str = "padded"
+    mode: Mode = Mode.PADDED
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"consumer {self.name!r}: mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", as_mode(self.mode, f"consumer {self.name!r}: mode"))
 
 
 class Packer:
@@ -62,7 +61,7 @@ class Packer:
         self.policies = []
         self.guards = []
         for i, c in enumerate(consumers):
-            kw = {"tol": tolerance} if c.mode == "padded" else {}
+            kw = {"tol": tolerance} if c.mode == Mode.PADDED else {}
             policy = POLICIES[c.mode](self.index, i, c.contract, self.model_max[c.contract.model],
                                       max_wait_seconds, **kw)
             self.policies.append(policy)

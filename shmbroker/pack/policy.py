@@ -75,7 +75,8 @@ from ..jit import kernel
 from .ages import oldest
 from .branches import claim_item_branch, goes_before, select_packed
 from .commit import finish
-from .links import _family_list_set
+from .contract import Mode
+from .links import family_list_set
 from .listing import family_reclass
 from .shapes import NUM_BANDS, band_of
 from .state import C_BAND, C_FAM, C_MAXIN, State
@@ -140,7 +141,7 @@ def take_family(S, c, cls_order, skip, nskip, scan, longest, bs, bt):
                     most = steps
             f = fm[f].gnext
         if best != -1:
-            _family_list_set(fm, gh, S.family_tails, best, -1)
+            family_list_set(fm, gh, S.family_tails, best, -1)
             fm[best].claimed = c + 1
             return best
     return -1
@@ -327,4 +328,4 @@ class PackedPolicy(Policy):
 
 
 
-POLICIES = {"padded": PaddedPolicy, "packed": PackedPolicy}
+POLICIES = {Mode.PADDED: PaddedPolicy, Mode.PACKED: PackedPolicy}

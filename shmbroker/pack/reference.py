@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .contract import Contract
+from .contract import Contract, Mode, as_mode
 from .reference_index import (
     BRANCH_CLAIM_ORDER,
     FAMILY_TAKE_ORDER,
@@ -110,9 +110,8 @@ class RefBatch:
 class ReferencePacker(ReferenceIndex):
     """The packer's decisions for one consumer (`contract`, `mode`), without aging. See the module doc."""
 
-    def __init__(self, contract: Contract, mode: str, *, capacity: int, tolerance: float = DEFAULT_TOLERANCE):
-        if mode not in ("padded", "packed"):
-            raise ValueError(f"mode must be 'padded' or 'packed', got {mode!r}")
+    def __init__(self, contract: Contract, mode: Mode, *, capacity: int, tolerance: float = DEFAULT_TOLERANCE):
+        mode = as_mode(mode)
         super().__init__(contract, capacity=capacity)
         self.mode = mode
         self.tol = float(tolerance)
@@ -124,7 +123,7 @@ class ReferencePacker(ReferenceIndex):
             for name in FAMILY_TAKE_ORDER:
                 if self.family_lists[name]:
                     self.family = self.family_lists[name][0]
-                    scan = self.contract.max_batch_size if self.mode == "packed" else 1
+                    scan = self.contract.max_batch_size if self.mode == Mode.PACKED else 1
                     for other in self.family_lists[name][:scan]:
                         if self._steps(other) > self._steps(self.family):
                             self.family = other
@@ -135,7 +134,7 @@ class ReferencePacker(ReferenceIndex):
             move_to(self.family_lists, self.family, None)
             self.band = TOP_BAND
         fam = self.family
-        if self.mode == "padded":
+        if self.mode == Mode.PADDED:
             taken, failed = self._select_padded(fam)
             lengths = [item.length for item in taken]
             bounds = (min(lengths), max(lengths)) if taken else (0, 0)

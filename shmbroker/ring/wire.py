@@ -82,9 +82,19 @@ LOC_DTYPE = np.dtype([("writer", "<u4"), ("num_tokens", "<u4"), ("segment", "<u8
 LOC_WORDS = LOC_DTYPE.itemsize // 4
 assert LOC_DTYPE.itemsize == 64
 
-def batch_meta_words(n_run: int, n_failed: int, packed_ns: int) -> tuple[int, int, int, int]:
+class MetaWords(NamedTuple):
+    """meta[0..3] of a ring record (the table above says what each ring puts there); spread into
+    `Ring.push(payload, key, *meta)`."""
+
+    m0: int
+    m1: int
+    m2: int
+    m3: int
+
+
+def batch_meta_words(n_run: int, n_failed: int, packed_ns: int) -> MetaWords:
     """meta[0..3] of a batch ring record."""
-    return n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32
+    return MetaWords(n_run, n_failed, packed_ns & 0xFFFFFFFF, packed_ns >> 32)
 
 
 def batch_meta(data: np.ndarray, pos: int) -> tuple[int, int, int]:
@@ -135,9 +145,9 @@ def read_announcement(words: np.ndarray, count: int, nh: int) -> Announcement:
     return Announcement(locs, hash_offsets, hashes)
 
 
-def chunk_meta_words(nbytes: int) -> tuple[int, int, int, int]:
+def chunk_meta_words(nbytes: int) -> MetaWords:
     """meta[0..3] of a results ring record of `nbytes` payload bytes."""
-    return nbytes, 0, 0, 0
+    return MetaWords(nbytes, 0, 0, 0)
 
 
 def chunk_bytes(data: np.ndarray, pos: int) -> int:
@@ -244,12 +254,22 @@ def resync_results(buf, start, end):
     return end
 
 
-def result_head(buf: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
-    """(length, item_id, seq, status, writer) of the result record header at buf[at:] (unchecked:
-    a damaged record's header is read too, `scan_results` says whether it is whole)."""
+class ResultHead(NamedTuple):
+    """The fields of a result record's header that name its item (the result records' table above)."""
+
+    length: int
+    item_id: int
+    seq: int
+    status: int
+    writer: int
+
+
+def result_head(buf: np.ndarray, at: int) -> ResultHead:
+    """The header of the result record at buf[at:] (unchecked: a damaged record's header is read
+    too, `scan_results` says whether it is whole)."""
     h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
     h64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
-    return int(h[0]), int(h64[1]), int(h64[2]), int(h[6]), int(h[7])
+    return ResultHead(int(h[0]), int(h64[1]), int(h64[2]), int(h[6]), int(h[7]))
 
 
 def result_num_tokens(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:

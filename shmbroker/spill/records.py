@@ -17,6 +17,8 @@ names (length, magic, sequence number, item id, token count, CRC).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..jit import kernel
@@ -204,6 +206,23 @@ def scan(seg, start, end, next_seq, check_crc, out_offset, out_status, live=Fals
         out_status[count] = REC_BAD_FRAME
         count += 1
         off = found
+
+
+class ScanStep(NamedTuple):
+    """What one `scan` call walked (its docstring): records found, SCAN_END / SCAN_TORN / SCAN_FULL,
+    the offset after the last record taken, the next sequence number, and (SCAN_TORN) the bytes
+    after that offset that form no record."""
+
+    count: int
+    outcome: int
+    end: int
+    next_seq: int
+    cut_bytes: int
+
+
+def scan_step(seg, start, end, next_seq, check_crc, out_offset, out_status, live=False) -> ScanStep:
+    """`scan`, its result named (one call per SCAN_CHUNK records)."""
+    return ScanStep(*scan(seg, start, end, next_seq, check_crc, out_offset, out_status, live))
 
 
 @kernel

@@ -35,7 +35,7 @@ from ..disk import durable
 from ..ring.items import SEQ_BITS
 from .acks import Acks
 from .layout import PENDING_DTYPE, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, idx_name, pending_from_headers, segment_name
-from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, scan
+from .records import REC_BAD_CRC, REC_OK, SCAN_FULL, SCAN_TORN, copy_headers, scan_step
 from .segment import (
     FILE_MODE,
     HEADER_DAMAGED,
@@ -80,6 +80,19 @@ class RecoveryReport:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class SegmentRecords:
+    """What recovery found in one segment: its pending records and those failing their CRC that
+    still name their item (PENDING_DTYPE rows), one past the last sequence number a record of it
+    holds, where its records end, and the offsets its index lists (`kept`)."""
+
+    pending: np.ndarray
+    corrupt: np.ndarray
+    next_seq: int
+    end: int
+    kept: np.ndarray
+
+
 @dataclass
 class WriterState:
     """What recovery learned about one writer: where its writer continues."""
@@ -115,73 +128,89 @@ class Recovery:
             self.acks.set_floor(writer, firsts[0])  # older segments were reclaimed: all done
         for k, first in enumerate(firsts):
             last = k == len(firsts) - 1
-            path = wdir / segment_name(first)
-            report.segments += 1
-            try:
-                problem = header_problem(path)
-            except FileNotFoundError:
-                if not self.readonly:
-                    raise
-                state.segments.remove(first)  # reclaimed while we looked: all its records are done
+            found = self.recover_segment(wdir / segment_name(first), state, last, clean, report)
+            if found is None:
                 continue
-            rewritten = False
-            if problem is not None:
-                if self.readonly:  # leave it to a recovery that may change the disk (or to its writer)
-                    state.segments.remove(first)
-                    continue
-                if problem[0] != HEADER_DAMAGED:
-                    self.set_aside(path, state, report, problem[1])
-                    continue
-                self.rewrite_header(path, writer, first, report, problem[1])
-                rewritten = True
-            idx_path = wdir / idx_name(first)
-            idx = None if last else read_idx(idx_path)
-            if idx is None and not last and idx_path.exists():
-                report.indexes_rebuilt += not self.readonly
-                report.damaged_files.append({"file": f"{wdir.name}/{idx_path.name}", "reason": "fails its checks",
-                                             "action": "segment scanned with CRC checks" +
-                                             ("" if self.readonly else ", index written again")})
-            corrupt = np.empty(0, PENDING_DTYPE)
-            if idx is not None and not rewritten:
-                offsets, headers, _end = idx
-                recs = pending_from_headers(headers, writer, first, offsets)
-                next_seq = first + len(recs) if len(recs) == 0 else int(recs["seq"][-1]) + 1
-            else:
-                report.scanned_segments += 1
-                trusted_end = clean[1] if (clean is not None and last and clean[0] == first and not rewritten) else None
-                try:
-                    recs, corrupt, next_seq, end, offsets = self.scan_segment(path, writer, first, trusted_end, report,
-                                                                               seal=not last and idx is None, known=idx)
-                except FileNotFoundError:
-                    if not self.readonly:
-                        raise
-                    state.segments.remove(first)  # reclaimed while we looked: all its records are done
-                    continue
-                except ValueError as exc:  # its header went bad since it was checked (or it is being created)
-                    if self.readonly:
-                        state.segments.remove(first)
-                        continue
-                    self.set_aside(path, state, report, str(exc))
-                    continue
-                if last:
-                    state.active_end = end
-                    state.active_offsets = [offsets]
-            records_end = next_seq  # one past the last sequence number a record of this segment holds
-            if not last:
-                next_seq = max(next_seq, firsts[k + 1])
+            if last:  # the active segment: always scanned (only sealed ones have an index)
+                state.active_end = found.end
+                state.active_offsets = [found.kept]
+            next_seq = found.next_seq if last else max(found.next_seq, firsts[k + 1])
             state.next_seq = max(state.next_seq, next_seq)
-            # Sequence numbers inside the segment that are not records (lost to damage; between
-            # segments: skipped by a jump) are done; those among its records were lost unnamed.
-            expected = np.arange(first, next_seq, dtype=np.uint64)
-            live = np.concatenate([recs["seq"], corrupt["seq"]]) if corrupt.size else recs["seq"]
-            missing = np.setdiff1d(expected, live) if live.size != expected.size else expected[:0]
-            if missing.size:
-                report.unnamed_corrupt += int((missing < np.uint64(records_end)).sum())
-                self.acked_at_open += int((~self.acks.done_mask(writer, missing)).sum())
-                self.acks.ack(writer, missing)
-            parts.append(recs)
-            corrupt_parts.append(corrupt)
+            self.mark_lost(writer, first, next_seq, found, report)
+            parts.append(found.pending)
+            corrupt_parts.append(found.corrupt)
         return state, parts, corrupt_parts
+
+    def recover_segment(self, path: Path, state: WriterState, last: bool, clean, report: RecoveryReport):
+        """The records of one segment (`SegmentRecords`), from its index when it has a sound one, else
+        scanned; None when the segment is left out (gone, set aside, or left to a recovery that may
+        change the disk). `clean`: the writer's clean-shutdown marker (None: none)."""
+        writer, first = state.writer, int(path.stem)
+        report.segments += 1
+        rewritten = self.check_header(path, state, report)
+        if rewritten is None:
+            return None
+        idx_path = path.with_name(idx_name(first))
+        idx = None if last else read_idx(idx_path)
+        if idx is None and not last and idx_path.exists():
+            report.indexes_rebuilt += not self.readonly
+            report.damaged_files.append({"file": f"{path.parent.name}/{idx_path.name}", "reason": "fails its checks",
+                                         "action": "segment scanned with CRC checks" +
+                                         ("" if self.readonly else ", index written again")})
+        if idx is not None and not rewritten:
+            offsets, headers, end = idx
+            recs = pending_from_headers(headers, writer, first, offsets)
+            next_seq = first + len(recs) if len(recs) == 0 else int(recs["seq"][-1]) + 1
+            return SegmentRecords(recs, np.empty(0, PENDING_DTYPE), next_seq, end, offsets)
+        report.scanned_segments += 1
+        trusted_end = clean[1] if (clean is not None and last and clean[0] == first and not rewritten) else None
+        try:
+            return self.scan_segment(path, writer, first, trusted_end, report, seal=not last and idx is None, known=idx)
+        except FileNotFoundError:
+            if not self.readonly:
+                raise
+            state.segments.remove(first)  # reclaimed while we looked: all its records are done
+        except ValueError as exc:  # its header went bad since it was checked (or it is being created)
+            if self.readonly:
+                state.segments.remove(first)
+            else:
+                self.set_aside(path, state, report, str(exc))
+        return None
+
+    def check_header(self, path: Path, state: WriterState, report: RecoveryReport) -> bool | None:
+        """Whether the segment's header had to be rewritten (its records are then all CRC-checked);
+        None when the segment is left out: reclaimed while we looked, set aside, or (readonly) left
+        to a recovery that may change the disk, or to its writer."""
+        first = int(path.stem)
+        try:
+            problem = header_problem(path)
+        except FileNotFoundError:
+            if not self.readonly:
+                raise
+            state.segments.remove(first)  # reclaimed while we looked: all its records are done
+            return None
+        if problem is None:
+            return False
+        if self.readonly:
+            state.segments.remove(first)
+            return None
+        if problem[0] != HEADER_DAMAGED:
+            self.set_aside(path, state, report, problem[1])
+            return None
+        self.rewrite_header(path, state.writer, first, report, problem[1])
+        return True
+
+    def mark_lost(self, writer: int, first: int, next_seq: int, found: SegmentRecords, report: RecoveryReport) -> None:
+        """Sequence numbers inside the segment that are not records (lost to damage; between segments:
+        skipped by a jump) are done; those among its records (below found.next_seq) were lost unnamed."""
+        expected = np.arange(first, next_seq, dtype=np.uint64)
+        recs, corrupt = found.pending, found.corrupt
+        live = np.concatenate([recs["seq"], corrupt["seq"]]) if corrupt.size else recs["seq"]
+        missing = np.setdiff1d(expected, live) if live.size != expected.size else expected[:0]
+        if missing.size:
+            report.unnamed_corrupt += int((missing < np.uint64(found.next_seq)).sum())
+            self.acked_at_open += int((~self.acks.done_mask(writer, missing)).sum())
+            self.acks.ack(writer, missing)
 
     def set_aside(self, path: Path, state: WriterState, report: RecoveryReport, reason: str) -> None:
         """A segment whose header this build cannot take: renamed `<first>.corrupt`, its sequence numbers
@@ -213,10 +242,9 @@ class Recovery:
         report.segment_headers_rewritten += 1
 
     def scan_segment(self, path: Path, writer: int, first: int, trusted_end: int | None, report: RecoveryReport,
-                      seal: bool = False, known=None):
+                      seal: bool = False, known=None) -> SegmentRecords:
         """Walk a segment's records (CRC-checked unless trusted); cut a torn tail. `known`: the segment's
-        index (read_idx), whose header copies are trusted, to name the records that fail. Returns
-        (pending, corrupt, next_seq, end, offsets of the records kept in the segment's index)."""
+        index (read_idx), whose header copies are trusted, to name the records that fail."""
         seg = SegmentFile.open(path, writable=not self.readonly)
         try:
             end_limit = seg.size if trusted_end is None else trusted_end
@@ -226,19 +254,19 @@ class Recovery:
             offsets_all, status_all = [], []
             off, next_seq = SEGMENT_HEADER_BYTES, first
             while True:
-                n, outcome, off, next_seq, cut = scan(seg.buf, off, end_limit, next_seq, check_crc, out_off, out_status,
-                                                      self.readonly)
-                offsets_all.append(out_off[:n].copy())
-                status_all.append(out_status[:n].copy())
-                if outcome != SCAN_FULL:
+                step = scan_step(seg.buf, off, end_limit, next_seq, check_crc, out_off, out_status, self.readonly)
+                off, next_seq = step.end, step.next_seq
+                offsets_all.append(out_off[: step.count].copy())
+                status_all.append(out_status[: step.count].copy())
+                if step.outcome != SCAN_FULL:
                     break
-            if outcome == SCAN_TORN and not self.readonly:
+            if step.outcome == SCAN_TORN and not self.readonly:
                 # Bytes after the last record that form no record (one being written when
                 # the writer died): zero them, so that no stale byte can ever pass for a
                 # record once the writer continues here.
                 report.torn_records += 1
-                report.torn_bytes += int(cut)
-                seg.buf[off : off + cut] = 0
+                report.torn_bytes += int(step.cut_bytes)
+                seg.buf[off : off + step.cut_bytes] = 0
                 seg.sync()
             offsets = np.concatenate(offsets_all)
             status = np.concatenate(status_all)
@@ -270,7 +298,7 @@ class Recovery:
                 # that names its item stays in it until its `corrupt` result acks it)
                 seg.sync()  # the records before the index that lists them
                 write_idx(path.parent, first, idx_bytes(seg, kept, off))
-            return recs, corrupt, next_seq, off, kept
+            return SegmentRecords(recs, corrupt, next_seq, off, kept)
         finally:
             seg.close()
 

@@ -21,6 +21,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +36,17 @@ WAITING_DIR = "waiting"
 WAIT_DTYPE = np.dtype(LOC_DTYPE.descr + [("arrival_ns", "<i8")])
 ROW_BYTES = WAIT_DTYPE.itemsize
 CHUNK_ROWS = 1 << 18  # 18 MiB files
+
+
+class TakenItems(NamedTuple):
+    """Waiting items taken back (`WaitingQueue.take`), in the form of an announcement
+    (`ring.wire.read_announcement`): their LOC rows, item i's block hashes at
+    hashes[hash_offsets[i]:hash_offsets[i + 1]], and when the first of them came."""
+
+    locs: np.ndarray
+    hash_offsets: np.ndarray
+    hashes: np.ndarray
+    arrival_ns: int
 
 
 class WaitingQueue:
@@ -175,10 +187,10 @@ class WaitingQueue:
             return int(np.frombuffer(data, WAIT_DTYPE)["arrival_ns"][0])
         return int(self.memory[0]["arrival_ns"][0]) if self.memory else None
 
-    def take(self, n: int, block_tokens: int):
-        """The next `n` (at most) waiting items' (LOC rows, hash_offsets, hashes, arrival_ns of the
-        first), their block hashes computed from the backlog's segments. Rows whose segment is gone
-        (every record in it done meanwhile) are dropped and returned apart: (taken, gone)."""
+    def take(self, n: int, block_tokens: int) -> tuple[TakenItems, np.ndarray]:
+        """The next `n` (at most) waiting items, their block hashes computed from the backlog's
+        segments. Rows whose segment is gone (every record in it done meanwhile) are dropped and
+        returned apart: (taken, gone)."""
         rows = self._read(n)
         if self.backlog is None:
             self.backlog = Backlog(self.backlog_dir, self.segment_bytes)
@@ -195,7 +207,7 @@ class WaitingQueue:
         if not len(self):
             self._close_backlog()
         arrival = int(live["arrival_ns"][0]) if live.size else 0
-        return (locs, hash_offsets, hashes, arrival), rows[gone]
+        return TakenItems(locs, hash_offsets, hashes, arrival), rows[gone]
 
     def _close_backlog(self) -> None:
         if self.backlog is not None:

@@ -42,13 +42,16 @@ import time
 import traceback
 from pathlib import Path
 
+from ..config.settings import BrokerConfig
+from ..control.deaths import describe_status, note_exception
 from ..control.roles import STOP_ORDER, broker_roles
 from ..control.segment import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_PID, R_RESTARTS, Control, mark_started
 from ..disk.lockfile import AlreadyRunning, InstanceLock
 from ..observe.watch import describe, remove_description, write_description
+from ..pack.contract import Mode
 from ..ring.owner import Owner
 from .salvage import salvage_at_start, salvage_at_stop
-from .watchdog import Limits, Supervision, describe_status, note_exception
+from .watchdog import Limits, Supervision
 from .wiring import Wiring, run_child
 
 log = logging.getLogger("shmbroker.supervisor.supervise")
@@ -59,7 +62,7 @@ WATCH_SECONDS = 0.05
 
 
 class Supervisor:
-    def __init__(self, cfg, modes: list[str]):
+    def __init__(self, cfg: BrokerConfig, modes: list[Mode]):
         self.cfg = cfg
         self.modes = modes
         self.data_dir = Path(cfg.data_dir)
@@ -321,7 +324,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def engine_modes(cfg) -> list[str]:
+def engine_modes(cfg: BrokerConfig) -> list[Mode]:
     """Each consumer's engine mode, from the engine registry (the sim's from its settings)."""
     from ..engines.catalogue import engine_mode
 

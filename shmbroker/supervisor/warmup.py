@@ -44,7 +44,7 @@ def warm_pack() -> None:
     """Both policies on a tiny workload (aging on and off), the guard, the trace synthesis."""
     import numpy as np
 
-    from ..pack.contract import Contract, Shape
+    from ..pack.contract import Contract, Mode, Shape
     from ..pack.guard import Guard
     from ..pack.packer import ConsumerSpec, Packer
     from ..pack.shapes import shape_items
@@ -52,7 +52,7 @@ def warm_pack() -> None:
 
     tokens = np.arange(2000, dtype=np.uint32)
     shapes = shape_items(tokens, np.array([0, 600, 1300, 2000], np.int64), np.array([0, 100, 0], np.int64))
-    for mode in ("padded", "packed"):
+    for mode in Mode:
         for wait in (None, 1.0):
             packer = Packer([ConsumerSpec("a", Contract(4, 4096, 1024), mode),
                              ConsumerSpec("b", Contract(2, 1024, 512), mode)], capacity=8, max_wait_seconds=wait)

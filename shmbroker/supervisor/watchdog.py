@@ -1,6 +1,6 @@
-"""The supervisor's watch over its children: bounded restarts, crash loops, hung processes (issue 14,
-holes 8 and 9). The supervisor (`supervisor.py`) forks and reaps; what to make of a death and
-whether a live child is hung is decided here.
+"""The supervisor's watch over its children: bounded restarts, crash loops, hung processes. The
+supervisor (`supervise.py`) forks and reaps; what to make of a death and whether a live child is
+hung is decided here (a death's words in the role slot: `control/deaths.py`).
 
 Restarts (`RestartPolicy`, per role). A child that dies is restarted after a back-off: 0.1 s,
 doubling after each death that came within HEALTHY_SECONDS of its start, up to
@@ -45,7 +45,6 @@ from ..control.segment import (
     R_LAST_ERROR,
     R_LAST_EXIT_NS,
     R_LAST_STATUS,
-    R_PID,
     R_RESTART_AT,
     R_STARTED,
     R_WATCHDOG_KILLS,
@@ -219,34 +218,3 @@ class Supervision:
             except ProcessLookupError:
                 pass
 
-
-def death_report(slot: np.ndarray, now_ns: int) -> dict:
-    """What the supervisor's words in a role slot say of its deaths (`shmbroker status --json`, top,
-    the metrics): crash_loop, last_exit (its last wait status in words, None: it never died),
-    last_error (that death in words), last_exit_unix, watchdog_kills, restart_in_seconds (None: no
-    restart pending)."""
-    died = int(slot[R_LAST_EXIT_NS])
-    restart = int(slot[R_RESTART_AT])
-    return {"crash_loop": bool(slot[R_CRASH_LOOP]),
-            "last_exit": describe_status(int(slot[R_LAST_STATUS])) if died else None,
-            "last_error": get_text(slot, R_LAST_ERROR) if died else None,
-            "last_exit_unix": died / 1e9 if died else None,
-            "watchdog_kills": int(slot[R_WATCHDOG_KILLS]),
-            "restart_in_seconds": max(0.0, (restart - now_ns) / 1e9) if restart and not int(slot[R_PID]) else None}
-
-
-def describe_status(status: int) -> str:
-    """An os.waitpid status in words: "killed by SIGSEGV", "exited with status 1"."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            return f"killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"killed by signal {sig}"
-    return f"exited with status {os.waitstatus_to_exitcode(status)}"
-
-
-def note_exception(slot: np.ndarray, exc: BaseException) -> None:
-    """In a child on its way out: the last line of what it dies of, for the supervisor's report."""
-    text = str(exc).splitlines()
-    put_text(slot, R_EXCEPTION, f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__)

@@ -17,13 +17,19 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..config.settings import BrokerConfig
 from ..control.roles import Kind, Role
 from ..control.segment import R_COMPILES, Control
-from ..ring.owned import create_ring
+from ..pack.contract import Mode
+from ..ring.owned import OwnedRing, create_ring
 from ..ring.owner import Owner
 from ..ring.ring import CONSUMER, PRODUCER
+from ..ring.shm import Doorbell
 
 BATCH_RING_BYTES = 4 << 20
 APPENDED_RING_BYTES = 16 << 20
@@ -40,21 +46,23 @@ def stopping() -> int:
 class Wiring:
     """The shared memory a broker's processes talk through, and what their mains are given."""
 
-    cfg: object
-    modes: list[str]
+    cfg: BrokerConfig
+    modes: list[Mode]  # each consumer's engine mode, in cfg.consumers' order
     control: Control
-    sched_bell: object
-    results_bell: object
-    ingest_bells: list
-    appended: list  # ann<K>: ingest K -> sched
-    batch_rings: list  # batch<c>: sched -> gpu c
-    results_rings: list  # res<c>: gpu c -> results
-    left_rings: list  # a dead broker's ingest rings the start had no room for (ingest-0 drains them)
+    sched_bell: Doorbell
+    results_bell: Doorbell
+    ingest_bells: list[Doorbell]
+    appended: list[OwnedRing]  # ann<K>: ingest K -> sched
+    batch_rings: list[OwnedRing]  # batch<c>: sched -> gpu c
+    results_rings: list[OwnedRing]  # res<c>: gpu c -> results
+    # a dead broker's ingest rings the start had no room for, (producer id, segment name): ingest-0 drains them
+    left_rings: list[tuple[int, str]]
     desc: dict | None = None  # broker.json (the exporter attaches with it)
-    metrics_sock: object = None  # the exporter's bound socket
+    metrics_sock: socket.socket | None = None  # the exporter's bound socket
 
     @classmethod
-    def create(cls, owner: Owner, cfg, modes: list[str], control: Control, left_rings: list) -> Wiring:
+    def create(cls, owner: Owner, cfg: BrokerConfig, modes: list[Mode], control: Control,
+               left_rings: list[tuple[int, str]]) -> Wiring:
         sched_bell = owner.doorbell("sched-d")
         results_bell = owner.doorbell("results-d")
         n = len(cfg.consumers)
@@ -74,7 +82,7 @@ class Wiring:
         rings.update({f"done:{c.name}": r.names.segment for c, r in zip(consumers, self.results_rings)})
         return rings
 
-    def sides(self, role: Role) -> list[tuple]:
+    def sides(self, role: Role) -> list[tuple[np.ndarray, str]]:
         """The ring sides a role's process holds, [(segment buffer, side)]: their beats count as its
         own (`watchdog.Watchdog`)."""
         if role.kind is Kind.INGEST:

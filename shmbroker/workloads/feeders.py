@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from ..pack.contract import Batch, Shape
+from ..pack.contract import Batch, Mode, Shape
 from ..pack.guard import Guard
 from ..pack.packer import ConsumerSpec, Packer
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
@@ -32,7 +32,7 @@ class PackerFeeder:
 
     name = "shmbroker"
 
-    def __init__(self, consumers, mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=DEFAULT_PADDING_TOLERANCE):
+    def __init__(self, consumers, mode: Mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=DEFAULT_PADDING_TOLERANCE):
         specs = [ConsumerSpec(c.name, c.contract, mode) for c in consumers]
         cap = capacity or len(shapes)
         # sized as a scheduler would size it for this backlog: items, twice the distinct families
@@ -41,7 +41,7 @@ class PackerFeeder:
                              tolerance=tolerance)
         self.shapes = shapes
         self.wl = wl
-        self.feeding = "window" if mode == "packed" else "batch"
+        self.feeding = "window" if mode == Mode.PACKED else "batch"
         self.args = (consumers, mode, shapes, wl)
         self.kwargs = {"max_wait_seconds": max_wait_seconds, "capacity": capacity, "tolerance": tolerance}
         self.events: list[tuple] = []  # ("add", row, arrival) and ("decide", consumer, now), in call order
@@ -100,12 +100,12 @@ class FifoFeeder:
     name = "fifo"
     feeding = "batch"
 
-    def __init__(self, consumers, mode, shapes, wl, *, tolerance=DEFAULT_PADDING_TOLERANCE, group: int | None = None,
+    def __init__(self, consumers, mode: Mode, shapes, wl, *, tolerance=DEFAULT_PADDING_TOLERANCE, group: int | None = None,
                  guarded: bool = True, **_):
         self.consumers = consumers
         self.shapes = shapes
         self.wl = wl
-        self.rectangle = mode == "padded"
+        self.rectangle = mode == Mode.PADDED
         self.group_max = group
         self.limits = sorted({c.contract.max_input_len for c in consumers})
         self.queues = [deque() for _ in self.limits]
@@ -164,7 +164,7 @@ class EngineAloneFeeder(FifoFeeder):
 
     name = "engine_alone"
 
-    def __init__(self, consumers, mode, shapes, wl, **kw):
-        packed = mode == "packed"
+    def __init__(self, consumers, mode: Mode, shapes, wl, **kw):
+        packed = mode == Mode.PACKED
         super().__init__(consumers, mode, shapes, wl, group=1 if packed else None, guarded=False)
         self.feeding = "window" if packed else "batch"

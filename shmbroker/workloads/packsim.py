@@ -39,7 +39,7 @@ import numpy as np
 
 from ..engines.continuous import ContinuousSim
 from ..engines.sim import SimCost, SimEngine
-from ..pack.contract import Contract
+from ..pack.contract import Contract, Mode
 
 WINDOW_HEADROOM = 1 / 8  # in-flight items past max_batch_size, as a share of it
 
@@ -147,11 +147,11 @@ def merge(tallies: list[Tally]) -> dict:
 class _Runner:
     """One consumer's engine and the items it has received but not yet put into it."""
 
-    def __init__(self, consumer: SimConsumer, mode: str, shapes, cost: SimCost):
+    def __init__(self, consumer: SimConsumer, mode: Mode, shapes, cost: SimCost):
         k = consumer.contract
         self.contract = k
         self.shapes = shapes
-        if mode == "packed":
+        if mode == Mode.PACKED:
             self.engine = ContinuousSim(k.max_batch_size, k.max_batch_tokens, consumer.cache_tokens, cost)
         else:
             self.engine = SimEngine(mode, cache_tokens=consumer.cache_tokens, block_tokens=shapes.block_tokens,
@@ -172,95 +172,135 @@ class _Runner:
         return seconds
 
 
-def simulate(feeder, consumers, mode, shapes, wl, *, arrivals=None, cost: SimCost | None = None) -> dict:
+def simulate(feeder, consumers, mode: Mode, shapes, wl, *, arrivals=None, cost: SimCost | None = None) -> dict:
     """Drain every item; arrivals=None is offline (all at 0)."""
-    cost = cost or SimCost()
     window = feeder.feeding == "window"
-    if window and mode != "packed":
+    if window and mode != Mode.PACKED:
         raise ValueError("only a packed engine is fed an in-flight window")
-    count = len(shapes)
-    runners = [_Runner(c, mode, shapes, cost) for c in consumers]
-    tallies = [Tally() for _ in consumers]
-    clocks = [0.0] * len(consumers)
-    order = np.arange(count) if arrivals is None else np.argsort(arrivals, kind="stable")
-    times = np.zeros(count) if arrivals is None else np.asarray(arrivals, np.float64)
-    nxt = 0
-    done = 0
-    waits_max = 0.0
-    idle_overdue = 0
-    finished = [False] * len(consumers)
-    retry = [False] * len(consumers)  # found nothing while another consumer still works: ask again later
-    lengths = shapes.lengths
-    while done < count:
-        c = min((i for i in range(len(consumers)) if not finished[i]), key=lambda i: (clocks[i], retry[i]),
+    sim = _Simulation(feeder, consumers, mode, shapes, arrivals, cost or SimCost())
+    while sim.done < sim.count:
+        c = sim.next_consumer()
+        now = sim.clocks[c]
+        sim.arrive(now)
+        if not (sim.fill_window(c, now) if window else sim.run_batch(c, now)):
+            sim.wait(c, now)
+    return sim.figures()
+
+
+class _Simulation:
+    """One `simulate` run: each consumer's modeled clock, engine and tally, the items not yet done.
+    The consumer whose clock is earliest acts next: it runs what the feeder gives it, or waits."""
+
+    def __init__(self, feeder, consumers, mode: Mode, shapes, arrivals, cost: SimCost):
+        n = len(consumers)
+        self.feeder = feeder
+        self.consumers = consumers
+        self.mode = mode
+        self.shapes = shapes
+        self.count = len(shapes)
+        self.runners = [_Runner(c, mode, shapes, cost) for c in consumers]
+        self.tallies = [Tally() for _ in consumers]
+        self.clocks = [0.0] * n
+        self.order = np.arange(self.count) if arrivals is None else np.argsort(arrivals, kind="stable")
+        self.times = np.zeros(self.count) if arrivals is None else np.asarray(arrivals, np.float64)
+        self.nxt = 0  # the next arrival, in self.order
+        self.done = 0
+        self.waits_max = 0.0
+        self.idle_overdue = 0
+        self.finished = [False] * n
+        self.retry = [False] * n  # found nothing while another consumer still works: ask again later
+
+    def next_consumer(self) -> int:
+        n = len(self.consumers)
+        c = min((i for i in range(n) if not self.finished[i]), key=lambda i: (self.clocks[i], self.retry[i]),
                 default=None)
         if c is None:
-            raise RuntimeError(f"{count - done} items left that no consumer takes")
-        now = clocks[c]
-        while nxt < count and times[order[nxt]] <= now:
-            feeder.add(int(order[nxt]), float(times[order[nxt]]))
-            nxt += 1
-        run = runners[c]
-        if window:
-            engine = run.engine
-            while engine.running + engine.waiting < run.window:
-                if not run.pending:
-                    batch = feeder.next_batch(c, now)
-                    if batch is None or (len(batch) == 0 and not batch.failed):
-                        break
-                    tallies[c].failed_too_long += len(batch.failed)
-                    done += len(batch.failed)
-                    if not len(batch):
-                        continue
-                    rows = batch.handles.astype(np.int64)
-                    tallies[c].group(batch.shape.family, len(batch), int(lengths[rows].sum()))
-                    waits_max = max(waits_max, float(now - times[rows].min()))
-                    run.pending.extend(zip(rows.tolist(), batch.max_new_tokens.tolist()))
-                run.put(*run.pending.popleft())
-            if not engine.idle:
-                retry[c] = False
-                seconds, keys = engine.step()
-                clocks[c] = now + seconds
-                done += len(keys)
-                continue
-        else:
-            batch = feeder.next_batch(c, now)
-            if batch is not None and (len(batch) or batch.failed):
-                retry[c] = False
-                tallies[c].failed_too_long += len(batch.failed)
-                done += len(batch.failed)
-                if len(batch):
-                    rows = batch.handles.astype(np.int64)
-                    if mode == "packed":
-                        seconds = run.run_batch(rows, batch.max_new_tokens)
-                        tallies[c].group(batch.shape.family, len(batch), int(lengths[rows].sum()))
-                    else:
-                        cost_ = run.engine.run(shapes, rows, batch.max_new_tokens)
-                        tallies[c].add(cost_, batch.shape.family, consumers[c].contract)
-                        seconds = cost_.seconds
-                    waits_max = max(waits_max, float(now - times[rows].min()))
-                    clocks[c] = now + seconds
-                    done += len(batch)
-                continue
-        # nothing to run: wait for the next arrival, or for another consumer to act (it may leave
-        # work this one can take: a branch, a family), or stop when every other one waits too
-        if feeder.overdue(c, now):
-            idle_overdue += 1
-        working = [clocks[d] for d in range(len(consumers)) if d != c and not finished[d] and not retry[d]]
-        if nxt < count:
-            clocks[c] = max(now, float(times[order[nxt]]))
+            raise RuntimeError(f"{self.count - self.done} items left that no consumer takes")
+        return c
+
+    def arrive(self, now: float) -> None:
+        """Give the feeder every item that has arrived by `now`."""
+        order, times = self.order, self.times
+        while self.nxt < self.count and times[order[self.nxt]] <= now:
+            self.feeder.add(int(order[self.nxt]), float(times[order[self.nxt]]))
+            self.nxt += 1
+
+    def _taken(self, c: int, batch, now: float) -> np.ndarray:
+        """Count a batch's failures as done, note how long its items waited; its rows."""
+        self.tallies[c].failed_too_long += len(batch.failed)
+        self.done += len(batch.failed)
+        rows = batch.handles.astype(np.int64)
+        if len(batch):
+            self.waits_max = max(self.waits_max, float(now - self.times[rows].min()))
+        return rows
+
+    def fill_window(self, c: int, now: float) -> bool:
+        """A packed engine's in-flight window refilled from the feeder, then one engine step; False
+        when the engine has nothing to run."""
+        run = self.runners[c]
+        engine = run.engine
+        while engine.running + engine.waiting < run.window:
+            if not run.pending:
+                batch = self.feeder.next_batch(c, now)
+                if batch is None or (len(batch) == 0 and not batch.failed):
+                    break
+                rows = self._taken(c, batch, now)
+                if not len(batch):
+                    continue
+                self.tallies[c].group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
+                run.pending.extend(zip(rows.tolist(), batch.max_new_tokens.tolist()))
+            run.put(*run.pending.popleft())
+        if engine.idle:
+            return False
+        self.retry[c] = False
+        seconds, keys = engine.step()
+        self.clocks[c] = now + seconds
+        self.done += len(keys)
+        return True
+
+    def run_batch(self, c: int, now: float) -> bool:
+        """The feeder's next batch for consumer c run to its end; False when it gave none."""
+        batch = self.feeder.next_batch(c, now)
+        if batch is None or not (len(batch) or batch.failed):
+            return False
+        self.retry[c] = False
+        rows = self._taken(c, batch, now)
+        if len(batch):
+            run, tally = self.runners[c], self.tallies[c]
+            if self.mode == Mode.PACKED:
+                seconds = run.run_batch(rows, batch.max_new_tokens)
+                tally.group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
+            else:
+                cost = run.engine.run(self.shapes, rows, batch.max_new_tokens)
+                tally.add(cost, batch.shape.family, self.consumers[c].contract)
+                seconds = cost.seconds
+            self.clocks[c] = now + seconds
+            self.done += len(batch)
+        return True
+
+    def wait(self, c: int, now: float) -> None:
+        """Nothing to run: wait for the next arrival, or for another consumer to act (it may leave
+        work this one can take: a branch, a family), or stop when every other one waits too."""
+        if self.feeder.overdue(c, now):
+            self.idle_overdue += 1
+        working = [self.clocks[d] for d in range(len(self.consumers))
+                   if d != c and not self.finished[d] and not self.retry[d]]
+        if self.nxt < self.count:
+            self.clocks[c] = max(now, float(self.times[self.order[self.nxt]]))
         elif working:
-            retry[c] = True
-            clocks[c] = max(now, min(working))
+            self.retry[c] = True
+            self.clocks[c] = max(now, min(working))
         else:
-            finished[c] = True
-    for run, tally in zip(runners, tallies):
-        if mode == "packed":
-            tally.absorb(run.engine)
-    figures = merge(tallies)
-    figures["makespan_seconds"] = round(max(clocks), 3)
-    figures["guard_refusals"] = feeder.guard_refusals
-    figures["max_wait_seconds"] = round(waits_max, 3)
-    figures["idle_with_overdue"] = idle_overdue
-    figures["consumers"] = {c.name: t.figures() for c, t in zip(consumers, tallies)}
-    return figures
+            self.finished[c] = True
+
+    def figures(self) -> dict:
+        if self.mode == Mode.PACKED:
+            for run, tally in zip(self.runners, self.tallies):
+                tally.absorb(run.engine)
+        figures = merge(self.tallies)
+        figures["makespan_seconds"] = round(max(self.clocks), 3)
+        figures["guard_refusals"] = self.feeder.guard_refusals
+        figures["max_wait_seconds"] = round(self.waits_max, 3)
+        figures["idle_with_overdue"] = self.idle_overdue
+        figures["consumers"] = {c.name: t.figures() for c, t in zip(self.consumers, self.tallies)}
+        return figures

@@ -4,7 +4,7 @@ Each test runs `shmbroker supervise` (tests/brokerproc.py) with one consumer who
 on demand: the simulated engine's faults (`SimSettings`: poison_token, hang_token, block_token,
 fail_token, fail_after; engines/faults.py), an engine whose package is missing (a crash loop),
 or the `openai` engine against a completions server that is down for a while
-(tests/test_engine_openai.py's FakeCompletionsServer). Small deadlines and back-offs keep each test
+(tests/engines/test_engine_openai.py's FakeCompletionsServer). Small deadlines and back-offs keep each test
 a few seconds.
 """
 
@@ -285,8 +285,8 @@ def test_a_refused_item_fails_alone(tmp_path):
 
 
 def _server_on(port: int, **knobs):
-    """tests/test_engine_openai.py's fake completions server, listening on `port`."""
-    import test_engine_openai as fake
+    """tests/engines/test_engine_openai.py's fake completions server, listening on `port`."""
+    from engines import test_engine_openai as fake  # tests/engines, a sibling of this test's folder on sys.path
 
     class Bound(ThreadingHTTPServer):
         def __init__(self, _addr, handler):
@@ -305,7 +305,7 @@ def test_openai_server_down_items_wait_and_come_back_ok_a_refused_item_fails_alo
     """The server is down (connection refused), then up but overloaded (503), then well: every item
     dispatched meanwhile is handed back and retried with back-off (counted), none fails for the
     outage and the GPU process is not restarted; the item the server refuses (400) fails alone."""
-    import test_engine_openai as fake
+    from engines import test_engine_openai as fake  # tests/engines, a sibling of this test's folder on sys.path
 
     with socket.socket() as sock:  # a free port, nothing listening on it yet
         sock.bind(("127.0.0.1", 0))
