@@ -43,6 +43,7 @@ bound as the workload grows (the simulation: 0.83 at 5,000 items, 0.89 at 60,000
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -67,6 +68,10 @@ SEED = 7
 ITEMS = 20_000  # about 20 s of paced engines, a minute in all on 2 cores (the module docstring)
 MAX_NEW_TOKENS: int | None = None  # None: every item's own output length, as the generator drew it
 MAKESPAN_RATIO_MAX = 0.9  # the broker's modeled makespan against the engine alone's, at most
+# the simulated engines' pace (wall seconds per modeled second): slow enough that on 2 shared cores
+# each engine keeps to its modeled clock, so the work splits between the consumers by their modeled
+# speed (the module docstring); config.DEFAULT_SIM_PACE_SECONDS is for a broker on its own
+PACE_SECONDS = 0.1
 
 __all__ = ["ITEMS", "MAKESPAN_RATIO_MAX", "SEED", "main", "print_summary", "run"]
 
@@ -82,15 +87,39 @@ class DemoDirs:
     log_path: Path
 
     @classmethod
-    def make(cls, data_dir: str | None) -> DemoDirs:
+    def make(cls, data_dir: str | None, pace_seconds: float) -> DemoDirs:
         top = Path(protocol.data_dir(data_dir))
         top.mkdir(mode=0o700, parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix="demo-", dir=top))  # 0700
         instance = f"demo{os.getpid()}"
         config_path = root / "shmbroker.toml"
-        # the exporter on a free port (the default one may be taken); `shmbroker top` needs no port
-        config_path.write_text(f'instance = "{instance}"\nmetrics_addr = "127.0.0.1:0"\n')
+        config_path.write_text(config_text(instance, pace_seconds))
         return cls(root, str(root / "data"), instance, config_path, root / "supervisor.log")
+
+
+def config_text(instance: str, pace_seconds: float) -> str:
+    """The demo broker's configuration: its instance, the exporter on a free port (the default one
+    may be taken; `shmbroker top` needs no port), and the built-in consumers (`default_consumers`:
+    their contracts, caches and cost model) at the demo's pace."""
+    from ..config.settings import default_consumers
+
+    lines = [f'instance = "{instance}"', 'metrics_addr = "127.0.0.1:0"']
+    for c in default_consumers():
+        k, sim = c.contract, c.engine_settings
+        assert c.model_name is None and c.engine == "sim", "the built-in consumers serve the default model, simulated"
+        lines += ["", "[[consumers]]", f'name = "{c.name}"', f"max_batch_size = {k.max_batch_size}",
+                  f"max_batch_tokens = {k.max_batch_tokens}", f"max_input_len = {k.max_input_len}", 'engine = "sim"',
+                  "[consumers.engine_settings]", f'mode = "{sim.mode}"', f"cache_tokens = {sim.cache_tokens}",
+                  f"pace_seconds = {pace_seconds!r}"]
+        lines += [f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}"
+                  for key, value in dataclasses.asdict(sim.cost).items()]
+    return "\n".join(lines) + "\n"
+
+
+def paced(consumers, pace_seconds: float) -> tuple:
+    """`consumers` with their simulated engines at `pace_seconds`."""
+    return tuple(dataclasses.replace(c, engine_settings=dataclasses.replace(c.engine_settings, pace_seconds=pace_seconds))
+                 for c in consumers)
 
 
 class Stopped(NamedTuple):
@@ -110,12 +139,13 @@ class Clock(NamedTuple):
 
 
 def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
-        max_new_tokens: int | None = MAX_NEW_TOKENS) -> dict:
+        max_new_tokens: int | None = MAX_NEW_TOKENS, pace_seconds: float = PACE_SECONDS) -> dict:
     from ..config import settings
 
     t_start = time.monotonic()
-    dirs = DemoDirs.make(data_dir)
-    cfg = settings.load(dirs.config_path, data_dir=dirs.data)  # what the broker reads: this instance, default consumers
+    dirs = DemoDirs.make(data_dir, pace_seconds)
+    cfg = settings.load(dirs.config_path, data_dir=dirs.data)  # what the broker reads
+    assert cfg.consumers == paced(settings.default_consumers(), pace_seconds), "the built-in consumers, paced"
     wl = workload(items, seed, max_new_tokens)
     t_broker = time.monotonic()
     with open(dirs.log_path, "wb") as log:
@@ -133,7 +163,7 @@ def run(data_dir: str | None = None, items: int = ITEMS, seed: int = SEED, *,
         stopped = Stopped(code, time.monotonic() - t_stop, shm_left(dirs.instance, dirs.data))
         base = baselines(wl, cfg)
         report = build_report(wl, cfg, producers, counters, base, clock, stopped)
-        report.update(seed=seed, max_new_tokens=max_new_tokens, instance=dirs.instance)
+        report.update(seed=seed, max_new_tokens=max_new_tokens, instance=dirs.instance, pace_seconds=pace_seconds)
         report["headline"] = headline(report)
         ok = report["verified"] and report["stopped_cleanly"]
         report["data_dir"] = None if ok else str(dirs.root)

@@ -60,31 +60,28 @@ class Row(NamedTuple):
 def _rows(report: dict) -> list[Row]:
     hit_max = _pct(report["engine_alone"]["cache_hit_rate_max"])
     return [
-        Row("batches (groups an engine took)", lambda f: f"{f['batches']:,}", lambda f: f"{f['batches']:,}"),
+        Row("batches (groups)", lambda f: f"{f['batches']:,}", lambda f: f"{f['batches']:,}"),
         Row("items", lambda f: f"{f['items']:,}", lambda f: f"{f['items']:,}"),
-        Row("tokens in", lambda f: f"{f['tokens']:,}", lambda f: f"{f['input_tokens']:,}"),
-        Row("tokens out", lambda f: f"{f['output_tokens']:,}" if _is_total(f) else NOT_COUNTED,
-            lambda f: f"{f['output_tokens']:,}"),
+        Row("tokens in", lambda f: _millions(f["tokens"]), lambda f: _millions(f["input_tokens"])),
+        Row("tokens out", lambda f: _millions(f["output_tokens"]) if _is_total(f) else NOT_COUNTED,
+            lambda f: _millions(f["output_tokens"])),
         Row("cache hit rate", lambda f: _pct(f["cache_hit_rate"]), lambda f: _pct(f["cache_hit_rate"])),
-        Row("  possible (each block once)", lambda f: hit_max if _is_total(f) else "",
-            lambda f: hit_max),
+        Row("  each block once", lambda f: hit_max if _is_total(f) else "", lambda f: hit_max),
         Row("families", lambda f: f"{f['families']:,}", lambda f: f"{f['families_served']:,}"),
-        Row("shape switches (excess)", lambda f: f"{f['shape_switches']:,} ({f['excess_shape_switches']:,})",
-            lambda f: f"{f['shape_switches']:,} ({f['excess_shape_switches']:,})"),
-        Row("modeled engine seconds", lambda f: f"{f['modeled_seconds']:,.1f}", lambda f: f"{f['modeled_seconds']:,.1f}"),
-        Row("[bold]modeled makespan[/]",
-            lambda f: f"[bold]{f['makespan_seconds']:,.1f}[/]" if _is_total(f) else "",
+        Row("engine seconds", lambda f: f"{f['modeled_seconds']:,.1f}", lambda f: f"{f['modeled_seconds']:,.1f}"),
+        Row("[bold]makespan[/]", lambda f: f"[bold]{f['makespan_seconds']:,.1f}[/]" if _is_total(f) else "",
             lambda f: f"[bold]{f['makespan_seconds']:,.1f}[/]"),
-        Row("failed, guard violations", lambda f: f"{f['failed']}, {f['guard_violations']}", lambda f: ""),
+        Row("failed, refused", lambda f: f"{f['failed']}, {f['guard_violations']}", lambda f: ""),
     ]
 
 
 def _table(report: dict):
+    from rich import box
     from rich.table import Table
 
     names = list(report["consumers"])
-    t = Table(title="modeled engine time (the sim engine's cost model); the broker's from its own counters, "
-                    "the engine alone's and FIFO's simulated", title_justify="left")
+    t = Table(title="modeled seconds: the broker's from its counters, the others simulated", title_justify="left",
+              box=box.SIMPLE_HEAD)
     t.add_column("")
     for name in names:
         t.add_column(f"gpu-{name}", justify="right")
@@ -113,9 +110,9 @@ def print_summary(report: dict, console=None) -> None:
     console.print(f"[bold]{headline(report)}[/]")
     console.print(verdict(report))
     console.print(_table(report))
-    console.print("  makespan: the slower consumer's modeled engine seconds (the consumers run side by side). "
-                  f"The broker: `shmbroker supervise`, default configuration (instance {report['instance']}), "
-                  f"{report['workload']}; the engines pace themselves, so the work splits as between two real cards.")
+    console.print("  makespan: the slower consumer's engine seconds (they run side by side); refused: batches a "
+                  f"consumer's shape guard refused. The broker: `shmbroker supervise` (instance {report['instance']}), "
+                  f"its built-in consumers paced at {report['pace_seconds']} wall s per modeled s; {report['workload']}.")
     for name, p in report["producers"].items():
         console.print(_producer_line(name, p))
     w, left = report["wall"], report["shm_left"]
