@@ -31,6 +31,7 @@ def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
         "families": c["families"], "modeled_seconds": modeled,
         "modeled_tokens_per_s": c["tokens"] / modeled if modeled else 0.0,
         "engine_wall_seconds": c["busy_ns"] / 1e9,
+        "idle_wall_seconds": c["idle_ns"] / 1e9,  # nothing in the GPU process's window: no modeled seconds
     }
 
 
@@ -40,7 +41,7 @@ def total_figures(per: dict[str, dict], output_tokens: int) -> dict:
     out = {k: sum(f[k] for f in per.values())
            for k in ("batches", "items", "ok", "tokens", "failed", "guard_violations", "padded_tokens", "rect_tokens",
                      "hit_blocks", "queried_blocks", "shape_switches", "excess_shape_switches", "families",
-                     "batch_tokens_max_sum", "modeled_seconds", "engine_wall_seconds")}
+                     "batch_tokens_max_sum", "modeled_seconds", "engine_wall_seconds", "idle_wall_seconds")}
     out["output_tokens"] = output_tokens
     out["batch_fill"] = out["tokens"] / out["batch_tokens_max_sum"] if out["batch_tokens_max_sum"] else 0.0
     out["padding_waste"] = out["padded_tokens"] / out["rect_tokens"] if out["rect_tokens"] else 0.0

@@ -24,9 +24,8 @@ consumers run side by side), both sides including prefill and decode:
   simulated engine: the cost model's seconds of every step the engine ran (`engines/continuous.py`:
   a step's overhead or decode-step cost, one decode token per running sequence, the prefill tokens
   it computed past its cache hits). A step costs the same modeled seconds however fast the CPU
-  runs it; time an engine sat empty waiting for work is not in it (no step ran), and as the
-  producers submit the whole workload within the first seconds of a run the engines' pace makes
-  last many times longer, an engine is empty only before its first batch and after its last.
+  runs it. Time an engine sat with nothing to run is not in it (no step ran): each consumer's
+  `idle_wall_seconds` (its GPU process's `idle_ns`, wall seconds) is reported beside it.
 - the engine alone's: `packsim.simulate` with `EngineAloneFeeder` on `ContinuousSim` engines built
   from the broker's own configuration (each consumer's contract, cache_tokens and SimCost), the
   prompts hashed into the blocks the live engines hash (`block_tokens`, no declared prefixes), the
@@ -34,11 +33,16 @@ consumers run side by side), both sides including prefill and decode:
   item waits at time 0, the best case for arrival-order feeding, so an engine never waits for
   work and its clock at its last step is its summed step seconds, the same sum as the broker's.
 
-The workload: ITEMS items of seed SEED. Across seeds (20,000 items; ratio = broker / engine alone):
-seed 7 0.XX, seed 1 0.XX, seed 2 0.XX. The broker's advantage is its prefix-cache hits (its
-families kept on one card, a conversation's turns after each other); decode, the larger part of
-the modeled time, costs both sides the same, so the ratio rises towards the prefill share's
-bound as the workload grows (the simulation: 0.83 at 5,000 items, 0.89 at 60,000).
+The engines are paced (PACE_SECONDS wall seconds per modeled second) so that each keeps to its
+modeled clock on 2 shared cores and the work splits between the consumers by their modeled speed,
+as between two cards; at the broker's default pace a fully fed `big` engine falls behind its
+clock there and `small` takes more than its share. The workload: ITEMS items of seed SEED, about a
+minute and a half in all. Decode, the larger part of the modeled time, costs both sides alike: the
+broker gains by its prefix-cache hits (a family kept on one card, a conversation's turns one
+after another) and by keeping every slot busy to the end (the longest generations first). The
+packer simulated with an unbounded queue behind each window (`PackerFeeder`) takes 0.83 of the
+engine alone's makespan on 20,000 items and 0.89 on 60,000 (its even finish matters less as the
+workload grows).
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ def _rows(report: dict) -> list[Row]:
         Row("engine seconds", lambda f: f"{f['modeled_seconds']:,.1f}", lambda f: f"{f['modeled_seconds']:,.1f}"),
         Row("[bold]makespan[/]", lambda f: f"[bold]{f['makespan_seconds']:,.1f}[/]" if _is_total(f) else "",
             lambda f: f"[bold]{f['makespan_seconds']:,.1f}[/]"),
+        Row("idle (wall s)", lambda f: f"{f['idle_wall_seconds']:,.1f}", lambda f: ""),
         Row("failed, refused", lambda f: f"{f['failed']}, {f['guard_violations']}", lambda f: ""),
     ]
 
@@ -110,8 +111,9 @@ def print_summary(report: dict, console=None) -> None:
     console.print(f"[bold]{headline(report)}[/]")
     console.print(verdict(report))
     console.print(_table(report))
-    console.print("  makespan: the slower consumer's engine seconds (they run side by side); refused: batches a "
-                  f"consumer's shape guard refused. The broker: `shmbroker supervise` (instance {report['instance']}), "
+    console.print("  makespan: the slower consumer's engine seconds (they run side by side); idle: wall seconds "
+                  "a GPU process had nothing to run (not in its engine seconds); refused: batches a consumer's "
+                  f"shape guard refused. The broker: `shmbroker supervise` (instance {report['instance']}), "
                   f"its built-in consumers paced at {report['pace_seconds']} wall s per modeled s; {report['workload']}.")
     for name, p in report["producers"].items():
         console.print(_producer_line(name, p))
