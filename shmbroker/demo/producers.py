@@ -15,7 +15,7 @@ RESULTS_SECONDS = 600.0
 
 def workload(items: int, seed: int, max_new_tokens: int | None = None):
     """The generator's workload, default model only: a consumer without a model name serves model id 0.
-    `max_new_tokens`: every item's (None: the generator's, per item)."""
+    `max_new_tokens`: every item's (None: the generator's own output lengths, per item)."""
     from ..workloads.synthetic import Workload, generate
 
     wl = generate(items, seed=seed)
@@ -84,7 +84,7 @@ def producer(name: str, data_dir: str, wl, rows: np.ndarray, bulk: bool, conn) -
     digests = np.array([Sim.digest(wl.item(int(i))) for i in rows.tolist()], np.uint32)  # after the clock stops
     conn.send({"start": t0, "submitted": submitted, "end": t1,
                **check(ids, max_new, digests, np.array(got_ids, np.uint64), got_tokens, not_ok),
-               "tokens": int(wl.lengths[rows].sum())})
+               "tokens": int(wl.lengths[rows].sum()), "output_tokens": int(sum(t.size for t in got_tokens))})
 
 
 def check(ids: np.ndarray, max_new: np.ndarray, digests: np.ndarray, got: np.ndarray, tokens: list[np.ndarray],

@@ -116,7 +116,29 @@ def test_demo_small_run_reports_each_producer(tmp_path):
     # the broker stopped cleanly: exit 0, none of its instance's shared memory left, its directory removed
     assert report["exit_code"] == 0 and report["shm_left"] == [] and report["stopped_cleanly"] is True
     assert report["data_dir"] is None and list(tmp_path.iterdir()) == []
-    demo.print_summary(report, Console(file=io.StringIO(), width=100))
+    # generation: every item's own output length, each result that many tokens
+    assert report["max_new_tokens"] is None
+    assert report["output_tokens"] == report["total"]["output_tokens"] > report["items"]
+    assert sum(p["output_tokens"] for p in report["producers"].values()) == report["output_tokens"]
+    # the engine alone on the same items and consumers, simulated in the same run, and the ratio of the makespans
+    alone = report["engine_alone"]
+    assert alone["items"] == 3000 and alone["input_tokens"] == report["input_tokens"]
+    assert alone["output_tokens"] == report["output_tokens"] == report["fifo"]["output_tokens"]
+    assert set(alone["consumers"]) == set(report["consumers"])
+    assert alone["makespan_seconds"] > 0
+    assert 0.0 <= alone["cache_hit_rate"] <= alone["cache_hit_rate_max"] == fifo["cache_hit_rate_max"]
+    ratio = report["vs_engine_alone"]["makespan_ratio"]
+    assert ratio == report["total"]["makespan_seconds"] / alone["makespan_seconds"]
+    assert report["vs_engine_alone"]["met"] == (ratio <= demo.MAKESPAN_RATIO_MAX)
+    # the summary's first lines: one sentence saying what was run and what was measured
+    out = io.StringIO()
+    demo.print_summary(report, Console(file=out, width=100))
+    text = " ".join(out.getvalue().split())
+    assert text.startswith(" ".join(report["headline"].split()))
+    assert report["headline"].startswith("Ran 3,000 generated prompts (")
+    assert report["headline"].endswith(f"modeled makespan {report['total']['makespan_seconds']:,.1f} s vs "
+                                       f"{alone['makespan_seconds']:,.1f} s ({ratio:.3f}).")
+    assert report["headline"].count(". ") == 0  # one sentence
 
 
 def test_cli_warm_succeeds(capsys, monkeypatch, tmp_path):
