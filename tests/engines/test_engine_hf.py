@@ -186,9 +186,9 @@ def test_generation_through_the_whole_broker(tmp_path, engine):
 
 @pytest.mark.timeout(180)
 def test_bench_gpu_small_run_on_the_cpu():
-    from shmbroker.bench import gpu
+    from shmbroker.bench import gpu, gpu_alone
 
-    out = gpu.run(scale=0.25)
+    out = gpu.run(scale=0.25, device="cpu")  # on the CPU also where a GPU is (the device check runs this)
     assert out["device"] == "cpu"
     assert out["items"] >= 8 and out["input_tokens"] > 0
     for side in ("fifo", "broker"):
@@ -202,6 +202,13 @@ def test_bench_gpu_small_run_on_the_cpu():
     assert live["busy_seconds"] >= live["engine_seconds"] > 0 and live["consumer_loop_overhead"] >= 0
     assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
                                            rel=1e-2)
+    alone = out["engine_alone"]  # every item in arrival order through transformers' own batching
+    assert alone["method"] in (gpu_alone.CONTINUOUS, gpu_alone.CONTINUOUS_ONE_CALL, gpu_alone.PADDED)
+    assert (alone["fallback_reason"] is None) == (alone["method"] != gpu_alone.PADDED)
+    assert alone["items"] == out["items"] and alone["generated_tokens"] == out["items"] * out["max_new_tokens"]
+    assert alone["useful_tokens_per_s"] > 0
+    assert alone["broker_speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / alone["useful_tokens_per_s"],
+                                                    rel=1e-2)
 
 
 def test_the_broker_imports_no_engine_package_until_a_gpu_process_loads_one():
