@@ -45,12 +45,14 @@ class AloneRun:
     fallback_reason: str | None = None
 
 
-def run(model, prompts: list[list[int]], plan: list, setup) -> AloneRun:
+def run(model, prompts: list[list[int]], plan: list, setup, *, continuous: bool = True) -> AloneRun:
     """The backlog (`prompts`, in arrival order) through transformers' continuous batching, else
-    through `generate` on `plan` (the arrival-order batches)."""
+    (or with `continuous=False`) through `generate` on `plan` (the arrival-order batches)."""
     import transformers
 
-    if not hasattr(model, "generate_batch"):
+    if not continuous:
+        reason = "asked for generate (continuous=False)"
+    elif not hasattr(model, "generate_batch"):
         reason = f"transformers {transformers.__version__} has no continuous batching (generate_batch)"
     else:
         try:
