@@ -34,7 +34,9 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -290,7 +292,14 @@ def _torch(device: str):
     return torch
 
 
-def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
+def _to_stderr(line: str) -> None:
+    print(f"bench gpu: {line}", file=sys.stderr, flush=True)
+
+
+def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0,
+        say: Callable[[str], None] = _to_stderr) -> dict:
+    """The figures of (a)-(d); `say` gets a line as each side is done (a run cut short by a time
+    limit still shows how far it came)."""
     torch = _torch(device)
     from ..engines.hf import HF
     from ..engines.options import HFSettings
@@ -304,20 +313,26 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     shapes = shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens)
     fifo_plan = batches(FifoFeeder, setup, wl, shapes)
     broker_plan = batches(PackerFeeder, setup, wl, shapes)
+    say(f"{wl.name}: {int(wl.lengths.sum())} input tokens; {len(fifo_plan)} FIFO batches, {len(broker_plan)} broker batches")
     settings = HFSettings(config=setup.model, dtype=setup.dtype, device=setup.device, seed=seed,
                           threads=0 if cuda else CPU_THREADS)
     t0 = time.perf_counter()
     broker_engine = HF(settings, block_tokens=setup.block_tokens)
     load_seconds = time.perf_counter() - t0
+    say(f"model on {setup.device} in {load_seconds:.1f} s")
     fifo, broker = _fed(setup, wl, broker_engine, fifo_plan, broker_plan)
+    say(f"fifo {fifo['runs_seconds']} s, broker {broker['runs_seconds']} s")
     alone = gpu_alone.run(broker_engine.model, [wl.item(i).tolist() for i in range(len(wl))], fifo_plan, setup)
+    say(f"engine alone ({alone.method}): {alone.seconds:.2f} s" + (f"; {alone.fallback_reason}" if alone.fallback_reason else ""))
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(len(wl), size=min(setup.sample, len(wl)), replace=False))
     equal, check_dtype = _sample_check(broker_engine, wl, broker_plan, sample, setup, broker["_outputs"])
     sampled = {int(r): broker["_outputs"][int(r)].tolist() for r in sample}
     for part in (fifo, broker):
         part.pop("_outputs")
+    say(f"sample check: {equal} of {sample.size} equal ({check_dtype})")
     through = _live_run(setup, wl, seed)
+    say(f"live broker: {through['seconds']} s")
     tokens = int(wl.lengths.sum())
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
