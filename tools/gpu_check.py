@@ -109,7 +109,8 @@ def _last_json(out: Path, name: str):
 
 
 def _tests(out: Path, rc: int | None) -> dict:
-    tests: dict = {"rc": rc, "tail": _text(out, "tests.out").strip().splitlines()[-3:]}
+    said = _text(out, "tests.out").strip() or _text(out, "tests.err").strip()  # a skipped step says why in .err
+    tests: dict = {"rc": rc, "tail": said.splitlines()[-3:]}
     try:
         root = ET.parse(out / "tests.xml").getroot()
     except (OSError, ET.ParseError) as exc:

@@ -8,8 +8,9 @@
 #
 # and run it on the device machine from a copy of the working tree that carries .wheels:
 #
-#     tools/gpu_check.sh  # OUT=logs folder (./gpu-check), SCALE=bench gpu --scale (0.25),
-#                         # BUDGET=seconds for all of it (290), PY=interpreter (python3)
+#     tools/gpu_check.sh  # OUT=logs folder (./gpu-check), SCALE=bench gpu --scale (0.2),
+#                         # BUDGET=seconds for all of it (290), PY=interpreter (python3),
+#                         # WHEELS=the wheels folder (.wheels)
 #
 # Steps, each under `timeout` and all within BUDGET (about 5 minutes on an H200):
 #  1. install what does not import, from .wheels only (pip --no-index; where pip is missing or
@@ -29,9 +30,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PY:-python3}
-SCALE=${SCALE:-0.25}
+SCALE=${SCALE:-0.2}
 BUDGET=${BUDGET:-290}
-WHEELS=$ROOT/.wheels
+WHEELS=${WHEELS:-$ROOT/.wheels}
 SITE=$ROOT/.gpu-site
 HELP=$ROOT/tools/gpu_check.py
 mkdir -p "${OUT:-./gpu-check}"
@@ -84,8 +85,8 @@ step warm_parts 150 "$PY" "$HELP" warm-parts
 step warm 150 "$PY" -m shmbroker.cli warm
 
 # 4. the hf engine's GPU tests, keeping time back for the bench
-RESERVE=150
-step tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/engines/test_engine_hf.py -k gpu --junitxml "$OUT/tests.xml"
+RESERVE=180
+step tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/engines/test_engine_hf.py -k gpu --junitxml "$OUT/tests.xml"
 RESERVE=0
 
 # 5. bench gpu on the card, on the trace's first items when they came along in .wheels
