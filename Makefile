@@ -6,7 +6,7 @@ CORE_STAMP := $(VENV)/.stamp-core
 TEST_STAMP := $(VENV)/.stamp-test
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint soak bench warm clean vllm
+.PHONY: install demo test lint soak bench warm clean vllm gpu-wheels
 
 install: $(CORE_STAMP)
 
@@ -47,6 +47,26 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/pins.txt -e . 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3'
 	$(VLLM_PY) -c 'import vllm, shmbroker.cli' && $(VLLM_VENV)/bin/shmbroker --help > /dev/null
 	touch $(VLLM_STAMP)
+
+# The device check's wheels (tools/gpu_check.sh): what a bare GPU image lacks (CPython 3.12 with torch,
+# transformers, numba, prometheus-client and rich; no package index there), downloaded here into
+# .wheels/ (ignored; the check's runner carries it): posix_ipc and crc32c as binary manylinux wheels,
+# pytest with its dependencies, pytest-timeout. The versions are the ones the test extra runs here.
+# The trace's first items come along (`bench gpu` reads at most GPU_TRACE_ITEMS of it).
+# GPU_WHEELS_PYTHON=3.11 fetches the same set for this machine's Python (to try the install offline).
+GPU_WHEELS        ?= .wheels
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_PACKAGES      ?= posix_ipc==1.3.2 crc32c==2.9.post0 pytest==9.2.0 pytest-timeout==2.4.0
+GPU_TRACE         ?= ../shared/traces/mooncake_conversation_trace.jsonl
+GPU_TRACE_ITEMS   ?= 2048
+
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --dest $(GPU_WHEELS) --only-binary=:all: --platform manylinux2014_x86_64 \
+		--implementation cp --python-version $(GPU_WHEELS_PYTHON) --abi cp$(subst .,,$(GPU_WHEELS_PYTHON)) $(GPU_PACKAGES)
+	if [ -f $(GPU_TRACE) ]; then head -n $(GPU_TRACE_ITEMS) $(GPU_TRACE) > $(GPU_WHEELS)/trace.jsonl; \
+	else echo "no trace at $(GPU_TRACE): bench gpu on the device runs the seeded generator"; fi
+	ls -l $(GPU_WHEELS) && du -sh $(GPU_WHEELS)
 
 # Compile every numba kernel into the on-disk cache (keyed on the kernel sources).
 warm: $(CORE_STAMP)

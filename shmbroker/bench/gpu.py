@@ -1,4 +1,4 @@
-"""`shmbroker bench gpu`: a real engine (`hf`) fed FIFO with right padding against fed by the broker.
+"""`shmbroker bench gpu`: a real engine (`hf`) fed by the broker, against fed FIFO and against alone.
 
 One backlog, drawn from the Mooncake-format conversation trace (`../shared/traces/`; the seeded
 generator when the trace is absent) and scaled to fit the card: each 512-token hash block of the
@@ -19,7 +19,10 @@ Both go through the GPU process's core (`ConsumerCore.process`: guard, failures,
 `consumer_overhead` is the consumer's own cost per batch over the engine's time. Then (c) `live`:
 the same backlog through a running broker with one `hf` consumer of the same weights, where the
 GPU process's own accounting gives the whole consumer loop's cost (taking a batch, viewing its
-tokens in the segment files, the engine, writing results) over the engine's. Figures:
+tokens in the segment files, the engine, writing results) over the engine's. And (d) `engine_alone`:
+what a user of transformers runs with no broker, every item in arrival order through the engine's
+own batching (continuous batching where the release has it; `gpu_alone.py`), on the same weights,
+with the broker's speed-ups over it. Figures:
 useful input tokens per second (the backlog's input tokens over the seconds to run all batches),
 padding waste, prefix tokens reused, the speed-up of (b) over (a), and on a sample of items
 whether (b)'s outputs equal the item run alone (greedy, same weights, no batch, no reuse).
@@ -31,7 +34,9 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +67,12 @@ class Setup:
     block_tokens: int  # tokens per trace hash block after scaling
     max_new_tokens: int
     sample: int
+    alone_cache_tokens: int | None = None  # the engine-alone side's KV cache; None: transformers sizes it
 
 
 GPU_SETUP = Setup("cuda", GPU_MODEL, "bfloat16", Contract(64, 16384, 4096), 2048, 128, 4, 32)
-CPU_SETUP = Setup("cpu", CPU_MODEL, "float32", Contract(16, 2048, 512), 96, 16, 2, 6)
+# (on the CPU transformers would size its cache from the machine's memory: a cache for the whole backlog)
+CPU_SETUP = Setup("cpu", CPU_MODEL, "float32", Contract(16, 2048, 512), 96, 16, 2, 6, alone_cache_tokens=65536)
 CPU_THREADS = 1  # torch's own threads spin against the other processes of a small machine
 
 
@@ -241,7 +248,37 @@ def live(setup: Setup, wl: Workload, seed: int, tmp: str) -> dict:
             if card["batches"] else None}
 
 
-def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0) -> dict:
+def _fed(setup: Setup, wl: Workload, broker_engine, fifo_plan: list, broker_plan: list) -> tuple[dict, dict]:
+    """(a) and (b), each warmed on one batch, then run twice, alternated (a drift of the machine
+    falls on both): the figures of FIFO and of the broker, each with its last run's outputs."""
+    from ..gpu.core import ConsumerCore
+
+    fifo_engine = copy.copy(broker_engine)  # the same weights, no prefix reuse
+    fifo_engine.settings = dataclasses.replace(broker_engine.settings, reuse_prefix=False, keep_prefix=False)
+    for e, plan in ((fifo_engine, fifo_plan), (broker_engine, broker_plan)):  # warm-up: kernels, allocator
+        _feed(ConsumerCore(setup.contract, e), wl, plan[:1])
+    runs = {"fifo": [], "broker": []}
+    for side in ("fifo", "broker", "broker", "fifo"):
+        engine, plan = (fifo_engine, fifo_plan) if side == "fifo" else (broker_engine, broker_plan)
+        broker_engine._kept = None
+        runs[side].append(_feed(ConsumerCore(setup.contract, engine), wl, plan))
+    fifo, broker = (_combine(runs[side], int(wl.lengths.sum())) for side in ("fifo", "broker"))
+    return fifo, broker
+
+
+def _live_run(setup: Setup, wl: Workload, seed: int) -> dict:
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="shmb-gpu-")
+    try:
+        return live(setup, wl, seed, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _torch(device: str):
+    """torch, when the hf engine's packages are installed and the device asked for is there."""
     try:
         import torch
         import transformers  # noqa: F401 - the hf engine's other package
@@ -252,12 +289,23 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
                                 "pip install 'shmbroker[hf]'") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench gpu --device cuda: torch sees no CUDA GPU")
+    return torch
 
+
+def _to_stderr(line: str) -> None:
+    print(f"bench gpu: {line}", file=sys.stderr, flush=True)
+
+
+def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", seed: int = 0,
+        say: Callable[[str], None] = _to_stderr) -> dict:
+    """The figures of (a)-(d); `say` gets a line as each side is done (a run cut short by a time
+    limit still shows how far it came)."""
+    torch = _torch(device)
     from ..engines.hf import HF
     from ..engines.options import HFSettings
-    from ..gpu.core import ConsumerCore
     from ..pack.shapes import shape_items
     from ..workloads.feeders import FifoFeeder, PackerFeeder
+    from . import gpu_alone
 
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     setup = GPU_SETUP if cuda else CPU_SETUP
@@ -265,45 +313,36 @@ def run(scale: float = 1.0, *, trace: str | None = None, device: str = "auto", s
     shapes = shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens)
     fifo_plan = batches(FifoFeeder, setup, wl, shapes)
     broker_plan = batches(PackerFeeder, setup, wl, shapes)
+    say(f"{wl.name}: {int(wl.lengths.sum())} input tokens; {len(fifo_plan)} FIFO batches, {len(broker_plan)} broker batches")
     settings = HFSettings(config=setup.model, dtype=setup.dtype, device=setup.device, seed=seed,
                           threads=0 if cuda else CPU_THREADS)
     t0 = time.perf_counter()
     broker_engine = HF(settings, block_tokens=setup.block_tokens)
     load_seconds = time.perf_counter() - t0
-    fifo_engine = copy.copy(broker_engine)  # the same weights, no prefix reuse
-    fifo_engine.settings = dataclasses.replace(settings, reuse_prefix=False, keep_prefix=False)
-    for e, plan in ((fifo_engine, fifo_plan), (broker_engine, broker_plan)):  # warm-up: kernels, allocator
-        _feed(ConsumerCore(setup.contract, e), wl, plan[:1])
-    broker_engine._kept = None
-    runs = {"fifo": [], "broker": []}
-    for side in ("fifo", "broker", "broker", "fifo"):  # alternated: a drift of the machine falls on both
-        engine, plan = (fifo_engine, fifo_plan) if side == "fifo" else (broker_engine, broker_plan)
-        broker_engine._kept = None
-        runs[side].append(_feed(ConsumerCore(setup.contract, engine), wl, plan))
-    fifo, broker = (_combine(runs[side], int(wl.lengths.sum())) for side in ("fifo", "broker"))
+    say(f"model on {setup.device} in {load_seconds:.1f} s")
+    fifo, broker = _fed(setup, wl, broker_engine, fifo_plan, broker_plan)
+    say(f"fifo {fifo['runs_seconds']} s, broker {broker['runs_seconds']} s")
+    alone = gpu_alone.run(broker_engine.model, [wl.item(i).tolist() for i in range(len(wl))], fifo_plan, setup)
+    say(f"engine alone ({alone.method}): {alone.seconds:.2f} s" + (f"; {alone.fallback_reason}" if alone.fallback_reason else ""))
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(len(wl), size=min(setup.sample, len(wl)), replace=False))
     equal, check_dtype = _sample_check(broker_engine, wl, broker_plan, sample, setup, broker["_outputs"])
+    sampled = {int(r): broker["_outputs"][int(r)].tolist() for r in sample}
     for part in (fifo, broker):
         part.pop("_outputs")
-    import tempfile
-
-    tmp = tempfile.mkdtemp(prefix="shmb-gpu-")
-    try:
-        through = live(setup, wl, seed, tmp)
-    finally:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    n = len(wl)
+    say(f"sample check: {equal} of {sample.size} equal ({check_dtype})")
+    through = _live_run(setup, wl, seed)
+    say(f"live broker: {through['seconds']} s")
+    tokens = int(wl.lengths.sum())
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "model_parameters": sum(p.numel() for p in broker_engine.model.parameters()),
-        "dtype": setup.dtype, "workload": wl.name, "items": n, "input_tokens": int(wl.lengths.sum()),
+        "dtype": setup.dtype, "workload": wl.name, "items": len(wl), "input_tokens": tokens,
         "max_new_tokens": setup.max_new_tokens,
         "contract": dataclasses.asdict(setup.contract), "block_tokens": setup.block_tokens,
         "model_load_seconds": round(load_seconds, 2),
         "fifo": fifo, "broker": broker, "live": through,
         "speedup": round(broker["useful_tokens_per_s"] / fifo["useful_tokens_per_s"], 3),
         "sample_items": int(sample.size), "sample_outputs_equal_unbatched": int(equal), "sample_check_dtype": check_dtype,
+        "engine_alone": gpu_alone.figures(alone, tokens, broker, through, sampled),
     }

@@ -186,9 +186,9 @@ def test_generation_through_the_whole_broker(tmp_path, engine):
 
 @pytest.mark.timeout(180)
 def test_bench_gpu_small_run_on_the_cpu():
-    from shmbroker.bench import gpu
+    from shmbroker.bench import gpu, gpu_alone
 
-    out = gpu.run(scale=0.25)
+    out = gpu.run(scale=0.25, device="cpu")  # on the CPU also where a GPU is (the device check runs this)
     assert out["device"] == "cpu"
     assert out["items"] >= 8 and out["input_tokens"] > 0
     for side in ("fifo", "broker"):
@@ -202,6 +202,13 @@ def test_bench_gpu_small_run_on_the_cpu():
     assert live["busy_seconds"] >= live["engine_seconds"] > 0 and live["consumer_loop_overhead"] >= 0
     assert out["speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / out["fifo"]["useful_tokens_per_s"],
                                            rel=1e-2)
+    alone = out["engine_alone"]  # every item in arrival order through transformers' own batching
+    assert alone["method"] in (gpu_alone.CONTINUOUS, gpu_alone.CONTINUOUS_ONE_CALL, gpu_alone.PADDED)
+    assert (alone["fallback_reason"] is None) == (alone["method"] != gpu_alone.PADDED)
+    assert alone["items"] == out["items"] and alone["generated_tokens"] == out["items"] * out["max_new_tokens"]
+    assert alone["useful_tokens_per_s"] > 0
+    assert alone["broker_speedup"] == pytest.approx(out["broker"]["useful_tokens_per_s"] / alone["useful_tokens_per_s"],
+                                                    rel=1e-2)
 
 
 def test_the_broker_imports_no_engine_package_until_a_gpu_process_loads_one():
@@ -277,3 +284,26 @@ def test_bench_gpu_checks_bf16_samples_on_a_float32_copy():
     assert dtype == "float32 copy of the weights"
     assert equal == sample.size
     assert engine.model.dtype == torch.bfloat16  # the copy, not the engine's weights, went to float32
+
+
+def test_bench_gpu_engine_alone_generates_what_each_item_alone_does(engine):
+    """The engine-alone side, both ways (transformers' continuous batching where the release has it,
+    and generate on left-padded arrival-order batches): every item's greedy tokens equal the item
+    run alone (float64: exact)."""
+    from shmbroker.bench import gpu, gpu_alone
+    from shmbroker.pack.shapes import shape_items
+    from shmbroker.workloads.feeders import FifoFeeder
+
+    setup = dataclasses.replace(gpu.CPU_SETUP, model=TINY, dtype="float64", items=12, max_new_tokens=3)
+    wl = gpu.backlog(setup, None, 1.0, 0)
+    plan = gpu.batches(FifoFeeder, setup, wl, shape_items(wl.tokens, wl.offsets, block_tokens=setup.block_tokens))
+    prompts = [wl.item(i).tolist() for i in range(len(wl))]
+    alone = [unbatched(engine, wl.item(i), 3) for i in range(len(wl))]
+    padded = gpu_alone.run(engine.model, prompts, plan, setup, continuous=False)
+    assert padded.method == gpu_alone.PADDED and padded.fallback_reason
+    assert [padded.outputs[i] for i in range(len(wl))] == alone
+    own = gpu_alone.run(engine.model, prompts, plan, setup)
+    assert own.seconds > 0 and len(own.outputs) == len(wl)
+    if own.method != gpu_alone.PADDED:  # this transformers has continuous batching
+        assert own.fallback_reason is None
+        assert [own.outputs[i] for i in range(len(wl))] == alone
