@@ -24,7 +24,7 @@ from .engines import ENGINE_CHECK, SIM_CHECKS, real_values
 
 REGENERATE = "python -m shmbroker.cli config --reference > docs/configuration.md"
 TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean", "dict": "table",
-         "object": "table", "tuple[str, ...]": "string or array of strings"}
+         "object": "table", "tuple[str, ...]": "string or array of strings", "Mode": "string"}
 SIZES = ((30, "GiB"), (20, "MiB"), (10, "KiB"))
 
 

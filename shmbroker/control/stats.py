@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ring import seqlock
-from ..spill.collect import REFUSALS
+from ..ring.items import REFUSALS
 from .roles import Kind, kind_of
 from .segment import R_SEQ, R_VALUES, VALUE_WORDS, Control
 
@@ -105,7 +105,7 @@ INGEST = (
     _c("bytes", "ingest_appended_bytes_total", "Bytes appended to the backlog's segment files."),
     _c("batches", "ingest_batches_total", "Drain rounds that appended records."),
     _c("disk_full", "ingest_disk_full_total", "Appends refused by a full disk (retried after a back-off)."),
-    # one per spill.collect.REFUSALS, in its order (ingest.I_REFUSED), then rings_closed
+    # one per ring.items.REFUSALS, in its order (ingest.I_REFUSED), then rings_closed
     *(_c(f"refused_{reason}", "ingest_refused_records_total",
          "Ring records refused alone (not appended) because a field the producer wrote failed its check.",
          (("reason", reason),)) for reason in REFUSALS),

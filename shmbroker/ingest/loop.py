@@ -40,12 +40,12 @@ from ..errors import DiskFull, Full, PeerDead
 from ..frontdoor.registry import ProducerEntry, Registry
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, chain_items, count_blocks
 from ..ring import layout as L
-from ..ring.items import NO_PREFIX
+from ..ring.items import NO_PREFIX, REFUSALS
 from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.shm import Doorbell, Segment, unlink_name
 from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import close_ring, new_announcement, peek_closed, set_closed_tail
-from ..spill.collect import REFUSALS, collect
+from ..spill.collect import collect
 from ..spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from ..spill.locate import fill_locations
 from ..spill.writer import SegmentWriter
@@ -56,7 +56,7 @@ IDLE_SECONDS_MIN = 0.005  # a round with no producer's ring to wait on sleeps at
 # the ingest process's statistics words (stats.INGEST), by name
 I_ITEMS, I_TOKENS, I_BYTES, I_BATCHES, I_DISK_FULL = (
     slot_of(Kind.INGEST, k) for k in ("items", "tokens", "bytes", "batches", "disk_full"))
-I_REFUSED = slot_of(Kind.INGEST, f"refused_{REFUSALS[0]}")  # refused_<reason>, one per collect.REFUSALS, in order
+I_REFUSED = slot_of(Kind.INGEST, f"refused_{REFUSALS[0]}")  # refused_<reason>, one per REFUSALS, in order
 I_RINGS_CLOSED = slot_of(Kind.INGEST, "rings_closed")
 assert [slot_of(Kind.INGEST, f"refused_{r}") for r in REFUSALS] == list(range(I_REFUSED, I_REFUSED + len(REFUSALS)))
 
@@ -87,7 +87,7 @@ class BacklogAppender:
         self.num_items = 0
         self.num_tokens = 0
         self.num_disk_full = 0
-        self.refused = np.zeros(len(REFUSALS), np.int64)  # records refused, by collect.REFUSALS
+        self.refused = np.zeros(len(REFUSALS), np.int64)  # records refused, by REFUSALS
         self.refused_now = np.zeros(len(REFUSALS), np.int64)  # of the last `append`
 
     def __call__(self, entry: ProducerEntry, ring: Ring, positions: np.ndarray, count: int) -> None:

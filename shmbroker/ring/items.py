@@ -46,6 +46,10 @@ SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 MAX_PRODUCER_ID = (1 << (64 - SEQ_BITS)) - 1
 
+# Why ingest refuses a record a producer wrote (`spill.collect` checks them; its docstring has the
+# table; the ingest statistics count each, `control.stats`).
+REFUSALS = ("key", "prefix", "model", "flags", "frame")
+
 # push_item's extra return values (beside layout.OK/OK_WAKE/FULL/TOO_LARGE).
 ITEM_EMPTY = 10
 ITEM_BAD_MAX_NEW = 11

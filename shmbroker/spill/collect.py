@@ -36,10 +36,9 @@ import numpy as np
 from ..jit import kernel
 from ..pack.shapes import DEFAULT_SEED, family_key
 from ..ring.atomics import memcpy
-from ..ring.items import NO_PREFIX, SEQ_BITS, ingest_meta
+from ..ring.items import NO_PREFIX, REFUSALS, SEQ_BITS, ingest_meta
 from ..ring.layout import RECORD_HEADER_WORDS as RING_HEADER_WORDS
 
-REFUSALS = ("key", "prefix", "model", "flags", "frame")
 REFUSED_KEY, REFUSED_PREFIX, REFUSED_MODEL, REFUSED_FLAGS, REFUSED_FRAME = range(len(REFUSALS))
 MODEL_ID_MAX = 0x7FFFFFFF
 
