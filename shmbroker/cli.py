@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_demo(sub) -> None:
     """`demo`: the broker on its built-in configuration, fed and checked."""
     p = sub.add_parser("demo", help="start the broker on its built-in configuration (two simulated consumers), feed it a seeded "
-                       "workload from two producers, check every result, and compare with FIFO feeding")
+                       "generation workload from two producers, check every result, and race it against the "
+                       "engines alone (every prompt in arrival order, continuous batching, LRU prefix caches)")
     p.add_argument("--data-dir", default=None, help="data directory (default $SHMBROKER_DATA_DIR or ./shmbroker-data)")
     p.set_defaults(func=_demo)
 

@@ -33,11 +33,11 @@ consumers run side by side), both sides including prefill and decode:
   item waits at time 0, the best case for arrival-order feeding, so an engine never waits for
   work and its clock at its last step is its summed step seconds, the same sum as the broker's.
 
-The engines are paced (PACE_SECONDS wall seconds per modeled second) so that each keeps to its
-modeled clock on 2 shared cores and the work splits between the consumers by their modeled speed,
-as between two cards; at the broker's default pace a fully fed `big` engine falls behind its
-clock there and `small` takes more than its share. The workload: ITEMS items of seed SEED, about a
-minute and a half in all. Decode, the larger part of the modeled time, costs both sides alike: the
+The engines run at the built-in configuration's pace (PACE_SECONDS wall seconds per modeled second),
+so the work splits between the consumers by their modeled speed, as between two cards. The
+workload: ITEMS items of seed SEED, about 20 s of engines and half a minute in all on 2 cores; a
+run that long stays inside the broker's aging bound (`max_wait_seconds`, 30 wall seconds), past
+which the oldest waiting item, not the cache, picks a consumer's next family. Decode, the larger part of the modeled time, costs both sides alike: the
 broker gains by its prefix-cache hits (a family kept on one card, a conversation's turns one
 after another) and by keeping every slot busy to the end (the longest generations first). The
 packer simulated with an unbounded queue behind each window (`PackerFeeder`) takes 0.83 of the
@@ -63,19 +63,17 @@ import numpy as np
 
 from .. import protocol
 from ..control import roles
+from ..engines.options import SimSettings
 from .broker import read_counters, shm_left, stop, wait_ready
 from .figures import Baselines, baselines, consumer_figures, total_figures
 from .producers import RESULTS_SECONDS, producer, recv, workload
 from .summary import headline, print_summary
 
 SEED = 7
-ITEMS = 20_000  # about 20 s of paced engines, a minute in all on 2 cores (the module docstring)
+ITEMS = 20_000  # about 20 s of paced engines, half a minute in all on 2 cores (the module docstring)
 MAX_NEW_TOKENS: int | None = None  # None: every item's own output length, as the generator drew it
 MAKESPAN_RATIO_MAX = 0.9  # the broker's modeled makespan against the engine alone's, at most
-# the simulated engines' pace (wall seconds per modeled second): slow enough that on 2 shared cores
-# each engine keeps to its modeled clock, so the work splits between the consumers by their modeled
-# speed (the module docstring); config.DEFAULT_SIM_PACE_SECONDS is for a broker on its own
-PACE_SECONDS = 0.1
+PACE_SECONDS = SimSettings.pace_seconds  # the simulated engines' pace: the built-in configuration's
 
 __all__ = ["ITEMS", "MAKESPAN_RATIO_MAX", "SEED", "main", "print_summary", "run"]
 

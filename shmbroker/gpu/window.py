@@ -78,6 +78,11 @@ class Window:
         self.core, self.ring, self.writer, self.views, self.c = core, ring, writer, views, c
         self.limit = limit
         self.deliveries = deliveries if deliveries is not None else private(int(ring.header[L.H_TAIL]))
+        # rows of the records held (not released) with results, published for the scheduler: it keeps
+        # this consumer fed by the items still to do, not by the records still held (one long item
+        # holds its record, and every record behind it, long after the rest are done); a restarted
+        # process runs the records it takes over again, so it counts from zero
+        ring.count_done(-ring.rows_done())
         self.limits = limits
         floor = max(limits.deadline_seconds, float(getattr(core.engine, "call_seconds_max", 0.0) or 0.0))
         self.floor_ns = int(floor * 1e9)
@@ -366,6 +371,7 @@ class Window:
             t.open -= ks.size
             assert t.open >= 0, "more results than rows"
         self.writer.write(res, seqs, writers)
+        self.ring.count_done(n)
 
     def _close(self, t: Taken, count: int) -> None:
         """count of t's rows in the engine have their results."""
@@ -378,6 +384,7 @@ class Window:
         self.writer.write(res, t.locs["seq"][rows], t.locs["writer"][rows])
         t.open -= rows.size
         assert t.open >= 0, "more results than rows"
+        self.ring.count_done(rows.size)
 
     def release_done(self) -> int:
         """Release the oldest records whose items all have results; how many."""
@@ -389,6 +396,9 @@ class Window:
         if k:
             n, new_tail = self.ring.peek_many(self.positions, k)
             assert n == k, "released records are still in the ring"
+            # their rows leave the done count before the records leave the ring (the scheduler reads
+            # the ring's counters first: it may count a done row as undone, never the reverse)
+            self.ring.count_done(-sum(self.taken[j].locs.size for j in range(k)))
             self.ring.release(new_tail, k)
             self.deliveries.released(int(new_tail))
             for _ in range(k):

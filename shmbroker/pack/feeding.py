@@ -8,9 +8,11 @@ GPU process, the scheduler and the packing benchmark agree.
 - A `padded` engine computes whole rectangles: two batches in it, one running and the next
   prepared behind it.
 
-The scheduler keeps, per consumer, at least AHEAD batch records undone and, for a packed consumer,
-at least the window plus one max_batch_size of items undone, so the window refills from the ring
-without waiting for a decision.
+The scheduler keeps, per consumer, at least AHEAD batch records unreleased and, for a packed
+consumer, at least the window plus one max_batch_size of items without results, so the window
+refills from the ring without waiting for a decision. Items, not records: a record is released only
+once all its items have results, so one long generation holds its record and every record behind
+it; counted by records, the consumer would look full while its engine drains to that one item.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ Header (int64 word index: field; writer)
 | 37   | 296  | num_acked           | consumer   | result rings: records the application has      |
 |      |      |                     |            | acknowledged (a prefix of those popped)        |
 | 38   | 304  | session             | consumer   | result rings: bumped by each attaching reader  |
+| 39   | 312  | rows_done           | consumer   | batch rings: rows of records not yet released  |
+|      |      |                     |            | that have their results (see `count_done`)     |
 | 40   | 320  | closed              | closer     | 1: closed (`wire.close_ring`): looks full      |
 | 41   | 328  | closed_tail         | closer     | the real tail once closed                      |
 | 42   | 336  | closed_reason       | closer     | why (CLOSE_REASONS): 0 a stop, else a fault    |
@@ -103,6 +105,7 @@ H_CONSUMER_BEAT = 35
 H_NUM_POPPED = 36
 H_NUM_ACKED = 37
 H_SESSION = 38
+H_ROWS_DONE = 39
 H_CLOSED = 40
 H_CLOSED_TAIL = 41
 H_CLOSED_REASON = 42

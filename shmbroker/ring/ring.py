@@ -334,6 +334,18 @@ class Ring:
         if spsc.release(self.buf, new_tail, count):
             self._peer_bell.ring()
 
+    def count_done(self, rows: int) -> None:
+        """Consumer of a batch ring: `rows` more rows of the records it holds have their results (the
+        scheduler counts them out of what its consumer still has to do; a record's rows are counted
+        back out, `rows` negative, right before the record is released). Wakes a sleeping producer."""
+        if spsc.count_done(self.buf, rows) and rows > 0:
+            self._peer_bell.ring()
+
+    def rows_done(self) -> int:
+        """Rows of the records not yet released that have their results (`count_done`): read after
+        `num_queued`, it never counts a row of a record that reads as released."""
+        return int(self.header[L.H_ROWS_DONE])
+
     def _check_tail(self) -> None:
         """Untrusted consumer: the tail word must be where this side left it (RingCorrupt if not)."""
         if self._tail is not None and int(self.header[L.H_TAIL]) != self._tail:

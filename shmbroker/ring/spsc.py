@@ -49,6 +49,7 @@ from .layout import (
     H_NUM_POPPED,
     H_NUM_PUSHED,
     H_PRODUCER_WAITING,
+    H_ROWS_DONE,
     H_TAIL,
     H_TAIL_CACHE,
     HEADER_BYTES,
@@ -304,6 +305,14 @@ def release(buf, new_tail, count):
     h = buf[:HEADER_BYTES].view(np.int64)
     store_release(h, H_TAIL, new_tail)
     return claim_waiter(h, H_PRODUCER_WAITING, H_NUM_POPPED, count)
+
+
+@kernel
+def count_done(buf, rows):
+    """Consumer of a batch ring: `rows` more rows of its unreleased records have results (a negative
+    count before their records are released); True when the producer sleeps and must be woken."""
+    h = buf[:HEADER_BYTES].view(np.int64)
+    return claim_waiter(h, H_PRODUCER_WAITING, H_ROWS_DONE, rows)
 
 
 @kernel

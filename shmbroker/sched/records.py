@@ -3,8 +3,9 @@
 A batch record (one batch ring record, `ring.wire`) carries the LOC rows of a packed batch to run,
 then up to FAILED_ROWS_MAX rows failed back (`aux` = status) that wait in `FailedRows`; a record
 may hold only failed rows. A consumer's ring is kept ahead of its engine (`Feed`, `pack.feeding`):
-it wants a record while it holds fewer than AHEAD undone or, for a packed consumer, fewer undone
-items than its window needs queued. A record its full ring could not take is held and pushed first
+it wants a record while it holds fewer than AHEAD unreleased or, for a packed consumer, fewer items
+without results than its window needs queued (the GPU process publishes the rows of its held records
+that have results in the ring's `rows_done` word). A record its full ring could not take is held and pushed first
 when the ring has room again.
 """
 
@@ -94,7 +95,8 @@ class Feed:
         undone = self.ring.num_queued()
         while len(sizes) > undone:  # released since: their items are done
             self.undone_items -= sizes.popleft()
-        return undone < AHEAD or self.undone_items < self.queued_items
+        # done rows of records still held (one long item holds its record, and those behind it)
+        return undone < AHEAD or self.undone_items - self.ring.rows_done() < self.queued_items
 
     def take_held(self) -> BatchRecord | None:
         """The record held back for a full ring, if any (to push before any other)."""

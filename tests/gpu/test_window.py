@@ -283,3 +283,47 @@ def test_an_item_twice_in_one_record_runs_once(owner):
     finally:
         prod.close()
         cons.close()
+
+
+def test_done_rows_of_held_records_are_published_for_the_scheduler(owner):
+    """One long item holds its record, and every record behind it; the rows done behind it are
+    counted in the ring's `rows_done` word (the scheduler feeds by the items still to do), and a
+    record's rows leave the count as it is released."""
+    contract = Contract(8, 1 << 16, 4096)
+    # the engine finishes everything but item 1 (the straggler) first
+    engine = ScriptedEngine("packed", per_poll=3, pick=lambda held: sorted(held, key=lambda x: (x[0] == 1, x[0])))
+    prod, cons, writes, window = make(owner, contract, engine)
+    try:
+        push_records(prod, [4, 4], failed_every=2)  # ids 1-4 (id 4 failed back), 5-8
+        window.take_more()
+        assert prod.rows_done() == 1  # the failed row has its result at once
+        for _ in range(2):
+            window.poll(0)
+            window.admit()
+        assert window.release_done() == 0  # item 1 holds the first record, and so the second
+        assert prod.rows_done() == 7  # every row but the straggler's
+        assert prod.num_queued() == 2
+        drain(window)
+        assert prod.rows_done() == 0 and prod.num_queued() == 0
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_a_restarted_gpu_process_counts_the_records_it_takes_over_from_zero(owner):
+    contract = Contract(8, 1 << 16, 4096)
+    prod, cons, writes, window = make(owner, contract, ScriptedEngine("packed", per_poll=3, pick=lambda h: h[1:]))
+    try:
+        push_records(prod, [4])
+        window.take_more()
+        window.poll(0)
+        assert window.release_done() == 0 and prod.rows_done() == 3
+        # the process dies; its successor takes the unreleased record over and runs it again
+        again = Window(ConsumerCore(contract, ScriptedEngine("packed")), cons, Writes(), Views(), 0,
+                       window_items(8, "packed"), limits=WindowLimits.of(BrokerConfig(data_dir="unused")))
+        assert prod.rows_done() == 0
+        drain(again)
+        assert prod.rows_done() == 0 and prod.num_queued() == 0
+    finally:
+        prod.close()
+        cons.close()

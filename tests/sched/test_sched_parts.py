@@ -119,3 +119,29 @@ def test_beyond_the_index_the_front_goes_first_and_a_cancel_takes_from_it(tmp_pa
     finally:
         beyond.close()
     assert not (tmp_path / "sched" / "waiting").exists()
+
+
+def test_a_feed_wants_more_once_the_items_of_held_records_are_done(owner):
+    """The consumer's ring holds AHEAD records whose items are all but one done (a long item keeps
+    the oldest, and so every later one, from being released): the feed counts the done rows out and
+    wants another record, where counting released records alone would starve the engine."""
+    from shmbroker.pack.feeding import AHEAD
+    from shmbroker.ring.owned import create_ring
+    from shmbroker.ring.ring import CONSUMER, PRODUCER
+    from shmbroker.sched.records import Feed
+
+    owned = create_ring(owner, "feed", 1 << 20)
+    prod, cons = owned.attach(PRODUCER), owned.attach(CONSUMER)
+    try:
+        feed = Feed(prod, queued_items=64)
+        failed = FailedRows(rows_max=1 << 12)
+        for key in range(AHEAD):
+            run = np.zeros(32, LOC_DTYPE)
+            assert feed.push(batch_record(run, failed), key)
+        assert not feed.wants()  # 3 records, 96 items to do: enough queued
+        cons.count_done(95)  # the consumer finished every item but one, released nothing
+        assert cons.num_queued() == AHEAD
+        assert feed.wants()  # one item to do: the window needs more
+    finally:
+        prod.close()
+        cons.close()
