@@ -75,7 +75,7 @@ warm: $(CORE_STAMP)
 demo: warm
 	$(VENV)/bin/shmbroker demo
 
-# DESIGN.md "Layout": imports run downward only (the contracts are in pyproject.toml)
+# docs/design.md "Layout": imports run downward only (the contracts are in pyproject.toml)
 lint: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 

@@ -1,4 +1,4 @@
-"""DESIGN.md "Layout" and "Style": imports run downward only, checked by import-linter's contracts in
+"""docs/design.md "Layout" and "Style": imports run downward only, checked by import-linter's contracts in
 pyproject.toml; a module is one idea, so none in the package is over MODULE_LINES_MAX lines."""
 
 from __future__ import annotations

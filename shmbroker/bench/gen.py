@@ -1,6 +1,6 @@
 """`shmbroker bench gen`: generation through a real engine, alone against fed by the broker.
 
-The comparison a user makes (DESIGN.md "Feeding an engine"): (a) `engine_alone`, every prompt handed
+The comparison a user makes (docs/design.md "Feeding an engine"): (a) `engine_alone`, every prompt handed
 to the engine at once in arrival order (vLLM: `add_request` for all of them, then `step()` until
 done: its own continuous batching and prefix cache, admitting first come first served), against
 (b) `broker`, a running broker (`shmbroker supervise`, one consumer with the same engine and the

@@ -1,6 +1,6 @@
 """`shmbroker bench pack`: shape-pure packing against FIFO feeding and the engine alone, on the simulated engine.
 
-Two consumers of one model (the issue's `big` and `small`), each with its own
+Two consumers of one model (the built-in configuration's `big` and `small`), each with its own
 simulated engine; the workload is the seeded generator's or a Mooncake-format
 trace (`--trace`). For each engine mode (`padded`, `packed`) the broker's
 figures sit at the top level; measured in the same run, FIFO feeding's under

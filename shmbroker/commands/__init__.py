@@ -1,5 +1,7 @@
 """`shmbroker submit`, `shmbroker results`, `shmbroker status`: the user-facing commands around a running broker.
 
+Each runs in the user's own shell process, as a producer or a reader of the data directory.
+
     shmbroker submit prompts.jsonl [--trace] [--name N | --job J [--resume]] [--wait [--out F]]
     shmbroker jobs [--json]; shmbroker job J [--json | --watch]; shmbroker cancel J
     shmbroker results --name N [--out F] [--timeout S]

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 
 def consumer_figures(c: dict[str, int], contract, mode: str) -> dict:
-    """One consumer's figures (DESIGN.md "Words") from its GPU process's counters."""
+    """One consumer's figures (docs/design.md "Words") from its GPU process's counters."""
     modeled = c["engine_own_ns"] / 1e9
     return {
         "mode": mode, "batches": c["batches"], "items": c["items"], "ok": c["ok"], "tokens": c["tokens"],

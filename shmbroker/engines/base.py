@@ -1,6 +1,6 @@
 """The engine interface: a stream of items in, each item's result out when it finishes.
 
-A GPU process keeps an in-flight window in its engine (DESIGN.md "Feeding an engine"):
+A GPU process keeps an in-flight window in its engine (docs/design.md "Feeding an engine"):
 
     engine.add(batch)              # non-blocking: these items start now, or queue inside the engine
     outcome = engine.poll(0.05)    # results of items finished since the last poll, in any order

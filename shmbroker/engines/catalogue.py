@@ -4,7 +4,7 @@ Adding an engine is one `EngineEntry` here. Nothing in this module imports an en
 `load_engine(name, settings)` imports the module only when a GPU process loads the engine, so the
 broker imports no torch, vllm or tensorrt_llm unless a consumer uses them.
 
-The mode (DESIGN.md "Words") is declared by the entry: `padded` for a rectangle engine, `packed`
+The mode (docs/design.md "Words") is declared by the entry: `padded` for a rectangle engine, `packed`
 for a paged-KV one, `SETTINGS` where the engine's settings choose it (the simulated engine models
 either). An engine class may state a `mode` too; `load_engine` refuses one that disagrees with
 its entry. A `padded` engine computes whole batches (`run`); the registry puts it behind the

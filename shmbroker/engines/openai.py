@@ -2,14 +2,14 @@
 
 Why an HTTP engine at all: a card whose inference server already runs (`vllm serve`, SGLang,
 trtllm-serve) is fed without loading a model into the GPU process. The server pages its KV cache
-and batches continuously, so the mode is `packed` (DESIGN.md "Words", "Feeding an engine"): what
+and batches continuously, so the mode is `packed` (docs/design.md "Words", "Feeding an engine"): what
 the broker gives it is the order (families together, parents first), and what this engine must do
 is keep the server full, handing each item's result back the moment its request returns.
 
 The streaming interface (`base.py`): `add(batch)` cuts the items into small requests to
 `POST {base_url}/completions` with token-id prompts (`"prompt": [[ids], ...]`, one choice per prompt,
 `choices[i].index` naming it) and queues them, in the batch's order, on a pool of `max_in_flight`
-threads (a small blocking pool: no asyncio on the hot path, DESIGN.md), so at most `max_in_flight`
+threads (a small blocking pool: no asyncio on the hot path, docs/design.md), so at most `max_in_flight`
 requests are at the server at once and the rest wait inside the engine; it returns at once.
 `poll(timeout)` waits (at most the timeout) for at least one request to return and hands back the
 results of every request returned since the last poll (in any order): a slow request holds back

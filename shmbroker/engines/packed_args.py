@@ -5,7 +5,7 @@ Why a module of its own: `vllm.py` and `trtllm.py` import their packages at the 
 package is an ImportError when `base.load_engine` loads them (it becomes EngineUnavailable naming the
 extra to install). Everything they pass those packages is computed here and tested on any machine:
 
-- the contract (DESIGN.md "Words") turned into engine limits: `vllm_llm_kwargs`, `trtllm_llm_kwargs`;
+- the contract (docs/design.md "Words") turned into engine limits: `vllm_llm_kwargs`, `trtllm_llm_kwargs`;
 - one item's greedy sampling: `vllm_sampling`, `trtllm_sampling` (with the end-of-sequence ids
   `eos_token_ids` finds in the model directory, as no tokenizer is loaded);
 - the engines' cumulative prefix-cache counters turned into one batch's hit and queried blocks in the

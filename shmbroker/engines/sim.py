@@ -1,7 +1,7 @@
 """The simulated engine: a documented cost model of a GPU inference engine.
 
 It runs on the CPU in virtual time, so a large trace drains in seconds. Two
-modes (DESIGN.md "Words"):
+modes (docs/design.md "Words"):
 
 - `padded`, a rectangle engine (transformers, static TensorRT engines): the
   batch's common prefix (the blocks every item shares) is computed once, or
@@ -25,8 +25,8 @@ Cost of one batch (all parameters in `SimCost`):
 The first generated token comes out of prefill; decode steps follow. A padded
 engine decodes every sequence for the longest max_new_tokens; a packed one
 retires each sequence at its own. The defaults approximate transformers on an
-H200 with a ~1B-parameter model (DESIGN.md: about 130k prefill tokens/s); a
-later issue calibrates them against real engines. `zero_cost` makes every
+H200 with a ~1B-parameter model (docs/design.md: about 130k prefill tokens/s); they are not
+calibrated against real engines. `zero_cost` makes every
 batch free, so a benchmark measures the broker, not the model.
 
 `SimEngine` is the cost model over block hashes (the packing benchmark drives

@@ -3,7 +3,7 @@ token ids out, one request per item, many outstanding, each result handed back w
 
 TensorRT-LLM pages its KV cache, batches in flight (it keeps up to `max_batch_size` sequences running
 and admits the next request the moment one finishes) and, with block reuse on, computes per item only
-the blocks its radix tree does not already hold, so the engine is `packed` (DESIGN.md "Words",
+the blocks its radix tree does not already hold, so the engine is `packed` (docs/design.md "Words",
 "Feeding an engine"). The GPU process keeps a window of items added and not yet returned a little
 larger than `max_batch_size`, so TensorRT-LLM never waits for its next request.
 

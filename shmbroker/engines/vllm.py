@@ -2,7 +2,7 @@
 
 vLLM pages its KV cache, batches continuously (up to `max_num_seqs` sequences running, the next one
 admitted the moment one finishes) and, with prefix caching on, computes per request only the blocks
-it does not already hold: the engine is `packed` (DESIGN.md "Feeding an engine"). The GPU process
+it does not already hold: the engine is `packed` (docs/design.md "Feeding an engine"). The GPU process
 keeps a window of items in it with `add` and collects each item's result with `poll` as it finishes;
 the broker's value is the order in which they arrive.
 

@@ -1,6 +1,6 @@
 """The GPU process's core: what it does around its engine, item by item, with no ring in sight.
 
-`ConsumerCore` (DESIGN.md "Feeding an engine"):
+`ConsumerCore` (docs/design.md "Feeding an engine"):
 
 1. `take(batch, tokens)`: the shape guard again (a batch that is not shape-pure or breaks the
    contract is counted, `guard_violations`, and still served: its results are right either way),
@@ -75,7 +75,7 @@ class ConsumerStats:
     reused_tokens: int = 0  # prefix tokens the engine served from a cache
     shape_switches: int = 0  # consecutive batches of different families
     families: int = 0  # distinct families served
-    # switches back to a family already served: switches - (families - 1) (DESIGN.md "Words"),
+    # switches back to a family already served: switches - (families - 1) (docs/design.md "Words"),
     # counted as they happen so that a restarted process can continue the count
     excess_shape_switches: int = 0
 

@@ -1,4 +1,4 @@
-"""The in-flight window of a GPU process over its batch ring (DESIGN.md "Feeding an engine").
+"""The in-flight window of a GPU process over its batch ring (docs/design.md "Feeding an engine").
 
 Records are taken from the ring in order and their items added to the engine up to the window
 (`pack.feeding.window_items`: a packed engine's max_batch_size plus an eighth, a record may go in

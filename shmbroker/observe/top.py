@@ -34,7 +34,7 @@ from rich.text import Text
 
 from .watch import format_bytes
 
-INTERVAL_SECONDS_MAX = 0.5  # the "at least twice a second"
+INTERVAL_SECONDS_MAX = 0.5  # the screen is refreshed at least twice a second
 RATE_WINDOW_SECONDS = 2.0
 HISTORY_MAX = 64  # snapshots kept for the rate window (a bound; below 2 s / 64 a refresh, the window is shorter)
 STALE_HEARTBEAT_SECONDS = 2.0

@@ -293,7 +293,7 @@ def lower_priority() -> None:
 
 
 def derived(v: dict, max_batch_tokens: int) -> dict:
-    """A consumer's ratios over the broker's life (DESIGN.md "Words"); None before its first batch."""
+    """A consumer's ratios over the broker's life (docs/design.md "Words"); None before its first batch."""
     rect, queried, batches = v.get("rect_tokens", 0), v.get("queried_blocks", 0), v.get("batches", 0)
     return {"padding_waste": v.get("padded_tokens", 0) / rect if rect else None,
             "hit_rate": v.get("hit_blocks", 0) / queried if queried else None,

@@ -1,7 +1,7 @@
 """Boundary types of the packer: Contract, Shape, Batch.
 
 A consumer declares a `Contract` and nothing else; the packer derives every
-bound from it. The engine's mode (`padded` or `packed`, DESIGN.md "Words")
+bound from it. The engine's mode (`padded` or `packed`, docs/design.md "Words")
 belongs to the engine adapter the consumer runs; the policy asks for it.
 """
 
@@ -16,7 +16,7 @@ from .shapes import LENGTH_MAX
 
 
 class Mode(StrEnum):
-    """An engine's mode (DESIGN.md "Words"): `padded` computes whole rectangles (count x longest
+    """An engine's mode (docs/design.md "Words"): `padded` computes whole rectangles (count x longest
     input), `packed` batches continuously over a paged KV cache. A StrEnum, equal to its text, so
     TOML values, JSON output and comparisons with the text work as they did."""
 

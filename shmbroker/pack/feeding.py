@@ -1,5 +1,5 @@
 """How deep a consumer is fed: the in-flight window of its GPU process and what the scheduler keeps
-queued behind it (DESIGN.md "Feeding an engine"). Pure functions of the contract and the mode, so the
+queued behind it (docs/design.md "Feeding an engine"). Pure functions of the contract and the mode, so the
 GPU process, the scheduler and the packing benchmark agree.
 
 - A `packed` engine batches continuously: it runs up to max_batch_size sequences and admits the next

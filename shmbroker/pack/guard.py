@@ -6,7 +6,7 @@ nothing is dispatched (the packer's items stay in the index).
 
 A padded engine's batch is a rectangle, so its contract bounds count x
 longest; a packed engine's is an ordered group whose count bounds only the
-records' overhead (DESIGN.md "Feeding an engine": the contract is its
+records' overhead (docs/design.md "Feeding an engine": the contract is its
 admission limit, max_batch_tokens a step's token budget, which the engine
 enforces itself), so it is not checked against count x longest.
 

@@ -1,7 +1,7 @@
 """Virtual-time simulation of consumers fed by the packer, a plain FIFO queue, or nothing but their engines.
 
 `simulate` drains a workload's items through `feeder` into one simulated
-engine per consumer and returns the accounting (DESIGN.md "Words"). Offline:
+engine per consumer and returns the accounting (docs/design.md "Words"). Offline:
 every item is in the backlog at time 0. Streaming: items arrive at their
 (scaled) arrival times; a consumer that finds nothing waits for the next
 arrival. Virtual time: each consumer has a clock; the consumer with the

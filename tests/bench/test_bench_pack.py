@@ -1,7 +1,7 @@
 """Small runs of `shmbroker bench pack`, so that the benchmark cannot rot.
 
 No speed thresholds: only the JSON interface and invariants that hold on any
-workload (DESIGN.md "Words"), plus the seeded generator's headline: shape-pure
+workload (docs/design.md "Words"), plus the seeded generator's headline: shape-pure
 packing beats FIFO feeding, and with the workload's own output lengths a
 packed engine fed by the broker beats the engine alone.
 """

@@ -741,7 +741,7 @@ def test_seen_set_slides_and_stays_small_over_many_results():
 
 
 def test_seen_set_stays_small_for_a_reader_that_starts_late_or_misses_one():
-    """Hole 15. Before: a reader whose first result had sequence S allocated S bytes (a new
+    """Before: a reader whose first result had sequence S allocated S bytes (a new
     process reading an old name's results), and one result that never came stopped the window
     from sliding, so it grew with every result after it."""
     from shmbroker.client.seen import SeenSet

@@ -75,7 +75,7 @@ def _refused(appender, reason: str) -> int:
     return int(appender.refused[REFUSALS.index(reason)])
 
 
-# -- hole 5: forged item ids -----------------------------------------------------------------
+# -- forged item ids -----------------------------------------------------------------
 
 
 def test_a_forged_key_is_refused_and_the_producers_other_records_go_on(broker, tmp_path):
@@ -123,7 +123,7 @@ def test_refusals_have_their_counters_in_the_stats_table():
     assert INGEST[I_RINGS_CLOSED].key == "rings_closed"
 
 
-# -- hole 10: a corrupt ring, header geometry, hostile tails ---------------------------------
+# -- a corrupt ring, header geometry, hostile tails ---------------------------------
 
 
 def test_a_corrupt_record_closes_that_ring_with_a_reason_and_the_others_go_on(broker, tmp_path):

@@ -1,7 +1,7 @@
 """The simulated engine (engines/sim.py) against small cases computed by hand.
 
 Blocks are 4 tokens, so every figure can be checked on paper. An item's
-blocks (DESIGN.md "Words", pack/shapes.py): the family root (its first block),
+blocks (docs/design.md "Words", pack/shapes.py): the family root (its first block),
 then one block per 4 tokens, the last one possibly partial. `P` is an 8-token
 prefix: the root plus one block.
 """

@@ -1,4 +1,4 @@
-"""Producer names that are done leave the table and free their rings (issue 14, hole 13)."""
+"""Producer names that are done leave the table and free their rings."""
 
 from __future__ import annotations
 

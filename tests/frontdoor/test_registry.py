@@ -350,7 +350,7 @@ def test_concurrent_connects_get_distinct_producers(broker):
         assert reply["ingest"] == by_name[name].ingest.names.to_dict()
 
 
-# -- serving under trouble (issue 14, hole 14) ---------------------------------------------
+# -- serving under trouble ---------------------------------------------
 
 
 def test_slow_clients_delay_nobody(broker):

@@ -183,7 +183,7 @@ def test_the_registry_refuses_an_engine_whose_class_and_entry_disagree_on_the_mo
 
 
 def test_the_families_a_consumer_remembers_are_bounded(monkeypatch):
-    """Hole 15. Before: the GPU process kept every family it ever served in a set (one entry per
+    """Before: the GPU process kept every family it ever served in a set (one entry per
     family for the life of the process). Now the last MAX_FAMILIES_TRACKED."""
     from shmbroker.gpu import core as core_mod
 

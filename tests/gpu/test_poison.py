@@ -1,4 +1,4 @@
-"""Poison items, hung engines, crash loops and engine outages (issue 14, holes 6, 8 and 9), on a real broker.
+"""Poison items, hung engines, crash loops and engine outages, on a real broker.
 
 Each test runs `shmbroker supervise` (tests/brokerproc.py) with one consumer whose engine misbehaves
 on demand: the simulated engine's faults (`SimSettings`: poison_token, hang_token, block_token,
@@ -111,7 +111,7 @@ def assert_others_ok(got: dict, n: int, bad: set, max_new: int = 3) -> None:
     assert all(got[k].tokens.size == max_new for k in got if k not in bad)
 
 
-# -- hole 8: poison items ---------------------------------------------------------------------------
+# -- poison items ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, kill", [("packed", "abort"), ("padded", "segfault")])
@@ -208,7 +208,7 @@ def _wait_registry(broker, timeout_seconds: float) -> dict:
     raise TimeoutError(broker.log())
 
 
-# -- hole 9: hung engines --------------------------------------------------------------------------
+# -- hung engines --------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault, limits, reason", [
@@ -254,7 +254,7 @@ def test_slow_but_progressing_work_is_not_killed(tmp_path):
         assert proc["watchdog_kills"] == 0 and proc["restarts"] == 0, proc
 
 
-# -- hole 6: an engine that is down ------------------------------------------------------------------
+# -- an engine that is down ------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
 def test_an_engine_that_dies_is_restarted_and_its_items_are_retried_not_failed(tmp_path):

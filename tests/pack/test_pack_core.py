@@ -1,6 +1,6 @@
 """The packing core (shmbroker.pack): the guard, contracts, shapes, and the packer's promises.
 
-DESIGN.md "Words" and "The packing index": every batch is shape-pure (one model,
+docs/design.md "Words" and "The packing index": every batch is shape-pure (one model,
 one prefix family, padded engines within the padding tolerance) and packed to
 its consumer's contract; items no consumer of their model can take come back
 failed "too_long"; a consumer keeps its family until drained (no excess shape

@@ -1,5 +1,5 @@
 """Results reach each producer name exactly as acknowledged: a reader killed mid-stream, a new
-reader process, a results process restarted under a live or a dead reader (issue 14, holes 2, 7)."""
+reader process, a results process restarted under a live or a dead reader."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _results_cmd(broker, name: str, out: Path, timeout: float = 1.0) -> list[str
 
 
 def test_results_reader_sigkilled_mid_stream_then_run_again_gives_each_result_once(broker, tmp_path):
-    """Hole 2. Before: `results --out` popped results before writing them through a buffered file
+    """Before: `results --out` popped results before writing them through a buffered file
     and the broker counted popped as consumed, so each SIGKILL lost what was in the buffer."""
     name = "kill-" + os.urandom(3).hex()
     ids = _submit(broker, name, ITEMS, 1)
@@ -113,7 +113,7 @@ def test_results_reader_sigkilled_mid_stream_then_run_again_gives_each_result_on
 
 
 def test_a_new_reader_process_gets_only_what_no_reader_acknowledged(broker, tmp_path):
-    """Hole 7, across client processes: one reader acknowledges half and exits; another process
+    """Across client processes: one reader acknowledges half and exits; another process
     under the same name gets exactly the other half."""
     name = "half-" + os.urandom(3).hex()
     ids = _submit(broker, name, 400, 2)
@@ -129,7 +129,7 @@ def test_a_new_reader_process_gets_only_what_no_reader_acknowledged(broker, tmp_
 
 @pytest.mark.parametrize("reader", ["alive", "gone"])
 def test_results_process_restart_redelivers_nothing_acknowledged(broker, tmp_path, reader):
-    """Hole 7. Before: a restarted results process replayed from one global offset, and a new
+    """Before: a restarted results process replayed from one global offset, and a new
     client process yielded again everything an earlier one had already read."""
     name = f"restart-{reader}-" + os.urandom(3).hex()
     ids = _submit(broker, name, 300, 3)
@@ -163,7 +163,7 @@ def test_results_process_restart_redelivers_nothing_acknowledged(broker, tmp_pat
 
 
 def test_submit_default_names_differ_between_runs(broker, tmp_path, capsys):
-    """Hole 7: `submit-<pid>` was reused with the pid, handing an old run's results to a new --out."""
+    """`submit-<pid>` was reused with the pid, handing an old run's results to a new --out."""
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"tokens": [1, 2], "max_new_tokens": 1}) + "\n")
     names = set()

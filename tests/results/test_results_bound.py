@@ -1,4 +1,4 @@
-"""Hole 12: a producer name that never reads no longer pins the shared results log. Past
+"""a producer name that never reads no longer pins the shared results log. Past
 `results_name_bytes` its results move to a log of its own (`behind.py`); the shared log is trimmed
 past it; a replay after a crash gives the name each of its results exactly once, in order."""
 

@@ -100,7 +100,7 @@ def _damage(path, at: int) -> None:
 @pytest.mark.parametrize("where", ["older file", "newest file"])
 @pytest.mark.parametrize("field", ["payload", "length"])
 def test_a_damaged_record_mid_log_is_skipped_counted_and_its_item_told_corrupt(tmp_path, monkeypatch, where, field):
-    """Hole 1: replay used to stop at the first bad record (the newest file was cut there, the rest
+    """replay used to stop at the first bad record (the newest file was cut there, the rest
     of an older file was dropped), losing every later result although their items were acked."""
     producer_id = ProducerBook(str(tmp_path)).assign("alice")
     base = producer_id << 40

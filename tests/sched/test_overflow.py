@@ -1,5 +1,5 @@
 """The scheduler's memory beyond its index is bounded: what the index cannot hold waits on disk,
-live or recovered (issue 14, hole 15); only a full disk keeps it in memory, at most `overflow_items`."""
+live or recovered; only a full disk keeps it in memory, at most `overflow_items`."""
 
 from __future__ import annotations
 

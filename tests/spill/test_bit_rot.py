@@ -10,12 +10,12 @@ until every item has one. The union of both runs' results must hold every submit
 with one status (duplicates of a redelivered item agree), `ok` ones with the right tokens, and an
 item `corrupt` only if the damage touched its record.
 
-Focused tests pin one kind of damage each (issue 14):
-- hole 3: a record failing its CRC at recovery (the active segment scanned, no clean marker) comes
+Focused tests pin one kind of damage each:
+- a record failing its CRC at recovery (the active segment scanned, no clean marker) comes
   back `corrupt` instead of vanishing; one whose header cannot name its item is counted;
-- hole 4: a sealed segment's payload flipped or zeroed (its index durable, the page not) comes back
+- a sealed segment's payload flipped or zeroed (its index durable, the page not) comes back
   `corrupt`, not `ok` with tokens computed from damaged input;
-- hole 11: a sealed segment whose header (or whose index) is damaged is set aside, reported and
+- a sealed segment whose header (or whose index) is damaged is set aside, reported and
   its records served, instead of crash-looping the scheduler.
 """
 
@@ -323,7 +323,7 @@ def test_bit_rot_sweep(tmp_path, base, target, seed):
     final_states(out, broker, may_be_corrupt)
 
 
-# -- hole 3: a record failing its CRC at recovery ----------------------------------------------
+# -- a record failing its CRC at recovery ----------------------------------------------
 
 
 def test_a_record_failing_its_crc_at_recovery_comes_back_corrupt(tmp_path, base):
@@ -343,7 +343,7 @@ def test_a_record_failing_its_crc_at_recovery_comes_back_corrupt(tmp_path, base)
     assert all("when the broker recovered it" in out.results[int(i)][0][2] for i in victims["item_id"])
 
 
-# -- hole 4: records served unchecked -----------------------------------------------------------
+# -- records served unchecked -----------------------------------------------------------
 
 
 def test_a_sealed_record_flipped_after_its_index_comes_back_corrupt_not_ok(tmp_path, base):
@@ -371,7 +371,7 @@ def test_a_sealed_record_flipped_after_its_index_comes_back_corrupt_not_ok(tmp_p
     assert "no intact record" in out.results[int(zeroed["item_id"])][0][2]
 
 
-# -- hole 11: damaged metadata ------------------------------------------------------------------
+# -- damaged metadata ------------------------------------------------------------------
 
 
 def test_a_sealed_segment_with_a_damaged_header_is_set_aside_and_its_records_served(tmp_path, base):

@@ -905,8 +905,7 @@ def test_power_loss(sim_dir, owner, mode):
 
 
 class ReclaimFirst(Router):
-    """The results process's checkpoint with reclaim moved before the ack file's save (hole 12's
-    proposal): a segment goes once its records' results are synced, whatever the ack file says."""
+    """The results process's checkpoint with reclaim moved before the ack file's save (a proposal once made): a segment goes once its records' results are synced, whatever the ack file says."""
 
     def checkpoint(self, force: bool = False) -> None:
         self.log.sync()
@@ -1074,7 +1073,7 @@ def _full_disk_checkpoint(tmp_path: Path, owner: Owner, router_cls, keep_reserve
 
 
 def test_a_full_disk_never_blocks_the_checkpoint_that_frees_it(tmp_path, owner):
-    """Hole 12: the checkpoint saves the ack file before it reclaims segments, so a full disk that
+    """the checkpoint saves the ack file before it reclaims segments, so a full disk that
     fails the ack file's temp file blocked the only step that frees space. The backlog directory keeps
     a space reserve that such a save gives up (before: the checkpoint failed with ENOSPC and freed 0 of
     6 segments, at every try; after: it saves and frees 5, all but the newest)."""

@@ -319,7 +319,7 @@ def test_single_bit_flips_in_an_unsealed_segment_lose_only_the_flipped_record(tm
                 assert report.quarantined[0]["reason"] and report.quarantined[0]["segment"] == 0
                 assert report.torn_records == 0 and report.torn_bytes == 0, where
                 outcomes["resynced" if frame else "quarantined"] += 1
-                # Not lost in silence (issue 14, hole 3): a record whose header still names its item
+                # Not lost in silence: a record whose header still names its item
                 # comes back `corrupt()` for that item; one that names none is counted.
                 corrupt = backlog.corrupt()["item_id"].tolist()
                 if frame or ITEM_HIGH[0] <= field < ITEM_HIGH[1] or PRODUCER_WORD[0] <= field < PRODUCER_WORD[1]:
@@ -352,7 +352,7 @@ def test_single_bit_flips_in_an_unsealed_segment_lose_only_the_flipped_record(tm
 
 def test_bit_flip_in_the_segment_header_is_rewritten_and_its_records_survive(tmp_path, flip_base):
     # The header's bytes rotted (bad magic or checksum); the file's place and name say what they held,
-    # and every record carries its own CRC and sequence number (issue 14, hole 11: it used to set
+    # and every record carries its own CRC and sequence number (it used to set
     # the whole file aside, every record in it lost without a result).
     base, (ids, counts, _seqs, _segs, offs) = flip_base
     rng = np.random.default_rng([SEED, 4])
@@ -416,7 +416,7 @@ def test_a_segment_of_another_layout_version_is_set_aside_and_its_numbers_never_
 
 def test_zeroed_length_word_in_the_middle_is_quarantined_and_later_records_survive(tmp_path):
     # A zero length word is the end of data only when nothing follows it (found by the review of
-    # issue 3: it used to end the scan and zero every later committed record as a torn tail).
+    # it used to end the scan and zero every later committed record as a torn tail).
     counts = [16] * 10  # 128-byte records: the length word has one bit set
     ids, counts, _seqs, _segs, offs = write_backlog(tmp_path, counts)
     assert record_bytes(16) == 128
