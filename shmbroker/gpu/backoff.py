@@ -1,4 +1,4 @@
-"""An engine that is down (engines/base.py "Failures"), as the GPU process's window sees it: the
+"""The window's deadlines and retries (`WindowLimits`), and an engine that is down (engines/base.py "Failures"), as the GPU process's window sees it: the
 items it handed back, when they are added again, the back-off (engine_retry_min_seconds, doubling
 per wave to engine_retry_max_seconds while it stays down), and the polls that failed in a row
 (ENGINE_FAILURES_MAX of them: EngineDead, the process exits and is started afresh).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,3 +68,19 @@ class Backoff:
             log.info("consumer %d: the engine is up again", self.c)
             return True
         return False
+
+
+@dataclass(frozen=True)
+class WindowLimits:
+    """The window's deadline and retry settings, taken from the broker's configuration
+    (`WindowLimits.of(cfg)`; config/broker.py has each one's default and what it means)."""
+
+    deadline_seconds: float
+    deadline_token_seconds: float
+    retry_min_seconds: float
+    retry_max_seconds: float
+
+    @classmethod
+    def of(cls, cfg) -> WindowLimits:
+        return cls(cfg.batch_deadline_seconds, cfg.batch_deadline_token_seconds, cfg.engine_retry_min_seconds,
+                   cfg.engine_retry_max_seconds)

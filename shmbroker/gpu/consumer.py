@@ -30,10 +30,11 @@ from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.waits import SLEEP_SLICE_SECONDS
 from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_results
+from .backoff import WindowLimits
 from .core import ConsumerCore
 from .deliveries import Deliveries
 from .segments import SegmentViews
-from .window import WINDOW_COUNTS, Window, WindowLimits
+from .window import WINDOW_COUNTS, Window
 
 # Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
 # within a few of its time slices.

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,29 +36,13 @@ from ..pack.feeding import PADDED_BATCHES_IN
 from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.wire import batch_locations, batch_meta
-from .backoff import Backoff
+from .backoff import Backoff, WindowLimits
 from .core import ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
 from .segments import BatchTokens
 from .taken import Taken, engine_batch, failed_results
 
 log = logging.getLogger("shmbroker.gpu")
-
-
-@dataclass(frozen=True)
-class WindowLimits:
-    """The window's deadline and retry settings, taken from the broker's configuration
-    (`WindowLimits.of(cfg)`; config/broker.py has each one's default and what it means)."""
-
-    deadline_seconds: float
-    deadline_token_seconds: float
-    retry_min_seconds: float
-    retry_max_seconds: float
-
-    @classmethod
-    def of(cls, cfg) -> WindowLimits:
-        return cls(cfg.batch_deadline_seconds, cfg.batch_deadline_token_seconds, cfg.engine_retry_min_seconds,
-                   cfg.engine_retry_max_seconds)
 
 
 WINDOW_COUNTS = ("engine_retries", "redelivered", "split_batches", "poisoned")  # stats.GPU keys the window counts

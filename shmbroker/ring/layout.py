@@ -33,7 +33,11 @@ Header (int64 word index: field; writer)
 |      |      |                     |            | acknowledged (a prefix of those popped)        |
 | 38   | 304  | session             | consumer   | result rings: bumped by each attaching reader  |
 | 39   | 312  | rows_done           | consumer   | batch rings: rows of records not yet released  |
-|      |      |                     |            | that have their results (see `count_done`)     |
+|      |      |                     |            | that have their results; a record's rows are   |
+|      |      |                     |            | counted out right before it is released, so a  |
+|      |      |                     |            | producer reading num_popped first never counts |
+|      |      |                     |            | a row of a released record; a restarted        |
+|      |      |                     |            | consumer starts it from 0 (`Ring.count_done`)  |
 | 40   | 320  | closed              | closer     | 1: closed (`wire.close_ring`): looks full      |
 | 41   | 328  | closed_tail         | closer     | the real tail once closed                      |
 | 42   | 336  | closed_reason       | closer     | why (CLOSE_REASONS): 0 a stop, else a fault    |

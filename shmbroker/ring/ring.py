@@ -33,9 +33,10 @@ import numpy as np
 
 from ..errors import Full, PeerDead, RingClosed, RingCorrupt
 from . import layout as L
-from . import spsc, wire
+from . import spsc
 from .liveness import is_alive, start_ticks
 from .shm import Doorbell, Segment
+from .untrusted import untrusted_capacity
 from .waits import SLEEP_SLICE_SECONDS, SPIN_ROUNDS, STALE_SECONDS, yield_until
 
 PRODUCER = "producer"
@@ -72,22 +73,6 @@ class Record:
     tokens: np.ndarray
 
 
-def untrusted_capacity(segment: Segment, side: str) -> int:
-    """The capacity of a ring whose peer may have written anything: from the segment's size, which
-    must be one the registry makes (`layout.segment_bytes` of a power of two). Otherwise the ring is
-    closed (CLOSE_BAD_SEGMENT, as far as the mapping holds a header) and RingCorrupt raised."""
-    size = segment.buf.size
-    cap = (size - L.HEADER_BYTES) // 4
-    if cap >= L.MIN_CAPACITY_WORDS and not cap & (cap - 1) and L.segment_bytes(cap) == size:
-        return cap
-    if size >= L.HEADER_BYTES:  # the closing kernels touch the header words only
-        if side == CONSUMER:
-            wire.close_ring_for(segment.buf, L.CLOSE_BAD_SEGMENT)
-        else:
-            wire.mark_closed(segment.buf, L.CLOSE_BAD_SEGMENT)
-    raise RingCorrupt(f"ring {segment.name}: a segment of {size} bytes is no ring the broker made")
-
-
 class Ring:
     """The producer's or the consumer's handle on one ring."""
 
@@ -101,7 +86,7 @@ class Ring:
         self.side = side
         self.untrusted = untrusted
         self._owns_handles = owns_handles
-        cap = untrusted_capacity(segment, side) if untrusted else L.check_header(segment.buf)
+        cap = untrusted_capacity(segment, side == CONSUMER) if untrusted else L.check_header(segment.buf)
         self.capacity_words = cap
         self.max_tokens = L.max_tokens(cap)
         self.buf = segment.buf[: L.segment_bytes(cap)]  # the kernels' geometry: this array's length
@@ -335,15 +320,13 @@ class Ring:
             self._peer_bell.ring()
 
     def count_done(self, rows: int) -> None:
-        """Consumer of a batch ring: `rows` more rows of the records it holds have their results (the
-        scheduler counts them out of what its consumer still has to do; a record's rows are counted
-        back out, `rows` negative, right before the record is released). Wakes a sleeping producer."""
+        """Consumer of a batch ring: `rows` more rows of its held records have results (layout.py
+        `rows_done`); wakes a sleeping producer."""
         if spsc.count_done(self.buf, rows) and rows > 0:
             self._peer_bell.ring()
 
     def rows_done(self) -> int:
-        """Rows of the records not yet released that have their results (`count_done`): read after
-        `num_queued`, it never counts a row of a record that reads as released."""
+        """Rows of the unreleased records that have results (read after `num_queued`)."""
         return int(self.header[L.H_ROWS_DONE])
 
     def _check_tail(self) -> None:

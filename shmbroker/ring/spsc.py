@@ -1,9 +1,8 @@
 """The SPSC ring's numba kernels (layout: `layout.py`; reference model: `reference.py`).
 
-Every kernel takes the whole segment as a uint8 array `buf` and views its
-header (int64) and data region (uint32, uint64) inside, so one array crosses
-the Python/numba boundary per call. The producer calls `push`/`push_many`,
-the consumer `pop_many`/`peek_many` + `release`; nothing else writes.
+Every kernel takes the whole segment as a uint8 array `buf` and views its header (int64) and data
+region (uint32, uint64) inside, so one array crosses the Python/numba boundary per call. The
+producer calls `push`/`push_many`, the consumer `pop_many`/`peek_many` + `release`.
 
 Ordering: the producer writes a record's payload and header, zeroes the
 commit word just past it, then release-stores the record's commit word; the
@@ -309,8 +308,7 @@ def release(buf, new_tail, count):
 
 @kernel
 def count_done(buf, rows):
-    """Consumer of a batch ring: `rows` more rows of its unreleased records have results (a negative
-    count before their records are released); True when the producer sleeps and must be woken."""
+    """Batch ring consumer: `rows` more done rows (layout.py `rows_done`); True: wake the producer."""
     h = buf[:HEADER_BYTES].view(np.int64)
     return claim_waiter(h, H_PRODUCER_WAITING, H_ROWS_DONE, rows)
 

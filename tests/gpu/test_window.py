@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from shmbroker.config.broker import BrokerConfig
 from shmbroker.engines.base import EngineOutcome, ItemResult
+from shmbroker.gpu.backoff import WindowLimits
 from shmbroker.gpu.core import ConsumerCore
-from shmbroker.gpu.window import Window, WindowLimits
+from shmbroker.gpu.window import Window
 from shmbroker.pack.contract import Contract
 from shmbroker.pack.feeding import window_items
 from shmbroker.ring import layout as L
