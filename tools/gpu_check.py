@@ -4,7 +4,7 @@
     gpu_check.py unpack WHEELS SITE      wheels for this Python whose distribution is not installed,
                                          unpacked into SITE (for PYTHONPATH) where pip cannot install
     gpu_check.py versions                python, torch (its CUDA), transformers, numba, ... as JSON
-    gpu_check.py warm-parts              warmup.py's parts, each in its own process, side by side
+    gpu_check.py warm-parts              supervisor/warmup.py's parts, each in its own process, side by side
     gpu_check.py summary OUT SCALE BUDGET SECONDS
                                          the one JSON object of the check, from the logs in OUT
 """
@@ -80,7 +80,7 @@ def versions() -> int:
 
 
 def warm_parts() -> int:
-    """Each `warm_*` of warmup.py in its own process (numba's cache files are written whole and
+    """Each `warm_*` of supervisor/warmup.py in its own process (numba's cache files are written whole and
     renamed into place, so several compiling processes do not corrupt it); `shmbroker warm` then
     loads them all and compiles whatever a part did not."""
     from shmbroker.supervisor import warmup

@@ -17,7 +17,7 @@
 #     refuses, e.g. an externally managed Python, the wheels are unpacked into .gpu-site/ on
 #     PYTHONPATH). The project is not installed: it runs from this tree with PYTHONPATH=$PWD;
 #  2. record nvidia-smi and the versions of python, torch (its CUDA), transformers, numba;
-#  3. warm the numba kernels: warmup.py's parts compiled side by side into the on-disk cache, then
+#  3. warm the numba kernels: supervisor/warmup.py's parts compiled side by side into the on-disk cache, then
 #     `shmbroker warm` (loads them all, compiles whatever a part left);
 #  4. the hf engine's GPU tests: tests/engines/test_engine_hf.py -k gpu (with bench gpu's small CPU run);
 #  5. `shmbroker bench gpu --json`: the hf engine on the card fed by the broker, against FIFO and

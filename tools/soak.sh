@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak the broker under chaos: tests/test_chaos.py with SHMBROKER_SOAK_ITERATIONS iterations per
+# Soak the broker under chaos: tests/supervisor/test_chaos.py with SHMBROKER_SOAK_ITERATIONS iterations per
 # victim (default 200). Extra arguments go to pytest (e.g. -k supervisor, -x).
 #   tools/soak.sh                       # 200 iterations per victim
 #   SHMBROKER_SOAK_ITERATIONS=20 tools/soak.sh -k 'sched or results'
@@ -13,4 +13,4 @@ if [ ! -x "$PY" ]; then
 fi
 export SHMBROKER_SOAK_ITERATIONS="${SHMBROKER_SOAK_ITERATIONS:-200}"
 echo "soak: $SHMBROKER_SOAK_ITERATIONS iterations per victim, seed ${SHMBROKER_CHAOS_SEED:-default}" >&2
-exec "$PY" -m pytest -q tests/test_chaos.py "$@"
+exec "$PY" -m pytest -q tests/supervisor/test_chaos.py "$@"

@@ -17,7 +17,7 @@ from .chaos_procs import Reader
 
 FILL_LEFT_BYTES = 256 << 10  # what the filler leaves free on a small filesystem
 FILL_FILE = "filler.ballast"
-# on a small filesystem: the silent producer's results leave the shared log early (behind.py)
+# on a small filesystem: the silent producer's results leave the shared log early (results/behind.py)
 SMALL_FS_CONFIG = "results_name_bytes = 1048576\n"
 
 # poison_attempts: here every death is the killer's, not an engine's; a GPU process killed while it

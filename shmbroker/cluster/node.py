@@ -70,7 +70,7 @@ async def _run(nats, cc, local, slot, stats, stopping) -> None:
         bridge = Bridge(js, nc, leases, cc.names, cc.streams, cc.node, local)
         log.info("node %s: bridge up on %s", cc.node.node, ", ".join(cc.nats.servers))
         v, idx = stats.values, stats.index
-        base = v.copy()  # counters go on from the last bridge's (stats.py)
+        base = v.copy()  # counters go on from the last bridge's (control/stats.py)
         next_stats = 0.0
         try:
             while not stopping():

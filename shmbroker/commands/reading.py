@@ -2,7 +2,7 @@
 
 Each non-blank line gives a `Prompt` or a `LineError` (the line's number and what is wrong), so one
 bad line costs only itself. A JSON object with a `custom_id` is an OpenAI Batch request
-(`jobs/openai_batch.py`); any other is the broker's own format (`prompts.py`). Both may be mixed.
+(`jobs/openai_batch.py`); any other is the broker's own format (`jobs/prompts.py`). Both may be mixed.
 """
 
 from __future__ import annotations

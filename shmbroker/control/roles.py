@@ -32,7 +32,7 @@ class Kind(StrEnum):
     BRIDGE = "bridge"
 
 
-# The order a graceful stop takes (supervisor.py's docstring says why): the cluster's bridge (a
+# The order a graceful stop takes (supervisor/supervise.py's docstring says why): the cluster's bridge (a
 # producer of this broker) first, producers' rings drained next, the exporter last.
 STOP_ORDER = (Kind.BRIDGE, Kind.INGEST, Kind.SCHED, Kind.GPU, Kind.RESULTS, Kind.METRICS)
 _NUMBERED = (Kind.INGEST, Kind.GPU)  # the kinds with one role per ingest process or consumer

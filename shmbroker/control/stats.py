@@ -3,7 +3,7 @@
 Each process keeps its statistics in a private int64 array (`StatsWriter.values`), adds to it on
 its loop as it works (plain numpy stores, no calls per event), and publishes the whole array into
 its role slot of the control segment with one seqlock publication (`ring/seqlock.py`) after each
-unit of work: a batch, a drain round, a routing round. Readers (`watch.py`: `shmbroker top`,
+unit of work: a batch, a drain round, a routing round. Readers (`observe/watch.py`: `shmbroker top`,
 `status`, the Prometheus exporter) copy a slot with `read_role`: no locks, no RPC, and never a
 torn set of values.
 
@@ -13,7 +13,7 @@ a publication leaves each word at its old or its new value, both valid). Gauges 
 current view and are overwritten.
 
 `STATS[kind]` lists the fields of each role kind in slot order: key (the name in snapshots and in
-`shmbroker status --json`), kind, the Prometheus metric it feeds (`metrics.py` prefixes
+`shmbroker status --json`), kind, the Prometheus metric it feeds (`observe/exporter.py` prefixes
 `shmbroker_`; None: not exported), a help text, constant labels, and a scale (nanoseconds are
 exported as seconds).
 """
@@ -122,7 +122,7 @@ SCHED = (
     _c("rejected_no_consumer", "rejected_items_total", "Items failed back at intake.", (("reason", "no_consumer"),)),
     _c("rejected_too_long", "rejected_items_total", "Items failed back at intake.", (("reason", "too_long"),)),
     _c("cancelled", "sched_cancelled_items_total", "Items of cancelled jobs answered `cancelled` before they were dispatched."),
-    # exported per model (metrics.py: shmbroker_backlog_pending_items{model}), from the words below
+    # exported per model (observe/exporter.py: shmbroker_backlog_pending_items{model}), from the words below
     _g("pending_items", None, "Items waiting for a batch (in the index or beyond it)."),
     _g("pending_tokens", None, "Tokens waiting for a batch (in the index or beyond it)."),
     _g("overflow_items", "sched_overflow_items",

@@ -8,7 +8,7 @@ and the seam costs one global load per system call.
 
 A test installs an observer (`observe`): every call then runs as `observer.run(op, fn, args)`,
 which calls `fn(*args)` (or raises an injected error, such as ENOSPC, or answers `free_bytes`
-for a disk of its own size) and records it, so that `tests/test_power_loss.py` can build the
+for a disk of its own size) and records it, so that `tests/spill/test_power_loss.py` can build the
 disk image a power loss at any point could leave; `observer.boot_id()` stands for the boot (a
 simulated power loss starts a new one). Writes through a shared mapping (a segment's header,
 recovery zeroing a torn tail) and metadata calls made elsewhere (reclaim's unlinks) do not pass

@@ -24,7 +24,7 @@ Two kinds of engine sit behind it:
   process takes and prepares its next batch while one runs (and a batch that raises is run
   item by item, so an engine error fails only the items that cause it).
 
-Engines never see rings, segments or the index. The registry (`registry.py`) declares each
+Engines never see rings, segments or the index. The catalogue (`catalogue.py`) declares each
 engine once: name, module, class, extra, settings class and mode.
 
 Failures. An item the engine refuses (its add raises, or its result says engine_error) fails

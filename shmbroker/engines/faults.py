@@ -1,6 +1,6 @@
 """The simulated engine's faults (`SimSettings`: poison_token, hang_token, block_token, fail_token,
 fail_after): what a real engine does on a bad day, on demand, for the tests of what the broker does
-about it (tests/test_poison.py).
+about it (tests/gpu/test_poison.py).
 
 - a poison item kills the process the moment it is added (`poison_kill`: SIGABRT as from a failed
   CUDA assert, a real SIGSEGV, or exit status 137 as after the OOM killer);

@@ -79,7 +79,7 @@ class Registry:
     """Creates a ring pair per producer name and serves their names over the socket.
 
     With a `control` segment (a running broker) every producer is also published in its table
-    (`control.py`), ids come from the data directory's `ProducerBook`, and producer k's ingest ring
+    (`control/segment.py`), ids come from the data directory's `ProducerBook`, and producer k's ingest ring
     rings ingest process k mod len(ingest_bells)'s doorbell.
     """
 
@@ -293,7 +293,7 @@ class Registry:
     # -- names that are done --------------------------------------------------------
 
     def retire_idle(self, now: float | None = None) -> int:
-        """Free the rings of names with nothing left to do for `retire_seconds` (config.py: its
+        """Free the rings of names with nothing left to do for `retire_seconds` (config/broker.py: its
         rings are unlinked; it comes back with new ones, and a new producer id): their producer
         and reader are gone, their ingest ring is drained, every result pushed to them is
         acknowledged. Their slot is cleared in the control table (ingest and results processes

@@ -7,7 +7,7 @@ record to the results ring (`ResultWriter`), release the records whose items all
 the statistics (`GpuCounting`) published after each round. What happens to each item is
 `ConsumerCore`'s (`core.py`).
 
-For the supervisor's watchdog (`watchdog.py`) the loop beats its role slot every round and
+For the supervisor's watchdog (`supervisor/watchdog.py`) the loop beats its role slot every round and
 publishes the window's batch deadline there (`R_DEADLINE`; 0 while the engine holds nothing, waits
 for a retry, or the results ring holds the process up); what a dead predecessor held is the
 window's (`deliveries.py`): the delivery words are read once the engine is loaded, so a process

@@ -13,7 +13,7 @@ first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so the GPU process sets that with
 that order too. A `GPU-<uuid>` entry (or a unique prefix of one) is matched against NVML's UUIDs;
 a `MIG-` entry is refused: a MIG slice's memory is not the card's, and tiers size whole cards.
 
-This module imports nothing heavy: `pynvml` only inside `probe_nvml`. It sits above `settings.py`,
+This module imports nothing heavy: `pynvml` only inside `probe_nvml`. It sits above `config/settings.py`,
 which declares `Tier`, `Card` and `ConsumerConfig`: `assign` gives each card its tier, and
 `ConsumerConfig.on_card` builds the consumer.
 """

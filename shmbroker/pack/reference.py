@@ -3,7 +3,7 @@
 The packer (`packer.py`, `policy.py`, `sweep.py`, `branches.py`, `index.py`) is numba kernels over record arrays,
 linked lists threaded through slots and bitmaps. This module says what those kernels compute in
 plain Python (dicts and lists, no slots, no bitmaps), so a test can feed both the same calls and
-compare every batch (`tests/test_pack_reference.py`). Its index (families, trie, lists) is
+compare every batch (`tests/pack/test_pack_reference.py`). Its index (families, trie, lists) is
 `reference_index.py`; this module is its decisions.
 
 What it models, exactly (the batch sequence: handles in order, failed handles in order, the shape's

@@ -45,7 +45,7 @@ def file_bytes_for(name_bytes: int) -> int:
 def preallocate(fd: int, size: int) -> bool:
     """Allocate `size` bytes of blocks for the file at `fd` without changing its size; False where
     the filesystem cannot (the file then grows as written). A full disk raises OSError(ENOSPC).
-    It changes no byte a reader can see, so the power-loss model (durable.py) need not record it."""
+    It changes no byte a reader can see, so the power-loss model (disk/durable.py) need not record it."""
     if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(size)) == 0:
         return True
     err = ctypes.get_errno()

@@ -23,7 +23,7 @@ Header (int64 word index: field; writer)
 | 22   | 176  | num_pushed          | producer   | records pushed                                 |
 | 23   | 184  | num_full            | producer   | pushes refused because the ring was full       |
 | 24   | 192  | session_ready       | producer   | result rings: the session the producer has set |
-|      |      |                     |            | the ring up for (see `results.py`)             |
+|      |      |                     |            | the ring up for (`results/delivery.py`)       |
 | 32   | 256  | tail                | consumer   | words ever consumed                            |
 | 33   | 264  | consumer_pid        | consumer   |                                                |
 | 34   | 272  | consumer_start      | consumer   |                                                |

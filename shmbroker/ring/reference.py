@@ -6,7 +6,7 @@ skips included; `tail`: words ever consumed), so it reproduces the kernels'
 observable behaviour without any byte layout: which push is refused (FULL,
 TOO_LARGE), which records a pop returns and where it stops, what `readable`
 and `writable_words` say, and the header counters after every call.
-`tests/test_ring_model.py` drives it side by side with `spsc.py`.
+`tests/ring/test_ring_model.py` drives it side by side with `spsc.py`.
 
 Space accounting (as `spsc.reserve`): a record of n tokens takes
 `layout.record_words(n)` words; a record larger than

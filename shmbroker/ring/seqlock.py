@@ -1,7 +1,7 @@
 """A seqlock over a run of int64 words: one writer publishes them together, readers copy them without locks.
 
 A process keeps its counters in a private array and publishes them into its slot of the control
-segment (`control.py`) with `publish`; `shmbroker top`, `status` and the Prometheus exporter copy
+segment (`control/segment.py`) with `publish`; `shmbroker top`, `status` and the Prometheus exporter copy
 them with `read`. A reader never sees a torn set: a pair of counters (padded and rectangle tokens,
 hit and queried blocks) always comes from one publication, so a ratio of two never mixes moments.
 

@@ -168,7 +168,7 @@ class Acks:
         return acks
 
     def save(self, directory: Path) -> None:
-        """Atomic replace of `directory/acks.bin`. The directory keeps a space reserve (`durable.py`)
+        """Atomic replace of `directory/acks.bin`. The directory keeps a space reserve (`disk/durable.py`)
         that a full disk's save uses up, so the checkpoint that reclaims segments is never the step a
         full disk blocks; the reserve is made again by a later save, once there is room."""
         atomic_write(Path(directory) / ACKS_FILE, self.to_bytes())

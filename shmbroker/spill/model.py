@@ -1,6 +1,6 @@
 """`BacklogModel`: a plain-Python model of what the durable backlog must show.
 
-It is what the property tests (`tests/test_spill_model.py`) run beside a real
+It is what the property tests (`tests/spill/test_spill_model.py`) run beside a real
 `Backlog` in a temporary directory, step for step, to say what the real one
 must show at every point, with none of its mechanism: no mmap, no numba, no
 files. It tracks

@@ -26,8 +26,8 @@ Sequence numbers are never reused, even after a power loss took records
 whose results or acks reached the disk: `reservation.py` says how (the
 `RESERVED` file, raised by RESERVE_SEQS past a batch before it takes numbers).
 
-All of it goes through `durable.py`, the seam the power-loss simulation
-(`tests/test_power_loss.py`) watches.
+All of it goes through `disk/durable.py`, the seam the power-loss simulation
+(`tests/spill/test_power_loss.py`) watches.
 """
 
 from __future__ import annotations

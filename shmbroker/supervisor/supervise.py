@@ -12,7 +12,7 @@ Start:
 4. sweep the dead broker's shared memory, load every numba kernel (children never compile), create
    the control segment, the rings between processes (`wiring.py`) and the registry socket;
 5. bind the exporter's socket on `metrics_addr` (a taken address fails the start here, clearly);
-6. fork one process per role (`roles.py`): `ingest-K` (one per `ingest_processes`), `sched`,
+6. fork one process per role (`control/roles.py`): `ingest-K` (one per `ingest_processes`), `sched`,
    `results`, `gpu-<consumer>` (one per consumer) and `metrics` (the Prometheus exporter, unless
    `metrics_addr` is "") and, with a `[cluster]` table, `bridge` (cluster/node.py: this broker is
    a node of a cluster); what a child runs is `wiring.run_child`'s. A child that
@@ -20,7 +20,7 @@ Start:
    crash-loops is reported (`watchdog.py`); why it died is logged and kept in its role slot (a
    child that fails writes the last line of its exception there on its way out). Children die
    with the supervisor (PR_SET_PDEATHSIG);
-7. write `broker.json` (`watch.py`): what `shmbroker top`, `status` and the exporter need to
+7. write `broker.json` (`observe/watch.py`): what `shmbroker top`, `status` and the exporter need to
    attach read-only. It is removed at stop.
 
 Stop (SIGTERM or SIGINT): close the registry socket; stop the ingest processes (each drains its
@@ -66,7 +66,7 @@ class Supervisor:
         self.cfg = cfg
         self.modes = modes
         self.data_dir = Path(cfg.data_dir)
-        # the roles' names key the control segment's slots, broker.json and the logs (roles.py)
+        # the roles' names key the control segment's slots, broker.json and the logs (control/roles.py)
         self.role_of = {r.name: r for r in broker_roles(cfg.ingest_processes, [c.name for c in cfg.consumers],
                                                         bool(cfg.metrics_addr), cfg.cluster is not None)}
         self.roles = list(self.role_of)

@@ -1,7 +1,7 @@
 """Broker nodes of a cluster: leases by compare-and-set, the bridge's fence, and the
 fault run (three NATS servers with replicas 3, broker nodes killed, started, and a NATS server killed).
 
-Everything runs against real nats-servers from the cluster extra's wheel (tests/natsproc.py skips cleanly
+Everything runs against real nats-servers from the cluster extra's wheel (tests/support/natsproc.py skips cleanly
 without it). The fence test drives two `Bridge`s on one event loop with a stand-in for each node's local
 broker (`FakeLocal`, a test double: the bridge's side of NATS is what is under test); the fault test runs
 real `shmbroker supervise` nodes.

@@ -407,7 +407,7 @@ def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_facto
 def test_a_refused_prompt_first_or_last_of_a_request_fails_alone(server_factory, engines, bad):
     """The prompts asked alone to tell a request's refusal from a prompt's may be the refused one: the
     first and the last are both asked, so only it fails (the last alone was asked before: when it was
-    the refused one, its neighbour failed with it, as tests/test_poison.py once saw)."""
+    the refused one, its neighbour failed with it, as tests/gpu/test_poison.py once saw)."""
     server = server_factory()
     tokens = prompts(2)
     tokens[bad] = np.concatenate([tokens[bad], [REJECTED]]).astype(np.uint32)

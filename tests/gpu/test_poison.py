@@ -1,6 +1,6 @@
 """Poison items, hung engines, crash loops and engine outages, on a real broker.
 
-Each test runs `shmbroker supervise` (tests/brokerproc.py) with one consumer whose engine misbehaves
+Each test runs `shmbroker supervise` (tests/support/brokerproc.py) with one consumer whose engine misbehaves
 on demand: the simulated engine's faults (`SimSettings`: poison_token, hang_token, block_token,
 fail_token, fail_after; engines/faults.py), an engine whose package is missing (a crash loop),
 or the `openai` engine against a completions server that is down for a while

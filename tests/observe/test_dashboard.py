@@ -187,7 +187,7 @@ def test_dashboard_metrics_are_exposed(tmp_path):
             Producer("dashboard", data_dir=broker.data_dir) as p:
         addr = metrics_addr(broker.data_dir)
         # a live batch job's files (as `submit --job` writes them before its first item): its metrics
-        # are exposed only while a job is live (tests/test_jobs.py runs real ones)
+        # are exposed only while a job is live (tests/jobs/test_jobs.py runs real ones)
         store.write_meta(broker.data_dir, store.JobMeta("dashboard-job", "/x.jsonl", "sha256:0", 10, phase="in_progress"))
         for _ in range(5):  # until every consumer ran a batch (the scheduler decides who takes what)
             wait_results(p, submit_round(p, rng))

@@ -26,7 +26,7 @@ from shmbroker.observe import top
 
 pexpect = pytest.importorskip("pexpect")  # a safety net: pexpect is in the `test` extra
 
-CONSUMERS = ("big", "small")  # SMALL_CONFIG's consumers (tests/brokerproc.py)
+CONSUMERS = ("big", "small")  # SMALL_CONFIG's consumers (tests/support/brokerproc.py)
 SCREEN_SECONDS = 30.0  # for a fresh `top` to draw what is asked (imports, attach)
 EXIT_SECONDS = 10.0
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[=>78])")

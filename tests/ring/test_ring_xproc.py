@@ -633,7 +633,7 @@ def commits_without_publishing(conn, names: dict, published: int, unpublished: i
 
 def resumes_and_pushes(conn, names: dict, count: int) -> list[int]:
     with attach(names, PRODUCER) as ring:
-        key0 = ring.next_key  # what Producer does on reconnect (client.py)
+        key0 = ring.next_key  # what Producer does on reconnect (client/submitter.py)
         for key in range(key0, key0 + count):
             ring.push_wait(np.full(5, key, np.uint32), key, key, 0, 0, 0, 5.0)
         return list(range(key0, key0 + count))

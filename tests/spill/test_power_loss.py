@@ -2,7 +2,7 @@
 
 In the manner of SQLite's crash tests and TigerBeetle's VOPR. Every call by which the backlog, the
 ack file, the writer's sequence reservation, the results log and the bookkeeping files reach the
-disk passes `shmbroker/durable.py`; `Disk`, the observer installed there, records each one (and
+disk passes `shmbroker/disk/durable.py`; `Disk`, the observer installed there, records each one (and
 finds, at its next call, what was written through a mapping or changed without it: a segment's
 header, reclaim's unlinks). A seed runs a broker's storage in this process with the real classes
 (`Backlog.open` as the supervisor runs it, the scheduler's read-only look, the ingest process's
@@ -53,7 +53,7 @@ After each recovery (`check_recovery`):
 and 3 are checked.
 
 SHMBROKER_SOAK_ITERATIONS=N (`make soak`) runs N times as many seeds. A failure names its seed:
-`PL_SEEDS=1234 pytest tests/test_power_loss.py` reruns one (or `PL_SEEDS=10-20`).
+`PL_SEEDS=1234 pytest tests/spill/test_power_loss.py` reruns one (or `PL_SEEDS=10-20`).
 """
 
 from __future__ import annotations

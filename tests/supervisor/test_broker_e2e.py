@@ -1,4 +1,4 @@
-"""End to end through real processes: `shmbroker supervise` in a subprocess (tests/brokerproc.py),
+"""End to end through real processes: `shmbroker supervise` in a subprocess (tests/support/brokerproc.py),
 producers in this process or in forked children, the simulated engine's deterministic tokens.
 
 Each ok result must carry `Sim.generated(item_id, max_new_tokens, prompt)`; every submitted item must get

@@ -1,6 +1,6 @@
-"""A broker with one real vLLM consumer, end to end (run by tests/test_vllm_real.py under .venv-vllm).
+"""A broker with one real vLLM consumer, end to end (run by tests/engines/test_vllm_real.py under .venv-vllm).
 
-    .venv-vllm/bin/python tests/vllm_real_check.py WORK_DIR     # prints one JSON object, the last line
+    .venv-vllm/bin/python tests/support/vllm_real_check.py WORK_DIR     # prints one JSON object, the last line
 
 1. A tiny random-weight Llama on disk (transformers' LlamaConfig, save_pretrained; no tokenizer).
 2. Every prompt alone through vLLM's own engine (greedy, prefix caching off, one request at a time):
