@@ -177,12 +177,14 @@ class Producer:
         dies had not acknowledged comes again to the next reader under this name.
         """
         # a generator of its own: it holds this Producer (whose rings the reader reads) while it runs
+        self._check_open()
         yield from self._reader.results(timeout_seconds, auto_ack)
 
     def pop_results(self, max_results: int = RESULT_BATCH) -> list[Result]:
         """The results that arrived (up to `max_results`, at once, not waiting), without duplicates,
         not acknowledged: call `ack()` once they are handled (for a caller that forwards results
         in bulk, like a cluster node's bridge)."""
+        self._check_open()
         return self._reader.pop_results(max_results)
 
     def take_results(self, timeout_seconds: float = 0.0, *, auto_ack: bool = True) -> ResultBatch:
@@ -190,11 +192,13 @@ class Producer:
         first), in columns and without duplicates: for producers that handle many at once. With
         `auto_ack` the results of the previous call count as handled (acknowledged) when this one
         is made; otherwise call `ack()`."""
+        self._check_open()
         return self._reader.take_results(timeout_seconds, auto_ack)
 
     def ack(self) -> None:
         """Acknowledge every result handed out so far (and the duplicates dropped meanwhile): the
         broker forgets them, and a later reader under this name does not get them again."""
+        self._check_open()
         self._reader.ack()
 
     @property
@@ -206,6 +210,11 @@ class Producer:
     @_auto_ack.setter
     def _auto_ack(self, value: bool) -> None:
         self._reader.auto_ack = value
+
+    def _check_open(self) -> None:
+        if self._conn is None:
+            raise BrokerError(f"producer {self.name!r} is closed: its results stay with the broker for the "
+                              "next Producer under its name")
 
     # -- lifetime --------------------------------------------------------------------
 

@@ -102,3 +102,15 @@ def test_batch_fields_are_named():
     assert fields.prefixes.tolist() == [1, 2]
     shared = batch_fields(4, None, offs)
     assert shared.shared is True and shared.prefixes is None and shared.max_new.tolist() == [4]
+
+
+def test_reading_from_a_closed_producer_is_a_clear_error_and_loses_nothing(broker):
+    from shmbroker.errors import BrokerError
+
+    p = Producer("closed-reader", data_dir=broker.data_dir)
+    p.close()
+    for read in (lambda: list(p.results(0.01)), lambda: p.pop_results(), lambda: p.take_results(0.01), p.ack):
+        with pytest.raises(BrokerError, match="is closed"):
+            read()
+    with Producer("closed-reader", data_dir=broker.data_dir) as again:  # the name is free, its rings whole
+        assert again.take_results(0.01).item_ids.size == 0
