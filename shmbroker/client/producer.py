@@ -197,9 +197,10 @@ class Producer:
 
     def ack(self) -> None:
         """Acknowledge every result handed out so far (and the duplicates dropped meanwhile): the
-        broker forgets them, and a later reader under this name does not get them again."""
-        self._check_open()
-        self._reader.ack()
+        broker forgets them, and a later reader under this name does not get them again. On a closed
+        producer it does nothing: what it handed out was settled when it closed."""
+        if self._conn is not None:
+            self._reader.ack()
 
     @property
     def _auto_ack(self) -> bool:

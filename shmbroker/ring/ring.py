@@ -322,7 +322,7 @@ class Ring:
     def count_done(self, rows: int) -> None:
         """Consumer of a batch ring: `rows` more rows of its held records have results (layout.py
         `rows_done`); wakes a sleeping producer."""
-        if spsc.count_done(self.buf, rows) and rows > 0:
+        if spsc.count_done(self.buf, rows):
             self._peer_bell.ring()
 
     def rows_done(self) -> int:

@@ -308,8 +308,14 @@ def release(buf, new_tail, count):
 
 @kernel
 def count_done(buf, rows):
-    """Batch ring consumer: `rows` more done rows (layout.py `rows_done`); True: wake the producer."""
+    """Batch ring consumer: `rows` more done rows (layout.py `rows_done`); True: wake the producer.
+
+    Fewer done rows (records about to be released) wake nobody and leave the producer's waiting
+    flag alone: claiming it here without ringing would lose the release's wake-up."""
     h = buf[:HEADER_BYTES].view(np.int64)
+    if rows <= 0:
+        fetch_add(h, H_ROWS_DONE, rows)
+        return False
     return claim_waiter(h, H_PRODUCER_WAITING, H_ROWS_DONE, rows)
 
 

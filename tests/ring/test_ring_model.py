@@ -243,6 +243,27 @@ def test_strided_tokens_are_refused_not_copied_as_dense():
     assert not spsc.readable(buf)
 
 
+def test_done_rows_counted_out_leave_the_sleeping_producer_to_the_release():
+    """A batch ring's consumer counts a record's done rows out just before it releases the record
+    (a negative `count_done`): that must not claim the sleeping producer's waiting flag, or the
+    release finds it cleared and the producer sleeps through the space it waits for."""
+    buf = new_ring(64)
+    h = header(buf)
+    tokens = np.arange(4, dtype=np.uint32)
+    assert plain(spsc.push(buf, tokens, 7, 0, 0, 0, 0)) == layout.OK
+    positions = np.empty(1, np.int64)
+    n, new_tail, _ = spsc.peek_many(buf, positions, 1)
+    assert n == 1
+    spsc.set_waiting(buf, layout.H_PRODUCER_WAITING)
+    assert spsc.count_done(buf, 3)  # rows got results: wake the producer (its flag is claimed)
+    assert h[layout.H_PRODUCER_WAITING] == 0 and h[layout.H_ROWS_DONE] == 3
+    spsc.set_waiting(buf, layout.H_PRODUCER_WAITING)  # it looked, and sleeps again
+    assert not spsc.count_done(buf, -3)  # counted out: nobody to wake, the flag stays
+    assert h[layout.H_PRODUCER_WAITING] == 1 and h[layout.H_ROWS_DONE] == 0
+    assert spsc.release(buf, new_tail, 1)  # the release wakes it
+    assert h[layout.H_PRODUCER_WAITING] == 0
+
+
 def test_two_million_records_many_laps_exactly_once_in_order():
     num_records = 2_000_000
     cap = 1024
