@@ -4,22 +4,19 @@ Every kernel takes the whole segment as a uint8 array `buf` and views its header
 region (uint32, uint64) inside, so one array crosses the Python/numba boundary per call. The
 producer calls `push`/`push_many`, the consumer `pop_many`/`peek_many` + `release`.
 
-Ordering: the producer writes a record's payload and header, zeroes the
-commit word just past it, then release-stores the record's commit word; the
-consumer acquire-loads that word, so it needs neither the head nor a lock.
-`head` and `tail` are published (release) at the end of a call and every
-PUBLISH_EVERY records of a batch.
+Ordering: the producer writes a record's payload and header, zeroes the commit word just past it,
+then release-stores the record's commit word; the consumer acquire-loads that word, so it needs
+neither the head nor a lock. `head` and `tail` are published (release) at the end of a call and
+every PUBLISH_EVERY records of a batch.
 
-Geometry comes from the array, not the header (`layout.py`): the data region
-is `w.size` words (a power of two for a segment `Ring` attached) and the
-largest record `max_record_words(w.size)`. Positions taken from words the peer
-writes are masked by that capacity, and a read walks at most one lap, so a
-peer that rewrites the header or a record makes a kernel return CORRUPT (or
-FULL), never read or write outside the ring. A side about to sleep sets its `*_waiting`
-flag with an atomic exchange and looks again; the other side, after
-publishing, counts its records with a locked add (a full barrier), checks the
-flag and claims it with a CAS, so exactly one doorbell ring answers one sleep
-(the Dekker pattern; a missed ring is still bounded by the sleeper's deadline).
+Geometry comes from the array, not the header (`layout.py`): the data region is `w.size` words (a
+power of two for a segment `Ring` attached) and the largest record `max_record_words(w.size)`.
+Positions taken from words the peer writes are masked by that capacity, and a read walks at most
+one lap, so a peer that rewrites the header or a record makes a kernel return CORRUPT (or FULL),
+never read or write outside the ring. A side about to sleep sets its `*_waiting` flag with an
+atomic exchange and looks again; the other side, after publishing, counts its records with a
+locked add (a full barrier), checks the flag and claims it with a CAS, so exactly one doorbell ring
+answers one sleep (the Dekker pattern; a missed ring is still bounded by the sleeper's deadline).
 """
 
 from __future__ import annotations
@@ -68,11 +65,8 @@ NO_SPACE = -1  # reserve: the record does not fit yet
 @kernel
 def claim_waiter(h, flag_index, counter_index, count):
     """After publishing: count `count` records, then True when the peer sleeps and must be woken.
-
-    The count is a locked add on this side's own cache line: the full barrier
-    the Dekker pattern needs between publishing and reading the peer's flag,
-    cheaper than an mfence and without touching a shared line.
-    """
+    The count is a locked add on this side's own cache line: the full barrier the Dekker pattern
+    needs between publishing and reading the peer's flag, cheaper than an mfence, no shared line."""
     fetch_add(h, counter_index, count)
     if load_relaxed(h, flag_index) == 0:
         return False
@@ -309,9 +303,7 @@ def release(buf, new_tail, count):
 @kernel
 def count_done(buf, rows):
     """Batch ring consumer: `rows` more done rows (layout.py `rows_done`); True: wake the producer.
-
-    Fewer done rows (records about to be released) wake nobody and leave the producer's waiting
-    flag alone: claiming it here without ringing would lose the release's wake-up."""
+    Fewer (records about to be released) wake nobody: claiming the flag would lose the release's ring."""
     h = buf[:HEADER_BYTES].view(np.int64)
     if rows <= 0:
         fetch_add(h, H_ROWS_DONE, rows)
