@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..request.options import RequestOptions, encode, parse_options
 from ..ring.items import U32_MAX
 from ..ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
 
@@ -99,3 +100,33 @@ def as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
     if status == BATCH_TOO_LARGE:
         raise ValueError(f"item {index} exceeds the ingest ring's limit of {max_tokens} tokens")
     return offs
+
+
+def option_words(options, max_new_tokens) -> np.ndarray | None:
+    """The words of a submit's request options (a RequestOptions or a dict of request-body fields,
+    checked: OptionsError names a wrong one); None for none. `max_new_tokens` (one value or one per
+    item) bounds min_tokens."""
+    if options is None:
+        return None
+    limit = int(np.min(max_new_tokens)) if not isinstance(max_new_tokens, (int, np.integer)) else int(max_new_tokens)
+    if isinstance(options, dict):
+        options = parse_options(options, max_tokens=limit)
+    elif not isinstance(options, RequestOptions):
+        raise TypeError(f"options must be a RequestOptions or a dict of request fields, got {type(options).__name__}")
+    elif options.min_tokens is not None and options.min_tokens > limit:
+        raise ValueError(f"options: 'min_tokens' ({options.min_tokens}) is more than max_new_tokens ({limit})")
+    words = encode(options)
+    return words if words.size else None
+
+
+def with_option_words(flat: np.ndarray, offs: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Items' payloads with the same option words after each one's tokens: (flat, offsets)."""
+    count, k = offs.size - 1, words.size
+    new_offs = offs + np.arange(count + 1, dtype=np.int64) * k
+    out = np.empty(int(new_offs[-1]), np.uint32)
+    is_option = np.zeros(out.size, bool)
+    at = (new_offs[1:, None] - k + np.arange(k)).ravel()
+    is_option[at] = True
+    out[at] = np.tile(words, count)
+    out[~is_option] = flat
+    return out, new_offs

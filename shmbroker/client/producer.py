@@ -35,6 +35,8 @@ import numpy as np
 
 from .. import protocol
 from ..errors import BrokerError, NotRunning
+from ..request.options import RequestOptions
+from .checks import option_words
 from .connection import Connection, connect, same_broker
 from .reader import RESULT_BATCH, Result, ResultBatch, ResultReader
 from .submitter import Resubmit, Submitter
@@ -116,12 +118,21 @@ class Producer:
         model: str | None = None,
         block: bool = True,
         timeout_seconds: float | None = None,
+        options: RequestOptions | dict | None = None,
     ) -> int:
         """Submit one prompt; returns its item id once it is in shared memory. When the broker
-        restarts meanwhile, the producer reconnects under its name and submits it there."""
+        restarts meanwhile, the producer reconnects under its name and submits it there.
+
+        `options`: its request options (`shmbroker.request.options.RequestOptions`, or a dict of
+        request-body fields checked by `parse_options`): they ride with the item, durably, to the
+        engine that runs it; an engine that cannot honour one fails the item alone (`invalid`)."""
+        words = option_words(options, max_new_tokens)
         while True:
             try:
-                return self._submitter.submit(tokens, max_new_tokens, prefix_len, model, block, timeout_seconds)
+                if words is None:
+                    return self._submitter.submit(tokens, max_new_tokens, prefix_len, model, block, timeout_seconds)
+                return self._submitter.submit_with_options(tokens, max_new_tokens, prefix_len, model, words, block,
+                                                           timeout_seconds)
             except Resubmit:
                 continue
 
@@ -135,16 +146,17 @@ class Producer:
         model: str | None = None,
         block: bool = True,
         timeout_seconds: float | None = None,
+        options: RequestOptions | dict | None = None,
     ) -> np.ndarray:
         """Submit many prompts: item i is flat_tokens[offsets[i]:offsets[i+1]].
 
-        `max_new_tokens` and `prefix_len` are one value for all or one per item.
-        Every item is checked before any is written. Returns the item ids
-        (uint64). A full ring past the deadline raises Full whose `submitted`
-        and `ids` say which items went in.
+        `max_new_tokens` and `prefix_len` are one value for all or one per item; `options`, one set
+        of request options for all (`submit`). Every item is checked before any is written. Returns
+        the item ids (uint64). A full ring past the deadline raises Full whose `submitted` and `ids`
+        say which items went in.
         """
         return self._submitter.submit_many(flat_tokens, offsets, max_new_tokens, prefix_len, model, block,
-                                           timeout_seconds)
+                                           timeout_seconds, option_words(options, max_new_tokens))
 
     @property
     def next_item_id(self) -> int:

@@ -29,7 +29,7 @@ from ..ring.items import (
     push_item_readonly,
 )
 from ..ring.ring import Ring
-from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32
+from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32, with_option_words
 from .connection import Recover
 
 RESTART_POLL_SECONDS = 0.01  # how often a submit looks again while the broker restarts its ingest process
@@ -112,7 +112,30 @@ class Submitter:
         self.seq = seq + 1
         return self.id_base | seq
 
-    def _submit_slow(self, rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds) -> None:
+    def submit_with_options(self, tokens, max_new_tokens, prefix_len, model, words: np.ndarray, block,
+                            timeout_seconds) -> int:
+        """Push one item whose request options' `words` follow its tokens in its record (meta[3]: how
+        many); its item id. Resubmit when the broker restarted."""
+        seq = self.seq
+        if self.buf is None:
+            raise BrokerError("producer is closed")
+        tokens = as_tokens(tokens)
+        if tokens.size == 0:
+            raise ValueError("tokens is empty: an item needs at least one token")
+        if tokens.size + words.size > self.max_tokens:
+            raise ValueError(f"item of {tokens.size} tokens and {words.size} option words exceeds the ingest "
+                             f"ring's limit of {self.max_tokens}")
+        prefix = NO_PREFIX if prefix_len is None else check_prefix_len(prefix_len, tokens)
+        mid = self.model_id(model)
+        max_new = check_u32(max_new_tokens, "max_new_tokens")
+        payload = np.concatenate([tokens, words])
+        rc = self.ring.push(payload, seq, max_new, prefix, mid, words.size)
+        if rc != L.OK:
+            self._submit_slow(rc, payload, seq, max_new, prefix, mid, block, timeout_seconds, words.size)
+        self.seq = seq + 1
+        return self.id_base | seq
+
+    def _submit_slow(self, rc, tokens, seq, max_new_tokens, prefix, mid, block, timeout_seconds, flags=0) -> None:
         """What push_item's return code `rc` (not OK) asks for: a wake-up, an error, or a wait."""
         if rc == L.OK_WAKE:
             self.ring.data_bell.ring()
@@ -130,7 +153,7 @@ class Submitter:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.ring.push_wait(tokens, seq, max_new_tokens, prefix, mid, 0, max(0.0, deadline - time.monotonic()))
+                self.ring.push_wait(tokens, seq, max_new_tokens, prefix, mid, flags, max(0.0, deadline - time.monotonic()))
                 return
             except PeerDead:
                 if self.recover():
@@ -142,11 +165,14 @@ class Submitter:
                     raise Full(f"ingest ring stayed full for {timeout} s (its ingest process is restarting)") from None
                 time.sleep(RESTART_POLL_SECONDS)
 
-    def submit_many(self, flat_tokens, offsets, max_new_tokens, prefix_len, model, block, timeout_seconds) -> np.ndarray:
+    def submit_many(self, flat_tokens, offsets, max_new_tokens, prefix_len, model, block, timeout_seconds,
+                    words: np.ndarray | None = None) -> np.ndarray:
         """Push many items (`Producer.submit_many`); their item ids (uint64). Every item is checked
-        before any is written; a broker restarted meanwhile gets the rest."""
+        before any is written; a broker restarted meanwhile gets the rest. `words`: the request
+        options' words every item carries after its tokens (None: none)."""
         flat = as_tokens(flat_tokens, "flat_tokens")
-        offs = as_offsets(offsets, flat.size, self.max_tokens)
+        k = 0 if words is None else words.size
+        offs = as_offsets(offsets, flat.size, self.max_tokens - k)
         count = offs.size - 1
         mid = self.model_id(model)
         fields = batch_fields(max_new_tokens, prefix_len, offs)
@@ -154,6 +180,9 @@ class Submitter:
         meta[:, 0] = fields.max_new
         meta[:, 1] = NO_PREFIX if fields.prefixes is None else fields.prefixes
         meta[:, 2] = mid
+        meta[:, 3] = k  # the option words after each item's tokens (spill/collect.py)
+        if k:
+            flat, offs = with_option_words(flat, offs, words)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         deadline = time.monotonic() + (timeout if block else 0.0)
         out = np.empty(count, np.uint64)

@@ -69,16 +69,30 @@ STATUSES = tuple(STATUS_CODES)
 
 class EngineBatch:
     """item_ids (uint64), tokens (a sequence of uint32 arrays, one per item, zero-copy views where
-    the caller can; read lazily), max_new_tokens (int64); `prefix_tokens`, the tokens every item
-    shares at its start, is computed on first use (an engine that ignores it reads no tokens)."""
+    the caller can; read lazily), max_new_tokens (int64); `options`: None when no item has request
+    options, else one `RequestOptions` or None per item (only options the engine honours reach it:
+    its registry entry's `honours`); `prefix_tokens`, the tokens every item shares at its start, is
+    computed on first use (an engine that ignores it reads no tokens)."""
 
-    __slots__ = ("item_ids", "tokens", "max_new_tokens", "_prefix")
+    __slots__ = ("item_ids", "tokens", "max_new_tokens", "options", "_prefix")
 
-    def __init__(self, item_ids, tokens, max_new_tokens, prefix_tokens: int | None = None):
+    def __init__(self, item_ids, tokens, max_new_tokens, prefix_tokens: int | None = None, options=None):
         self.item_ids = item_ids
         self.tokens = tokens
         self.max_new_tokens = max_new_tokens
+        self.options = options
         self._prefix = prefix_tokens
+
+    def options_of(self, k: int):
+        """Item k's RequestOptions, or None (no options: the engine's defaults)."""
+        return None if self.options is None else self.options[k]
+
+    def rows(self, rows) -> EngineBatch:
+        """The items at positions `rows` (a list or array of ints), as a batch of their own."""
+        rows = [int(k) for k in rows]
+        return EngineBatch(np.asarray(self.item_ids)[rows], [self.tokens[k] for k in rows],
+                           np.asarray(self.max_new_tokens)[rows],
+                           options=None if self.options is None else [self.options[k] for k in rows])
 
     @property
     def prefix_tokens(self) -> int:
@@ -252,6 +266,8 @@ class BatchStream:
     def __init__(self, engine):
         self.engine = engine
         self.mode = engine.mode
+        self.engine_name = getattr(engine, "engine_name", type(engine).__name__)
+        self.honours = getattr(engine, "honours", frozenset())
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._pending = 0
@@ -320,7 +336,7 @@ def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
             return EngineOutcome([engine_error(batch.item_ids[0], exc)])
     parts = []
     for k in range(len(batch)):
-        one = EngineBatch(batch.item_ids[k : k + 1], [batch.tokens[k]], batch.max_new_tokens[k : k + 1])
+        one = batch.rows([k])
         try:
             parts.append(engine.run(one))
         except (EngineDown, EngineDead):

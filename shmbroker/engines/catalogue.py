@@ -1,4 +1,5 @@
-"""The engine registry: each engine declared once (name, module, class, extra, settings, mode).
+"""The engine registry: each engine declared once (name, module, class, extra, settings, mode, and
+the request options it honours).
 
 Adding an engine is one `EngineEntry` here. Nothing in this module imports an engine's packages:
 `load_engine(name, settings)` imports the module only when a GPU process loads the engine, so the
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..pack.contract import Mode, as_mode
+from ..request.options import OPTION_NAMES
 from .base import BatchStream, EngineUnavailable
 
 
@@ -39,6 +41,10 @@ class EngineEntry:
     settings: str  # "module:Class" of its settings dataclass (parsed without importing the engine)
     mode: Mode | FromSettings  # a Mode, or SETTINGS
     streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
+    # the request options (request/options.py OPTION_NAMES) it honours; an item asking for another
+    # fails alone, `invalid`, naming it (gpu/requests.py). An instance may honour fewer than its
+    # entry says (its `unhonoured`, from its settings: vLLM without a tokenizer has no stop strings).
+    honours: frozenset = frozenset()
 
     def __post_init__(self):
         if self.mode is not SETTINGS:
@@ -52,11 +58,15 @@ class EngineEntry:
         return Mode(settings.mode) if self.mode is SETTINGS else self.mode
 
 
+# what an item's result can carry today: one sequence of tokens (no n samples, no logprobs)
+SAMPLING = frozenset(OPTION_NAMES) - {"n", "logprobs", "top_logprobs"}
+
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
-    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True),
+    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLING),
     EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
-    EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True),
+    EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
+                SAMPLING),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True),
@@ -106,4 +116,6 @@ def load_engine(name: str, settings, **options):
     mode = check_entry(e, impl, settings)
     engine = impl(settings, **options)
     engine.mode = mode
+    engine.engine_name = e.name
+    engine.honours = e.honours - frozenset(getattr(engine, "unhonoured", ()))
     return engine if e.streaming else BatchStream(engine)

@@ -43,8 +43,6 @@ class SimFaults:
 
     def added_batch(self, batch):
         """The part of `batch` the engine runs (hung items held back); may kill the process or raise."""
-        from .base import EngineBatch
-
         keep = np.ones(len(batch), bool)
         for tokens in batch.tokens:
             if self.fail is not None and (tokens == self.fail).any():
@@ -59,9 +57,7 @@ class SimFaults:
         self.added += len(batch)
         if keep.all():
             return batch
-        rows = np.flatnonzero(keep)
-        return EngineBatch(np.asarray(batch.item_ids)[rows], [batch.tokens[int(k)] for k in rows],
-                           np.asarray(batch.max_new_tokens)[rows])
+        return batch.rows(np.flatnonzero(keep))
 
     def polled(self) -> None:
         """Before a poll: a blocked engine never returns; a dead one raises."""

@@ -47,6 +47,7 @@ from ..pack.contract import Mode, as_mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
 from .faults import SimFaults
+from .sim_requests import item_keys, output_length, sample_key
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class Sim(StreamingRun):
         self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
+        self._sampled: dict[int, int] = {}  # item id in flight with request options -> its key (sim_requests.py)
 
     def pending(self) -> int:
         return self._pending
@@ -240,6 +242,8 @@ class Sim(StreamingRun):
         max_new = np.asarray(batch.max_new_tokens, np.int64)
         if not self.cost.zero_cost:  # zero cost reads no prompt: a benchmark measures the broker
             self._remember(ids, batch.tokens)
+        if batch.options is not None:
+            max_new = self._sample(ids, batch, max_new)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
             self._origin = time.monotonic() - self.clock * self.pace
@@ -313,8 +317,26 @@ class Sim(StreamingRun):
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
         digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
-        return EngineOutcome(self.generated_many(ids, max_new, digests), f.hit_blocks, f.queried_blocks, seconds,
+        keys = item_keys(ids, digests)
+        if self._sampled:
+            for k, i in enumerate(ids.tolist()):
+                if i in self._sampled:  # forgotten with the last copy of the item in flight
+                    keys[k] = self._sampled[i] if i in self._digests else self._sampled.pop(i)
+        return EngineOutcome(self.generated_many(ids, max_new, keys=keys), f.hit_blocks, f.queried_blocks, seconds,
                              f.padded_tokens, f.rect_tokens)
+
+    def _sample(self, ids: np.ndarray, batch, max_new: np.ndarray) -> np.ndarray:
+        """The items' output lengths under their options (`sim_requests.py`), each one's key noted."""
+        max_new = max_new.copy()
+        for k, opts in enumerate(batch.options):
+            if opts is None:
+                continue
+            item = int(ids[k])
+            key = sample_key(item, self.digest(batch.tokens[k]), opts)
+            out = self.generated_many(ids[k : k + 1], max_new[k : k + 1], keys=np.array([key], np.uint64)).flat
+            max_new[k] = output_length(out, opts)
+            self._sampled[item] = key
+        return max_new
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0
@@ -351,13 +373,16 @@ class Sim(StreamingRun):
                                   np.array([cls.digest(tokens)], np.uint32)).flat
 
     @classmethod
-    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray, digests: np.ndarray) -> BatchResults:
-        """`generated` for many items at once, as columns (`digests`: each prompt's `digest`)."""
+    def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray, digests: np.ndarray | None = None, *,
+                       keys: np.ndarray | None = None) -> BatchResults:
+        """`generated` for many items at once, as columns (`digests`: each prompt's `digest`; or each
+        item's `keys`, `sim_requests.py`, for items with request options)."""
         counts = np.asarray(counts, np.int64)
         offsets = np.zeros(counts.size + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
         steps = (np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)).astype(np.uint64)
-        keys = np.asarray(item_ids, np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.asarray(digests, np.uint64)
+        if keys is None:
+            keys = item_keys(item_ids, digests)
         z = np.repeat(keys, counts) + steps * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer per step
         z ^= z >> np.uint64(31)
         z *= np.uint64(0x94D049BB133111EB)

@@ -8,8 +8,9 @@
    failed back here, never searched for by the scheduler: `too_long` (with the lengths in the
    error) and `invalid` (no tokens); then each other item's backlog record is checked (its crc32c,
    and that it is the record its location names: `segments.SegmentViews.check`) and one that fails
-   is `corrupt`, never run on damaged tokens;
-2. `add(ids, tokens, max_new)`: the rest to the streaming engine; a group it refuses at admission
+   is `corrupt`, never run on damaged tokens; an item whose request options are not readable or
+   not honoured by the engine is `invalid`, naming them (`requests.py`);
+2. `add(ids, tokens, max_new)`: the rest to the streaming engine, with their options; a group it refuses at admission
    is added item by item, so only the item that causes it fails (`engine_error` with the message);
 3. `poll(timeout_seconds)`: the results of the items the engine finished, each once, counted; what
    an engine that is down hands back (or one whose poll raises held) waits in `returned` for the
@@ -42,6 +43,7 @@ from ..pack.contract import Batch, Contract, Mode
 from ..pack.guard import Guard
 from ..ring.items import Status
 from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
+from .requests import RequestReader
 from .segments import BatchTokens
 
 NUM_CODES = len(Status)
@@ -97,6 +99,10 @@ class ConsumerCore:
             engine = BatchStream(engine)
         self.engine = engine
         self.guard = Guard(tolerance if engine.mode == Mode.PADDED else None)
+        # the request options this engine honours (its registry entry's; none for an engine made
+        # without the registry): an item asking for another fails alone (`requests.py`)
+        self.requests = RequestReader(getattr(engine, "engine_name", type(engine).__name__),
+                                      frozenset(getattr(engine, "honours", ())))
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
@@ -149,11 +155,16 @@ class ConsumerCore:
         limit = self.contract.max_input_len
         bad = (lengths == 0) | (lengths > limit)
         checks = None
+        refused: dict[int, str] = {}  # row -> why its request options cannot run here
         if isinstance(tokens, BatchTokens):
             fits = np.flatnonzero(~bad)
             checks = np.full(n, CHECK_OK, np.int64)
             checks[fits] = tokens.check(fits)
             bad |= checks != CHECK_OK
+            whole = np.flatnonzero(~bad)
+            _, why = self.requests.resolve(tokens.option_words(whole))
+            refused = {int(whole[k]): text for k, text in why.items()}
+            bad[list(refused)] = True
         if not bad.any():
             return None, np.arange(n)
         rows = np.flatnonzero(bad)
@@ -165,6 +176,9 @@ class ConsumerCore:
                 if checks[r] != CHECK_OK:
                     status[k] = Status.CORRUPT
                     errors[k] = CORRUPT_REASONS.get(int(checks[r]), CORRUPT_FRAME)
+                elif r in refused:
+                    status[k] = Status.INVALID
+                    errors[k] = refused[r]
         failed = _empty(batch.handles[rows].astype(np.uint64), status, errors)
         self._count(failed)
         return failed, np.flatnonzero(~bad)
@@ -175,8 +189,10 @@ class ConsumerCore:
         ids = np.asarray(ids, np.uint64)
         if not ids.size:
             return None
+        options = self.requests.resolve(tokens.option_words())[0] if isinstance(tokens, BatchTokens) else None
+        batch = EngineBatch(ids, tokens, np.asarray(max_new, np.int64), options=options)
         try:
-            self.engine.add(EngineBatch(ids, tokens, np.asarray(max_new, np.int64)))
+            self.engine.add(batch)
             self.in_flight = np.concatenate([self.in_flight, ids])
             return None
         except EngineDown as exc:  # not the items' fault: handed back
@@ -190,7 +206,7 @@ class ConsumerCore:
         refused = []
         for k in range(ids.size):
             try:
-                self.engine.add(EngineBatch(ids[k : k + 1], [tokens[k]], np.asarray(max_new[k : k + 1], np.int64)))
+                self.engine.add(batch.rows([k]))
                 self.in_flight = np.concatenate([self.in_flight, ids[k : k + 1]])
             except EngineDown as exc:
                 self._hand_back(ids[k:], exc)

@@ -1,11 +1,12 @@
 """Zero-copy views of backlog records for a GPU process: item tokens read from the segment files,
-each record checked (`check`: whole, and the one its location names) before its tokens are used."""
+each record checked (`check`: whole, and the one its location names) before its tokens are used,
+and the option words that follow an item's tokens (`option_words`, spill/layout.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..spill.layout import RECORD_HEADER_BYTES, segment_name, writer_dir_name
+from ..spill.layout import OPTION_WORDS_MASK, R_FLAGS, RECORD_HEADER_BYTES, RECORD_HEADER_WORDS, segment_name, writer_dir_name
 from ..spill.records import CHECK_GONE, check_records
 from ..spill.segment import SegmentFile
 
@@ -61,6 +62,30 @@ class SegmentViews:
                           run["item_id"].astype(np.uint64), run["num_tokens"].astype(np.int64), out[i:j])
         return out
 
+    def option_words(self, locs: np.ndarray) -> list | None:
+        """Each location's option words (a zero-copy view, None for an item without options), or None
+        when no item has any: the common case costs one vector read of the flags words a segment.
+        The records must have passed `check` (their length, and so their option words, are whole)."""
+        out = None
+        writers, segments = locs["writer"], locs["segment"]
+        starts = np.flatnonzero(np.r_[True, (writers[1:] != writers[:-1]) | (segments[1:] != segments[:-1])])
+        ends = np.r_[starts[1:], locs.size]
+        for i, j in zip(starts.tolist(), ends.tolist()):
+            seg = self.segment(int(writers[i]), int(segments[i])) if locs.size else None
+            if seg is None:
+                continue
+            words = seg.buf[: seg.buf.size & ~3].view(np.uint32)
+            base = locs["offset"][i:j].astype(np.int64) >> 2
+            counts = words[base + R_FLAGS] & OPTION_WORDS_MASK
+            if not counts.any():
+                continue
+            if out is None:
+                out = [None] * locs.size
+            firsts = base + RECORD_HEADER_WORDS + locs["num_tokens"][i:j].astype(np.int64)
+            for k in np.flatnonzero(counts).tolist():
+                out[i + k] = words[firsts[k] : firsts[k] + counts[k]]
+        return out
+
     def close(self) -> None:
         for seg in self.maps.values():
             seg.close()
@@ -90,3 +115,8 @@ class BatchTokens:
         """`records.CHECK_*` of the records of items `rows`."""
         locs = self.locs if rows.size == self.locs.size else self.locs[rows]
         return self.views.check(locs)
+
+    def option_words(self, rows: np.ndarray | None = None) -> list | None:
+        """The option words of items `rows` (all: None), checked records only (`SegmentViews`)."""
+        locs = self.locs if rows is None or rows.size == self.locs.size else self.locs[rows]
+        return self.views.option_words(locs)

@@ -115,7 +115,7 @@ class BacklogAppender:
             raise  # nothing written: drain_once does not release, the ring keeps the records
         self.refused += self.refused_now
         self.num_items += count
-        self.num_tokens += total
+        self.num_tokens += total - int(items["flags"].sum())  # option words are no tokens
         return Appended(flat, offsets, items, seqs, segments, rec_offsets)
 
 
@@ -174,21 +174,25 @@ class Announcer:
             return
         flat, offsets, items = appended.flat, appended.offsets, appended.items
         count = items.size
-        total = flat.size
+        option_words = items["flags"]  # an item's payload: its tokens, then its option words
+        with_options = bool(option_words.any())
+        lengths = np.diff(offsets) - option_words if with_options else np.diff(offsets)
+        total = int(flat.size - option_words.sum()) if with_options else flat.size
         prefixes = self._prefixes[:count]
         declared = items["prefix_len"]
         prefixes[:] = np.where(declared == NO_PREFIX, 0, declared)
         hash_offsets = self._hash_offsets[: count + 1]
-        nh = count_blocks(offsets, prefixes, app.block_tokens, hash_offsets)
+        token_offsets = np.concatenate(([0], np.cumsum(lengths))) if with_options else offsets
+        nh = count_blocks(token_offsets, prefixes, app.block_tokens, hash_offsets)
         if self._hashes.size < nh:
             self._hashes = np.empty(max(nh, 2 * self._hashes.size), np.uint64)
         hashes = self._hashes[:nh]
         # the family keys are collect's (`prefix_key`): hash only the blocks below them
-        chain_items(flat, offsets[:-1], np.diff(offsets), prefixes, np.ascontiguousarray(items["prefix_key"]),
+        chain_items(flat, offsets[:-1], lengths, prefixes, np.ascontiguousarray(items["prefix_key"]),
                     app.block_tokens, hash_offsets, hashes)
         payload, locs, announced_hashes = new_announcement(count, nh)
         fill_locations(locs, items, writer=self.writer.writer, segment=appended.segments, offset=appended.rec_offsets,
-                       seq=appended.seqs, length=np.diff(offsets))
+                       seq=appended.seqs, length=lengths)
         locs["aux"] = np.diff(hash_offsets)
         announced_hashes[:] = hashes
         push_announcement(self.appended, payload, int(appended.seqs.max()) if count else 0, count, nh, self.stopping)
@@ -196,7 +200,7 @@ class Announcer:
             c = self.counters
             c[I_ITEMS] += count
             c[I_TOKENS] += total
-            c[I_BYTES] += count * RECORD_HEADER_BYTES + 4 * int(total) + 4 * int((locs["num_tokens"] & 1).sum())
+            c[I_BYTES] += count * RECORD_HEADER_BYTES + 4 * flat.size + 4 * int((np.diff(offsets) & 1).sum())
             c[I_BATCHES] += 1
 
 

@@ -27,8 +27,9 @@ Record (at 8-byte aligned offsets from 64; header 64 bytes, then tokens)
 | 0    | 4    | length         | record bytes, header and padding included, multiple of 8;    |
 |      |      |                | 0 = no record here (end of data). Written LAST: it commits.  |
 | 4    | 4    | magic          | RECORD_MAGIC                                                 |
-| 8    | 4    | crc            | crc32c of bytes 12..63 and the tokens                        |
-| 12   | 4    | flags          | FLAG_CONT: not the first record of its write (see below)     |
+| 8    | 4    | crc            | crc32c of bytes 12..63, the tokens and the option words      |
+| 12   | 4    | flags          | FLAG_CONT: not the first record of its write (see below);    |
+|      |      |                | bits 0..10 and again 11..21: the item's option word count    |
 | 16   | 8    | seq            | the record's sequence number (writer-local)                  |
 | 24   | 8    | item_id        | producer_id << 40 | producer seq                             |
 | 32   | 8    | prefix_key     | the shape's prefix key (block-hash family)                   |
@@ -38,7 +39,9 @@ Record (at 8-byte aligned offsets from 64; header 64 bytes, then tokens)
 | 52   | 4    | num_tokens     | payload length                                               |
 | 56   | 4    | max_new_tokens |                                                              |
 | 60   | 4    | shape_band     | length band the writer clustered it in                       |
-| 64   | 4·n  | tokens         | uint32, then zero padding to a multiple of 8 bytes           |
+| 64   | 4·n  | tokens         | uint32                                                       |
+| ...  | 4·k  | option words   | the item's request options (`request/options.py`), k = flags |
+|      |      |                | & OPTION_WORDS_MASK (0: none), then zero padding to 8 bytes  |
 
 Writes and commits. The writer stages a run of records in memory and
 writes it with one `pwrite` whose first record's length word is still 0,
@@ -62,6 +65,11 @@ import numpy as np
 SEGMENT_MAGIC = 0x3147455342484D53  # "SHMBSEG1"
 RECORD_MAGIC = 0x52424D53  # "SMBR"
 FLAG_CONT = 0x80000000  # record flags: a record after the first of its write (run)
+# record flags: how many option words follow the tokens, twice (bits 0..10 and 11..21), so that a
+# flipped bit there leaves a whole frame whose CRC fails (its item named corrupt), while a flipped
+# length word still breaks the frame (recovery resynchronises)
+OPTION_WORDS_MASK = 0x7FF
+OPTION_WORDS_COPY = 11  # the shift of the second copy
 IDX_MAGIC = 0x3158444942484D53  # "SHMBIDX1"
 LAYOUT_VERSION = 1
 
@@ -102,7 +110,8 @@ ITEM_META_FIELDS = [
     ("shape_band", np.uint32),
 ]
 
-# Item metadata passed to an append (one row per record; flags: 0, the writer sets FLAG_CONT).
+# Item metadata passed to an append (one row per record; flags: its option words, the last
+# `flags` words of its payload; the writer adds FLAG_CONT).
 ITEM_DTYPE = np.dtype(ITEM_META_FIELDS + [("flags", np.uint32)])
 
 # One pending record as recovery returns it: where it lies, then its header's fields
@@ -119,8 +128,9 @@ PENDING_DTYPE = np.dtype(
 )
 
 
-def record_bytes(num_tokens: int) -> int:
-    return (RECORD_HEADER_BYTES + 4 * num_tokens + 7) & ~7
+def record_bytes(num_words: int) -> int:
+    """Bytes of a record whose payload is `num_words` words (its tokens and option words)."""
+    return (RECORD_HEADER_BYTES + 4 * num_words + 7) & ~7
 
 
 def max_tokens(segment_bytes: int) -> int:

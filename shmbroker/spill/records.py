@@ -12,7 +12,8 @@ resynchronises past a broken frame when a valid record follows (only on a
 run's first record after an uncommitted run), and otherwise reports the torn
 tail it cut. `check_records` is the reader's check (a GPU process, before it
 runs an item): the record at a location is whole and is the one the location
-names (length, magic, sequence number, item id, token count, CRC).
+names (length, magic, sequence number, item id, token count, CRC, which covers the option
+words after the tokens: `layout.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ..ring.atomics import load_acquire, memcpy, store_release
 from ..ring.crc import crc32c_final, crc32c_init, crc32c_update
 from .layout import (
     FLAG_CONT,
+    OPTION_WORDS_COPY,
+    OPTION_WORDS_MASK,
     R64_ITEM,
     R64_PREFIX_KEY,
     R64_SEQ,
@@ -88,14 +91,15 @@ def write_records(seg, offset, end_limit, flat, offsets, items, order, first, se
             break
         w = offset >> 2
         words[w + R_MAGIC] = RECORD_MAGIC
-        words[w + R_FLAGS] = items[i].flags | (FLAG_CONT if k > first else 0)
+        k_opt = items[i].flags & OPTION_WORDS_MASK  # the payload's last words are the item's options
+        words[w + R_FLAGS] = k_opt | (k_opt << OPTION_WORDS_COPY) | (FLAG_CONT if k > first else 0)
         words64[(offset >> 3) + R64_SEQ] = seq0 + (k - first)
         words64[(offset >> 3) + R64_ITEM] = items[i].item_id
         words64[(offset >> 3) + R64_PREFIX_KEY] = items[i].prefix_key
         words[w + R_PRODUCER] = items[i].producer
         words[w + R_MODEL] = items[i].model
         words[w + R_PREFIX_LEN] = items[i].prefix_len
-        words[w + R_NUM_TOKENS] = n
+        words[w + R_NUM_TOKENS] = n - k_opt
         words[w + R_MAX_NEW] = items[i].max_new_tokens
         words[w + R_BAND] = items[i].shape_band
         if n > 0:
@@ -121,8 +125,13 @@ def _frame_ok(seg, off, end, expect_seq):
         return False
     if words[w + R_MAGIC] != RECORD_MAGIC:
         return False
-    n = words[w + R_NUM_TOKENS]
-    if (RECORD_HEADER_BYTES + 4 * np.int64(n) + 7) & ~7 != length:
+    # the length holds the tokens and the option words by either copy of their count (a flipped
+    # flags bit is a damaged record whose CRC fails, not a broken frame: layout.py)
+    n = np.int64(words[w + R_NUM_TOKENS])
+    flags = words[w + R_FLAGS]
+    k1 = np.int64(flags & OPTION_WORDS_MASK)
+    k2 = np.int64((flags >> OPTION_WORDS_COPY) & OPTION_WORDS_MASK)
+    if (RECORD_HEADER_BYTES + 4 * (n + k1) + 7) & ~7 != length and (RECORD_HEADER_BYTES + 4 * (n + k2) + 7) & ~7 != length:
         return False
     if expect_seq >= 0 and np.int64(seg.view(np.uint64)[(off >> 3) + R64_SEQ]) != expect_seq:
         return False
@@ -251,11 +260,19 @@ def check_records(seg, offsets, seqs, item_ids, num_tokens, out):
     for r in range(offsets.size):
         off = np.int64(offsets[r])
         n = np.int64(num_tokens[r])
-        length = (RECORD_HEADER_BYTES + 4 * n + 7) & ~7
-        if off < SEGMENT_HEADER_BYTES or off & 7 or off + length > seg.size:
+        if off < SEGMENT_HEADER_BYTES or off & 7 or off + RECORD_HEADER_BYTES > seg.size:
             out[r] = CHECK_FRAME
             continue
         w = off >> 2
+        flags = words[w + R_FLAGS]
+        k_opt = np.int64(flags & OPTION_WORDS_MASK)
+        length = (RECORD_HEADER_BYTES + 4 * (n + k_opt) + 7) & ~7
+        if off + length > seg.size:
+            out[r] = CHECK_FRAME
+            continue
+        if k_opt != np.int64((flags >> OPTION_WORDS_COPY) & OPTION_WORDS_MASK):
+            out[r] = CHECK_CRC  # its two option word counts differ: a damaged header
+            continue
         if (load_acquire(words, w + R_LENGTH) != length or words[w + R_MAGIC] != RECORD_MAGIC
                 or words[w + R_NUM_TOKENS] != n or words64[(off >> 3) + R64_SEQ] != seqs[r]
                 or words64[(off >> 3) + R64_ITEM] != item_ids[r]):

@@ -22,7 +22,8 @@ from shmbroker.ring.ring import PRODUCER
 pytestmark = pytest.mark.timeout(60)
 
 # what a producer process may load of the package: the client and what it stands on
-CLIENT_MODULES = ("shmbroker.client", "shmbroker.protocol", "shmbroker.ring", "shmbroker.errors", "shmbroker.jit")
+CLIENT_MODULES = ("shmbroker.client", "shmbroker.protocol", "shmbroker.request", "shmbroker.ring", "shmbroker.errors",
+                  "shmbroker.jit")
 
 LOADED = """
 import json, sys

@@ -70,6 +70,9 @@ class Views:
     def check(self, locs):
         return np.zeros(locs.size, np.int64)  # every record whole (records.CHECK_OK)
 
+    def option_words(self, locs):
+        return None  # no item carries request options
+
 
 def push_records(ring, sizes, *, first_id=1, length=10, failed_every=0):
     """Batch records as the scheduler pushes them: item locations, n_run, n_failed, packed time."""

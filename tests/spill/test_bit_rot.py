@@ -2,7 +2,7 @@
 ends in exactly one final state: `ok` with the simulated engine's tokens for its prompt, or `corrupt`.
 
 One real broker (`brokerproc.BrokerProc`, a slow paced engine) takes a seeded backlog from producer
-`rot` and stops cleanly (SIGTERM) with most of it not run yet: sealed segments with their indexes,
+`rot` (half of it with request options, whose words are then part of the records damaged) and stops cleanly (SIGTERM) with most of it not run yet: sealed segments with their indexes,
 the writer's active segment with its clean-shutdown marker, the ack file, `producers.json`, the
 results log (its middle and its last record) and its delivery cursor. Each case copies that data directory, damages one file (`TARGETS`: a seeded choice of
 bytes XORed with a nonzero value), starts a fast broker on it, reconnects `rot` and reads results
@@ -31,6 +31,8 @@ from support.brokerproc import BrokerProc
 
 from shmbroker.client.producer import Producer
 from shmbroker.engines.sim import Sim
+from shmbroker.engines.sim_requests import output_length, sample_key
+from shmbroker.request.options import RequestOptions
 from shmbroker.spill.layout import RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES
 from shmbroker.spill.segment import read_idx
 from shmbroker.spill.store import Backlog
@@ -57,6 +59,16 @@ max_batch_tokens = 16384
 max_input_len = 1024
 engine_settings = {{ mode = "packed", cache_tokens = 65536, pace_seconds = {pace} }}
 """
+OPTIONS = RequestOptions(temperature=0.9, top_p=0.95, seed=11, stop=("\n\n",))
+
+
+def sampled(item_id: int, max_new: int, prompt: np.ndarray, opts: RequestOptions | None) -> np.ndarray:
+    """The simulated engine's tokens for an item under its options (engines/sim_requests.py)."""
+    key = sample_key(item_id, Sim.digest(prompt), opts)
+    out = Sim.generated_many(np.array([item_id], np.uint64), np.array([max_new]), keys=np.array([key], np.uint64)).flat
+    return out[: output_length(out, opts)]
+
+
 SLOW = CONFIG.format(segment_bytes=SEGMENT_BYTES, size=4, pace=1.0)  # the first run: tens of items a second
 FAST = CONFIG.format(segment_bytes=SEGMENT_BYTES, size=16, pace=0.0)
 
@@ -105,9 +117,14 @@ def base(tmp_path_factory):
             offsets = np.zeros(NUM_ITEMS + 1, np.int64)
             np.cumsum(lengths, out=offsets[1:])
             flat = rng.integers(1, 30_000, int(offsets[-1]), dtype=np.uint32)
-            ids = p.submit_many(flat, offsets, max_new_tokens=max_new)
+            # the second half carries request options: their words are in the records the damage hits
+            half = NUM_ITEMS // 2
+            ids = np.concatenate([
+                p.submit_many(flat[: offsets[half]], offsets[: half + 1], max_new_tokens=max_new[:half]),
+                p.submit_many(flat[offsets[half] :], offsets[half:] - offsets[half], max_new_tokens=max_new[half:],
+                              options=OPTIONS)])
             for k, i in enumerate(ids.tolist()):
-                sub.items[i] = (int(max_new[k]), flat[offsets[k] : offsets[k + 1]].copy())
+                sub.items[i] = (int(max_new[k]), flat[offsets[k] : offsets[k + 1]].copy(), OPTIONS if k >= half else None)
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:
                 sub.take(p, 0.1, deadline)
@@ -203,7 +220,7 @@ def final_states(out: Submitted, broker: BrokerProc, may_be_corrupt: set[int]) -
     for i, got in out.results.items():
         if i not in out.items:
             continue
-        m, prompt = out.items[i]
+        m, prompt, opts = out.items[i]
         statuses = {s for s, _, _ in got}
         if len(statuses) != 1:
             disagree.append((hex(i), sorted(statuses)))
@@ -211,7 +228,7 @@ def final_states(out: Submitted, broker: BrokerProc, may_be_corrupt: set[int]) -
         status = statuses.pop()
         counts["duplicated"] += len(got) > 1
         if status == "ok":
-            want = Sim.generated(i, m, prompt)
+            want = sampled(i, m, prompt, opts)
             if not all(np.array_equal(t, want) for _, t, _ in got):
                 wrong.append(hex(i))
         elif status == "corrupt":
@@ -369,6 +386,22 @@ def test_a_sealed_record_flipped_after_its_index_comes_back_corrupt_not_ok(tmp_p
     # found by the GPU process's check before the engine read them
     assert "fails its crc32c check" in out.results[int(flipped["item_id"])][0][2]
     assert "no intact record" in out.results[int(zeroed["item_id"])][0][2]
+
+
+def test_a_flipped_option_word_comes_back_corrupt_never_run_with_other_options(tmp_path, base):
+    data0, sub, pending = base
+    data = tmp_path / "data"
+    shutil.copytree(data0, data)
+    recs = unanswered(pending, sub)
+    recs = recs[[sub.items[int(i)][2] is not None for i in recs["item_id"]]][:3]
+    assert recs.size == 3, "no pending record carries options"
+    for k, rec in enumerate(recs):  # a bit of the temperature, of the seed, of the stop string
+        at = int(rec["offset"]) + RECORD_HEADER_BYTES + 4 * int(rec["num_tokens"]) + (6, 4 * 5 + 1, 4 * 9)[k]
+        xor_bytes(seg_file(data, int(rec["segment"])), [at], [0x08])
+    out, broker = run_again(tmp_path, data, sub)
+    victims = {int(i) for i in recs["item_id"]}
+    counts = final_states(out, broker, victims)
+    assert {out.results[i][0][0] for i in victims} == {"corrupt"} and counts["corrupt"] == 3
 
 
 # -- damaged metadata ------------------------------------------------------------------

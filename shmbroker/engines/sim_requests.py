@@ -1,0 +1,49 @@
+"""How the simulated engine honours an item's request options (it is a simulator, named as one).
+
+Its generated ids are a seeded function of a key and the step (`Sim.generated_many`). Without
+options the key is the item's id and its prompt's digest, as ever. With options:
+- `temperature` 0 is greedy decoding: the key is the prompt's digest alone, so the same prompt gives
+  the same tokens in any item, any batch and any order;
+- a `seed` makes sampling reproducible: the key is the prompt's digest and the seed;
+- `stop_token_ids` end the output at the first such id generated once `min_tokens` are out (the
+  stop id kept, as vLLM keeps one that is not special);
+- the rest are accepted and change nothing: `stop` strings need text and `ignore_eos` an EOS,
+  which a simulator has not, and the penalties and top-p/k/min-p only reshape a distribution it
+  does not model.
+The item finishes when its output does: its decode steps are its real output's, not max_new_tokens,
+so early stops shorten the modeled time as they shorten a real engine's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GREEDY_SALT = np.uint64(0xD6E8FEB86659FD93)
+SEED_SALT = np.uint64(0xA0761D6478BD642F)
+ITEM_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def item_keys(item_ids: np.ndarray, digests: np.ndarray) -> np.ndarray:
+    """The default keys: item id and prompt digest."""
+    return np.asarray(item_ids, np.uint64) * ITEM_SALT ^ np.asarray(digests, np.uint64)
+
+
+def sample_key(item_id: int, digest: int, opts) -> int:
+    """The key an item's tokens are generated from, given its options (module docstring)."""
+    with np.errstate(over="ignore"):
+        if opts is not None and opts.seed is not None:
+            seed = np.array([opts.seed], np.int64).view(np.uint64)[0]
+            return int(np.uint64(digest) * SEED_SALT ^ seed)
+        if opts is not None and opts.temperature == 0.0:
+            return int(np.uint64(digest) * GREEDY_SALT)
+        return int(item_keys(np.array([item_id], np.uint64), np.array([digest], np.uint32))[0])
+
+
+def output_length(tokens: np.ndarray, opts) -> int:
+    """How many of the generated `tokens` (all max_new_tokens of them) the item returns."""
+    if opts is None or not opts.stop_token_ids or not tokens.size:
+        return int(tokens.size)
+    hits = np.flatnonzero(np.isin(tokens, np.array(opts.stop_token_ids, np.uint32)))
+    floor = opts.min_tokens or 0
+    hits = hits[hits + 1 > floor] if floor else hits
+    return int(hits[0]) + 1 if hits.size else int(tokens.size)
