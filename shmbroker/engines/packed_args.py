@@ -73,16 +73,40 @@ def vllm_llm_kwargs(settings, contract) -> dict:
         "tensor_parallel_size": int(settings.tensor_parallel_size),
         "enforce_eager": bool(settings.enforce_eager),
         "seed": int(settings.seed),
-        "skip_tokenizer_init": True,  # token ids in, token ids out
+        # token ids in, token ids out; a model directory with a tokenizer has it loaded, so that
+        # stop strings work (vLLM matches them in the detokenized text)
+        "skip_tokenizer_init": not has_tokenizer(settings.model),
         "disable_log_stats": False,  # get_metrics() asserts stat logging is on (bench gen reads the counters)
     }
     kwargs.update(settings.extra)
     return kwargs
 
 
-def vllm_sampling(max_new_tokens: int) -> dict:
-    """`vllm.SamplingParams(...)` of one item: greedy, token ids only."""
-    return {"max_tokens": int(max_new_tokens), "temperature": 0.0, "detokenize": False}
+# request options (request/options.py) that are `vllm.SamplingParams` fields of the same name and meaning
+VLLM_SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens", "ignore_eos")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(model: str) -> bool:
+    """Does the model directory hold a tokenizer (vLLM then loads it)?"""
+    return bool(model) and os.path.isdir(model) and any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES)
+
+
+def vllm_sampling(max_new_tokens: int, options=None) -> dict:
+    """`vllm.SamplingParams(...)` of one item: greedy and token ids only unless its request options
+    (a `RequestOptions`) say otherwise; stop strings need the detokenized text."""
+    kwargs = {"max_tokens": int(max_new_tokens), "temperature": 0.0, "detokenize": False}
+    if options is None:
+        return kwargs
+    given = options.given()
+    kwargs.update({k: given[k] for k in VLLM_SAME_NAME if k in given})
+    if options.stop_token_ids:
+        kwargs["stop_token_ids"] = list(options.stop_token_ids)
+    if options.stop:
+        kwargs["stop"] = list(options.stop)
+        kwargs["detokenize"] = True
+    return kwargs
 
 
 def trtllm_llm_kwargs(settings, contract) -> dict:

