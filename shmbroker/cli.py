@@ -55,7 +55,7 @@ def _bench(args) -> int:
     elif args.name == "e2e":
         from .bench import e2e
 
-        result = e2e.run(scale=args.scale)
+        result = e2e.run(scale=args.scale, options=args.options)
     elif args.name == "restart":
         from .bench import restart
 
@@ -237,6 +237,9 @@ def _add_bench(sub) -> None:
     g.add_argument("--kv-blocks", type=int, default=None,
                    help="gen: the engine's KV cache in blocks of 32 tokens (default 256)")
     g.add_argument("--runs", type=int, default=2, help="gen: runs of each side, alternated (default 2)")
+    g = p.add_argument_group("e2e")
+    g.add_argument("--options", action="store_true",
+                   help="e2e: every item carries one shared set of request options (e2e.SHARED_OPTIONS)")
     g = p.add_argument_group("chaos")
     g.add_argument("--seconds", type=float, default=30.0,
                    help="chaos: how long processes and readers are killed at random (default 30)")

@@ -5,7 +5,8 @@ results, one GPU process per consumer of the default configuration) on a fresh d
 with the default fsync policy and the simulated engine in zero-cost mode (it returns at once, so
 the broker is what is measured). Two producer processes each submit `items` 256-token items
 (`submit_many` in chunks of CHUNK) while they read their results (`take_results`); every item
-must come back exactly once with an ok status. Figures:
+must come back exactly once with an ok status. With `--options` every item carries SHARED_OPTIONS
+(one set of request options, as a job's items do): what carrying them costs. Figures:
 
 - items_per_s, tokens_per_s: items over the time from the first submit to the last result;
 - submit_to_result_us_p50/p99: from the submit call that sent an item to its result's arrival;
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..request.options import encode, parse_options
 from ..ring.wire import res_bytes
 from ..spill.layout import record_bytes
 from . import mpqueue
@@ -47,12 +49,14 @@ from .broker import ZERO_COST_CONSUMERS, BenchBroker
 TOKENS = 256
 CHUNK = 1024
 MAX_NEW_TOKENS = 1
+# `--options`: what every item carries (a job's usual set; the zero-cost engine honours and ignores it)
+SHARED_OPTIONS = {"temperature": 0.7, "top_p": 0.95, "seed": 1234, "stop_token_ids": [2]}
 DISK_PROBE_BYTES = 256 << 20
 # what an observed run adds (`Observer.finish`); reported from the last observed run
 OBSERVER_FIELDS = ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
                    "watch_cpu_seconds", "watch_cpu_share")
 
-def _producer(index: int, data_dir: str, items: int, conn) -> None:
+def _producer(index: int, data_dir: str, items: int, conn, options: dict | None = None) -> None:
     from ..client.producer import Producer
     from ..ring.items import SEQ_MASK
 
@@ -79,7 +83,7 @@ def _producer(index: int, data_dir: str, items: int, conn) -> None:
                 n = min(CHUNK, items - done)
                 rows[:n, :64] = prefixes[(done // CHUNK + np.arange(n)) % 64]
                 now = time.perf_counter_ns()
-                p.submit_many(flat[: n * TOKENS], offsets[: n + 1], max_new_tokens=MAX_NEW_TOKENS)
+                p.submit_many(flat[: n * TOKENS], offsets[: n + 1], max_new_tokens=MAX_NEW_TOKENS, options=options)
                 sent_ns[done : done + n] = now
                 done += n
             while True:
@@ -118,21 +122,22 @@ def disk_write_bandwidth(directory: str, total: int = DISK_PROBE_BYTES) -> float
 
 
 def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale: float = 1.0,
-        data_dir: str | None = None, pairs: int = 4) -> dict:
+        data_dir: str | None = None, pairs: int = 4, options: bool = False) -> dict:
     items = max(CHUNK, int(items_per_producer * scale))
+    shared = SHARED_OPTIONS if options else None
     tmp = tempfile.mkdtemp(prefix="shmb-e2e-", dir=data_dir)
     try:
         disk_bw = disk_write_bandwidth(tmp, int(DISK_PROBE_BYTES * min(1.0, max(scale, 0.125))))
         runs: dict[bool, list] = {False: [], True: []}
         warm = os.path.join(tmp, "warm")
         os.mkdir(warm, 0o700)
-        _run_broker(warm, max(CHUNK, items // 4))  # not counted: a first run in a fresh process is slower
+        _run_broker(warm, max(CHUNK, items // 4), options=shared)  # not counted: a first run in a fresh process is slower
         shutil.rmtree(warm, ignore_errors=True)
         for k in range(2 * pairs):
             observed = k % 4 in (1, 2)  # plain, observed, observed, plain, ...
             run_dir = os.path.join(tmp, f"run{k}")
             os.mkdir(run_dir, 0o700)
-            runs[observed].append(_run_broker(run_dir, items, observe=observed))
+            runs[observed].append(_run_broker(run_dir, items, observe=observed, options=shared))
             shutil.rmtree(run_dir, ignore_errors=True)
         out = _median_run(runs[False])
         watched = _median_run(runs[True])
@@ -142,8 +147,10 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
         out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
         last = runs[True][-1]
         out.update({key: last[key] for key in OBSERVER_FIELDS})
+        out["options"] = shared
         out["disk_write_bytes_per_s"] = round(disk_bw, 1)
-        per_item = record_bytes(TOKENS) + res_bytes(MAX_NEW_TOKENS)
+        option_words = encode(parse_options(shared)).size if shared else 0
+        per_item = record_bytes(TOKENS + option_words) + res_bytes(MAX_NEW_TOKENS)
         out["disk_bytes_per_item"] = per_item
         out["disk_bound_items_per_s"] = round(disk_bw / per_item, 1)
         base = mpqueue.run(max(1000, int(mpqueue_items * scale)) // 2)
@@ -164,7 +171,7 @@ def _median_run(runs: list[dict]) -> dict:
     return out
 
 
-def _run_broker(tmp: str, items: int, *, observe: bool = False) -> dict:
+def _run_broker(tmp: str, items: int, *, observe: bool = False, options: dict | None = None) -> dict:
     broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + ZERO_COST_CONSUMERS)
     data = broker.data_dir
     ctx = mp.get_context("fork")
@@ -174,7 +181,7 @@ def _run_broker(tmp: str, items: int, *, observe: bool = False) -> dict:
         broker.wait_ready()
         for i in range(2):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_producer, args=(i, data, items, child), daemon=True)
+            proc = ctx.Process(target=_producer, args=(i, data, items, child, options), daemon=True)
             proc.start()
             procs.append(proc)
             conns.append(parent)

@@ -242,7 +242,7 @@ class Sim(StreamingRun):
         max_new = np.asarray(batch.max_new_tokens, np.int64)
         if not self.cost.zero_cost:  # zero cost reads no prompt: a benchmark measures the broker
             self._remember(ids, batch.tokens)
-        if batch.options is not None:
+        if batch.options is not None and not self.cost.zero_cost:  # zero cost: outputs of digest 0, as ever
             max_new = self._sample(ids, batch, max_new)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
