@@ -120,3 +120,31 @@ def test_options_survive_a_sigkill(tmp_path, kill):
     for i, (tokens, opts) in ids.items():
         assert got[i].status == "ok", got[i].error
         assert got[i].tokens.tolist() == expected(i, tokens, 12, opts).tolist()
+
+
+def test_a_hostile_producer_cannot_give_another_producers_items_its_options(tmp_path):
+    """A producer writes raw ingest records with option word counts and words of its own making:
+    garbage words fail its own item `invalid`, a count that leaves no token is refused at ingest,
+    and another producer's items run with their own options (or none), exactly."""
+    from shmbroker.ring import spsc
+    from shmbroker.ring.items import NO_PREFIX
+
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(1, 30_000, 100).astype(np.uint32)
+    mine = RequestOptions(temperature=0.0, seed=3)
+    with serve(tmp_path, "rh", PACKED) as broker, Producer("good", data_dir=broker.data_dir) as good, \
+            Producer("hostile", data_dir=broker.data_dir) as bad:
+        sub = bad._submitter
+        garbage = np.concatenate([prompt, rng.integers(0, 1 << 32, 12, dtype=np.uint64).astype(np.uint32)])
+        assert spsc.push(sub.buf, garbage, sub.seq, 8, NO_PREFIX, 0, 12) in (0, 1)
+        bad_id = sub.id_base | sub.seq
+        sub.seq += 1
+        assert spsc.push(sub.buf, prompt[:4], sub.seq, 8, NO_PREFIX, 0, 4) in (0, 1)  # no token left: refused
+        sub.seq += 1
+        sub.ring.data_bell.ring()
+        ids = {good.submit(prompt, max_new_tokens=8, options=mine): mine, good.submit(prompt, max_new_tokens=8): None}
+        got = collect(good, ids)
+        theirs = collect(bad, [bad_id])
+    for i, opts in ids.items():
+        assert got[i].status == "ok" and got[i].tokens.tolist() == expected(i, prompt, 8, opts).tolist()
+    assert theirs[bad_id].status == "invalid" and "not readable" in theirs[bad_id].error
