@@ -69,7 +69,7 @@ ENGINES = {e.name: e for e in (
                 SAMPLING),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
-                Mode.PACKED, True),
+                Mode.PACKED, True, SAMPLING),
 )}
 
 

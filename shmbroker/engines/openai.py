@@ -15,8 +15,9 @@ requests are at the server at once and the rest wait inside the engine; it retur
 results of every request returned since the last poll (in any order): a slow request holds back
 only its own items. `StreamingRun.run` gives the one-batch-at-a-time call on top.
 
-Request size. `max_tokens` is per request, so a request's items share max_new_tokens (items of an
-add are grouped by it, the groups kept in the add's order); then each group is cut to
+Request size. `max_tokens` is per request, and so are the sampling fields an item's request options
+set (temperature, seed, stop, ...: the body's fields of the same names; greedy without any), so a
+request's items share max_new_tokens and options (items of an add are grouped by both, the groups kept in the add's order); then each group is cut to
 `max_items_per_request`. Its default (0: `default_items_per_request`) is small, 1 to 4: one item per
 request is best for a continuously batching server, since each request returns (and its slot is
 refilled) the moment its one sequence ends, with no wait for the longest of a group, and the server
@@ -152,10 +153,11 @@ class OpenAICompatible(StreamingRun):
             return
         ids = [int(i) for i in batch.item_ids]
         max_new = [max(1, int(m)) for m in batch.max_new_tokens]
-        for part in self.parts(max_new):
+        options = [batch.options_of(k) for k in range(n)]
+        for part in self.parts(max_new, options):
             # tokens are read here, in the caller's thread (they may be views into the caller's mappings)
             prompts = [batch.tokens[i].tolist() for i in part]
-            future = self.pool.submit(self._timed_request, prompts, max_new[part[0]])
+            future = self.pool.submit(self._timed_request, prompts, max_new[part[0]], options[part[0]])
             self._requests[future] = [ids[i] for i in part]
         self._pending += n
 
@@ -200,26 +202,27 @@ class OpenAICompatible(StreamingRun):
                              engine_seconds=self.busy.take(), reused_tokens=reused_tokens,
                              down=EngineDown(reason, down) if down else None)
 
-    def parts(self, max_new: list) -> list:
-        """Item rows grouped by max_new_tokens, cut to `items_per_request`: one request each, in the
-        order of their first rows (so requests start in the order the items were added)."""
+    def parts(self, max_new: list, options: list | None = None) -> list:
+        """Item rows grouped by max_new_tokens and request options (a request's body holds one of
+        each), cut to `items_per_request`: one request each, in the order of their first rows (so
+        requests start in the order the items were added)."""
         groups: dict = {}
         for i, m in enumerate(max_new):
-            groups.setdefault(m, []).append(i)
+            groups.setdefault((m, None if options is None else options[i]), []).append(i)
         size = self.items_per_request
         parts = [rows[k : k + size] for rows in groups.values() for k in range(0, len(rows), size)]
         return sorted(parts, key=lambda part: part[0])
 
-    def _timed_request(self, prompts: list, max_tokens: int) -> Reply:
+    def _timed_request(self, prompts: list, max_tokens: int, options=None) -> Reply:
         self.busy.begin()
         try:
-            return self.request(prompts, max_tokens)
+            return self.request(prompts, max_tokens, options)
         finally:
             self.busy.end()
 
     # -- one request ------------------------------------------------------------------------
 
-    def request(self, prompts: list, max_tokens: int, *, probed: bool = False) -> Reply:
+    def request(self, prompts: list, max_tokens: int, options=None, *, probed: bool = False) -> Reply:
         """The reply to these prompts; a refused request of several prompts is split in halves, so that
         only the prompts the server refuses fail. First the first prompt alone is tried, then (refused
         alike) the last: when the server refuses both with the very same reason, the refusal is the
@@ -227,19 +230,19 @@ class OpenAICompatible(StreamingRun):
         instead of after 2n - 1 requests. (One prompt alone was asked before, the last: when it was the
         refused one, every prompt of the request failed with it.)"""
         try:
-            return self.post(prompts, max_tokens)
+            return self.post(prompts, max_tokens, options)
         except RequestFailed as exc:
             if exc.status not in SPLIT_STATUSES or len(prompts) == 1:
                 raise
             whole = exc
-        if not probed and self._refused_alone(prompts[:1], whole, max_tokens) \
-                and self._refused_alone(prompts[-1:], whole, max_tokens):
+        if not probed and self._refused_alone(prompts[:1], whole, max_tokens, options) \
+                and self._refused_alone(prompts[-1:], whole, max_tokens, options):
             raise whole from None  # the first and the last prompt alone refused alike: the request's fault
         half = len(prompts) // 2
         replies = []
         for sub in (prompts[:half], prompts[half:]):
             try:
-                replies.append(self.request(sub, max_tokens, probed=True))
+                replies.append(self.request(sub, max_tokens, options, probed=True))
             except RequestFailed as exc:
                 if exc.down:
                     raise
@@ -247,22 +250,25 @@ class OpenAICompatible(StreamingRun):
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
                      sub_replies=[s for r in replies for s in (r.sub_replies or [r])])
 
-    def _refused_alone(self, prompt: list, whole, max_tokens: int) -> bool:
+    def _refused_alone(self, prompt: list, whole, max_tokens: int, options=None) -> bool:
         """Whether this one prompt alone is refused with the very reason the whole request was. Both the
         first and the last prompt are asked: one of them may be the prompt the server refuses."""
         try:
-            self.post(prompt, max_tokens)
+            self.post(prompt, max_tokens, options)
         except RequestFailed as exc:
             if exc.down:
                 raise  # the server went down meanwhile: the whole request is handed back
             return str(exc) == str(whole) and exc.status == whole.status
         return False
 
-    def post(self, prompts: list, max_tokens: int) -> Reply:
-        """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed."""
+    def post(self, prompts: list, max_tokens: int, options=None) -> Reply:
+        """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed.
+        The request options become the body's fields of the same names (greedy without any)."""
         s = self.settings
         body = {"model": s.model, "prompt": prompts, "max_tokens": int(max_tokens), "temperature": 0,
                 "n": 1, "stream": False, "return_token_ids": True}
+        if options is not None:
+            body.update({k: list(v) if isinstance(v, tuple) else v for k, v in options.given().items()})
         if self.ask_logprobs:
             body["logprobs"] = 0
             body["return_tokens_as_token_ids"] = True

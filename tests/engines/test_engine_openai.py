@@ -274,6 +274,30 @@ def test_results_per_item_one_request_per_max_new_tokens(server_factory, engines
     assert out.engine_seconds > 0
 
 
+def test_request_options_become_body_fields_and_split_requests(server_factory, engines):
+    """Items whose options differ go in different requests (a body holds one set); each request's
+    body carries its items' options under the API's own names; items without any stay greedy."""
+    from shmbroker.request.options import RequestOptions
+
+    server = server_factory()
+    engine = engines(server, max_items_per_request=8)
+    tokens = prompts(4)
+    a = RequestOptions(temperature=0.8, seed=7, stop=("\n",), stop_token_ids=(2,))
+    b = RequestOptions(temperature=0.0, min_tokens=2, repetition_penalty=1.2)
+    out = engine.run(EngineBatch(np.arange(100, 104, dtype=np.uint64), tokens, np.full(4, 3, np.int64),
+                                 options=[a, b, a, None]))
+    assert [r.status for r in out.results] == ["ok"] * 4
+    assert len(server.bodies) == 3
+    by_prompt = {json.dumps(b["prompt"]): b for b in server.bodies}
+    with_a = by_prompt[json.dumps([tokens[0].tolist(), tokens[2].tolist()])]
+    assert (with_a["temperature"], with_a["seed"], with_a["stop"], with_a["stop_token_ids"]) == (0.8, 7, ["\n"], [2])
+    with_b = by_prompt[json.dumps([tokens[1].tolist()])]
+    assert (with_b["temperature"], with_b["min_tokens"], with_b["repetition_penalty"]) == (0.0, 2, 1.2)
+    plain = by_prompt[json.dumps([tokens[3].tolist()])]
+    assert plain["temperature"] == 0 and "seed" not in plain and "stop" not in plain
+    assert engine.honours >= {"temperature", "seed", "stop", "stop_token_ids"} and "n" not in engine.honours
+
+
 def test_max_items_per_request_splits_a_group(server_factory, engines):
     server = server_factory()
     engine = engines(server, max_items_per_request=2)
