@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PeerDead
+from ..request.extras import Extras, ExtrasError, decode_extras, samples_of
 from ..ring import layout as L
 from ..ring.items import SEQ_BITS, SEQ_MASK, STATUS_CODES, STATUS_NAMES
 from ..ring.ring import Ring
@@ -32,8 +33,24 @@ RESTART_WAIT_SECONDS = 0.05  # how long a read waits on while the broker restart
 class Result:
     item_id: int
     status: str  # ok | too_long | invalid | engine_error | corrupt
-    tokens: np.ndarray
+    tokens: np.ndarray  # every sample's tokens, one after another (`samples` splits them)
     error: str | None = None  # what went wrong, for a status other than ok
+    extras: Extras | None = None  # samples, finish reasons, cached prompt tokens, when the engine said
+
+    @property
+    def samples(self) -> list[np.ndarray]:
+        """Each sample's tokens (one sample, all the tokens, when the engine said nothing of samples)."""
+        return samples_of(self.tokens, self.extras)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the engine served from its prefix cache (None: it did not say)."""
+        return None if self.extras is None else self.extras.cached_tokens
+
+    @property
+    def finish_reasons(self) -> tuple[str, ...] | None:
+        """Each sample's finish reason, "stop" or "length" (None: the engine did not say)."""
+        return None if self.extras is None else self.extras.finish_reasons
 
 
 @dataclass(frozen=True)
@@ -219,11 +236,17 @@ class ResultReader:
         keep = self.seen.fresh(item_ids[:n])
         first = self.ring.num_popped() - n  # ring index of the first record popped
         for i in np.flatnonzero(keep).tolist():
-            ntok = int(meta[i, 1])
+            ntok, nx = int(meta[i, 1]), int(meta[i, 2])
             body = tokens[offsets[i] : offsets[i + 1]]
             error = None
             if meta[i, 3]:
-                error = body[ntok:].tobytes()[: int(meta[i, 3])].decode("utf-8", "replace")
+                error = body[ntok + nx :].tobytes()[: int(meta[i, 3])].decode("utf-8", "replace")
+            extras = None
+            if nx:
+                try:
+                    extras = decode_extras(body[ntok : ntok + nx], ntok)
+                except ExtrasError as exc:  # not the broker's words: say so, keep the tokens
+                    error = f"its extras are not readable: {exc}"
             self.pending.append((first + i, Result(int(item_ids[i]), STATUS_NAMES.get(int(meta[i, 0]), "invalid"),
-                                                   body[:ntok].copy(), error)))
+                                                   body[:ntok].copy(), error, extras)))
         return n

@@ -120,10 +120,16 @@ def common_prefix(tokens) -> int:
 
 @dataclass
 class ItemResult:
+    """One item's result. `tokens`: every sample's tokens, one after another; `extras`: the words
+    that say how they split into samples, how each finished and how many prompt tokens the engine
+    served from its cache (`request/extras.py` `encode_extras`), or None when the engine says none
+    of it (one sample)."""
+
     item_id: int
     status: str
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     error: str | None = None
+    extras: np.ndarray | None = None
 
     def __post_init__(self):
         assert self.status in STATUSES, self.status
@@ -138,6 +144,7 @@ class BatchResults:
     flat: np.ndarray  # uint32 generated tokens of every item, concatenated
     offsets: np.ndarray  # int64, n + 1: item i's tokens are flat[offsets[i]:offsets[i+1]]
     errors: dict = field(default_factory=dict)  # row -> error text
+    extras: dict = field(default_factory=dict)  # row -> its extras words (request/extras.py)
 
     def __len__(self) -> int:
         return int(self.item_ids.size)
@@ -150,11 +157,12 @@ class BatchResults:
         flat = np.concatenate([r.tokens for r in results]).astype(np.uint32) if n else np.zeros(0, np.uint32)
         return cls(np.array([r.item_id for r in results], np.uint64),
                    np.array([STATUS_CODES[r.status] for r in results], np.uint32), flat, offsets,
-                   {i: r.error for i, r in enumerate(results) if r.error is not None})
+                   {i: r.error for i, r in enumerate(results) if r.error is not None},
+                   {i: r.extras for i, r in enumerate(results) if r.extras is not None})
 
     def items(self) -> list[ItemResult]:
         return [ItemResult(int(self.item_ids[i]), STATUS_NAMES[int(self.status[i])],
-                           self.flat[self.offsets[i] : self.offsets[i + 1]], self.errors.get(i))
+                           self.flat[self.offsets[i] : self.offsets[i + 1]], self.errors.get(i), self.extras.get(i))
                 for i in range(len(self))]
 
 

@@ -58,15 +58,16 @@ class EngineEntry:
         return Mode(settings.mode) if self.mode is SETTINGS else self.mode
 
 
-# what an item's result can carry today: one sequence of tokens (no n samples, no logprobs)
-SAMPLING = frozenset(OPTION_NAMES) - {"n", "logprobs", "top_logprobs"}
+# what an item's result can carry: its samples, their finish reasons, cached tokens (no logprobs)
+SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
+SAMPLING = SAMPLES - {"n"}  # one sample a request (the openai engine: one choice per prompt)
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
-    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLING),
+    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLES),
     EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
-                SAMPLING),
+                SAMPLES),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True, SAMPLING),

@@ -84,7 +84,7 @@ def vllm_llm_kwargs(settings, contract) -> dict:
 
 # request options (request/options.py) that are `vllm.SamplingParams` fields of the same name and meaning
 VLLM_SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "min_tokens", "ignore_eos")
+                  "repetition_penalty", "min_tokens", "ignore_eos", "n")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 

@@ -1,19 +1,17 @@
 """The simulated engine: a documented cost model of a GPU inference engine.
 
-It runs on the CPU in virtual time, so a large trace drains in seconds. Two
-modes (docs/design.md "Words"):
+It runs on the CPU in virtual time, so a large trace drains in seconds. Two modes (docs/design.md
+"Words"):
 
-- `padded`, a rectangle engine (transformers, static TensorRT engines): the
-  batch's common prefix (the blocks every item shares) is computed once, or
-  not at all for the blocks the previous batch's prefix left cached (the
-  engine keeps the last prefix's KV, as many leading blocks as fit
-  `cache_tokens`); then count x longest remaining suffix. Cache hits: every
-  item's common-prefix blocks except the one computation.
-- `packed`, a paged-KV engine (vLLM, TensorRT-LLM, SGLang): no padding; items
-  run in batch order and each computes only its blocks after its longest
-  cached prefix in an LRU block cache holding at most `cache_tokens` tokens (a block
-  computed by an earlier item of the batch is a hit for a later one, as with
-  prefix caching of completed blocks).
+- `padded`, a rectangle engine (transformers, static TensorRT engines): the batch's common prefix
+  (the blocks every item shares) is computed once, or not at all for the blocks the previous
+  batch's prefix left cached (the engine keeps the last prefix's KV, as many leading blocks as fit
+  `cache_tokens`); then count x longest remaining suffix. Cache hits: every item's common-prefix
+  blocks except the one computation.
+- `packed`, a paged-KV engine (vLLM, TensorRT-LLM, SGLang): no padding; items run in batch order
+  and each computes only its blocks after its longest cached prefix in an LRU block cache holding
+  at most `cache_tokens` tokens (a block computed by an earlier item of the batch is a hit for a
+  later one, as with prefix caching of completed blocks).
 
 Cost of one batch (all parameters in `SimCost`):
 
@@ -22,11 +20,10 @@ Cost of one batch (all parameters in `SimCost`):
             + decode_step_seconds x (longest max_new_tokens - 1)
             + decode_token_seconds x decoded sequence-steps
 
-The first generated token comes out of prefill; decode steps follow. A padded
-engine decodes every sequence for the longest max_new_tokens; a packed one
-retires each sequence at its own. The defaults approximate transformers on an
-H200 with a ~1B-parameter model (docs/design.md: about 130k prefill tokens/s); they are not
-calibrated against real engines. `zero_cost` makes every
+The first generated token comes out of prefill; decode steps follow. A padded engine decodes every
+sequence for the longest max_new_tokens; a packed one retires each sequence at its own. The
+defaults approximate transformers on an H200 with a ~1B-parameter model (docs/design.md: about
+130k prefill tokens/s); they are not calibrated against real engines. `zero_cost` makes every
 batch free, so a benchmark measures the broker, not the model.
 
 `SimEngine` is the cost model over block hashes (the packing benchmark drives
@@ -47,7 +44,8 @@ from ..pack.contract import Mode, as_mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
 from .faults import SimFaults
-from .sim_requests import item_keys, output_length, sample_key
+from ..request.extras import decode_extras
+from .sim_requests import item_keys, sample_key, sampled_result
 
 
 @dataclass(frozen=True)
@@ -193,12 +191,12 @@ class Sim(StreamingRun):
     - `padded`: each added group is one rectangle (`SimEngine.run`), run in order; every item of
       it is ready when the rectangle is.
 
-    Time: modeled seconds. Unpaced (`pace_seconds` 0) a poll computes until an item is ready and
-    reports the modeled seconds, spending none. Paced, an item is handed back only when the wall
-    clock reaches its modeled finish x pace_seconds (counted from when the engine last became busy),
-    so consumers of different sizes split the work as real cards would; a poll sleeps until then or
-    its timeout. `zero_cost` hands everything back at once and reads no prompt (its outputs are those
-    of a prompt digest 0: `generated_many(ids, counts, zeros)`), so a benchmark measures the broker."""
+    Time: modeled seconds. Unpaced (`pace_seconds` 0) a poll computes until an item is ready and reports
+    the modeled seconds, spending none. Paced, an item is handed back only when the wall clock reaches
+    its modeled finish x pace_seconds (counted from when the engine last became busy), so consumers of
+    different sizes split the work as real cards would. `zero_cost` hands everything back at once and
+    reads no prompt (outputs of digest 0: `generated_many(ids, counts, zeros)`): a benchmark measures
+    the broker. Request options: `sim_requests.py`."""
 
     VOCAB = 32_000
 
@@ -227,7 +225,7 @@ class Sim(StreamingRun):
         self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
-        self._sampled: dict[int, int] = {}  # item id in flight with request options -> its key (sim_requests.py)
+        self._sampled: dict[int, tuple] = {}  # item id in flight with options -> (its samples, its extras)
 
     def pending(self) -> int:
         return self._pending
@@ -240,10 +238,9 @@ class Sim(StreamingRun):
             return
         ids = np.asarray(batch.item_ids, np.uint64)
         max_new = np.asarray(batch.max_new_tokens, np.int64)
-        if not self.cost.zero_cost:  # zero cost reads no prompt: a benchmark measures the broker
+        if not self.cost.zero_cost:  # zero cost reads no prompt (outputs of digest 0): it measures the broker
             self._remember(ids, batch.tokens)
-        if batch.options is not None and not self.cost.zero_cost:  # zero cost: outputs of digest 0, as ever
-            max_new = self._sample(ids, batch, max_new)
+            max_new = max_new if batch.options is None else self._sample(ids, batch, max_new)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
             self._origin = time.monotonic() - self.clock * self.pace
@@ -317,25 +314,37 @@ class Sim(StreamingRun):
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
         digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
-        keys = item_keys(ids, digests)
-        if self._sampled:
-            for k, i in enumerate(ids.tolist()):
-                if i in self._sampled:  # forgotten with the last copy of the item in flight
-                    keys[k] = self._sampled[i] if i in self._digests else self._sampled.pop(i)
-        return EngineOutcome(self.generated_many(ids, max_new, keys=keys), f.hit_blocks, f.queried_blocks, seconds,
-                             f.padded_tokens, f.rect_tokens)
+        res = self.generated_many(ids, max_new, digests)
+        if self._sampled and not self._sampled.keys().isdisjoint(ids.tolist()):
+            res = self._with_samples(res)
+        return EngineOutcome(res, f.hit_blocks, f.queried_blocks, seconds, f.padded_tokens, f.rect_tokens)
+
+    def _with_samples(self, res: BatchResults) -> BatchResults:
+        """The results of items with options replaced by their samples (each forgotten with the last
+        copy of its item in flight)."""
+        items = res.items()
+        for r in items:
+            got = self._sampled.get(r.item_id)
+            if got is not None:
+                r.tokens, r.extras = got
+                if r.item_id not in self._digests:
+                    del self._sampled[r.item_id]
+        return BatchResults.of(items)
 
     def _sample(self, ids: np.ndarray, batch, max_new: np.ndarray) -> np.ndarray:
-        """The items' output lengths under their options (`sim_requests.py`), each one's key noted."""
+        """The items' results under their options (`sim_requests.py`), noted for their poll; the
+        modeled output lengths (an item with samples runs until its longest ends)."""
         max_new = max_new.copy()
         for k, opts in enumerate(batch.options):
             if opts is None:
                 continue
             item = int(ids[k])
             key = sample_key(item, self.digest(batch.tokens[k]), opts)
-            out = self.generated_many(ids[k : k + 1], max_new[k : k + 1], keys=np.array([key], np.uint64)).flat
-            max_new[k] = output_length(out, opts)
-            self._sampled[item] = key
+            one = np.array([item], np.uint64)
+            tokens, extras = sampled_result(item, key, int(max_new[k]), opts, lambda keys, counts: self.generated_many(
+                np.repeat(one, keys.size), counts, keys=keys).flat)
+            self._sampled[item] = (tokens, extras)
+            max_new[k] = max(decode_extras(extras, tokens.size).lengths)
         return max_new
 
     def _due(self, clock: float) -> float:
@@ -361,14 +370,12 @@ class Sim(StreamingRun):
 
     @staticmethod
     def digest(tokens) -> int:
-        """What of a prompt the generated tokens depend on besides the item id: crc32c of its token ids
-        (uint32, little-endian)."""
+        """What of a prompt its generated tokens depend on: crc32c of its token ids (uint32, little-endian)."""
         return crc32c.crc32c(np.ascontiguousarray(tokens, np.uint32))
 
     @classmethod
     def generated(cls, item_id: int, count: int, tokens) -> np.ndarray:
-        """The tokens the simulated engine returns for an item: count ids derived from its id and its prompt
-        `tokens` (their `digest`), so a prompt read back damaged gives other tokens."""
+        """An item's `count` generated ids, from its id and its prompt's `digest` (damaged input: other ids)."""
         return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64),
                                   np.array([cls.digest(tokens)], np.uint32)).flat
 
@@ -381,8 +388,7 @@ class Sim(StreamingRun):
         offsets = np.zeros(counts.size + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
         steps = (np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)).astype(np.uint64)
-        if keys is None:
-            keys = item_keys(item_ids, digests)
+        keys = item_keys(item_ids, digests) if keys is None else keys
         z = np.repeat(keys, counts) + steps * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer per step
         z ^= z >> np.uint64(31)
         z *= np.uint64(0x94D049BB133111EB)

@@ -10,7 +10,9 @@ options the key is the item's id and its prompt's digest, as ever. With options:
 - the rest are accepted and change nothing: `stop` strings need text and `ignore_eos` an EOS,
   which a simulator has not, and the penalties and top-p/k/min-p only reshape a distribution it
   does not model.
-The item finishes when its output does: its decode steps are its real output's, not max_new_tokens,
+`n` samples are n outputs from keys derived from the item's (the first is its key: n = 1 is as
+without n), each with its own stop; the result carries them one after another, with their lengths
+and finish reasons in its extras (`request/extras.py`). The item finishes when its longest output does: its decode steps are its real output's, not max_new_tokens,
 so early stops shorten the modeled time as they shorten a real engine's.
 """
 
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..request.extras import encode_extras
+
 GREEDY_SALT = np.uint64(0xD6E8FEB86659FD93)
 SEED_SALT = np.uint64(0xA0761D6478BD642F)
 ITEM_SALT = np.uint64(0x9E3779B97F4A7C15)
+SAMPLE_SALT = np.uint64(0xE7037ED1A0B428DB)
 
 
 def item_keys(item_ids: np.ndarray, digests: np.ndarray) -> np.ndarray:
@@ -39,11 +44,35 @@ def sample_key(item_id: int, digest: int, opts) -> int:
         return int(item_keys(np.array([item_id], np.uint64), np.array([digest], np.uint32))[0])
 
 
-def output_length(tokens: np.ndarray, opts) -> int:
-    """How many of the generated `tokens` (all max_new_tokens of them) the item returns."""
+def stop_at(tokens: np.ndarray, opts) -> int | None:
+    """The output length when a stop id ends the generated `tokens` (all max_new_tokens of them); None
+    when none does (the output is all of them, finished by its length)."""
     if opts is None or not opts.stop_token_ids or not tokens.size:
-        return int(tokens.size)
+        return None
     hits = np.flatnonzero(np.isin(tokens, np.array(opts.stop_token_ids, np.uint32)))
     floor = opts.min_tokens or 0
     hits = hits[hits + 1 > floor] if floor else hits
-    return int(hits[0]) + 1 if hits.size else int(tokens.size)
+    return int(hits[0]) + 1 if hits.size else None
+
+
+def output_length(tokens: np.ndarray, opts) -> int:
+    """How many of the generated `tokens` (all max_new_tokens of them) the item returns."""
+    at = stop_at(tokens, opts)
+    return int(tokens.size) if at is None else at
+
+
+def sample_keys(key: int, n: int) -> np.ndarray:
+    """The keys of an item's n samples: the first is the item's key (n = 1 is as without n)."""
+    with np.errstate(over="ignore"):
+        return np.uint64(key) ^ (np.arange(n, dtype=np.uint64) * SAMPLE_SALT)
+
+
+def sampled_result(item_id: int, key: int, max_new: int, opts, generate) -> tuple[np.ndarray, np.ndarray]:
+    """(every sample's tokens, one after another; the extras words) of an item with options;
+    `generate(keys, counts)`: the engine's tokens for these keys (`Sim.generated_many`'s flat)."""
+    n = opts.samples
+    out = generate(sample_keys(key, n), np.full(n, max_new, np.int64)).reshape(n, max_new)
+    ends = [stop_at(row, opts) for row in out]
+    lengths = [max_new if e is None else e for e in ends]
+    tokens = np.concatenate([row[:k] for row, k in zip(out, lengths)]) if n else np.zeros(0, np.uint32)
+    return tokens.astype(np.uint32), encode_extras(lengths, [e is not None for e in ends])

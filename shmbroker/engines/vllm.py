@@ -58,6 +58,7 @@ from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
+from ..request.extras import encode_extras
 from .base import ENGINE_ERROR, OK, TOO_LONG, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 
@@ -105,6 +106,22 @@ def refused(item_id: int, exc: Exception) -> ItemResult:
     if any(w in text for w in TOO_LONG_WORDS):
         return ItemResult(item_id, TOO_LONG, error=f"{type(exc).__name__}: {text}")
     return engine_error(item_id, exc)
+
+
+def finished_result(item_id: int, out) -> ItemResult:
+    """A finished request's result: its samples' tokens one after another (by their `index`), their
+    lengths and finish reasons and the prompt tokens vLLM served from its cache, as extras."""
+    try:
+        samples = sorted(out.outputs, key=lambda o: getattr(o, "index", 0))
+        tokens = [np.asarray(o.token_ids, dtype=np.uint32).reshape(-1) for o in samples]
+    except (AttributeError, TypeError):
+        samples = []
+    if not samples:
+        return ItemResult(item_id, ENGINE_ERROR, error="the engine finished it with no output")
+    cached = getattr(out, "num_cached_tokens", None)
+    extras = encode_extras([t.size for t in tokens], [getattr(o, "finish_reason", None) == "stop" for o in samples],
+                           cached if isinstance(cached, int) else None)
+    return ItemResult(item_id, OK, np.concatenate(tokens), extras=extras)
 
 
 class VLLM(StreamingRun):
@@ -190,14 +207,11 @@ class VLLM(StreamingRun):
                 if item is None:  # aborted earlier
                     continue
                 item_id, prompt = item[0], item[1]
-                try:
-                    ids = out.outputs[0].token_ids
-                except (AttributeError, IndexError):
-                    results.append(ItemResult(item_id, ENGINE_ERROR, error="the engine finished it with no output"))
-                    continue
-                results.append(ItemResult(item_id, OK, np.asarray(ids, dtype=np.uint32).reshape(-1)))
-                cached.append(getattr(out, "num_cached_tokens", None))
-                lengths.append(len(prompt))
+                result = finished_result(item_id, out)
+                results.append(result)
+                if result.status == OK:
+                    cached.append(getattr(out, "num_cached_tokens", None))
+                    lengths.append(len(prompt))
             if results or time.monotonic() >= deadline:
                 break
         self._feed_isolated()  # a finished lone item: start the next at once, not at the next poll

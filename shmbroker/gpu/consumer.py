@@ -29,7 +29,7 @@ from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.waits import SLEEP_SLICE_SECONDS
-from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_results
+from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_one, encode_results
 from .backoff import WindowLimits
 from .core import ConsumerCore
 from .deliveries import Deliveries
@@ -39,6 +39,7 @@ from .window import WINDOW_COUNTS, Window
 # Yields before a GPU process sleeps on its batch ring: the scheduler's next batch usually lands
 # within a few of its time slices.
 YIELD_ROUNDS = 64
+NO_EXTRAS = np.zeros(0, np.uint32)
 IDLE_PUBLISH_NS = 500_000_000  # an idle GPU process publishes its idle seconds this often
 
 
@@ -54,9 +55,10 @@ class ResultWriter:
         self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
 
     def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
-        """Runs of plain records in one kernel call each; a failed item with an error text alone."""
+        """Runs of plain records in one kernel call each; a failed item with an error text, or an item
+        with extras (samples, finishes, cached tokens: `request/extras.py`), alone."""
         n = len(res)
-        texts = sorted(k for k in res.errors if res.status[k] != Status.OK)
+        texts = sorted({k for k in res.errors if res.status[k] != Status.OK} | set(res.extras))
         i = at = 0
         for stop in texts + [n]:
             while i < stop:
@@ -66,14 +68,24 @@ class ResultWriter:
                     at = self._flush(at, RES_HEADER_BYTES + 4 * int(res.offsets[i + 1] - res.offsets[i]) + 8)
                 i = j
             if stop < n:
-                text = res.errors[stop].encode("utf-8", "replace")[:RES_MAX_ERROR_BYTES]
-                need = RES_HEADER_BYTES + len(text) + 8
-                if at + need > self.buf.size:
-                    at = self._flush(at, need)
-                at = encode_error(self.buf, at, res.item_ids[stop], seqs[stop], res.status[stop], writers[stop],
-                                  np.frombuffer(text, np.uint8))
+                at = self._write_one(res, stop, seqs, writers, at)
                 i = stop + 1
         self._flush(at, 0)
+
+    def _write_one(self, res: BatchResults, k: int, seqs: np.ndarray, writers: np.ndarray, at: int) -> int:
+        """Item k's record alone: its tokens, its extras words and its error text (when failed)."""
+        failed = res.status[k] != Status.OK and k in res.errors
+        text = res.errors[k].encode("utf-8", "replace")[:RES_MAX_ERROR_BYTES] if failed else b""
+        tokens = res.flat[res.offsets[k] : res.offsets[k + 1]]
+        extras = res.extras.get(k, NO_EXTRAS)
+        need = RES_HEADER_BYTES + 4 * (tokens.size + extras.size) + len(text) + 8
+        if at + need > self.buf.size:
+            at = self._flush(at, need)
+        if not tokens.size and not extras.size:
+            return encode_error(self.buf, at, res.item_ids[k], seqs[k], res.status[k], writers[k],
+                                np.frombuffer(text, np.uint8))
+        return encode_one(self.buf, at, res.item_ids[k], seqs[k], res.status[k], writers[k],
+                          np.ascontiguousarray(tokens, np.uint32), extras, np.frombuffer(text, np.uint8))
 
     def _flush(self, at: int, need: int) -> int:
         if at:

@@ -102,7 +102,7 @@ class ConsumerCore:
         # the request options this engine honours (its registry entry's; none for an engine made
         # without the registry): an item asking for another fails alone (`requests.py`)
         self.requests = RequestReader(getattr(engine, "engine_name", type(engine).__name__),
-                                      frozenset(getattr(engine, "honours", ())))
+                                      frozenset(getattr(engine, "honours", ())), contract.max_batch_size)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
@@ -161,9 +161,7 @@ class ConsumerCore:
             checks = np.full(n, CHECK_OK, np.int64)
             checks[fits] = tokens.check(fits)
             bad |= checks != CHECK_OK
-            whole = np.flatnonzero(~bad)
-            _, why = self.requests.resolve(tokens.option_words(whole))
-            refused = {int(whole[k]): text for k, text in why.items()}
+            _, refused = tokens.options(self.requests, np.flatnonzero(~bad))
             bad[list(refused)] = True
         if not bad.any():
             return None, np.arange(n)
@@ -189,7 +187,7 @@ class ConsumerCore:
         ids = np.asarray(ids, np.uint64)
         if not ids.size:
             return None
-        options = self.requests.resolve(tokens.option_words())[0] if isinstance(tokens, BatchTokens) else None
+        options = tokens.options(self.requests)[0] if isinstance(tokens, BatchTokens) else None
         batch = EngineBatch(ids, tokens, np.asarray(max_new, np.int64), options=options)
         try:
             self.engine.add(batch)
@@ -344,4 +342,5 @@ def rows_of(res: BatchResults, ks: np.ndarray) -> BatchResults:
     np.cumsum(counts, out=offsets[1:])
     take = np.repeat(res.offsets[ks] - offsets[:-1], counts) + np.arange(int(offsets[-1]), dtype=np.int64)
     errors = {j: res.errors[k] for j, k in enumerate(ks.tolist()) if k in res.errors} if res.errors else {}
-    return BatchResults(res.item_ids[ks], res.status[ks], res.flat[take], offsets, errors)
+    extras = {j: res.extras[k] for j, k in enumerate(ks.tolist()) if k in res.extras} if res.extras else {}
+    return BatchResults(res.item_ids[ks], res.status[ks], res.flat[take], offsets, errors, extras)

@@ -4,11 +4,21 @@ and the option words that follow an item's tokens (`option_words`, spill/layout.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from ..request.options import OptionsColumn
 from ..spill.layout import OPTION_WORDS_MASK, R_FLAGS, RECORD_HEADER_BYTES, RECORD_HEADER_WORDS, segment_name, writer_dir_name
 from ..spill.records import CHECK_GONE, check_records
 from ..spill.segment import SegmentFile
+
+
+class OptionWords(NamedTuple):
+    """The distinct option word sets of some items, and each item's index into them (-1: none)."""
+
+    sets: list  # uint32 arrays
+    index: np.ndarray  # int64, one per item
 
 
 class SegmentViews:
@@ -43,10 +53,12 @@ class SegmentViews:
         start = offset + RECORD_HEADER_BYTES
         return seg.buf[start : start + 4 * length].view(np.uint32)
 
-    def check(self, locs: np.ndarray) -> np.ndarray:
+    def check(self, locs: np.ndarray, words_out: np.ndarray | None = None) -> np.ndarray:
         """`records.CHECK_*` of each location (LOC rows): is the record there whole (its crc32c over
-        header and tokens) and the one the location names (sequence number, item id, token count)?"""
+        header, tokens and option words) and the one the location names (sequence number, item id,
+        token count)? `words_out` (int64, zeros) gets each whole record's option word count."""
         out = np.empty(locs.size, np.int64)
+        words = np.zeros(locs.size, np.int64) if words_out is None else words_out
         if not locs.size:
             return out
         writers, segments = locs["writer"], locs["segment"]
@@ -59,14 +71,16 @@ class SegmentViews:
                 continue
             run = locs[i:j]
             check_records(seg.buf, run["offset"].astype(np.int64), run["seq"].astype(np.uint64),
-                          run["item_id"].astype(np.uint64), run["num_tokens"].astype(np.int64), out[i:j])
+                          run["item_id"].astype(np.uint64), run["num_tokens"].astype(np.int64), out[i:j], words[i:j])
         return out
 
-    def option_words(self, locs: np.ndarray) -> list | None:
-        """Each location's option words (a zero-copy view, None for an item without options), or None
-        when no item has any: the common case costs one vector read of the flags words a segment.
-        The records must have passed `check` (their length, and so their option words, are whole)."""
-        out = None
+    def option_words(self, locs: np.ndarray) -> OptionWords | None:
+        """The distinct option word sets of these locations and each one's index into them (-1: no
+        options), or None when no item has any: one vector read of the flags words a segment, and
+        for the items with options one gather and one `np.unique` per word count, no Python per
+        item. The records must have passed `check` (their length, and so their words, are whole)."""
+        index = None
+        found: dict[bytes, int] = {}
         writers, segments = locs["writer"], locs["segment"]
         starts = np.flatnonzero(np.r_[True, (writers[1:] != writers[:-1]) | (segments[1:] != segments[:-1])])
         ends = np.r_[starts[1:], locs.size]
@@ -79,12 +93,21 @@ class SegmentViews:
             counts = words[base + R_FLAGS] & OPTION_WORDS_MASK
             if not counts.any():
                 continue
-            if out is None:
-                out = [None] * locs.size
+            if index is None:
+                index = np.full(locs.size, -1, np.int64)
             firsts = base + RECORD_HEADER_WORDS + locs["num_tokens"][i:j].astype(np.int64)
-            for k in np.flatnonzero(counts).tolist():
-                out[i + k] = words[firsts[k] : firsts[k] + counts[k]]
-        return out
+            for k in np.unique(counts[counts > 0]).tolist():
+                rows = np.flatnonzero(counts == k)
+                mat = words[firsts[rows, None] + np.arange(k)]
+                if (mat == mat[0]).all():  # the common case, one set (np.unique by rows costs ~1 µs a row)
+                    sets, inverse = mat[:1], np.zeros(rows.size, np.int64)
+                else:
+                    sets, inverse = np.unique(mat, axis=0, return_inverse=True)
+                ids = [found.setdefault(row.tobytes(), len(found)) for row in sets]
+                index[i + rows] = np.asarray(ids, np.int64)[inverse.ravel()]
+        if index is None:
+            return None
+        return OptionWords([np.frombuffer(b, np.uint32) for b in found], index)
 
     def close(self) -> None:
         for seg in self.maps.values():
@@ -94,10 +117,12 @@ class SegmentViews:
 
 class BatchTokens:
     """Item i's tokens as a zero-copy view into its segment file, made when first asked for;
-    `check(rows)` checks those items' records first (`SegmentViews.check`)."""
+    `check(rows)` checks those items' records first (`SegmentViews.check`); `options(reader)`
+    their request options, decoded once for the record and kept for its parts (`part`)."""
 
     def __init__(self, views: SegmentViews, locs: np.ndarray):
         self.views, self.locs = views, locs
+        self._options = None  # (OptionsColumn or None, {row: why}) once decoded
 
     def __len__(self):
         return self.locs.size
@@ -112,11 +137,34 @@ class BatchTokens:
         return (self[i] for i in range(len(self)))
 
     def check(self, rows: np.ndarray) -> np.ndarray:
-        """`records.CHECK_*` of the records of items `rows`."""
+        """`records.CHECK_*` of the records of items `rows` (their option word counts kept: an item
+        without options then costs `options` nothing more)."""
         locs = self.locs if rows.size == self.locs.size else self.locs[rows]
-        return self.views.check(locs)
+        words = np.zeros(locs.size, np.int64)
+        out = self.views.check(locs, words)
+        if not words.any():
+            self._options = (None, {})  # the whole record holds no options (rows not whole are failed)
+        return out
 
-    def option_words(self, rows: np.ndarray | None = None) -> list | None:
-        """The option words of items `rows` (all: None), checked records only (`SegmentViews`)."""
-        locs = self.locs if rows is None or rows.size == self.locs.size else self.locs[rows]
-        return self.views.option_words(locs)
+    def options(self, reader, rows: np.ndarray | None = None):
+        """(the items' options as an OptionsColumn, or None when none has any; {row: why} of those
+        that must fail) by `reader` (`requests.RequestReader`), decoded once: `rows` (all: None) are
+        the items whose records passed `check`, the only ones read."""
+        if self._options is None:
+            locs = self.locs if rows is None or rows.size == self.locs.size else self.locs[rows]
+            column, why = reader.resolve(self.views.option_words(locs))
+            if column is not None and locs is not self.locs:  # back to all rows (-1: not read)
+                index = np.full(self.locs.size, -1, np.int64)
+                index[rows] = column.index
+                column = OptionsColumn(column.sets, index)
+                why = {int(rows[k]): text for k, text in why.items()}
+            self._options = (column, why)
+        return self._options
+
+    def part(self, rows: np.ndarray) -> BatchTokens:
+        """Items `rows` (indices into this record's items), with their options if decoded."""
+        out = BatchTokens(self.views, self.locs[rows])
+        if self._options is not None:
+            column, why = self._options
+            out._options = (None if column is None else OptionsColumn(column.sets, column.index[rows]), {})
+        return out

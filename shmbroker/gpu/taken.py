@@ -17,9 +17,9 @@ class Taken:
     """A batch record in the window: its item locations, how many rows the engine was given, how
     many still wait for a result. Released (in ring order) when that count is 0."""
 
-    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine", "start", "budget_ns", "counted")
+    __slots__ = ("serial", "locs", "run", "next_row", "open", "in_engine", "start", "budget_ns", "counted", "tokens")
 
-    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray, start: int = 0):
+    def __init__(self, serial: int, locs: np.ndarray, run: np.ndarray, start: int = 0, tokens=None):
         self.serial = serial  # the how-manyth record this window took
         self.locs = locs  # every row of the record (runnable, then failed by the scheduler)
         self.run = run  # the rows the engine may run, in the scheduler's order
@@ -29,6 +29,7 @@ class Taken:
         self.start = start  # its ring position (deliveries.py)
         self.budget_ns: int | None = None  # its deadline after the last progress (module docstring), once asked
         self.counted = False  # a padded engine: it holds one of the PADDED_BATCHES_IN places
+        self.tokens = tokens  # its rows to run (locs[:n_run]) as `segments.BatchTokens`, options decoded once
 
 
 def engine_batch(c: int, run: np.ndarray) -> Batch:

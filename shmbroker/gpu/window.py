@@ -144,8 +144,9 @@ class Window:
         run = locs[:n_run]
         results = []
         runnable = np.zeros(0, np.int64)
+        tokens = BatchTokens(self.views, run)
         if n_run:
-            failed, runnable = self.core.take(engine_batch(self.c, run), BatchTokens(self.views, run))
+            failed, runnable = self.core.take(engine_batch(self.c, run), tokens)
             if failed is not None:
                 results.append((failed, np.setdiff1d(np.arange(n_run), runnable)))
         if n_failed:
@@ -162,7 +163,7 @@ class Window:
             for j, i in enumerate(ids):
                 dup[j] = i in self.id_set or i in first
                 first.add(i)
-        t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup], start)
+        t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup], start, tokens)
         self.num_taken += 1
         if dup is not None:
             # an item already in flight (a restarted scheduler dispatched it again): it runs once, and
@@ -217,10 +218,11 @@ class Window:
             self.num_admitted += count
             if t.run.size == t.locs.size or t.run[-1] - t.run[0] == t.run.size - 1:  # contiguous rows: a view
                 first = int(t.run[0]) + a if t.run.size else 0
-                run = t.locs[first : first + count]
+                rows = slice(first, first + count)
             else:
-                run = t.locs[t.run[a : a + count]]
-            refused = self.core.add(run["item_id"].astype(np.uint64), BatchTokens(self.views, run),
+                rows = t.run[a : a + count]
+            run = t.locs[rows]
+            refused = self.core.add(run["item_id"].astype(np.uint64), t.tokens.part(rows),
                                     run["max_new_tokens"].astype(np.int64))
             if refused is not None:
                 self.finished(refused)
@@ -284,8 +286,9 @@ class Window:
         for serial in np.unique(recs).tolist():
             t = self.taken[serial - first]
             assert t.serial == serial, "the window's records are in serial order"
-            locs = t.locs[rows[recs == serial]]
-            refused = self.core.add(locs["item_id"].astype(np.uint64), BatchTokens(self.views, locs),
+            mine = rows[recs == serial]
+            locs = t.locs[mine]
+            refused = self.core.add(locs["item_id"].astype(np.uint64), t.tokens.part(mine),
                                     locs["max_new_tokens"].astype(np.int64))
             if refused is not None:
                 self.finished(refused)

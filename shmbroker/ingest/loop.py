@@ -20,7 +20,7 @@ A producer may write anything into its ring (a bug, or on purpose): the rings
 are attached `untrusted` (`ring.ring`: the geometry is the broker's own), a
 record whose fields fail their checks is refused alone (`spill.collect`:
 counted, its neighbours go on), and a ring whose frame is broken (a corrupt
-record: `RingCorrupt`) is closed with the reason (`wire.close_ring_for`: its
+record: `RingCorrupt`) is closed with the reason (`closing.close_ring_for`: its
 producer's next wait raises `RingClosed`) and set aside, so one producer
 never stalls or crashes the loop that drains every other.
 """
@@ -44,7 +44,8 @@ from ..ring.items import NO_PREFIX, REFUSALS
 from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.shm import Doorbell, Segment, unlink_name
 from ..ring.waits import SLEEP_SLICE_SECONDS
-from ..ring.wire import close_ring, new_announcement, peek_closed, set_closed_tail
+from ..ring.closing import close_ring, peek_closed, set_closed_tail
+from ..ring.wire import new_announcement
 from ..spill.collect import collect
 from ..spill.layout import ITEM_DTYPE, RECORD_HEADER_BYTES
 from ..spill.locate import fill_locations
@@ -330,7 +331,7 @@ def _final_drain(rings: RingSet, announcer, stopping) -> bool:
 
 
 def drain_closed(buf: np.ndarray, on_records, positions: np.ndarray) -> int:
-    """Hand the records a closed ring (`wire.close_ring`) still holds to `on_records(positions, n)`,
+    """Hand the records a closed ring (`closing.close_ring`) still holds to `on_records(positions, n)`,
     moving its closed tail past each batch once the callback returns; how many records. A producer
     that rewrites its header cannot keep this going: at most one ring's worth, always forward."""
     h = buf[: L.HEADER_BYTES].view(np.int64)

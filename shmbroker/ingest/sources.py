@@ -21,7 +21,7 @@ from ..ring import spsc
 from ..ring.ring import CONSUMER, Ring
 from ..ring.shm import Doorbell
 from ..ring.waits import SLEEP_SLICE_SECONDS
-from ..ring.wire import close_ring_for
+from ..ring.closing import close_ring_for
 
 BATCH_RECORDS = 4096
 SPIN_ROUNDS_PER_RING = 256

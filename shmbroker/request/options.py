@@ -263,3 +263,24 @@ def _decode_value(kind: str, w: np.ndarray, pos: int):
         strs.append(w[pos + 1 : pos + 1 + nwords].astype("<u4").tobytes()[:nbytes].decode())
         pos += 1 + nwords
     return tuple(strs), pos
+
+
+class OptionsColumn:
+    """The request options of a batch's items as columns: the distinct sets, and each item's index
+    into them (-1: none). A job's items share one set, so a batch costs one decode, not one per item."""
+
+    __slots__ = ("sets", "index")
+
+    def __init__(self, sets: list, index: np.ndarray):
+        self.sets = sets
+        self.index = index
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    def __getitem__(self, k: int) -> RequestOptions | None:
+        i = int(self.index[k])
+        return None if i < 0 else self.sets[i]
+
+    def __iter__(self):
+        return (None if i < 0 else self.sets[i] for i in self.index.tolist())

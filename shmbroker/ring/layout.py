@@ -38,7 +38,7 @@ Header (int64 word index: field; writer)
 |      |      |                     |            | producer reading num_popped first never counts |
 |      |      |                     |            | a row of a released record; a restarted        |
 |      |      |                     |            | consumer starts it from 0 (`Ring.count_done`)  |
-| 40   | 320  | closed              | closer     | 1: closed (`wire.close_ring`): looks full      |
+| 40   | 320  | closed              | closer     | 1: closed (`closing.close_ring`): looks full      |
 | 41   | 328  | closed_tail         | closer     | the real tail once closed                      |
 | 42   | 336  | closed_reason       | closer     | why (CLOSE_REASONS): 0 a stop, else a fault    |
 | 48   | 384  | consumer_waiting    | both       | 1: consumer sleeps on the data doorbell        |

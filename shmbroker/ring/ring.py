@@ -11,7 +11,7 @@ the sleep in the header, look once more, and sleep on the doorbell for at most
 announcement. Between slices the waiter refreshes its heartbeat and, when the
 peer's heartbeat is stale, checks the peer's liveness (pid + start time):
 a dead peer raises `PeerDead`. Every wait has a deadline. A ring the broker
-closed because its peer broke it (`wire.close_ring_for`, `wire.mark_closed`)
+closed because its peer broke it (`closing.close_ring_for`, `closing.mark_closed`)
 makes the next wait raise `RingClosed` with the reason.
 
 Trust: the broker attaches a producer's rings `untrusted` (the producer maps

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import RingCorrupt
 from . import layout as L
-from . import wire
+from . import closing
 from .shm import Segment
 
 
@@ -19,7 +19,7 @@ def untrusted_capacity(segment: Segment, consumer: bool) -> int:
         return cap
     if size >= L.HEADER_BYTES:  # the closing kernels touch the header words only
         if consumer:
-            wire.close_ring_for(segment.buf, L.CLOSE_BAD_SEGMENT)
+            closing.close_ring_for(segment.buf, L.CLOSE_BAD_SEGMENT)
         else:
-            wire.mark_closed(segment.buf, L.CLOSE_BAD_SEGMENT)
+            closing.mark_closed(segment.buf, L.CLOSE_BAD_SEGMENT)
     raise RingCorrupt(f"ring {segment.name}: a segment of {size} bytes is no ring the broker made")

@@ -31,8 +31,10 @@ the results log on disk holds the same bytes):
 | 24   | 4    | status      | ring.items.STATUS_CODES                                   |
 | 28   | 4    | writer      | the item's backlog writer                                 |
 | 32   | 4    | num_tokens  | generated tokens                                          |
-| 36   | 4    | error_bytes | UTF-8 error text after the tokens                         |
-| 40   | ...  | tokens, error text, zero padding to 8 bytes                             |
+| 36   | 2    | error_bytes | UTF-8 error text after the tokens and extras              |
+| 38   | 2    | extras      | words after the tokens: samples, finishes, cached tokens  |
+|      |      |             | (`request/extras.py`; 0: none)                            |
+| 40   | ...  | tokens, extras words, error text, zero padding to 8 bytes               |
 
 The ring records that carry them (`layout.py` frames each: key, meta[0..3], payload):
 
@@ -46,7 +48,8 @@ The ring records that carry them (`layout.py` frames each: key, meta[0..3], payl
 `chunk_bytes` are their encoders and decoders.
 
 A producer's result ring record: key = item id, meta[0] = status, meta[1] =
-generated tokens, meta[3] = error bytes; payload = tokens then the error text.
+generated tokens, meta[2] = extras words, meta[3] = error bytes; payload = tokens, the extras
+words, then the error text.
 """
 
 from __future__ import annotations
@@ -61,20 +64,18 @@ from .crc import crc32c_final, crc32c_init, crc32c_update
 from .layout import (
     CLOSE_BAD_TAIL,
     H_CLOSED,
-    H_CLOSED_REASON,
-    H_CLOSED_TAIL,
     H_CONSUMER_WAITING,
     H_HEAD,
     H_NUM_PUSHED,
     H_TAIL,
     H_TAIL_CACHE,
     HEADER_BYTES,
-    OK,
     RECORD_HEADER_WORDS,
     RW_META,
     max_record_words,
 )
-from .spsc import NO_SPACE, claim_waiter, next_record, reserve, write_record
+from .closing import mark_closed
+from .spsc import NO_SPACE, claim_waiter, reserve, write_record
 
 LOC_DTYPE = np.dtype([("writer", "<u4"), ("num_tokens", "<u4"), ("segment", "<u8"), ("offset", "<u8"), ("seq", "<u8"),
                       ("item_id", "<u8"), ("prefix_key", "<u8"), ("max_new_tokens", "<u4"), ("model", "<u4"),
@@ -160,14 +161,15 @@ RES_MAX_ERROR_BYTES = 4096
 RES_OK, RES_END, RES_BAD = 0, 1, 2  # scan_results outcomes
 
 
-def res_bytes(num_tokens: int, error_bytes: int = 0) -> int:
-    return (RES_HEADER_BYTES + 4 * num_tokens + error_bytes + 7) & ~7
+def res_bytes(num_tokens: int, error_bytes: int = 0, extras_words: int = 0) -> int:
+    return (RES_HEADER_BYTES + 4 * (num_tokens + extras_words) + error_bytes + 7) & ~7
 
 
 @kernel
-def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne):
+def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne, extras):
     """Write one result record at out[at:]; returns its length."""
-    size = (RES_HEADER_BYTES + 4 * n + ne + 7) & ~7
+    nx = extras.size
+    size = (RES_HEADER_BYTES + 4 * (n + nx) + ne + 7) & ~7
     out[at : at + size] = 0
     w32 = out[at : at + RES_HEADER_BYTES].view(np.uint32)
     w64 = out[at : at + RES_HEADER_BYTES].view(np.uint64)
@@ -177,11 +179,13 @@ def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne):
     w32[6] = status
     w32[7] = writer
     w32[8] = n
-    w32[9] = ne
+    w32[9] = ne | (nx << 16)
     if n > 0:
         memcpy(out[at + RES_HEADER_BYTES : at + RES_HEADER_BYTES + 4 * n].view(np.uint32), 0, tokens, t0, n)
+    if nx > 0:
+        memcpy(out[at + RES_HEADER_BYTES + 4 * n : at + RES_HEADER_BYTES + 4 * (n + nx)].view(np.uint32), 0, extras, 0, nx)
     for i in range(ne):
-        out[at + RES_HEADER_BYTES + 4 * n + i] = err[e0 + i]
+        out[at + RES_HEADER_BYTES + 4 * (n + nx) + i] = err[e0 + i]
     crc = crc32c_update(crc32c_init(), out, at + 8, at + size)
     w32[1] = crc32c_final(crc)
     return size
@@ -192,13 +196,14 @@ def encode_results(out, at, item_ids, seqs, writers, status, flat, offsets, firs
     """Result records for items first..last-1 (tokens flat[offsets[i]:offsets[i+1]]) from out[at:];
     stops before a record that would not fit. Returns (next item, next byte)."""
     empty = np.zeros(0, np.uint8)
+    none = np.zeros(0, np.uint32)
     i = first
     while i < last:
         n = offsets[i + 1] - offsets[i]
         size = (RES_HEADER_BYTES + 4 * n + 7) & ~7
         if at + size > out.size:
             break
-        at += _put_res(out, at, item_ids[i], seqs[i], status[i], writers[i], flat, offsets[i], n, empty, 0, 0)
+        at += _put_res(out, at, item_ids[i], seqs[i], status[i], writers[i], flat, offsets[i], n, empty, 0, 0, none)
         i += 1
     return i, at
 
@@ -207,7 +212,14 @@ def encode_results(out, at, item_ids, seqs, writers, status, flat, offsets, firs
 def encode_error(out, at, item_id, seq, status, writer, err):
     """One result record with no tokens and an error text (uint8); returns the next byte."""
     tokens = np.zeros(0, np.uint32)
-    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, 0, err, 0, err.size)
+    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, 0, err, 0, err.size, tokens)
+
+
+@kernel
+def encode_one(out, at, item_id, seq, status, writer, tokens, extras, err):
+    """One result record with its tokens, its extras words and an error text (uint8, may be empty);
+    returns the next byte."""
+    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, tokens.size, err, 0, err.size, extras)
 
 
 @kernel
@@ -215,7 +227,8 @@ def _res_valid(buf, at, end, check_crc):
     """Does a whole, well-formed result record (with a matching CRC, when checked) start at buf[at]?"""
     h = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
     size = np.int64(h[0])
-    if size % 8 or size < RES_HEADER_BYTES or at + size > end or RES_HEADER_BYTES + 4 * np.int64(h[8]) + h[9] > size:
+    if size % 8 or size < RES_HEADER_BYTES or at + size > end or \
+            RES_HEADER_BYTES + 4 * (np.int64(h[8]) + (h[9] >> 16)) + (h[9] & 0xFFFF) > size:
         return False
     return not check_crc or crc32c_final(crc32c_update(crc32c_init(), buf, at + 8, at + size)) == h[1]
 
@@ -322,8 +335,9 @@ def push_results(ring, buf, pos, first, count):
         r = buf[at : at + RES_HEADER_BYTES].view(np.uint32)
         r64 = buf[at : at + RES_HEADER_BYTES].view(np.uint64)
         ntok = r[8]
-        nerr = r[9]
-        payload = ntok + (nerr + 3) // 4
+        nerr = r[9] & 0xFFFF
+        nx = r[9] >> 16
+        payload = ntok + nx + (nerr + 3) // 4
         size = (RECORD_HEADER_WORDS + payload + 1) & ~1
         if size > max_record:
             break
@@ -331,64 +345,7 @@ def push_results(ring, buf, pos, first, count):
         if skip == NO_SPACE:
             break
         head = write_record(w, w64, h, head, skip, size, words, (at + RES_HEADER_BYTES) // 4, payload, r64[1],
-                             r[6], ntok, 0, nerr)
+                             r[6], ntok, nx, nerr)
         i += 1
     store_release(h, H_HEAD, head)
     return i - first, claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, i - first)
-
-
-# -- closing a ring: a stopping (or salvaging) consumer takes what is left, producers see it full -----
-# (or the broker stops reading a ring its producer broke, and says why: layout.CLOSE_REASONS)
-
-@kernel
-def close_ring(buf):
-    """Make the ring look full to its producer forever (tail and its cached copy one capacity behind
-    the head), keeping the real tail for `peek_closed`. Idempotent. A producer mid-push may still
-    commit the record it reserved: read after a moment."""
-    h = buf[:HEADER_BYTES].view(np.int64)
-    if h[H_CLOSED] == 0:
-        h[H_CLOSED_TAIL] = h[H_TAIL]
-        h[H_CLOSED] = 1
-    low = h[H_HEAD] - (buf.size - HEADER_BYTES) // 4
-    store_release(h, H_TAIL, low)
-    h[H_TAIL_CACHE] = low
-
-
-@kernel
-def close_ring_for(buf, reason):
-    """`close_ring` of an ingest ring whose producer broke it, with the reason (`layout.CLOSE_*`) that
-    its next wait reports; the broker reads no more of it."""
-    buf[:HEADER_BYTES].view(np.int64)[H_CLOSED_REASON] = reason
-    close_ring(buf)
-
-
-@kernel
-def mark_closed(buf, reason):
-    """Close a ring the broker writes into (a result ring) with a reason: it pushes no more into it;
-    its reader takes what is there, then its wait raises RingClosed. The reason is stored first."""
-    h = buf[:HEADER_BYTES].view(np.int64)
-    h[H_CLOSED_REASON] = reason
-    store_release(h, H_CLOSED, 1)
-
-
-@kernel
-def peek_closed(buf, out_positions, max_records):
-    """`peek_many` of a closed ring, from its real tail: (count, new real tail)."""
-    h = buf[:HEADER_BYTES].view(np.int64)
-    w = buf[HEADER_BYTES:].view(np.uint32)
-    tail = h[H_CLOSED_TAIL]
-    start = tail
-    n = 0
-    while n < min(max_records, out_positions.size):
-        off, new_tail, st = next_record(w, tail)
-        if st != OK or new_tail - start > w.size:
-            break
-        out_positions[n] = off
-        n += 1
-        tail = new_tail
-    return n, tail
-
-
-@kernel
-def set_closed_tail(buf, tail):
-    buf[:HEADER_BYTES].view(np.int64)[H_CLOSED_TAIL] = tail

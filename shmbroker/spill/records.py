@@ -252,9 +252,10 @@ def gather(seg, offsets, out_flat, out_offsets, first_out):
 
 
 @kernel
-def check_records(seg, offsets, seqs, item_ids, num_tokens, out):
+def check_records(seg, offsets, seqs, item_ids, num_tokens, out, out_words):
     """out[r] = CHECK_OK when the record at offsets[r] is whole (its CRC) and is the one named by
-    seqs[r], item_ids[r] and num_tokens[r]; else CHECK_FRAME or CHECK_CRC. Reads only inside the segment."""
+    seqs[r], item_ids[r] and num_tokens[r]; else CHECK_FRAME or CHECK_CRC. out_words[r]: its option
+    words (0 unless CHECK_OK). Reads only inside the segment."""
     words = seg.view(np.uint32)
     words64 = seg[: seg.size & ~7].view(np.uint64)
     for r in range(offsets.size):
@@ -279,6 +280,7 @@ def check_records(seg, offsets, seqs, item_ids, num_tokens, out):
             out[r] = CHECK_FRAME
             continue
         out[r] = CHECK_OK if record_crc(seg, off, length) == words[w + R_CRC] else CHECK_CRC
+        out_words[r] = k_opt if out[r] == CHECK_OK else 0
 
 
 @kernel

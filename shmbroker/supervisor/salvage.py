@@ -3,7 +3,7 @@
 A producer's `submit` returns once the item is in its ingest ring (shared memory). When the whole
 broker dies, items not yet drained sit in rings that outlive it (until the next supervisor sweeps
 the instance's names). The next supervisor, before sweeping, attaches each ingest ring listed in
-the shm manifest (role `p<producer id>i`), closes it (`ring/wire.close_ring`: its producer now
+the shm manifest (role `p<producer id>i`), closes it (`ring/closing.close_ring`: its producer now
 sees it full and its consumer dead, so the client reconnects to the new broker), waits a moment
 for a push that had reserved its room, and appends every committed record to the backlog
 (writer 0), with the item ids the producer was given.
@@ -28,7 +28,7 @@ from ..ingest.loop import BATCH_RECORDS, BacklogAppender, drain_closed
 from ..ring import layout as L
 from ..ring.owner import Manifest
 from ..ring.shm import Segment
-from ..ring.wire import close_ring
+from ..ring.closing import close_ring
 
 SALVAGE_GRACE_SECONDS = 0.02
 log = logging.getLogger("shmbroker.supervisor.salvage")

@@ -101,7 +101,7 @@ def warm_spill() -> None:
 
 def warm_broker() -> None:
     """The kernels of the broker's processes: wire records, closing rings, block hashes of recovered items."""
-    from ..ring import layout, wire
+    from ..ring import closing, layout, wire
 
     cap = 4096
     ring = np.zeros(layout.segment_bytes(cap), np.uint8)
@@ -113,16 +113,18 @@ def warm_broker() -> None:
     u32 = np.zeros(2, np.uint32)
     _, at = wire.encode_results(out, 0, ids, ids, u32, u32, flat, offs, 0, 2)
     at = wire.encode_error(out, at, np.uint64(5), np.uint64(5), np.uint32(3), np.uint32(0), np.frombuffer(b"x", np.uint8))
+    at = wire.encode_one(out, at, np.uint64(6), np.uint64(6), np.uint32(0), np.uint32(0), flat[:2], flat[:3],
+                         np.frombuffer(b"", np.uint8))
     pos = np.zeros(8, np.int64)
     n, _, _ = wire.scan_results(out, 0, at, pos, True)
     wire.result_fields(out, pos, n, np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint32),
                        np.empty(n, np.uint32))
     wire.push_results(ring, out, pos[:n], 0, n)
-    wire.close_ring(ring)
-    wire.close_ring_for(ring, layout.CLOSE_STOP)
-    wire.mark_closed(ring, layout.CLOSE_STOP)
-    _, tail = wire.peek_closed(ring, pos, 8)
-    wire.set_closed_tail(ring, tail)
+    closing.close_ring(ring)
+    closing.close_ring_for(ring, layout.CLOSE_STOP)
+    closing.mark_closed(ring, layout.CLOSE_STOP)
+    _, tail = closing.peek_closed(ring, pos, 8)
+    closing.set_closed_tail(ring, tail)
     from ..pack.shapes import chain_items
 
     hash_offsets = np.array([0, 1], np.int64)

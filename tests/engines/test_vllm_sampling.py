@@ -6,7 +6,8 @@ engine running the same request alone with the same parameters.
   model directory holds a tokenizer, so vLLM matches it in text) and stop ids: every output equals
   vLLM's own. vLLM's per-request seeds hold across batch compositions here: the broker's batches
   differ from the reference's one-at-a-time runs, and two broker runs fed in opposite orders agree;
-- `n` samples are not carried yet: that item fails alone, `invalid`, naming the option.
+- `n = 4` gives four distinct samples, each with its finish reason, equal to vLLM's own; every
+  result says how many prompt tokens vLLM served from its prefix cache.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ def test_request_options_reach_a_real_vllm_and_its_outputs_are_vllms_own(tmp_pat
         assert len(got) == len(reqs), report[run]["log_tail"]
         for k, r in enumerate(reqs):
             res = got[str(k)]
-            if (r["options"] or {}).get("n", 1) > 1:
-                assert res["status"] == "invalid" and "'n'" in res["error"]
-                continue
             assert res["status"] == "ok", (k, r["options"], res)
-            assert res["tokens"] == ref[str(k)]["tokens"], (k, r["options"])
+            assert res["samples"] == ref[str(k)]["samples"], (k, r["options"])
+            assert res["finish_reasons"] == ref[str(k)]["finish_reasons"], (k, r["options"])
+            assert res["cached_tokens"] is not None
+        four = got[str(len(reqs) - 1)]
+        assert len(four["samples"]) == 4 and len({tuple(x) for x in four["samples"]}) == 4
     first, second = report["first"]["results"], report["second"]["results"]
     assert all(first[k]["tokens"] == second[k]["tokens"] for k in first)
     greedy_of = report["greedy_of_sampled"]
     assert greedy_of and any(ref[k]["tokens"] != g for k, g in greedy_of.items())  # sampled, not greedy
     stop = len(reqs) - 2
+    print("cached tokens:", {k: (len(reqs[int(k)]["prompt"]), v["cached_tokens"]) for k, v in first.items()})
     assert reqs[stop]["options"]["stop"] == [report["stop_word"]] and ref[str(stop)]["finish_reason"] == "stop"
     assert report["stop_word"] not in ref[str(stop)]["text"]

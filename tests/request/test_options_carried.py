@@ -66,9 +66,11 @@ def test_options_reach_the_engine_and_an_unhonoured_one_fails_alone(tmp_path):
                       for _ in range(2)]
         stop_id = p.submit(prompt, max_new_tokens=64, options=stopping)
         many = p.submit_many(np.tile(prompt, 4), np.arange(5) * prompt.size, max_new_tokens=16, options=seeded)
-        n4 = p.submit(prompt, max_new_tokens=8, options={"n": 4})
-        got = collect(p, [*plain, *greedy_ids, *seeded_ids, stop_id, *many.tolist(), n4])
-    assert all(got[i].status == "ok" for i in got if i != n4)
+        n4 = p.submit(prompt, max_new_tokens=64, options={"n": 4, "temperature": 1.0, "seed": 5,
+                                                          "stop_token_ids": list(stopping.stop_token_ids)})
+        n_big = p.submit(prompt, max_new_tokens=8, options={"n": 33})  # more than the card's max_batch_size
+        got = collect(p, [*plain, *greedy_ids, *seeded_ids, stop_id, *many.tolist(), n4, n_big])
+    assert all(got[i].status == "ok" for i in got if i != n_big)
     outs = {i: got[i].tokens.tolist() for i in got}
     assert len({tuple(outs[i]) for i in plain}) == 3  # no options: each item its own tokens, as ever
     assert outs[plain[0]] == Sim.generated(plain[0], 16, prompt).tolist()
@@ -77,7 +79,13 @@ def test_options_reach_the_engine_and_an_unhonoured_one_fails_alone(tmp_path):
     assert len({tuple(outs[i]) for i in [*seeded_ids, *many.tolist()]}) == 1  # one seed: one sample
     assert outs[seeded_ids[0]] == expected(seeded_ids[0], prompt, 16, seeded).tolist()
     assert outs[stop_id] == sim_stop[:10].tolist()  # ended at the stop id, which it keeps
-    assert got[n4].status == "invalid" and "'n'" in got[n4].error  # n samples: no engine here carries them yet
+    assert got[stop_id].finish_reasons == ("stop",) and got[greedy_ids[0]].finish_reasons == ("length",)
+    assert got[plain[0]].extras is None and got[plain[0]].samples[0].tolist() == outs[plain[0]]
+    samples = [s.tolist() for s in got[n4].samples]  # four samples, one after another, each its own
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4 and sum(map(len, samples)) == len(outs[n4])
+    assert samples[0] == expected(n4, prompt, 64, RequestOptions(temperature=1.0, seed=5,
+                                                                  stop_token_ids=stopping.stop_token_ids)).tolist()
+    assert got[n_big].status == "invalid" and "n = 33" in got[n_big].error
 
 
 def test_wrong_options_are_refused_before_anything_is_written(tmp_path):

@@ -75,7 +75,7 @@ def reference(model: str, reqs: list[dict]) -> dict:
     from vllm.inputs import TokensPrompt
 
     from shmbroker.engines.packed_args import vllm_sampling
-    from shmbroker.engines.vllm import llvmlite_scan_workaround
+    from shmbroker.engines.vllm import FINAL_ONLY, llvmlite_scan_workaround
     from shmbroker.request.options import parse_options
 
     llvmlite_scan_workaround()  # numba is imported (the broker's modules): vllm.py says why
@@ -91,12 +91,15 @@ def reference(model: str, reqs: list[dict]) -> dict:
         for i, r in enumerate(reqs):
             opts = parse_options(r["options"]) if r["options"] else None
             engine.add_request(f"ref{i}", TokensPrompt(prompt_token_ids=r["prompt"]),
-                               SamplingParams(**vllm_sampling(r["max_new"], opts)))
+                               SamplingParams(**vllm_sampling(r["max_new"], opts), **FINAL_ONLY))
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     if o.finished:
-                        out[str(i)] = {"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
-                                       "finish_reason": o.outputs[0].finish_reason}
+                        samples = sorted(o.outputs, key=lambda c: c.index)
+                        out[str(i)] = {"tokens": [t for c in samples for t in c.token_ids], "text": samples[0].text,
+                                       "finish_reason": samples[0].finish_reason,
+                                       "samples": [list(c.token_ids) for c in samples],
+                                       "finish_reasons": [c.finish_reason for c in samples]}
     finally:
         engine.engine_core.shutdown()
     return out
@@ -119,8 +122,10 @@ def through_broker(work: Path, model: str, reqs: list[dict], order: list[int]) -
             deadline = time.monotonic() + 300
             while len(got) < len(reqs) and time.monotonic() < deadline:
                 for res in p.results(1.0):
-                    got[str(index[int(res.item_id)])] = {"status": res.status, "tokens": [int(t) for t in res.tokens],
-                                                         "error": res.error}
+                    got[str(index[int(res.item_id)])] = {
+                        "status": res.status, "tokens": [int(t) for t in res.tokens], "error": res.error,
+                        "samples": [[int(t) for t in s] for s in res.samples], "cached_tokens": res.cached_tokens,
+                        "finish_reasons": list(res.finish_reasons or ())}
     finally:
         code = broker.stop(120)
     return {"results": got, "supervisor_exit": code, "log_tail": broker.log()[-3000:] if len(got) < len(reqs) or code else ""}
@@ -138,8 +143,10 @@ def main(work: str) -> int:
 
     stop_word = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).decode(ref[str(greedy)]["tokens"][2:3])
     reqs.append({"prompt": reqs[greedy]["prompt"], "max_new": MAX_NEW, "options": {"temperature": 0.0, "stop": [stop_word]}})
-    reqs.append({"prompt": reqs[greedy]["prompt"], "max_new": MAX_NEW, "options": {"n": 2}})  # not carried yet
-    ref[str(len(reqs) - 2)] = reference(model, [reqs[-2]])["0"]
+    # four samples of one prompt; the same prompt once more after them (its prefix is cached by then)
+    reqs.append({"prompt": reqs[greedy]["prompt"], "max_new": MAX_NEW, "options": {"n": 4, "temperature": 1.0, "seed": 3}})
+    more = reference(model, reqs[-2:])
+    ref[str(len(reqs) - 2)], ref[str(len(reqs) - 1)] = more["0"], more["1"]
     # the sampled requests once more, greedy: sampling must not be greedy in disguise
     sampled = [k for k, r in enumerate(reqs) if (r["options"] or {}).get("temperature", 0.0) > 0]
     greedy_runs = reference(model, [{**reqs[k], "options": None} for k in sampled])
