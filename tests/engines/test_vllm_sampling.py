@@ -7,7 +7,9 @@ engine running the same request alone with the same parameters.
   vLLM's own. vLLM's per-request seeds hold across batch compositions here: the broker's batches
   differ from the reference's one-at-a-time runs, and two broker runs fed in opposite orders agree;
 - `n = 4` gives four distinct samples, each with its finish reason, equal to vLLM's own; every
-  result says how many prompt tokens vLLM served from its prefix cache.
+  result says how many prompt tokens vLLM served from its prefix cache, and for the four samples
+  of a four-block prompt that is the four blocks (vLLM reports them once for the request: the
+  prompt was prefilled once and its blocks reused by the other samples).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def test_request_options_reach_a_real_vllm_and_its_outputs_are_vllms_own(tmp_pat
             assert res["cached_tokens"] is not None
         four = got[str(len(reqs) - 1)]
         assert len(four["samples"]) == 4 and len({tuple(x) for x in four["samples"]}) == 4
+        # the prompt's four whole blocks were computed once and served from the cache to its other samples
+        assert four["cached_tokens"] == 4 * 32
     first, second = report["first"]["results"], report["second"]["results"]
     assert all(first[k]["tokens"] == second[k]["tokens"] for k in first)
     greedy_of = report["greedy_of_sampled"]
     assert greedy_of and any(ref[k]["tokens"] != g for k, g in greedy_of.items())  # sampled, not greedy
     stop = len(reqs) - 2
-    print("cached tokens:", {k: (len(reqs[int(k)]["prompt"]), v["cached_tokens"]) for k, v in first.items()})
     assert reqs[stop]["options"]["stop"] == [report["stop_word"]] and ref[str(stop)]["finish_reason"] == "stop"
     assert report["stop_word"] not in ref[str(stop)]["text"]

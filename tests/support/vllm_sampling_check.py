@@ -143,8 +143,9 @@ def main(work: str) -> int:
 
     stop_word = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).decode(ref[str(greedy)]["tokens"][2:3])
     reqs.append({"prompt": reqs[greedy]["prompt"], "max_new": MAX_NEW, "options": {"temperature": 0.0, "stop": [stop_word]}})
-    # four samples of one prompt; the same prompt once more after them (its prefix is cached by then)
-    reqs.append({"prompt": reqs[greedy]["prompt"], "max_new": MAX_NEW, "options": {"n": 4, "temperature": 1.0, "seed": 3}})
+    # four samples of a prompt of four blocks (prefix caching keeps whole blocks)
+    long_prompt = np.random.default_rng(5).integers(len(SPECIAL), VOCAB, 4 * 32 + 5).tolist()
+    reqs.append({"prompt": long_prompt, "max_new": MAX_NEW, "options": {"n": 4, "temperature": 1.0, "seed": 3}})
     more = reference(model, reqs[-2:])
     ref[str(len(reqs) - 2)], ref[str(len(reqs) - 1)] = more["0"], more["1"]
     # the sampled requests once more, greedy: sampling must not be greedy in disguise
