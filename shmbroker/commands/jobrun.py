@@ -214,6 +214,8 @@ class JobRun:
     def entry(self, item_id: int, p) -> dict:
         e = {"item_id": item_id, "id": p.id, "line": p.line, "n": int(p.tokens.size), "max_new": p.max_new_tokens,
              "model": p.model}
+        if p.endpoint is not None:
+            e["endpoint"] = p.endpoint
         if self.keep_entries:
             self.entries[item_id] = e
         return e
@@ -270,14 +272,20 @@ class JobSink(ResultSink):
         if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
             return False
         tokens = r.tokens.tolist()
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None and r.status == "ok" else None
+        texts = [self.tokenizer.decode(s) for s in r.samples] if self.tokenizer is not None and r.status == "ok" else None
+        text = texts[0] if texts is not None and len(texts) == 1 else None
         if self.fmt == "openai":
-            self._row(*output_row(r.item_id, entry.get("id"), r.status, tokens, r.error, entry, text))
+            self._row(*output_row(r, entry.get("id"), entry, texts))
         else:
             row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
                    "tokens": tokens, "error": r.error}
             if text is not None:
                 row["text"] = text
+            if r.extras is not None:  # samples, finish reasons and cached prompt tokens, as the engine said
+                row.update(samples=[list(map(int, x)) for x in r.samples], finish_reasons=list(r.finish_reasons),
+                           cached_tokens=r.cached_tokens)
+                if texts is not None and len(texts) > 1:
+                    row["texts"] = texts
             self._row(row, False)
         return True
 

@@ -102,14 +102,14 @@ class _Submission:
         try:
             ids = self.producer.submit_many(
                 flat, offsets, max_new_tokens=max_new[0] if len(set(max_new)) == 1 else np.array(max_new, np.int64),
-                prefix_len=prefix, model=run[0].model)
+                prefix_len=prefix, model=run[0].model, options=run[0].options)
         except (ValueError, TypeError):
             # one item is refused: find it (and keep the others) one submit at a time
             for p in run:
                 self._intend([p])
                 try:
                     item = self.producer.submit(p.tokens, max_new_tokens=p.max_new_tokens, prefix_len=p.prefix_len,
-                                                model=p.model)
+                                                model=p.model, options=p.options)
                 except (ValueError, TypeError) as exc:
                     self.refuse(p.line, f"refused by the producer: {exc}", p.id)
                 else:
@@ -183,7 +183,7 @@ class _Submission:
 
 
 def _run_key(p: Prompt) -> tuple:
-    return p.model, p.prefix_len is None
+    return p.model, p.prefix_len is None, p.options
 
 
 def _checks(args) -> str | None:

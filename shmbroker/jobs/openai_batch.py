@@ -2,23 +2,37 @@
 
 A request line (what a file written for the OpenAI Batch API holds):
 
-    {"custom_id": "r-1", "method": "POST", "url": "/v1/completions",
-     "body": {"model": "m", "prompt": [1, 2, 3] or "text", "max_tokens": 16}}
+    {"custom_id": "r-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7,
+              "max_completion_tokens": 64}}
+    {"custom_id": "r-2", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "m", "prompt": [1, 2, 3] or "text", "max_tokens": 16, "seed": 7, "n": 2}}
 
-`custom_id` (a non-empty string, unique in the file) is the key of the output; only
-`/v1/completions` is served (a chat request needs the model's chat template, which the broker never
-knows). `body.prompt` is token ids, or text when a tokenizer is given (`jobs/text.py`); a list of
-one prompt is that prompt. `body.max_tokens` defaults as the API's does (16). Other body fields
-(temperature, stop, ...) belong to the engine's settings, not to an item: they are refused, so a
-file is never run other than as written.
+`custom_id` (a non-empty string, unique in the file) is the key of the output.
+- `/v1/chat/completions`: `messages` rendered with the model's chat template on this side
+  (`request/chat.py`: the tokenizer directory's `tokenizer_config.json` or `chat_template.jinja`)
+  and tokenized without added special tokens; `chat_template_kwargs` go to the template. It needs
+  `--tokenizer` (a model's tokenizer directory).
+- `/v1/completions`: `prompt` is token ids, or text when a tokenizer is given (`jobs/text.py`);
+  a list of one prompt is that prompt; `logprobs` is a count there (OpenAI's legacy field).
+- Request options (`request/options.py`: temperature, top_p, top_k, min_p, seed, stop,
+  stop_token_ids, n, the penalties, min_tokens, ignore_eos, logprobs/top_logprobs) are checked and
+  ride with the item; `max_tokens` (or `max_completion_tokens`) is its max_new_tokens, 16 when
+  absent as in the completions API. A field no engine here honours (`response_format`, `tools`,
+  ...) or one this file format does not know is refused by name, never dropped: the line goes to
+  the error file and the rest of the file runs.
 
-An output line (a result that ran), as the API writes it (`openai.types.Completion` is its body):
+An output line (a result that ran) has the API's body: `openai.types.Completion` for completions,
+`openai.types.chat.ChatCompletion` for chat, one choice per sample with its finish reason, and
+`usage` with `prompt_tokens_details.cached_tokens` when the engine reported its cache:
 
     {"id": "batch_req_<item id>", "custom_id": "r-1", "error": null,
-     "response": {"status_code": 200, "request_id": "req_<item id>", "body": {"id": "cmpl-<item id>",
-      "object": "text_completion", "created": unix seconds, "model": "m",
-      "choices": [{"index": 0, "text": "...", "token_ids": [...], "logprobs": null, "finish_reason": "length"}],
-      "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}}}}
+     "response": {"status_code": 200, "request_id": "req_<item id>", "body": {"id": "chatcmpl-<item id>",
+      "object": "chat.completion", "created": unix seconds, "model": "m",
+      "choices": [{"index": 0, "message": {"role": "assistant", "content": "..."}, "logprobs": null,
+                   "finish_reason": "stop"}],
+      "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k,
+                "prompt_tokens_details": {"cached_tokens": c}}}}}
 
 An error line (the error file): an item the broker failed has its HTTP-style response (400 for
 what the request asked wrongly, 500 for the broker's or the engine's fault) with the API's error
@@ -30,12 +44,19 @@ from __future__ import annotations
 
 import time
 
+from ..request.chat import ChatError
+from ..request.options import OPTION_NAMES, parse_options, refused_fields
 from .prompts import U32_MAX, Prompt, token_ids
 
-ENDPOINT = "/v1/completions"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
-BODY_KEYS = {"model", "prompt", "max_tokens"}
+# body fields each endpoint reads besides the request options
+BODY_KEYS = {COMPLETIONS: {"model", "prompt", "max_tokens"},
+             CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "chat_template_kwargs"}}
 HTTP_STATUS = {"too_long": 400, "invalid": 400, "engine_error": 500, "corrupt": 500}
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` count
 
 
 def is_request(row) -> bool:
@@ -54,14 +75,44 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
         raise ValueError(f"'custom_id' must be a non-empty string, got {cid!r}")
     if row.get("method", "POST") != "POST":
         raise ValueError(f"'method' must be POST, got {row.get('method')!r}")
-    if row.get("url") != ENDPOINT:
-        raise ValueError(f"'url' must be {ENDPOINT} (the only endpoint served), got {row.get('url')!r}")
+    url = row.get("url")
+    if url not in ENDPOINTS:
+        raise ValueError(f"'url' must be one of {', '.join(ENDPOINTS)}, got {url!r}")
     body = row.get("body")
     if not isinstance(body, dict):
         raise ValueError("'body' must be a JSON object")
-    extra = sorted(set(body) - BODY_KEYS)
+    refused = refused_fields(body)
+    if refused:
+        raise ValueError(f"body field(s) {', '.join(refused)} are not served: no engine here honours them")
+    extra = sorted(set(body) - BODY_KEYS[url] - set(OPTION_NAMES))
     if extra:
-        raise ValueError(f"body key(s) {', '.join(extra)} are not served (only {', '.join(sorted(BODY_KEYS))})")
+        raise ValueError(f"body field(s) {', '.join(extra)} are not known for {url}")
+    tokens = chat_tokens(body, tokenizer) if url == CHAT else completion_tokens(body, tokenizer)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
+    if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
+        raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    options = parse_options(option_fields(body, url), max_tokens=max_tokens)
+    name = body.get("model")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"'model' must be a non-empty string, got {name!r}")
+    return Prompt(number, tokens, max_tokens, None, model if model is not None else name, cid,
+                  options if options else None, url)
+
+
+def option_fields(body: dict, url: str) -> dict:
+    """The body's request options; the completions API's `logprobs` count as logprobs/top_logprobs."""
+    fields = {k: body[k] for k in OPTION_NAMES if k in body}
+    if url == COMPLETIONS and "logprobs" in fields and fields["logprobs"] is not None:
+        count = fields.pop("logprobs")
+        if type(count) is not int or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"'logprobs' of a completions request must be 0..{MAX_COMPLETION_LOGPROBS}, got {count!r}")
+        fields.update(logprobs=True, top_logprobs=count)
+    return fields
+
+
+def completion_tokens(body: dict, tokenizer):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -71,38 +122,67 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
         tokens = tokenizer.encode(prompt)
         if tokens.size == 0:
             raise ValueError("the text prompt is empty once tokenized")
-    elif isinstance(prompt, list) and prompt:
-        tokens = token_ids(prompt, "prompt")
-    else:
-        raise ValueError("'prompt' must be a non-empty list of token ids or a string")
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
-    if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
-        raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    name = body.get("model")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"'model' must be a non-empty string, got {name!r}")
-    return Prompt(number, tokens, max_tokens, None, model if model is not None else name, cid)
+        return tokens
+    if isinstance(prompt, list) and prompt:
+        return token_ids(prompt, "prompt")
+    raise ValueError("'prompt' must be a non-empty list of token ids or a string")
 
 
-def output_row(item_id: int, cid, status: str, tokens: list[int], error: str | None, entry: dict,
-               text: str | None) -> tuple[dict, bool]:
-    """(row, is_error) of one result: an output line, or for a failed item an error line."""
+def chat_tokens(body: dict, tokenizer):
+    """The chat's prompt: its messages rendered with the model's chat template, then tokenized."""
+    if tokenizer is None:
+        raise ValueError("a chat request needs --tokenizer (the model's tokenizer directory, with its chat template)")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError("'chat_template_kwargs' must be an object")
+    try:
+        text = tokenizer.chat_template().render(body.get("messages"), kwargs)
+    except ChatError as exc:
+        raise ValueError(str(exc)) from None
+    tokens = tokenizer.encode(text)
+    if tokens.size == 0:
+        raise ValueError("the chat renders to no tokens")
+    return tokens
+
+
+def output_row(r, cid, entry: dict, texts: list | None) -> tuple[dict, bool]:
+    """(row, is_error) of one result `r` (`client.Result`): an output line, or for a failed item an
+    error line. `texts`: each sample's decoded text (None without a tokenizer)."""
+    item_id, status = r.item_id, r.status
     ids = {"id": f"batch_req_{item_id:x}", "custom_id": cid}
     if status == "ok":
-        n, k = int(entry.get("n", 0)), len(tokens)
-        finish = "length" if k >= int(entry.get("max_new", k)) else "stop"
-        choice = {"index": 0, "text": text if text is not None else "", "token_ids": tokens, "logprobs": None,
-                  "finish_reason": finish}
-        body = {"id": f"cmpl-{item_id:x}", "object": "text_completion", "created": int(time.time()),
-                "model": entry.get("model") or "default", "choices": [choice],
-                "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}}
+        body = ok_body(r, entry, texts)
         return {**ids, "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, False
     if status == "cancelled":
-        return {**ids, "response": None, "error": {"code": "batch_cancelled", "message": error or "the job was cancelled"}}, True
+        return {**ids, "response": None, "error": {"code": "batch_cancelled", "message": r.error or "the job was cancelled"}}, True
     code = HTTP_STATUS.get(status, 500)
-    body = {"error": {"message": error or status, "type": "invalid_request_error" if code == 400 else "server_error",
+    body = {"error": {"message": r.error or status, "type": "invalid_request_error" if code == 400 else "server_error",
                       "param": None, "code": status}}
     return {**ids, "response": {"status_code": code, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, True
+
+
+def ok_body(r, entry: dict, texts: list | None) -> dict:
+    """The API's completion (or chat completion) body of a result that ran: a choice per sample."""
+    samples = r.samples
+    reasons = r.finish_reasons or tuple(
+        "length" if len(s) >= int(entry.get("max_new", len(s))) else "stop" for s in samples)
+    chat = entry.get("endpoint") == CHAT
+    choices = []
+    for k, (tokens, reason) in enumerate(zip(samples, reasons)):
+        text = texts[k] if texts is not None else ""
+        if chat:
+            choices.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": k, "text": text, "token_ids": tokens.tolist(), "logprobs": None,
+                            "finish_reason": reason})
+    n, k = int(entry.get("n", 0)), int(r.tokens.size)
+    usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+    if r.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
+    kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
+    return {"id": f"{prefix}-{r.item_id:x}", "object": kind, "created": int(time.time()),
+            "model": entry.get("model") or "default", "choices": choices, "usage": usage}
 
 
 def line_error_row(number: int, message: str, cid=None, code: str = "invalid_request") -> dict:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..request.options import RequestOptions
+
 U32_MAX = (1 << 32) - 1
 KEYS = {"tokens", "max_new_tokens", "prefix_len", "model", "id"}
 
@@ -32,6 +34,8 @@ class Prompt:
     prefix_len: int | None = None
     model: str | None = None
     id: str | int | None = None
+    options: RequestOptions | None = None  # its request options (request/options.py)
+    endpoint: str | None = None  # an OpenAI batch line's url; None: the broker's own line format
 
 
 @dataclass

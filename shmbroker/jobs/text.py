@@ -31,6 +31,16 @@ class Tokenizer:
         except Exception as exc:  # the package raises its own Exception for a file it cannot read
             raise TextError(f"{file}: not a tokenizer the tokenizers package reads ({exc})") from None
         self.path = file
+        self.directory = os.path.dirname(file)
+        self._chat = None
+
+    def chat_template(self):
+        """The model's chat template, read from the tokenizer's directory (`request/chat.py`)."""
+        if self._chat is None:
+            from ..request.chat import ChatTemplate
+
+            self._chat = ChatTemplate.from_dir(self.directory)
+        return self._chat
 
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)

@@ -10,6 +10,8 @@ import os
 import numpy as np
 import pytest
 
+from shmbroker.request.options import RequestOptions
+
 from shmbroker.client.seen import SeenSet
 from shmbroker.jobs import cancels, store
 from shmbroker.jobs.openai_batch import parse_request
@@ -126,7 +128,13 @@ def test_cancel_list_is_read_when_it_changes(tmp_path):
     ({"custom_id": "", "url": "/v1/completions", "body": {"prompt": [1]}}, "custom_id"),
     ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": [1]}}, "POST"),
     ({"custom_id": "a", "url": "/v1/embeddings", "body": {"prompt": [1]}}, "/v1/completions"),
-    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "temperature": 0.5}}, "temperature"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "temperature": 9}}, "'temperature'"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "tools": []}}, "tools"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "response_format": {}}}, "response_format"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "frobnicate": 1}}, "frobnicate"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "logprobs": 9}}, "logprobs"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+     "--tokenizer"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": []}}, "non-empty"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [-1]}}, "0..4294967295"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}, "--tokenizer"),
@@ -137,6 +145,15 @@ def test_cancel_list_is_read_when_it_changes(tmp_path):
 def test_a_bad_request_line_says_what_is_wrong(row, message):
     with pytest.raises(ValueError, match=message):
         parse_request(row, 3)
+
+
+def test_a_request_line_with_options_carries_them():
+    p = parse_request({"custom_id": "r", "url": "/v1/completions",
+                       "body": {"prompt": [5, 6], "temperature": 0.5, "seed": 3, "n": 2, "stop": "x", "logprobs": 2,
+                                "max_tokens": 9}}, 4)
+    assert (p.max_new_tokens, p.endpoint) == (9, "/v1/completions")
+    assert p.options == RequestOptions(temperature=0.5, seed=3, n=2, stop=("x",), logprobs=True, top_logprobs=2)
+    assert parse_request({"custom_id": "r", "url": "/v1/completions", "body": {"prompt": [5]}}, 4).options is None
 
 
 def test_a_request_line_as_the_api_writes_it():

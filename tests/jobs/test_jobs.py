@@ -100,7 +100,7 @@ def test_openai_file_round_trips_through_the_openai_types(fast, tmp_path, capsys
     assert code == 1, err  # three lines refused
     for line in (301, 302, 303):
         assert f"batch.jsonl:{line}:" in err
-    assert "needs --tokenizer" in err and "/v1/completions" in err
+    assert "a text prompt needs --tokenizer" in err and "a chat request needs --tokenizer" in err
     good = rows(out)
     errors = rows(tmp_path / "out.errors.jsonl")
     assert sorted(r["custom_id"] for r in good) == sorted(f"req-{i}" for i in range(300))

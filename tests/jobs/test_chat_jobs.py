@@ -1,0 +1,108 @@
+"""Chat batch files with request options, as users write them for the OpenAI Batch API, through a
+real broker (`shmbroker supervise`, the simulated engine) with `submit --job --tokenizer DIR`:
+every line rendered with the model's chat template as transformers renders it, carried with its
+options, and written back as `chat.completion` bodies the `openai` package parses; bad lines go
+to the error file with their line numbers and the rest runs."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import numpy as np
+import pytest
+from support.brokerproc import serve
+
+from shmbroker.cli import main
+from shmbroker.engines.sim import Sim
+from shmbroker.engines.sim_requests import sample_key, sampled_result
+from shmbroker.request.extras import decode_extras
+from shmbroker.request.options import parse_options
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = """
+segment_bytes = 4194304
+index_items = 65536
+max_wait_seconds = 0.2
+
+[[consumers]]
+name = "fast"
+max_batch_size = 64
+max_batch_tokens = 65536
+max_input_len = 1024
+engine_settings = { mode = "packed", cache_tokens = 262144 }
+"""
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def tokenizer_dir(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS + ["user", "assistant", "system"])],
+                            trainers.WordLevelTrainer(special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"]))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<|im_end|>",
+        "chat_template": CHATML}))
+    return path
+
+
+def chat_line(i: int, body: dict) -> str:
+    return json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def test_a_chat_batch_file_with_options_runs_and_reads_back_with_the_openai_types(tmp_path, capsys):
+    from openai.types.chat import ChatCompletion
+    from transformers import AutoTokenizer
+
+    tok_dir = tokenizer_dir(tmp_path)
+    rng = np.random.default_rng(4)
+    bodies = []
+    for i in range(40):
+        messages = [{"role": "system", "content": "w1 w2 w3"},
+                    {"role": "user", "content": " ".join(rng.choice(WORDS, 12).tolist())}]
+        body = {"model": "default", "messages": messages, "max_completion_tokens": 6, "temperature": 0.7, "seed": i}
+        if i % 4 == 0:
+            body["n"] = 2
+        bodies.append(body)
+    lines = [chat_line(i, b) for i, b in enumerate(bodies)]
+    lines.append(chat_line(40, {"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json"}}))
+    lines.append(chat_line(41, {"messages": [{"role": "tool", "content": "w1"}]}))
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", "cj", CONFIG) as broker:
+        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "chat-" + secrets.token_hex(3),
+                     "--model", "default", "--tokenizer", str(tok_dir), "--wait", "--out", str(out), "--out-format", "openai"])
+    err = capsys.readouterr().err
+    assert code == 1, err  # two lines refused
+    assert "chat.jsonl:41: body field(s) response_format are not served" in err and "chat.jsonl:42:" in err
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    got = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == sorted(f"c-{i}" for i in range(40))
+    for i, body in enumerate(bodies):
+        row = got[f"c-{i}"]
+        reply = ChatCompletion.model_validate(row["response"]["body"])
+        prompt = hf.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        assert reply.usage.prompt_tokens == len(prompt)
+        assert len(reply.choices) == body.get("n", 1)
+        # the simulated engine's samples for this prompt under this seed, decoded
+        item_id = int(row["id"].removeprefix("batch_req_"), 16)
+        opts = parse_options({k: body[k] for k in ("temperature", "seed", "n") if k in body})
+        key = sample_key(item_id, Sim.digest(np.array(prompt, np.uint32)), opts)
+        tokens, extras = sampled_result(item_id, key, 6, opts, lambda keys, counts: Sim.generated_many(
+            np.repeat(np.array([item_id], np.uint64), keys.size), counts, keys=keys).flat)
+        want = decode_extras(extras, tokens.size)
+        texts = [hf.decode(t.tolist(), skip_special_tokens=True) for t in np.split(tokens, np.cumsum(want.lengths)[:-1])]
+        assert [c.message.content for c in reply.choices] == texts
+        assert [c.finish_reason for c in reply.choices] == list(want.finish_reasons)
+        assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert sorted(e["error"]["line"] for e in errors) == [41, 42]
