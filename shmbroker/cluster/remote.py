@@ -146,9 +146,11 @@ class RemoteProducer:
     # -- submit ----------------------------------------------------------------------
 
     def submit(self, tokens, *, max_new_tokens: int, prefix_len: int | None = None, model: str | None = None,
-               block: bool = True, timeout_seconds: float | None = None) -> int:
-        """Submit one prompt; returns its item id (its sequence number) once JetStream stored it."""
+               block: bool = True, timeout_seconds: float | None = None, options=None) -> int:
+        """Submit one prompt; returns its item id (its sequence number) once JetStream stored it.
+        Request options do not cross hosts yet: `options` is refused, not dropped."""
         self._check_open()
+        refuse_options(options)
         arr = as_tokens(tokens)
         if arr.size > self.max_tokens:
             raise ValueError(f"item of {arr.size} tokens exceeds the servers' message limit of {self.max_tokens} tokens")
@@ -162,7 +164,7 @@ class RemoteProducer:
         return seq
 
     def submit_many(self, flat_tokens, offsets, *, max_new_tokens, prefix_len=None, model: str | None = None,
-                    block: bool = True, timeout_seconds: float | None = None) -> np.ndarray:
+                    block: bool = True, timeout_seconds: float | None = None, options=None) -> np.ndarray:
         """Submit many prompts: item i is flat_tokens[offsets[i]:offsets[i+1]].
 
         `max_new_tokens` and `prefix_len` are one value for all or one per item. Every item is
@@ -171,6 +173,7 @@ class RemoteProducer:
         ones, unless the stream took a later item in flight while it refused an earlier one).
         """
         self._check_open()
+        refuse_options(options)
         flat = as_tokens(flat_tokens, "flat_tokens")
         offs = as_offsets(offsets, flat.size, self.max_tokens)
         count = offs.size - 1
@@ -349,3 +352,10 @@ class RemoteProducer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def refuse_options(options) -> None:
+    """Request options are carried within one host only (the prompt message has no field for them)."""
+    if options:
+        raise ValueError("request options are not carried past one host yet: submit them to a broker's "
+                         "Producer on its host")

@@ -123,3 +123,12 @@ def test_a_flipped_bit_never_reads_back_as_the_same_options(body, data):
     except OptionsError:
         return
     assert back != parse_options(body)
+
+
+def test_a_remote_producer_refuses_options_rather_than_dropping_them():
+    from shmbroker.cluster.remote import refuse_options
+
+    refuse_options(None)
+    refuse_options({})
+    with pytest.raises(ValueError, match="not carried past one host"):
+        refuse_options({"temperature": 0.5})
