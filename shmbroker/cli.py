@@ -301,7 +301,8 @@ def _add_prompts(sub) -> None:
     g.add_argument("--error-file", default=None,
                    help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="a tokenizer.json (or a directory holding one): text prompts become token ids, results get text")
+                   help="a tokenizer.json (or a directory holding one): text and chat prompts become token ids, results get "
+                        "text (default: the model's entry in the broker's [tokenizers] table)")
     g.add_argument("--progress-seconds", type=float, default=None, metavar="S",
                    help="without a terminal: seconds between two progress lines (default 5)")
     g.add_argument("--model", default=None,
@@ -320,7 +321,8 @@ def _add_prompts(sub) -> None:
                    help="a job's results as this format's lines (openai: the OpenAI Batch output format, keyed by custom_id)")
     p.add_argument("--error-file", default=None,
                    help="--out-format openai: where failed items go (default: OUT with .errors before its extension)")
-    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a job's results: generated ids as text too")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a job's results: generated ids as text too "
+                                                                         "(default: the broker's [tokenizers] table)")
     p.set_defaults(func=_commands("results"))
 
 

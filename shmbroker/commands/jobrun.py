@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -272,7 +273,8 @@ class JobSink(ResultSink):
         if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
             return False
         tokens = r.tokens.tolist()
-        texts = [self.tokenizer.decode(s) for s in r.samples] if self.tokenizer is not None and r.status == "ok" else None
+        tokenizer = self.tokenizer.of(entry.get("model")) if self.tokenizer is not None else None
+        texts = [tokenizer.decode(s) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
         text = texts[0] if texts is not None and len(texts) == 1 else None
         if self.fmt == "openai":
             self._row(*output_row(r, entry.get("id"), entry, texts))
@@ -309,17 +311,30 @@ class JobSink(ResultSink):
         self._put(self.errors if is_error and self.errors is not None else self.out, json.dumps(row))
 
 
-def open_tokenizer(path: str | None):
-    """(the tokenizer at `path` or None, 0), or (None, 2) after saying why it cannot be read."""
-    if not path:
-        return None, 0
-    from ..jobs.text import TextError, Tokenizer
+def open_tokenizer(path: str | None, data_dir: str | None = None):
+    """(the tokenizer lookup, 0): the tokenizer at `path` for every model, else the broker's
+    `[tokenizers]` table (broker.json), else None; or (None, 2) after saying why it cannot be read."""
+    from ..jobs.text import TextError, Tokenizer, Tokenizers
 
+    if not path:
+        paths = broker_description(data_dir).get("tokenizers") if data_dir else None
+        return (Tokenizers(paths) if isinstance(paths, dict) and paths else None), 0
     try:
         return Tokenizer(path), 0
     except TextError as exc:
         print_error(str(exc))
         return None, 2
+
+
+def broker_description(data_dir: str) -> dict:
+    """The running broker's broker.json, or {} (none running, a remote producer, not described yet)."""
+    from ..observe.watch import BROKER_FILE
+
+    try:
+        desc = json.loads((Path(data_dir) / BROKER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return desc if isinstance(desc, dict) else {}
 
 
 def error_path(out: str | None) -> str | None:

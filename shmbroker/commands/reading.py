@@ -39,7 +39,7 @@ def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt:
     if '"custom_id"' in line:
         row = json.loads(line)
         if is_request(row):
-            p = parse_request(row, number, tokenizer, None, default_max_new)
+            p = parse_request(row, number, tokenizer, model, default_max_new)
     if p is None:
         if default_max_new is not None and '"max_new_tokens"' not in line:
             row = json.loads(line)

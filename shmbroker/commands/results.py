@@ -27,7 +27,7 @@ def results(args) -> int:
     if error_file and fmt != "openai":
         print_error("--error-file goes with --out-format openai (the native format keeps errors in its rows)")
         return 2
-    tokenizer, code = open_tokenizer(tokenizer_at)
+    tokenizer, code = open_tokenizer(tokenizer_at, data_dir if as_job else None)
     if code:
         return code
     entries = load_entries(data_dir, args.name) if as_job else None

@@ -216,7 +216,7 @@ def submit(args) -> int:
     if problem:
         print_error(problem)
         return 2
-    tokenizer, code = open_tokenizer(args.tokenizer)
+    tokenizer, code = open_tokenizer(args.tokenizer, data_dir)
     if code:
         return code
     named = _job_and_name(args, data_dir)
@@ -367,11 +367,11 @@ def _wait_all(args, run: _Submission, name: str) -> bool:
 def _unserved(data_dir: str, models) -> None:
     """Say which of the models submitted no consumer of the broker serves (their items come back
     `invalid`): an OpenAI Batch file names its model in every line, a broker's consumers may name none."""
-    from ..observe.watch import BROKER_FILE
+    from .jobrun import broker_description
 
     try:
-        served = set(json.loads((Path(data_dir) / BROKER_FILE).read_text())["models"])
-    except (OSError, ValueError, KeyError, TypeError):
+        served = set(broker_description(data_dir)["models"])
+    except (KeyError, TypeError):
         return  # a remote producer, or a broker that has not described itself: nothing to compare
     for model, n in sorted(models.items(), key=lambda kv: str(kv[0])):
         if (model or "default") not in served:

@@ -9,7 +9,8 @@ Each key's field carries its metadata (`key(...)`):
 - `required`: the key must be given; `fill`: the value a reader fills in for a key left out, where the
   field has no default; `default_text`: the default in words, where it is not a value (`data_dir`);
   `key`: the key's name where it differs from the field's; `table`: the header of a field that holds
-  a table (`[[consumers]]`); `type`: the key's type where the field's is another (GiB, not bytes).
+  a table (`[[consumers]]`), `flat`: that table's keys are names, not fields (`[tokenizers]`); `type`:
+  the key's type where the field's is another (GiB, not bytes).
 
 Fields without `help` are not keys (`source`, `ConsumerConfig`'s). This module imports only the
 checks, the packer's declarations, the protocol's data directory and model ids: any process below the
@@ -143,6 +144,10 @@ class BrokerConfig:
                       help="cards declared for when NVML cannot tell (a `Card` each)")
     cluster: object = key(None, table="[cluster]", default_text="none (a single host)",
                           help="this broker is a node of a cluster on NATS JetStream (a `cluster.options.ClusterConfig`)")
+    tokenizers: dict = key(default_factory=dict, table="[tokenizers]", default_text="none", flat=True,
+                           help="each served model's tokenizer directory (its `tokenizer.json` and chat template), "
+                                "keyed by model name (`default`: the default model): `submit` and `results` render "
+                                "chat and text lines with it where `--tokenizer` is not given")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def top_level_rows() -> list[Row]:
             rows.append(row(f))
         else:
             rows.append(Row(table, "array of tables" if table.startswith("[[") else "table", default_text(f), "",
-                            f.metadata["help"] + "; below"))
+                            f.metadata["help"] + ("" if f.metadata.get("flat") else "; below")))
     return rows
 
 

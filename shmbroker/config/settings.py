@@ -99,7 +99,29 @@ def parse(raw: dict, where: str = CONFIG_FILE, *, data_dir: str | None = None) -
         out["gpus"] = gpus(v, raw["gpus"])
     if "cluster" in raw:
         out["cluster"] = parse_cluster(v, raw["cluster"], out.get("instance", BrokerConfig.instance))
+    if "tokenizers" in raw:
+        served = {c.model_name or "default" for c in out["consumers"]} | {t.model or "default" for t in out.get("tiers", ())}
+        out["tokenizers"] = tokenizers(v, raw["tokenizers"], served)
     return BrokerConfig(source=where, **out)
+
+
+def tokenizers(v: Validator, raw, served: set) -> dict:
+    """`[tokenizers]`: model name -> an existing tokenizer directory (or tokenizer.json), absolute;
+    each name a model that a consumer or tier serves."""
+    if not isinstance(raw, dict):
+        v.fail("tokenizers", "must be a table of model name = tokenizer directory", raw)
+    out = {}
+    for model, path in raw.items():
+        if model not in served:
+            v.fail(f"tokenizers.{model}", f"no consumer or tier serves this model (served: {', '.join(sorted(served))})",
+                   model)
+        if not isinstance(path, str) or not path:
+            v.fail(f"tokenizers.{model}", "must be a path (a tokenizer directory or its tokenizer.json)", path)
+        full = os.path.abspath(os.path.expanduser(path))
+        if not (os.path.isfile(full) or os.path.isfile(os.path.join(full, "tokenizer.json"))):
+            v.fail(f"tokenizers.{model}", "no tokenizer.json there", path)
+        out[model] = full
+    return out
 
 
 def tables_of(v: Validator, items, name: str) -> list[dict]:

@@ -60,7 +60,6 @@ class EngineEntry:
 
 # what an item's result can carry: its samples, their finish reasons, cached tokens (no logprobs)
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
-SAMPLING = SAMPLES - {"n"}  # one sample a request (the openai engine: one choice per prompt)
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
@@ -70,7 +69,7 @@ ENGINES = {e.name: e for e in (
                 SAMPLES),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
-                Mode.PACKED, True, SAMPLING),
+                Mode.PACKED, True, SAMPLES),
 )}
 
 

@@ -7,8 +7,8 @@ the broker gives it is the order (families together, parents first), and what th
 is keep the server full, handing each item's result back the moment its request returns.
 
 The streaming interface (`base.py`): `add(batch)` cuts the items into small requests to
-`POST {base_url}/completions` with token-id prompts (`"prompt": [[ids], ...]`, one choice per prompt,
-`choices[i].index` naming it) and queues them, in the batch's order, on a pool of `max_in_flight`
+`POST {base_url}/completions` with token-id prompts (`"prompt": [[ids], ...]`, n choices per prompt,
+`choices[i].index` naming prompt index // n and its sample index % n) and queues them, in the batch's order, on a pool of `max_in_flight`
 threads (a small blocking pool: no asyncio on the hot path, docs/design.md), so at most `max_in_flight`
 requests are at the server at once and the rest wait inside the engine; it returns at once.
 `poll(timeout)` waits (at most the timeout) for at least one request to return and hands back the
@@ -16,7 +16,7 @@ results of every request returned since the last poll (in any order): a slow req
 only its own items. `StreamingRun.run` gives the one-batch-at-a-time call on top.
 
 Request size. `max_tokens` is per request, and so are the sampling fields an item's request options
-set (temperature, seed, stop, ...: the body's fields of the same names; greedy without any), so a
+set (temperature, seed, stop, n, ...: the body's fields of the same names; greedy without any), so a
 request's items share max_new_tokens and options (items of an add are grouped by both, the groups kept in the add's order); then each group is cut to
 `max_items_per_request`. Its default (0: `default_items_per_request`) is small, 1 to 4: one item per
 request is best for a continuously batching server, since each request returns (and its slot is
@@ -191,7 +191,8 @@ class OpenAICompatible(StreamingRun):
                 continue
             for k, i in enumerate(ids):
                 tokens, error = reply.tokens[k], reply.errors[k]
-                results.append(ItemResult(i, OK, tokens) if error is None else ItemResult(i, ENGINE_ERROR, error=error))
+                results.append(ItemResult(i, OK, tokens, extras=reply.extras_of(k)) if error is None
+                               else ItemResult(i, ENGINE_ERROR, error=error))
             for r in reply.sub_replies or [reply]:
                 if r.cached_tokens is not None:
                     reused_tokens += r.cached_tokens
@@ -248,7 +249,8 @@ class OpenAICompatible(StreamingRun):
                     raise
                 replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
-                     sub_replies=[s for r in replies for s in (r.sub_replies or [r])])
+                     sub_replies=[s for r in replies for s in (r.sub_replies or [r])],
+                     extras=[r.extras_of(k) for r in replies for k in range(len(r.tokens))])
 
     def _refused_alone(self, prompt: list, whole, max_tokens: int, options=None) -> bool:
         """Whether this one prompt alone is refused with the very reason the whole request was. Both the
@@ -290,7 +292,7 @@ class OpenAICompatible(StreamingRun):
                 status = resp.status_code
                 if status == 200:
                     self.last_ok = monotonic()
-                    reply, from_token_ids = parse_reply(resp, prompts)
+                    reply, from_token_ids = parse_reply(resp, prompts, int(body["n"]))
                     if from_token_ids:
                         self.ask_logprobs = False
                     return reply

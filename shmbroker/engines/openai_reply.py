@@ -1,6 +1,9 @@
 """An OpenAI-compatible server's answers, read: the token ids of each choice (in the fields the
-`openai` engine's module docstring lists), the usage's cache figures, a failed request's reason
-and the server's error text.
+`openai` engine's module docstring lists) and its finish reason, the usage's cache figures, a failed
+request's reason and the server's error text.
+
+A request of P prompts asking n samples each is answered with P * n choices; choice c is sample
+c % n of prompt c // n (vLLM's and OpenAI's numbering: each prompt's choices one after another).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+
+from ..request.extras import encode_extras
 
 TOKEN_ID_PREFIX = "token_id:"
 ASKED_FIELDS = '"return_token_ids": true, and "return_tokens_as_token_ids": true with "logprobs": 0'
@@ -37,19 +42,24 @@ class RequestFailed(Exception):
 
 @dataclass
 class Reply:
-    """One request's answer: per prompt its tokens or an error text; the usage's cache figures."""
+    """One request's answer: per prompt its tokens (its samples' one after another) and their extras
+    words (request/extras.py), or an error text; the usage's cache figures."""
 
     tokens: list  # np.ndarray (uint32) or None per prompt
     errors: list  # str or None per prompt
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     sub_replies: list = field(default_factory=list)  # a split request's halves, in order
+    extras: list = field(default_factory=list)  # np.ndarray (uint32) or None per prompt; empty: none
+
+    def extras_of(self, k: int):
+        return self.extras[k] if k < len(self.extras) else None
 
 
-def parse_reply(resp: httpx.Response, prompts: list) -> tuple[Reply, bool]:
-    """A 200 answer to a request for `prompts`: (its Reply, whether any choice's tokens came from
-    `token_ids`: the server needs no logprobs asked for). RequestFailed: no answer to read."""
-    n = len(prompts)
+def parse_reply(resp: httpx.Response, prompts: list, n: int = 1) -> tuple[Reply, bool]:
+    """A 200 answer to a request for `prompts`, n samples each: (its Reply, whether any choice's
+    tokens came from `token_ids`: the server needs no logprobs asked for). RequestFailed: no answer
+    to read."""
     try:
         data = resp.json()
     except ValueError as exc:
@@ -57,27 +67,55 @@ def parse_reply(resp: httpx.Response, prompts: list) -> tuple[Reply, bool]:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list):
         raise RequestFailed(f"the server's answer has no choices: {resp.text[:MESSAGE_CHARS_MAX]!r}")
-    from_ids = False
-    tokens: list = [None] * n
-    errors: list = ["the server returned no choice for it"] * n
-    for choice in choices:
-        index = choice.get("index") if isinstance(choice, dict) else None
-        if not isinstance(index, int) or not 0 <= index < n:
-            continue
-        if choice.get("finish_reason") in ("abort", "error"):
-            errors[index] = f"the server ended it with finish_reason {choice['finish_reason']!r}"
-            continue
-        out, from_token_ids = choice_tokens(choice)
-        from_ids |= from_token_ids
-        tokens[index], errors[index] = (out, None) if out is not None else (None, NO_TOKEN_IDS)
-    usage = data.get("usage") if isinstance(data, dict) else None
+    usage = data.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
     prompt_tokens = usage.get("prompt_tokens")
     if not isinstance(prompt_tokens, int):
         prompt_tokens = sum(len(p) for p in prompts)
-    return Reply(tokens, errors, prompt_tokens, cached if isinstance(cached, int) and cached >= 0 else None), from_ids
+    samples, from_ids = read_choices(choices, len(prompts), n)
+    reply = Reply([None] * len(prompts), [None] * len(prompts), prompt_tokens, cached, extras=[None] * len(prompts))
+    for k, got in enumerate(samples):
+        if isinstance(got, str):
+            reply.errors[k] = got
+            continue
+        reply.tokens[k] = np.concatenate([t for t, _ in got])
+        # the usage's cached tokens are the request's: an item's own only when it is the request's one prompt
+        reply.extras[k] = encode_extras([t.size for t, _ in got], [stop for _, stop in got],
+                                        cached if len(prompts) == 1 else None)
+    return reply, from_ids
+
+
+def read_choices(choices: list, num_prompts: int, n: int) -> tuple[list, bool]:
+    """Per prompt: its n samples as (tokens, stopped) in sample order, or the error text that fails
+    it; and whether any tokens came from `token_ids`."""
+    got: list = [[None] * n for _ in range(num_prompts)]
+    errors: list = [None] * num_prompts
+    from_ids = False
+    for choice in choices:
+        index = choice.get("index") if isinstance(choice, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < num_prompts * n:
+            continue
+        k, j = divmod(index, n)
+        reason = choice.get("finish_reason")
+        if reason in ("abort", "error"):
+            errors[k] = f"the server ended it with finish_reason {reason!r}"
+            continue
+        out, from_token_ids = choice_tokens(choice)
+        from_ids |= from_token_ids
+        if out is None:
+            errors[k] = errors[k] or NO_TOKEN_IDS
+        else:
+            got[k][j] = (out, reason == "stop")
+    result = []
+    for k in range(num_prompts):
+        if errors[k] is None and any(s is None for s in got[k]):
+            errors[k] = "the server returned no choice for it" if n == 1 else \
+                f"the server returned {sum(s is not None for s in got[k])} of its {n} choices"
+        result.append(errors[k] if errors[k] is not None else got[k])
+    return result, from_ids
 
 
 def choice_tokens(choice: dict) -> tuple:

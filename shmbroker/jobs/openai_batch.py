@@ -59,6 +59,10 @@ HTTP_STATUS = {"too_long": 400, "invalid": 400, "engine_error": 500, "corrupt": 
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` count
 
 
+NO_TOKENIZER = ("--tokenizer (a tokenizer.json or the model's tokenizer directory), or the model's entry in the "
+                "broker's [tokenizers] table")
+
+
 def is_request(row) -> bool:
     return isinstance(row, dict) and "custom_id" in row
 
@@ -66,7 +70,8 @@ def is_request(row) -> bool:
 def parse_request(row: dict, number: int, tokenizer=None, model: str | None = None,
                   default_max_tokens: int | None = None) -> Prompt:
     """A Prompt from one request line (its `id` the custom_id); ValueError says what is wrong.
-    `model`, when given, is every item's model in place of the body's."""
+    `model`, when given, is every item's model in place of the body's. `tokenizer`: a `jobs/text.py`
+    Tokenizer or Tokenizers, asked for the line's model's (`of`), or None."""
     unknown = sorted(set(row) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)} in a batch request")
@@ -87,6 +92,11 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
     extra = sorted(set(body) - BODY_KEYS[url] - set(OPTION_NAMES))
     if extra:
         raise ValueError(f"body field(s) {', '.join(extra)} are not known for {url}")
+    name = body.get("model")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"'model' must be a non-empty string, got {name!r}")
+    model = model if model is not None else name
+    tokenizer = tokenizer.of(model) if tokenizer is not None else None
     tokens = chat_tokens(body, tokenizer) if url == CHAT else completion_tokens(body, tokenizer)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
@@ -94,11 +104,7 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
     if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
         raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     options = parse_options(option_fields(body, url), max_tokens=max_tokens)
-    name = body.get("model")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"'model' must be a non-empty string, got {name!r}")
-    return Prompt(number, tokens, max_tokens, None, model if model is not None else name, cid,
-                  options if options else None, url)
+    return Prompt(number, tokens, max_tokens, None, model, cid, options if options else None, url)
 
 
 def option_fields(body: dict, url: str) -> dict:
@@ -118,7 +124,7 @@ def completion_tokens(body: dict, tokenizer):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("a text prompt needs --tokenizer (a tokenizer.json or a directory holding one)")
+            raise ValueError(f"a text prompt needs {NO_TOKENIZER}")
         tokens = tokenizer.encode(prompt)
         if tokens.size == 0:
             raise ValueError("the text prompt is empty once tokenized")
@@ -131,7 +137,7 @@ def completion_tokens(body: dict, tokenizer):
 def chat_tokens(body: dict, tokenizer):
     """The chat's prompt: its messages rendered with the model's chat template, then tokenized."""
     if tokenizer is None:
-        raise ValueError("a chat request needs --tokenizer (the model's tokenizer directory, with its chat template)")
+        raise ValueError(f"a chat request needs {NO_TOKENIZER} (its chat template is read there)")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError("'chat_template_kwargs' must be an object")

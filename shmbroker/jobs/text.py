@@ -3,6 +3,10 @@
 `submit --tokenizer PATH` (a `tokenizer.json`, or a directory holding one, as a model's Hugging
 Face directory does) encodes text prompts into token ids before they are submitted, and decodes
 generated ids back into text in the results. The broker never sees text nor knows the model.
+
+Without `--tokenizer`, each line's model finds its tokenizer in the broker's `[tokenizers]` table
+(published in `broker.json`): `Tokenizers`, which opens each model's once. A `Tokenizer` and a
+`Tokenizers` answer the same question, `of(model)`: the tokenizer for that model's lines, or None.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import numpy as np
 
 
-class TextError(Exception):
+class TextError(ValueError):
     """No tokenizer can be read from the path given (or the package is missing)."""
 
 
@@ -34,6 +38,10 @@ class Tokenizer:
         self.directory = os.path.dirname(file)
         self._chat = None
 
+    def of(self, model: str | None) -> Tokenizer:
+        """The tokenizer of `model`'s lines: this one (given on the command line, it serves every model)."""
+        return self
+
     def chat_template(self):
         """The model's chat template, read from the tokenizer's directory (`request/chat.py`)."""
         if self._chat is None:
@@ -47,3 +55,21 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class Tokenizers:
+    """Each model's tokenizer from a table of model name -> tokenizer path (`default`: the default
+    model), each opened on first use; a model the table does not name has none."""
+
+    def __init__(self, paths: dict):
+        self.paths = dict(paths)
+        self._open: dict[str, Tokenizer] = {}
+
+    def of(self, model: str | None) -> Tokenizer | None:
+        name = model or "default"
+        if name not in self._open:
+            path = self.paths.get(name)
+            if path is None:
+                return None
+            self._open[name] = Tokenizer(path)
+        return self._open[name]

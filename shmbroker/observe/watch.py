@@ -77,6 +77,7 @@ def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], mod
                        "max_input_len": c.contract.max_input_len} for c, mode in zip(cfg.consumers, modes)],
         "rings": rings,
         "metrics_addr": metrics_addr,
+        "tokenizers": dict(cfg.tokenizers),
         "cluster": None if cfg.cluster is None else {
             "node": cfg.cluster.node.node, "servers": list(cfg.cluster.nats.servers),
             "num_partitions": cfg.cluster.names.num_partitions, "prompts_stream": cfg.cluster.names.prompts_stream,

@@ -101,6 +101,25 @@ def test_refusals_name_the_key(tmp_path, text, key):
     assert key in str(err.value) and str(tmp_path) in str(err.value)
 
 
+def test_tokenizers_table_names_served_models_and_existing_tokenizers(tmp_path):
+    """`[tokenizers]`: a served model (or `default`) -> its tokenizer directory, made absolute; an
+    unserved model, a path with no tokenizer.json and a value that is no path are refused by name."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    cfg = settings.load(write(tmp_path, f'[tokenizers]\ndefault = "{tok}"\n' + CONSUMER))
+    assert cfg.tokenizers == {"default": str(tok)}
+    llama = CONSUMER + 'model = "llama"\n'
+    assert settings.load(write(tmp_path, f'[tokenizers]\nllama = "{tok / "tokenizer.json"}"\n' + llama)).tokenizers == \
+        {"llama": str(tok / "tokenizer.json")}
+    for text, words in ((f'[tokenizers]\nmistral = "{tok}"\n' + llama, "tokenizers.mistral: no consumer or tier serves"),
+                        (f'[tokenizers]\nllama = "{tmp_path}"\n' + llama, "tokenizers.llama: no tokenizer.json there"),
+                        ("[tokenizers]\nllama = 3\n" + llama, "tokenizers.llama: must be a path"),
+                        ("tokenizers = 3\n" + llama, "tokenizers: must be a table")):
+        with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+            settings.load(write(tmp_path, text))
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="no such configuration file"):
         settings.load(tmp_path / "absent.toml")

@@ -157,7 +157,8 @@ class FakeCompletionsServer:
                                            self.fail_status)
         if any(REJECTED in p for p in prompts):
             return 400, error(f"token id {REJECTED} is out of vocabulary", 400)
-        choices = [self.choice(i, p, max_tokens, body) for i, p in enumerate(prompts)]
+        n = body.get("n", 1)
+        choices = [self.choice(i * n + j, p, max_tokens, body, j) for i, p in enumerate(prompts) for j in range(n)]
         cached = sum(self.cached_tokens(p) for p in prompts)
         prompt_tokens = sum(len(p) for p in prompts)
         return 200, {"id": f"cmpl-{tries}", "object": "text_completion", "created": 0, "model": MODEL,
@@ -166,9 +167,14 @@ class FakeCompletionsServer:
                                "total_tokens": prompt_tokens + max_tokens * len(prompts),
                                "prompt_tokens_details": {"cached_tokens": cached}}}
 
-    def choice(self, index: int, prompt: list, max_tokens: int, body: dict) -> dict:
-        out = generated(prompt, max_tokens)
-        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
+    def choice(self, index: int, prompt: list, max_tokens: int, body: dict, sample: int = 0) -> dict:
+        """Choice `index`, sample `sample` of its prompt (sample 0 is the greedy `generated`; a sample
+        of a stop id ends before max_tokens, finish_reason "stop")."""
+        out = generated(prompt + [sample] * (sample > 0), max_tokens)
+        stops = [k for k, t in enumerate(out) if t in (body.get("stop_token_ids") or ())]
+        finish = "stop" if stops else "length"
+        out = out[: stops[0] + 1] if stops else out
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
         if self.style == "vllm" and body.get("return_token_ids"):
             choice["token_ids"] = out
         if self.style in ("vllm", "old_vllm") and body.get("return_tokens_as_token_ids") \
@@ -295,7 +301,38 @@ def test_request_options_become_body_fields_and_split_requests(server_factory, e
     assert (with_b["temperature"], with_b["min_tokens"], with_b["repetition_penalty"]) == (0.0, 2, 1.2)
     plain = by_prompt[json.dumps([tokens[3].tolist()])]
     assert plain["temperature"] == 0 and "seed" not in plain and "stop" not in plain
-    assert engine.honours >= {"temperature", "seed", "stop", "stop_token_ids"} and "n" not in engine.honours
+    assert engine.honours >= {"temperature", "seed", "stop", "stop_token_ids", "n"}
+
+
+def test_n_samples_come_back_as_one_result_with_their_finish_reasons(server_factory, engines):
+    """n choices per prompt, numbered prompt * n + sample as vLLM numbers them, are one item's samples
+    in sample order, each with its finish reason; the usage's cached tokens are the item's own only
+    when its request holds it alone."""
+    from shmbroker.request.extras import decode_extras, samples_of
+    from shmbroker.request.options import RequestOptions
+
+    server = server_factory()
+    engine = engines(server, max_items_per_request=8)
+    tokens = prompts(3)
+    stop_id = generated(tokens[1].tolist() + [2], 5)[2]
+    opts = RequestOptions(n=3, temperature=0.9, seed=1, stop_token_ids=(stop_id,))
+    out = engine.run(EngineBatch(np.arange(100, 103, dtype=np.uint64), tokens, np.full(3, 5, np.int64),
+                                 options=[opts, opts, None]))
+    assert [r.status for r in out.results] == ["ok"] * 3
+    assert sorted(b["n"] for b in server.bodies) == [1, 3]
+    for r, t in zip(out.results[:2], tokens):
+        extras = decode_extras(r.extras, r.tokens.size)
+        want = []
+        for j in range(3):
+            g = generated(t.tolist() + [j] * (j > 0), 5)
+            cut = [k for k, x in enumerate(g) if x == stop_id]
+            want.append(g[: cut[0] + 1] if cut else g)
+        assert [s.tolist() for s in samples_of(r.tokens, extras)] == want
+        assert extras.finish_reasons == tuple("stop" if len(w) < 5 or w[-1] == stop_id else "length" for w in want)
+        assert extras.cached_tokens is None  # two prompts in one request: the usage is the request's
+    assert "stop" in decode_extras(out.results[1].extras, out.results[1].tokens.size).finish_reasons
+    alone = decode_extras(out.results[2].extras, out.results[2].tokens.size)
+    assert alone.lengths == (5,) and alone.cached_tokens is not None
 
 
 def test_max_items_per_request_splits_a_group(server_factory, engines):

@@ -106,3 +106,35 @@ def test_a_chat_batch_file_with_options_runs_and_reads_back_with_the_openai_type
         assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
     errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert sorted(e["error"]["line"] for e in errors) == [41, 42]
+
+
+def test_the_brokers_tokenizers_table_serves_chat_lines_without_a_tokenizer_flag(tmp_path, capsys):
+    """A model's tokenizer declared once in the broker's configuration (`[tokenizers]`) renders and
+    decodes a chat file submitted without --tokenizer; a line of a model with none is refused alone,
+    saying where a tokenizer comes from."""
+    from openai.types.chat import ChatCompletion
+    from transformers import AutoTokenizer
+
+    tok_dir = tokenizer_dir(tmp_path)
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    lines = [chat_line(i, {"messages": messages, "max_tokens": 4, "seed": i, "temperature": 1.0})  # the default model
+             for i in range(3)]
+    lines.append(chat_line(3, {"model": "other", "messages": messages}))
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", "ct", CONFIG + f'\n[tokenizers]\ndefault = "{tok_dir}"\n') as broker:
+        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "chat-" + secrets.token_hex(3),
+                     "--wait", "--out", str(out), "--out-format", "openai"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "chat.jsonl:4: a chat request needs --tokenizer" in err and "[tokenizers]" in err
+    want = AutoTokenizer.from_pretrained(str(tok_dir)).apply_chat_template(messages, add_generation_prompt=True)
+    want = len(want if isinstance(want, list) else want["input_ids"])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == ["c-0", "c-1", "c-2"], err
+    for row in rows:
+        reply = ChatCompletion.model_validate(row["response"]["body"])
+        assert reply.usage.prompt_tokens == want
+        assert reply.usage.completion_tokens == 4 and isinstance(reply.choices[0].message.content, str)
