@@ -2,7 +2,8 @@
 
 A job's name is its producer name. Before a run of prompts is pushed, each prompt's entry
 ({"item_id", "id", "line", "n", "max_new", "model"}: the item id it will get, its key, its line,
-its prompt tokens, max_new_tokens and model) is appended to the id sidecar and flushed, so a
+its prompt tokens, max_new_tokens and model; an OpenAI line's also its "endpoint" and "tail", the
+prompt's last ids its output text is decoded after, `jobs/text.py`) is appended to the id sidecar and flushed, so a
 SIGKILL at any point leaves every pushed item named there. `--resume` then counts a line as
 submitted when its item was pushed: an item id of this broker lifetime below the producer's next
 sequence number, one the job's tally counted a result for, or one the backlog on disk still holds
@@ -25,6 +26,7 @@ import numpy as np
 from ..jobs import store
 from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
+from ..jobs.text import DECODE_CONTEXT_TOKENS
 from ..ring.items import SEQ_BITS, SEQ_MASK
 from .common import ResultSink, load_entries, print_error
 
@@ -217,6 +219,7 @@ class JobRun:
              "model": p.model}
         if p.endpoint is not None:
             e["endpoint"] = p.endpoint
+            e["tail"] = p.tokens[-DECODE_CONTEXT_TOKENS:].tolist()  # its output's text is decoded after them
         if self.keep_entries:
             self.entries[item_id] = e
         return e
@@ -274,7 +277,8 @@ class JobSink(ResultSink):
             return False
         tokens = r.tokens.tolist()
         tokenizer = self.tokenizer.of(entry.get("model")) if self.tokenizer is not None else None
-        texts = [tokenizer.decode(s) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
+        tail = entry.get("tail", ())
+        texts = [tokenizer.decode(s, tail) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
         text = texts[0] if texts is not None and len(texts) == 1 else None
         if self.fmt == "openai":
             self._row(*output_row(r, entry.get("id"), entry, texts))

@@ -16,6 +16,11 @@ import os
 import numpy as np
 
 
+# prompt ids kept to decode the generated ones in context (vLLM's incremental detokenizer starts
+# from as many: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+DECODE_CONTEXT_TOKENS = 5
+
+
 class TextError(ValueError):
     """No tokenizer can be read from the path given (or the package is missing)."""
 
@@ -53,8 +58,18 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, context=()) -> str:
+        """Generated ids as text. `context`: the prompt's last ids (DECODE_CONTEXT_TOKENS), decoded
+        before them and cut off again, so the text is what follows the prompt as the engine's own
+        detokenizer writes it (a leading space a tokenizer adds only within a text, say)."""
+        ids = [int(i) for i in ids]
+        plain = self._tok.decode(ids, skip_special_tokens=True)
+        if not context or not ids:
+            return plain
+        ctx = [int(i) for i in context]
+        head = self._tok.decode(ctx, skip_special_tokens=True)
+        whole = self._tok.decode(ctx + ids, skip_special_tokens=True)
+        return whole[len(head):] if whole.startswith(head) else plain
 
 
 class Tokenizers:

@@ -6,14 +6,13 @@ so these tests run the engine against `FakeCompletionsServer`, a test double: a 
 on 127.0.0.1 implementing `POST /v1/completions` for token-id prompts as vLLM documents it
 (`CompletionRequest` / `CompletionResponse` in vllm/entrypoints/openai/completion/protocol.py),
 with knobs for the failures a real server shows. Its generated tokens are a function of the
-prompt, so every item's result can be checked. `test_a_real_server` runs the same engine against
-a real server when SHMBROKER_OPENAI_URL and SHMBROKER_OPENAI_MODEL name one.
+prompt, so every item's result can be checked. tests/engines/test_vllm_chat.py runs the engine
+against a real server: `vllm serve` from `.venv-vllm`, behind a broker.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import threading
@@ -709,22 +708,6 @@ def test_consumer_core_a_server_error_fails_only_its_items(server_factory, engin
     for i in (0, 1, 3, 4):
         assert_ok(results[i], tokens[i], 4)
     assert core.stats.engine_errors == 1 and core.stats.ok == 4
-
-
-@pytest.mark.skipif(not (os.environ.get("SHMBROKER_OPENAI_URL") and os.environ.get("SHMBROKER_OPENAI_MODEL")),
-                    reason="set SHMBROKER_OPENAI_URL and SHMBROKER_OPENAI_MODEL to run against a real server")
-def test_a_real_server(engines):
-    """A real server (e.g. `vllm serve MODEL --skip-tokenizer-init --enable-prompt-tokens-details`):
-    every item gets at most max_new_tokens token ids, and the same batch twice gives the same
-    tokens (temperature 0)."""
-    engine = engines(os.environ["SHMBROKER_OPENAI_URL"], model=os.environ["SHMBROKER_OPENAI_MODEL"],
-                     timeout_seconds=60.0)
-    tokens = prompts(4, prefix=300)
-    first = engine.run(batch(tokens, [3, 5, 3, 5]))
-    second = engine.run(batch(tokens, [3, 5, 3, 5]))
-    assert [r.status for r in first.results] == ["ok"] * 4, [r.error for r in first.results]
-    assert all(1 <= r.tokens.size <= m for r, m in zip(first.results, [3, 5, 3, 5]))
-    assert [r.tokens.tolist() for r in first.results] == [r.tokens.tolist() for r in second.results]
 
 
 def test_without_httpx_load_engine_names_the_extra(monkeypatch):

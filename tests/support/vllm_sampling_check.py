@@ -68,6 +68,15 @@ def requests(model: str) -> list[dict]:
     return out
 
 
+def reference_engine_args(model: str) -> dict:
+    """The reference engine's arguments: the broker's consumer's, without a prefix cache."""
+    return dict(model=model, enable_prefix_caching=False, max_num_seqs=CONTRACT["max_batch_size"],
+                max_model_len=CONTRACT["max_input_len"] + MAX_NEW,
+                max_num_batched_tokens=max(CONTRACT["max_batch_tokens"], CONTRACT["max_input_len"] + MAX_NEW),
+                dtype=SETTINGS["dtype"], gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
+                seed=SETTINGS["seed"], **EXTRA)
+
+
 def reference(model: str, reqs: list[dict]) -> dict:
     """Each request alone through vLLM's engine with its own SamplingParams (the broker's mapping)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -80,12 +89,7 @@ def reference(model: str, reqs: list[dict]) -> dict:
 
     llvmlite_scan_workaround()  # numba is imported (the broker's modules): vllm.py says why
 
-    args = EngineArgs(model=model, enable_prefix_caching=False, max_num_seqs=CONTRACT["max_batch_size"],
-                      max_model_len=CONTRACT["max_input_len"] + MAX_NEW,
-                      max_num_batched_tokens=max(CONTRACT["max_batch_tokens"], CONTRACT["max_input_len"] + MAX_NEW),
-                      dtype=SETTINGS["dtype"], gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
-                      seed=SETTINGS["seed"], **EXTRA)
-    engine = LLMEngine.from_engine_args(args)
+    engine = LLMEngine.from_engine_args(EngineArgs(**reference_engine_args(model)))
     out = {}
     try:
         for i, r in enumerate(reqs):

@@ -1,0 +1,65 @@
+"""A chat batch file, as users write it for the OpenAI Batch API, through a broker with a real vLLM
+behind it (`tests/support/vllm_chat_check.py` under `.venv-vllm`), two ways: a `vllm` consumer
+(the engine in the GPU process) and an `openai` consumer in front of a real `vllm serve`.
+
+- every output line parses with `openai.types.chat.ChatCompletion`;
+- each line's choices equal vLLM's own `LLM.chat` for the same messages and SamplingParams, run
+  one request at a time: at temperature 0, and at temperature 0.8 with a seed (vLLM's per-request
+  seeds hold across batch compositions here, through its engine and through its server);
+- `n = 2` gives two choices; `usage.prompt_tokens` is the prompt vLLM rendered from the same
+  template; `usage.prompt_tokens_details.cached_tokens` is vLLM's own counter (the lines share a
+  system prompt, so some are served from the prefix cache);
+- a line asking for logprobs, which neither consumer honours, fails alone, naming the option;
+  every other line is `ok`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.vllm_venv import vllm_python
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "support" / "vllm_chat_check.py"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    python = vllm_python()
+    work = tmp_path_factory.mktemp("vllm-chat")
+    proc = subprocess.run([python, str(CHECK), str(work)], capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert proc.returncode == 0, f"the check exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("way", ["vllm_engine", "vllm_serve"])
+def test_a_chat_batch_file_through_a_real_vllm_equals_vllms_own_chat(report, way):
+    from openai.types.chat import ChatCompletion
+
+    reqs, ref, run = report["requests"], report["reference"], report[way]
+    assert run["supervisor_exit"] == 0, run["log_tail"]
+    logprobs_line = f"line-{len(reqs) - 1}"
+    assert run["submit_exit"] == 0, run["log_tail"]  # every line was a request (one fails at its engine)
+    got = {row["custom_id"]: row for row in run["out"]}
+    assert sorted(got) == sorted(ref), run["log_tail"]
+    cached = []
+    for cid, want in ref.items():
+        body = reqs[int(cid.removeprefix("line-"))]
+        reply = ChatCompletion.model_validate(got[cid]["response"]["body"])
+        assert reply.object == "chat.completion"
+        assert [c.message.content for c in reply.choices] == want["texts"], (cid, body)
+        assert [c.finish_reason for c in reply.choices] == want["finish_reasons"], (cid, body)
+        assert reply.usage.prompt_tokens == want["prompt_tokens"]
+        assert reply.usage.completion_tokens >= len(reply.choices)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert len(got["line-8"]["response"]["body"]["choices"]) == 2
+    assert all(c is not None and c >= 0 for c in cached) and max(cached) >= 32  # one system-prompt block at least
+    (failed,) = run["errors"]
+    assert failed["custom_id"] == logprobs_line and failed["response"]["status_code"] == 400
+    assert "logprobs" in failed["response"]["body"]["error"]["message"]
+    sampled = [cid for cid in ref if reqs[int(cid.removeprefix("line-"))].get("temperature", 1.0) > 0]
+    assert sampled and any(ref[c]["texts"] != ref[sampled[0]]["texts"] for c in sampled[1:])
