@@ -43,7 +43,8 @@ class EngineEntry:
     streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
     # the request options (request/options.py OPTION_NAMES) it honours; an item asking for another
     # fails alone, `invalid`, naming it (gpu/requests.py). An instance may honour fewer than its
-    # entry says (its `unhonoured`, from its settings: vLLM without a tokenizer has no stop strings).
+    # entry says (its `unhonoured`, from its settings: vLLM and TensorRT-LLM without a tokenizer have no
+    # stop strings; a TensorRT-LLM release without a SamplingParams field has no such option).
     honours: frozenset = frozenset()
 
     def __post_init__(self):
@@ -68,7 +69,8 @@ ENGINES = {e.name: e for e in (
     EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
                 SAMPLES),
-    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
+    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
+                SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True, SAMPLING),
 )}
