@@ -57,8 +57,9 @@ the first `generate_async`, in the calling thread's mode, so the stats are read 
 
 Failures stay with their items: a `SamplingParams` the LLM API refuses, a `generate_async` that raises
 (the prompt refused at submission) or an `aresult()` that raises (a per-request error, `RequestError`)
-or a request with a sample that ends 'cancelled' or 'timeout' gives that item an `engine_error`; `plan_batch` answers items without tokens (`invalid`),
-longer than max_input_len (`too_long`), asking more than the engine's max_new_tokens, or none, at add.
+or a request with a sample that ends 'cancelled' or 'timeout' gives that item an `engine_error`;
+`plan_batch` answers items without tokens (`invalid`), longer than max_input_len (`too_long`), asking
+more than the engine's max_new_tokens, or none, at add.
 
 Cache figures: a task on the loop keeps the counters of the latest stats entry; each poll reports their
 growth since the previous poll, converted from TensorRT-LLM's blocks to the broker's `block_tokens`.

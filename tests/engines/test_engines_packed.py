@@ -492,9 +492,10 @@ def stopped_at(ids: list, reason, params) -> tuple[list, object]:
 
 class FakeRequestOutput:
     """Test double for `tensorrt_llm.llmapi.RequestOutput` (a GenerationResult): one output per sample the
-    params ask (`n`), each with its `index`, `token_ids` and `finish_reason` once done; `aresult()` (and `await`) waits for it, available only when the
-    future was made inside a running event loop, as in the LLM API (its queue is then an AsyncQueue, woken
-    from the executor's thread with call_soon_threadsafe); `result(timeout)` raises queue.Empty on timeout."""
+    params ask (`n`), each with its `index`, `token_ids` and `finish_reason` once done; `aresult()` (and
+    `await`) waits for it, available only when the future was made inside a running event loop, as in
+    the LLM API (its queue is then an AsyncQueue, woken from the executor's thread with
+    call_soon_threadsafe); `result(timeout)` raises queue.Empty on timeout."""
 
     def __init__(self, request_id: int, prompt: list, params):
         self.request_id = request_id
