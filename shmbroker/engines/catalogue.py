@@ -43,8 +43,8 @@ class EngineEntry:
     streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
     # the request options (request/options.py OPTION_NAMES) it honours; an item asking for another
     # fails alone, `invalid`, naming it (gpu/requests.py). An instance may honour fewer than its
-    # entry says (its `unhonoured`, from its settings: vLLM and TensorRT-LLM without a tokenizer have no
-    # stop strings; a TensorRT-LLM release without a SamplingParams field has no such option).
+    # entry says (its `unhonoured`, from its settings: vLLM, TensorRT-LLM and hf without a tokenizer
+    # have no stop strings; a TensorRT-LLM release without a SamplingParams field has no such option).
     honours: frozenset = frozenset()
 
     def __post_init__(self):
@@ -62,11 +62,13 @@ class EngineEntry:
 # what an item's result can carry: its samples, their finish reasons, cached tokens (no logprobs)
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
 SAMPLING = SAMPLES - {"n"}  # one sample a request (the openai engine: one choice per prompt)
+# transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
+HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
     EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLES),
-    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
+    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False, HF_SAMPLES),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
                 SAMPLES),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
