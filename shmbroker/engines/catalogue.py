@@ -43,7 +43,8 @@ class EngineEntry:
     streaming: bool  # True: the class implements add/poll; False: run(batch), behind BatchStream
     # the request options (request/options.py OPTION_NAMES) it honours; an item asking for another
     # fails alone, `invalid`, naming it (gpu/requests.py). An instance may honour fewer than its
-    # entry says (its `unhonoured`, from its settings: vLLM without a tokenizer has no stop strings).
+    # entry says (its `unhonoured`, from its settings: vLLM, TensorRT-LLM and hf without a tokenizer
+    # have no stop strings; a TensorRT-LLM release without a SamplingParams field has no such option).
     honours: frozenset = frozenset()
 
     def __post_init__(self):
@@ -60,14 +61,17 @@ class EngineEntry:
 
 # what an item's result can carry: its samples, their finish reasons, cached tokens (no logprobs)
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
+# transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
+HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
     EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLES),
-    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False),
+    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False, HF_SAMPLES),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
                 SAMPLES),
-    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True),
+    EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
+                SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True, SAMPLES),
 )}

@@ -11,8 +11,21 @@ into compute saved:
 3. the prefix cache is repeated for the batch, and the suffixes run as one right-padded rectangle
    (count × longest suffix: the padding reported) with explicit position ids and an attention mask
    that hides the pads;
-4. greedy decoding: `max_new_tokens` per item honoured, an item stops at the model's EOS (kept as
-   its last token); finished items ride along masked until the longest is done.
+4. decoding, greedy unless an item's request options say otherwise (`hf_sampling.py`: transformers'
+   own logits processors, a seeded item drawing from a generator of its own, n samples as n decode
+   rows after one prefill, stop ids and strings): `max_new_tokens` per item honoured, an item stops
+   at the model's EOS (kept as its last token); finished rows ride along masked until the longest
+   is done. Items with different options share the rectangle and every forward pass: only the
+   choice of each row's next token differs, so nothing is split. Each result carries its samples,
+   their finish reasons (stop or length) and the prompt tokens served from a cache (the first item
+   the kept prefix's, every other the shared prefix) as extras.
+
+Request options honoured: temperature, top_p, top_k, min_p, seed, stop_token_ids, n,
+repetition_penalty, min_tokens, ignore_eos, and `stop` strings when the model directory holds a
+tokenizer (transformers matches them in text); not presence or frequency penalties (transformers has
+none). The packer is not yet told about samples: it sizes a batch by its items, and an item asking
+for n decodes n rows (its KV rows repeated), so a batch of such items holds more sequences, and more
+KV, than its count says (an item asking for more samples than `max_batch_size` fails alone).
 
 The prefix's KV is kept for the next batch (`keep_prefix`). With `reuse_prefix = false` the engine
 runs plain right-padded batches (what FIFO feeding gets; `bench gpu` compares the two).
@@ -36,9 +49,13 @@ import transformers
 
 from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
+from ..request.extras import encode_extras
 from .base import BatchResults, EngineOutcome
+from .hf_sampling import Decoder, Sampled
+from .packed_args import has_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+CRITERIA_KEPT = 64  # distinct stop-string sets whose StopStringCriteria the engine keeps built
 
 
 class HF:
@@ -68,6 +85,10 @@ class HF:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
         self._kept: tuple[np.ndarray, object] | None = None  # the last prefix's tokens and its KV (batch 1)
+        # stop strings are matched in text: without a tokenizer in the model directory there is none
+        self.tokenizer = load_tokenizer(settings.model)
+        self.unhonoured = {"stop"} if self.tokenizer is None else set()
+        self._criteria: dict = {}  # stop strings -> their StopStringCriteria
         params = inspect.signature(self.model.forward).parameters
         # logits of the positions that are read only (a batch's full logits are count x width x vocab)
         self._keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
@@ -92,26 +113,25 @@ class HF:
         if self.settings.reuse_prefix:
             prefix = min(batch.prefix_tokens, min(lengths) - 1)
         cache, cached = self._prefix_cache(tokens[0][:prefix]) if prefix > 0 else (None, 0)
+        opts = batch.options
         if self.sliding and n > 1:  # one suffix at a time on the shared prefix: no padding at all
-            generated = [self._generate([t], [x], prefix, copy.deepcopy(cache), [m])[0]
-                         for t, x, m in zip(tokens, lengths, max_new)]
+            generated = [self._generate([t], [x], prefix, copy.deepcopy(cache), [m], None if opts is None else [opts[i]])[0]
+                         for i, (t, x, m) in enumerate(zip(tokens, lengths, max_new))]
             rect = sum(x - prefix for x in lengths)
         else:
-            generated = self._generate(tokens, lengths, prefix, cache, max_new)
+            generated = self._generate(tokens, lengths, prefix, cache, max_new, opts)
             rect = n * max(lengths[i] - prefix for i in range(n))
         padded = rect - sum(lengths[i] - prefix for i in range(n))
         b = self.block_tokens
         hit_blocks = n * (cached // b) + (n - 1) * (prefix // b - cached // b) if prefix else 0
-        reused = n * cached + (n - 1) * (prefix - cached) if prefix else 0
+        # each item's prompt tokens served from a cache: the first item's from the kept prefix, the
+        # others' the whole shared prefix (computed once for the batch)
+        served = [cached if i == 0 else prefix for i in range(n)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum([len(g) for g in generated], out=offsets[1:])
-        flat = np.fromiter((t for g in generated for t in g), np.uint32, int(offsets[-1]))
-        results = BatchResults(np.asarray(batch.item_ids, np.uint64), np.zeros(n, np.uint32), flat, offsets)
-        return EngineOutcome(results, hit_blocks=hit_blocks, queried_blocks=sum(x // b for x in lengths),
-                             engine_seconds=time.perf_counter() - t0, padded_tokens=padded, rect_tokens=rect,
-                             reused_tokens=reused)
+        return EngineOutcome(results_of(batch.item_ids, generated, served), hit_blocks=hit_blocks,
+                             queried_blocks=sum(x // b for x in lengths), engine_seconds=time.perf_counter() - t0,
+                             padded_tokens=padded, rect_tokens=rect, reused_tokens=sum(served))
 
     def _check(self, tokens: np.ndarray, max_new: int) -> None:
         if tokens.size == 0:
@@ -149,7 +169,32 @@ class HF:
             return copy.deepcopy(cache), cached
         return cache, cached
 
-    def _generate(self, tokens, lengths, prefix: int, cache, max_new) -> list[list[int]]:
+    def _generate(self, tokens, lengths, prefix: int, cache, max_new, options=None) -> list[Sampled]:
+        """The items' samples: the suffixes prefilled as one right-padded rectangle on the prefix's KV,
+        then each row decoded under its item's options (`hf_sampling.py`)."""
+        dev = self.device
+        logits, mask_t, cache = self._prefill(tokens, lengths, prefix, cache)
+        ends = torch.as_tensor(lengths, device=dev)
+        dec = Decoder(tokens, max_new, options, eos=self.eos, vocab=self.vocab_size, device=dev,
+                      criteria=self._stop_criteria)
+        if dec.expanded:  # an item's n samples: its KV rows repeated after its one prefill
+            rows = torch.as_tensor(dec.row_item, device=dev)
+            cache.batch_select_indices(rows)
+            mask_t, ends, logits = mask_t[rows], ends[rows], logits[rows]
+        count = len(dec.max_new)
+        for step in range(max(dec.max_new)):
+            nxt = dec.pick(logits, step)
+            if dec.take(nxt, step):
+                break
+            mask_t = torch.cat([mask_t, torch.ones((count, 1), dtype=mask_t.dtype, device=dev)], dim=1)
+            step_ids = torch.as_tensor(nxt, device=dev)[:, None]
+            out = self.model(input_ids=step_ids, attention_mask=mask_t, position_ids=(ends + step)[:, None],
+                             use_cache=True, **{self._kv: cache})
+            logits = out.logits[:, -1]
+        return dec.items()
+
+    def _prefill(self, tokens, lengths, prefix: int, cache):
+        """(each item's last logits, the attention mask, the cache) after the suffixes' rectangle."""
         n = len(tokens)
         dev = self.device
         width = max(lengths) - prefix
@@ -163,34 +208,25 @@ class HF:
             cache.batch_repeat_interleave(n)
         elif cache is None:
             cache = transformers.DynamicCache()
-        ids_t = torch.as_tensor(ids, device=dev)
         mask_t = torch.as_tensor(mask, device=dev)
         pos = torch.arange(prefix, prefix + width, device=dev)[None].expand(n, width)
         last = [x - prefix - 1 for x in lengths]
         keep = width - min(last)  # the logits kept: from the earliest last position to the end
-        out = self.model(input_ids=ids_t, attention_mask=mask_t, position_ids=pos, use_cache=True, **{self._kv: cache},
-                         **self._logits(keep))
+        out = self.model(input_ids=torch.as_tensor(ids, device=dev), attention_mask=mask_t, position_ids=pos,
+                         use_cache=True, **{self._kv: cache}, **self._logits(keep))
         kept = out.logits.shape[1]
         logits = out.logits[torch.arange(n, device=dev), torch.as_tensor(last, device=dev) - (width - kept)]
-        ends = torch.as_tensor(lengths, device=dev)
-        generated: list[list[int]] = [[] for _ in range(n)]
-        done = [m <= 0 for m in max_new]
-        for step in range(max(max_new)):
-            nxt = logits.float().argmax(-1).tolist()
-            for i in range(n):
-                if done[i]:
-                    continue
-                generated[i].append(int(nxt[i]))
-                if len(generated[i]) >= max_new[i] or nxt[i] in self.eos:
-                    done[i] = True
-            if all(done):
-                break
-            mask_t = torch.cat([mask_t, torch.ones((n, 1), dtype=mask_t.dtype, device=dev)], dim=1)
-            step_ids = torch.as_tensor(nxt, device=dev)[:, None]
-            out = self.model(input_ids=step_ids, attention_mask=mask_t, position_ids=(ends + step)[:, None],
-                             use_cache=True, **{self._kv: cache})
-            logits = out.logits[:, -1]
-        return generated
+        return logits, mask_t, cache
+
+    def _stop_criteria(self, stop: tuple):
+        """transformers' StopStringCriteria for these stop strings with the model's tokenizer (kept:
+        building one reads the whole vocabulary)."""
+        got = self._criteria.get(stop)
+        if got is None:
+            if len(self._criteria) >= CRITERIA_KEPT:
+                self._criteria.clear()
+            got = self._criteria[stop] = transformers.StopStringCriteria(self.tokenizer, list(stop))
+        return got
 
     def _logits(self, keep: int) -> dict:
         return {self._keep: keep} if self._keep else {}
@@ -217,8 +253,37 @@ def build_model(settings, dtype):
     return auto.from_config(config, attn_implementation=settings.attn_implementation, **{key: dtype})
 
 
-def unbatched(engine: HF, tokens: np.ndarray, max_new_tokens: int) -> list[int]:
+def alone(engine: HF, tokens: np.ndarray, max_new_tokens: int, options=None) -> Sampled:
     """One item alone, no prefix reuse, no kept cache: the reference a batch's outputs must equal."""
     cache = transformers.DynamicCache()
+    tokens = np.asarray(tokens)
     with torch.inference_mode():
-        return engine._generate([np.asarray(tokens)], [int(tokens.size)], 0, cache, [int(max_new_tokens)])[0]
+        return engine._generate([tokens], [int(tokens.size)], 0, cache, [int(max_new_tokens)],
+                                None if options is None else [options])[0]
+
+
+def unbatched(engine: HF, tokens: np.ndarray, max_new_tokens: int, options=None) -> list[int]:
+    """`alone`'s first sample."""
+    return alone(engine, tokens, max_new_tokens, options).samples[0]
+
+
+def results_of(item_ids, generated: list[Sampled], served: list[int]) -> BatchResults:
+    """The items' results: their samples one after another, with their lengths, finish reasons and
+    the prompt tokens served from a cache as extras."""
+    n = len(generated)
+    flat = [t for g in generated for s in g.samples for t in s]
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum([sum(len(s) for s in g.samples) for g in generated], out=offsets[1:])
+    extras = {i: encode_extras([len(s) for s in g.samples], g.stopped, served[i]) for i, g in enumerate(generated)}
+    return BatchResults(np.asarray(item_ids, np.uint64), np.zeros(n, np.uint32), np.asarray(flat, np.uint32),
+                        offsets, extras=extras)
+
+
+def load_tokenizer(model):
+    """The model directory's tokenizer (for stop strings), or None: none there, or it does not load."""
+    if not model or not has_tokenizer(model):
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no tokenizer: the engine does not honour stop strings
+        return None

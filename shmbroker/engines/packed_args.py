@@ -6,8 +6,8 @@ package is an ImportError when `base.load_engine` loads them (it becomes EngineU
 extra to install). Everything they pass those packages is computed here and tested on any machine:
 
 - the contract (docs/design.md "Words") turned into engine limits: `vllm_llm_kwargs`, `trtllm_llm_kwargs`;
-- one item's greedy sampling: `vllm_sampling`, `trtllm_sampling` (with the end-of-sequence ids
-  `eos_token_ids` finds in the model directory, as no tokenizer is loaded);
+- one item's vLLM sampling: `vllm_sampling` (TensorRT-LLM's: `trtllm_params.py`, with the
+  end-of-sequence ids `eos_token_ids` finds in the model directory, as no tokenizer is loaded);
 - the engines' cumulative prefix-cache counters turned into one batch's hit and queried blocks in the
   broker's block size: `vllm_cache_tokens`, `trtllm_cache_tokens`, `hits_between`, `hits_from_metrics`;
 - which items of a batch an engine runs and which it answers itself: `plan_batch`, `finish`;
@@ -123,28 +123,15 @@ def trtllm_llm_kwargs(settings, contract) -> dict:
         "max_input_len": int(contract.max_input_len),
         "max_seq_len": max_model_len(settings, contract),
         "kv_cache_config": kv_cache,
-        "skip_tokenizer_init": True,
+        # token ids in and out; a model directory with a tokenizer has it loaded, so that stop strings
+        # work (the LLM API encodes them into the token ids it matches)
+        "skip_tokenizer_init": not has_tokenizer(settings.model),
         "tensor_parallel_size": int(settings.tensor_parallel_size),
         "dtype": settings.dtype,
         "enable_iter_perf_stats": True,  # LLM.get_stats() reports iteration stats (kvCacheStats) only with it
     }
     kwargs.update(extra)
     return kwargs
-
-
-def trtllm_sampling(max_new_tokens: int, eos_ids) -> dict:
-    """`tensorrt_llm.SamplingParams(...)` of one item: greedy (top_k=1), token ids only. Without a
-    tokenizer the LLM API needs `end_id` given; with no end-of-sequence id known an item generates all
-    its max_new_tokens (end_id -1 and ignore_eos, as the executor itself does for ignore_eos)."""
-    out = {"max_tokens": int(max_new_tokens), "top_k": 1, "detokenize": False}
-    eos = [int(t) for t in eos_ids]
-    if eos:
-        out.update(end_id=eos[0], pad_id=eos[0])
-        if len(eos) > 1:
-            out["stop_token_ids"] = eos[1:]
-    else:
-        out.update(end_id=-1, pad_id=0, ignore_eos=True)
-    return out
 
 
 def as_token_ids(value) -> list[int]:

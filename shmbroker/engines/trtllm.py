@@ -1,5 +1,6 @@
-"""TensorRT-LLM's `LLM` API behind the streaming engine interface (`base.py`): token ids in, greedy
-token ids out, one request per item, many outstanding, each result handed back when it finishes.
+"""TensorRT-LLM's `LLM` API behind the streaming engine interface (`base.py`): token ids in, token ids
+out, one request per item with its own `SamplingParams` from the item's request options (greedy
+without any), many outstanding, each result handed back when it finishes.
 
 TensorRT-LLM pages its KV cache, batches in flight (it keeps up to `max_batch_size` sequences running
 and admits the next request the moment one finishes) and, with block reuse on, computes per item only
@@ -10,7 +11,7 @@ larger than `max_batch_size`, so TensorRT-LLM never waits for its next request.
 APIs followed (TensorRT-LLM LLM API: nvidia.github.io/TensorRT-LLM "API Reference" (LLM, RequestOutput,
 SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
 (examples/llm-api/llm_inference_async.py), and the NVIDIA/TensorRT-LLM sources named below):
-- `tensorrt_llm.LLM(model, skip_tokenizer_init=True, tensor_parallel_size, dtype, max_batch_size,
+- `tensorrt_llm.LLM(model, skip_tokenizer_init, tensor_parallel_size, dtype, max_batch_size,
   max_num_tokens, max_input_len, max_seq_len, kv_cache_config, enable_iter_perf_stats, **kwargs)`;
 - `tensorrt_llm.llmapi.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=...)`;
 - `LLM.generate_async(inputs, sampling_params=..., streaming=False) -> RequestOutput`
@@ -19,11 +20,20 @@ SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
   on each in order; here the futures are collected as they complete instead;
 - `RequestOutput` (a `GenerationResult`, tensorrt_llm/executor/result.py): `aresult()` waits for the
   request and returns it (`await llm.generate_async(...)` in the example, `await promise.aresult()`
-  in trtllm-serve, tensorrt_llm/serve/openai_server.py); then `outputs[0].token_ids` are the generated
-  ids and `outputs[0].finish_reason` one of 'stop', 'length', 'timeout', 'cancelled';
-- `tensorrt_llm.SamplingParams(max_tokens, top_k=1, detokenize=False, end_id, pad_id, ...)`: without a
-  tokenizer `LLM._prepare_sampling_params` raises unless `end_id` is given, so the engine reads the
-  end-of-sequence ids from the model directory (`packed_args.eos_token_ids`);
+  in trtllm-serve, tensorrt_llm/serve/openai_server.py); then `outputs[i].token_ids` are sample i's
+  generated ids and `outputs[i].finish_reason` one of 'stop', 'length', 'timeout', 'cancelled';
+- `tensorrt_llm.SamplingParams(max_tokens, top_k=1, detokenize=False, end_id, pad_id, ...)`
+  (tensorrt_llm/sampling_params.py): without a tokenizer `LLM._prepare_sampling_params` raises unless
+  `end_id` is given, so the engine reads the end-of-sequence ids from the model directory
+  (`packed_args.eos_token_ids`). An item's request options set the fields of the same names
+  (`trtllm_params.py`: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, n, the
+  penalties, min_tokens, ignore_eos); stop strings need the tokenizer (the LLM API encodes them), so
+  a model directory that holds one has it loaded (`skip_tokenizer_init` false) and without one an
+  item asking for stop strings fails `invalid`, as does one asking for a field the installed
+  SamplingParams lacks (`unhonoured`). The n samples come back as `outputs[i]` (`index` i), each
+  with its finish reason: the result carries them one after another with their lengths and finish
+  reasons as extras (`samples.py`); the LLM API reports no per-request cached tokens, so a result
+  says none (the batch's reused blocks come from the stats below);
 - `LLM.get_stats_async(timeout) -> IterationResult` (beta): an async iterator over the iteration stats
   queued since the last read (dicts; JSON text in older versions), ending after `timeout` seconds
   without one; collected only with `enable_iter_perf_stats=True`. Each holds `kvCacheStats` with
@@ -45,10 +55,11 @@ that queue. Nothing runs until a request finishes. (The executor makes its itera
 the first `generate_async`, in the calling thread's mode, so the stats are read on the loop too, with
 `get_stats_async`.)
 
-Failures stay with their items: a `generate_async` that raises (the prompt refused at submission) or
-an `aresult()` that raises (a per-request error, `RequestError`) or a request that ends 'cancelled' or
-'timeout' gives that item an `engine_error`; `plan_batch` answers items without tokens (`invalid`),
-longer than max_input_len (`too_long`), asking more than the engine's max_new_tokens, or none, at add.
+Failures stay with their items: a `SamplingParams` the LLM API refuses, a `generate_async` that raises
+(the prompt refused at submission) or an `aresult()` that raises (a per-request error, `RequestError`)
+or a request with a sample that ends 'cancelled' or 'timeout' gives that item an `engine_error`;
+`plan_batch` answers items without tokens (`invalid`), longer than max_input_len (`too_long`), asking
+more than the engine's max_new_tokens, or none, at add.
 
 Cache figures: a task on the loop keeps the counters of the latest stats entry; each poll reports their
 growth since the previous poll, converted from TensorRT-LLM's blocks to the broker's `block_tokens`.
@@ -67,12 +78,11 @@ import asyncio
 import queue
 import threading
 
-import numpy as np
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, OK, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .base import ENGINE_ERROR, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import (
     BusyClock,
     as_token_ids,
@@ -81,8 +91,9 @@ from .packed_args import (
     plan_batch,
     trtllm_cache_tokens,
     trtllm_llm_kwargs,
-    trtllm_sampling,
 )
+from .samples import samples_result
+from .trtllm_params import sampling_fields, trtllm_sampling, trtllm_unhonoured
 
 STATS_TIMEOUT_SECONDS = 1.0  # get_stats_async ends a read after this long without a stats entry
 STATS_IDLE_SECONDS = 0.2  # then the next read starts this much later
@@ -101,6 +112,8 @@ class TRTLLM(StreamingRun):
             llm = LLM(**kwargs)
         self.llm = llm
         self.eos_ids = eos_token_ids(settings.model) or _configured_eos(llm)
+        self.fields = sampling_fields(SamplingParams)  # what this release's SamplingParams takes
+        self.unhonoured = trtllm_unhonoured(self.fields, tokenizer=not self.llm_kwargs.get("skip_tokenizer_init"))
         self.busy = BusyClock()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # ItemResult of each finished item
         self._pending = 0
@@ -124,12 +137,20 @@ class TRTLLM(StreamingRun):
             return
         plan = plan_batch(batch, max_new_tokens_max=self.settings.max_new_tokens,
                           max_input_len=self.contract.max_input_len)
-        jobs = [(int(batch.item_ids[row]), prompt, SamplingParams(**trtllm_sampling(m, self.eos_ids)))
-                for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens)]
         self._pending += n
         for result in plan.results:
             if result is not None:
                 self._done.put(result)
+        jobs = []
+        for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
+            item_id, opts = int(batch.item_ids[row]), batch.options_of(row)
+            try:
+                params = SamplingParams(**trtllm_sampling(m, self.eos_ids, opts, self.fields))
+            except Exception as exc:  # noqa: BLE001 - the LLM API refuses these parameters: the item fails alone
+                self._done.put(engine_error(item_id, exc))
+                continue
+            # a greedy item asking for n samples runs once: its output is each of them (trtllm_params.py)
+            jobs.append((item_id, prompt, params, opts.samples if opts is not None and opts.greedy else 1))
         if jobs:
             self._loop.call_soon_threadsafe(self._submit, jobs)
 
@@ -196,7 +217,7 @@ class TRTLLM(StreamingRun):
     def _submit(self, jobs) -> None:
         """On the loop: one generate_async per item, in order; a task awaits each future."""
         llm = self.llm
-        for item_id, prompt, params in jobs:
+        for item_id, prompt, params, copies in jobs:
             if llm is None:
                 self._done.put(ItemResult(item_id, ENGINE_ERROR, error="engine 'trtllm' was closed"))
                 continue
@@ -207,19 +228,18 @@ class TRTLLM(StreamingRun):
                 self.busy.end()
                 self._done.put(engine_error(item_id, exc))
                 continue
-            self._loop.create_task(self._collect(item_id, future))
+            self._loop.create_task(self._collect(item_id, future, copies))
         if self._stats_task is None and llm is not None and callable(getattr(llm, "get_stats_async", None)):
             self._stats_task = self._loop.create_task(self._collect_stats(llm))
 
-    async def _collect(self, item_id: int, future) -> None:
+    async def _collect(self, item_id: int, future, copies: int = 1) -> None:
         try:
             out = await future.aresult()
-            completion = out.outputs[0]
-            reason = getattr(completion, "finish_reason", None)
-            if reason in ENDED:
-                result = ItemResult(item_id, ENGINE_ERROR, error=f"TensorRT-LLM ended the request ({reason})")
+            ended = [r for r in (getattr(c, "finish_reason", None) for c in out.outputs) if r in ENDED]
+            if ended:
+                result = ItemResult(item_id, ENGINE_ERROR, error=f"TensorRT-LLM ended the request ({ended[0]})")
             else:
-                result = ItemResult(item_id, OK, np.asarray(completion.token_ids, dtype=np.uint32).reshape(-1))
+                result = samples_result(item_id, out.outputs, copies=copies)
         except Exception as exc:  # noqa: BLE001 - a per-request error fails its item only
             result = engine_error(item_id, exc)
         finally:

@@ -58,9 +58,9 @@ from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from ..request.extras import encode_extras
 from .base import ENGINE_ERROR, OK, TOO_LONG, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
+from .samples import samples_result
 
 try:
     from vllm.sampling_params import RequestOutputKind
@@ -111,17 +111,7 @@ def refused(item_id: int, exc: Exception) -> ItemResult:
 def finished_result(item_id: int, out) -> ItemResult:
     """A finished request's result: its samples' tokens one after another (by their `index`), their
     lengths and finish reasons and the prompt tokens vLLM served from its cache, as extras."""
-    try:
-        samples = sorted(out.outputs, key=lambda o: getattr(o, "index", 0))
-        tokens = [np.asarray(o.token_ids, dtype=np.uint32).reshape(-1) for o in samples]
-    except (AttributeError, TypeError):
-        samples = []
-    if not samples:
-        return ItemResult(item_id, ENGINE_ERROR, error="the engine finished it with no output")
-    cached = getattr(out, "num_cached_tokens", None)
-    extras = encode_extras([t.size for t in tokens], [getattr(o, "finish_reason", None) == "stop" for o in samples],
-                           cached if isinstance(cached, int) else None)
-    return ItemResult(item_id, OK, np.concatenate(tokens), extras=extras)
+    return samples_result(item_id, getattr(out, "outputs", None), getattr(out, "num_cached_tokens", None))
 
 
 class VLLM(StreamingRun):

@@ -78,6 +78,11 @@ class RequestOptions:
         """How many samples the item asks for (n, 1 when not given)."""
         return 1 if self.n is None else self.n
 
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding, the broker's default: no temperature, or 0 (one above 0 samples)."""
+        return not self.temperature
+
     def __bool__(self) -> bool:
         return bool(self.given())
 

@@ -18,10 +18,12 @@ from support.brokerproc import BrokerProc  # noqa: E402
 from shmbroker.client.producer import Producer  # noqa: E402
 from shmbroker.engines.base import EngineBatch, EngineUnavailable  # noqa: E402
 from shmbroker.engines.catalogue import load_engine  # noqa: E402
-from shmbroker.engines.hf import HF, unbatched  # noqa: E402
+from shmbroker.engines.hf import HF, alone, unbatched  # noqa: E402
 from shmbroker.engines.options import HFSettings  # noqa: E402
 from shmbroker.gpu.core import ConsumerCore  # noqa: E402
 from shmbroker.pack.contract import Batch, Contract, Shape  # noqa: E402
+from shmbroker.request.extras import decode_extras, samples_of  # noqa: E402
+from shmbroker.request.options import RequestOptions  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 1024,
@@ -307,3 +309,169 @@ def test_bench_gpu_engine_alone_generates_what_each_item_alone_does(engine):
     if own.method != gpu_alone.PADDED:  # this transformers has continuous batching
         assert own.fallback_reason is None
         assert [own.outputs[i] for i in range(len(wl))] == alone
+
+
+# -- request options -----------------------------------------------------------------------------------
+
+
+def _with_options(items, max_new, options) -> EngineBatch:
+    return EngineBatch(np.arange(len(items), dtype=np.uint64), items, np.asarray(max_new), options=options)
+
+
+def _samples(result) -> tuple[list, tuple]:
+    extras = decode_extras(result.extras, result.tokens.size)
+    return [s.tolist() for s in samples_of(result.tokens, extras)], extras.finish_reasons
+
+
+def test_options_greedy_unchanged_and_a_seed_samples_the_same_in_any_batch(engine):
+    rng = np.random.default_rng(21)
+    items = _family(rng, 24, (3, 9, 5, 5))
+    items[3] = items[2]  # the same prompt under another seed
+    seeded = RequestOptions(temperature=1.5, top_p=0.95, top_k=100, seed=7)
+    other = RequestOptions(temperature=1.5, top_p=0.95, top_k=100, seed=8)
+    opts = [None, RequestOptions(temperature=0.0), seeded, other]
+    out = engine.run(_with_options(items, [6] * 4, opts)).results.items()
+    greedy = [unbatched(engine, t, 6) for t in items]
+    assert out[0].tokens.tolist() == greedy[0] and out[1].tokens.tolist() == greedy[1]  # greedy: as ever
+    assert _samples(out[0]) == ([greedy[0]], ("length",))
+    mine = out[2].tokens.tolist()
+    assert mine == unbatched(engine, items[2], 6, seeded)  # alone, unpadded, no shared prefix: the same draws
+    assert mine != greedy[2] and mine != out[3].tokens.tolist()  # sampled, and the seed is what decides
+    again = engine.run(_with_options([_family(rng, 24, (40,))[0], items[2]], [3, 6], [None, seeded]))
+    assert again.results.items()[1].tokens.tolist() == mine  # another batch, another row, another width
+
+
+def test_options_n_samples_from_one_prefill(engine):
+    rng = np.random.default_rng(22)
+    items = _family(rng, 20, (4, 7))
+    opts = [RequestOptions(temperature=1.0, seed=3, n=3), RequestOptions(n=2)]
+    out = engine.run(_with_options(items, [5, 4], opts))
+    samples, reasons = _samples(out.results.items()[0])
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) == 3 and reasons == ("length",) * 3
+    assert samples == alone(engine, items[0], 5, opts[0]).samples
+    assert _samples(out.results.items()[1]) == ([unbatched(engine, items[1], 4)] * 2, ("length",) * 2)  # greedy
+    assert out.rect_tokens == 2 * 7  # the prompts were prefilled once each; the samples only decode
+
+
+def test_options_a_stop_id_ends_its_row_with_finish_reason_stop(engine):
+    rng = np.random.default_rng(23)
+    items = _family(rng, 16, (5, 5))
+    greedy = unbatched(engine, items[0], 8)
+    stop = greedy[2]
+    opts = [RequestOptions(stop_token_ids=(stop,)), None]
+    out = engine.run(_with_options(items, [8, 8], opts)).results.items()
+    assert _samples(out[0]) == ([greedy[: greedy.index(stop) + 1]], ("stop",))  # the stop id kept
+    assert _samples(out[1]) == ([unbatched(engine, items[1], 8)], ("length",))
+    later = engine.run(_with_options(items[:1], [8], [RequestOptions(stop_token_ids=(stop,), min_tokens=4)]))
+    first = later.results.items()[0].tokens.tolist()
+    assert len(first) >= 4 and stop not in first[:4]  # not drawn before min_tokens are out
+
+
+def test_options_ignore_eos_runs_to_max_new_tokens():
+    probe = HF(EXACT, block_tokens=16)
+    tokens = np.arange(20, dtype=np.uint32)
+    first = unbatched(probe, tokens, 1)[0]
+    with_eos = HF(dataclasses.replace(EXACT, config={**TINY, "eos_token_id": first}), block_tokens=16)
+    out = with_eos.run(_with_options([tokens, tokens], [5, 5], [RequestOptions(ignore_eos=True), None]))
+    got = out.results.items()
+    assert _samples(got[0])[1] == ("length",) and got[0].tokens.size == 5
+    assert _samples(got[1]) == ([[first]], ("stop",))  # the model's EOS still ends an item without the option
+
+
+def test_options_match_transformers_generate_with_the_same_arguments(engine):
+    """Greedy with a repetition penalty and a stop id, and sampling from the global generator (no seed),
+    give what `model.generate` gives for the same prompt and arguments."""
+    rng = np.random.default_rng(24)
+    prompt = rng.integers(0, 500, size=12)
+    ids = torch.as_tensor(prompt[None].astype(np.int64))
+
+    def generate(**kwargs) -> list[int]:
+        out = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                    pad_token_id=0, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    plain = generate(do_sample=False, repetition_penalty=1.8)
+    stop = plain[3]
+    want = generate(do_sample=False, repetition_penalty=1.8, eos_token_id=[stop])
+    got = unbatched(engine, prompt, 8, RequestOptions(repetition_penalty=1.8, stop_token_ids=(stop,)))
+    assert got == want[: len(got)] and got[-1] == stop
+    torch.manual_seed(11)
+    sampled = generate(do_sample=True, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01)
+    torch.manual_seed(11)
+    assert unbatched(engine, prompt, 8, RequestOptions(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01)) == sampled
+
+
+def _model_with_tokenizer(path, engine) -> str:
+    """The engine's weights and a word-level tokenizer ("t0" .. "t498"; "abcdef", which transformers'
+    stop-string matching encodes to find each token's text) in one model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    engine.model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({**{f"t{i}": i for i in range(499)}, "abcdef": 499}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return str(path)
+
+
+def test_options_stop_strings_with_the_model_directorys_tokenizer(engine, tmp_path):
+    assert engine.unhonoured == {"stop"}  # a config model has no tokenizer
+    loaded = HF(HFSettings(model=_model_with_tokenizer(tmp_path, engine), dtype="float64", device="cpu"),
+                block_tokens=16)
+    assert loaded.unhonoured == set()
+    rng = np.random.default_rng(25)
+    items = _family(rng, 16, (4, 6))
+    greedy = unbatched(loaded, items[0], 8)
+    assert greedy == unbatched(engine, items[0], 8)  # the same weights
+    word = f"t{greedy[3]}"
+    out = loaded.run(_with_options(items, [8, 8], [RequestOptions(stop=(word,)), None])).results.items()
+    cut = next(k for k, t in enumerate(greedy) if f"t{t}" == word)
+    assert _samples(out[0]) == ([greedy[: cut + 1]], ("stop",))
+    assert _samples(out[1])[1] == ("length",)
+
+
+@pytest.mark.timeout(180)
+def test_options_through_the_whole_broker(tmp_path, engine):
+    """Through a broker with an hf consumer: a seeded sampled item with n = 3 comes back as its three
+    samples, each what the engine gives it alone; an option hf does not honour fails that item alone."""
+    rng = np.random.default_rng(26)
+    items = _family(rng, 32, (4, 6, 8, 5))
+    sampled = {"temperature": 1.0, "seed": 5, "n": 3}
+    with BrokerProc(tmp_path, config=HF_CONFIG) as broker, Producer("hfo", data_dir=broker.data_dir) as p:
+        ids = [p.submit(items[0], max_new_tokens=3), p.submit(items[1], max_new_tokens=4, options=sampled),
+               p.submit(items[2], max_new_tokens=3, options={"presence_penalty": 0.5}),
+               p.submit(items[3], max_new_tokens=3, options={"stop": ["t1"]})]
+        got = {}
+        deadline = time.monotonic() + 120
+        while len(got) < len(ids):
+            assert time.monotonic() < deadline, "results did not all arrive"
+            got.update((r.item_id, r) for r in p.results(timeout_seconds=1.0))
+    assert got[ids[0]].status == "ok" and got[ids[0]].tokens.tolist() == unbatched(engine, items[0], 3)
+    many = got[ids[1]]
+    assert many.status == "ok" and many.finish_reasons == ("length",) * 3
+    assert [s.tolist() for s in many.samples] == alone(engine, items[1], 4, RequestOptions(**sampled)).samples
+    assert got[ids[2]].status == "invalid" and "'presence_penalty'" in got[ids[2]].error
+    assert got[ids[3]].status == "invalid" and "'stop'" in got[ids[3]].error  # no tokenizer in a config model
+
+
+def test_options_on_a_sliding_window_model():
+    cfg = {**TINY, "model_type": "mistral", "sliding_window": 8}
+    cfg.pop("max_position_embeddings")
+    sliding = HF(dataclasses.replace(EXACT, config=cfg), block_tokens=16)
+    rng = np.random.default_rng(27)
+    items = _family(rng, 30, (3, 12))
+    opts = [RequestOptions(temperature=1.0, seed=4, n=2), None]
+    out = sliding.run(_with_options(items, [6, 6], opts)).results.items()
+    assert _samples(out[0])[0] == alone(sliding, items[0], 6, opts[0]).samples
+    assert out[1].tokens.tolist() == unbatched(sliding, items[1], 6)
+
+
+@CUDA
+def test_on_a_gpu_options_sample_with_a_generator_of_their_own():
+    gpu = HF(dataclasses.replace(EXACT, device="cuda"), block_tokens=16)  # float64: batched equals alone
+    rng = np.random.default_rng(28)
+    items = _family(rng, 32, (5, 9))
+    opts = [RequestOptions(temperature=1.0, top_p=0.9, seed=6, n=3), RequestOptions(stop_token_ids=(1,))]
+    out = gpu.run(_with_options(items, [5, 5], opts)).results.items()
+    assert _samples(out[0])[0] == alone(gpu, items[0], 5, opts[0]).samples
+    assert _samples(out[1])[0] == alone(gpu, items[1], 5, opts[1]).samples

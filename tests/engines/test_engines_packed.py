@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib
+import inspect
 import json
 import queue
 import sys
@@ -29,7 +30,7 @@ import pytest
 
 from shmbroker.config.settings import ConfigError, parse
 from shmbroker.engines.base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineBatch, EngineUnavailable
-from shmbroker.engines.catalogue import engine_mode, load_engine
+from shmbroker.engines.catalogue import SAMPLES, engine_mode, load_engine
 from shmbroker.engines.options import TRTLLMSettings, VLLMSettings
 from shmbroker.engines.packed_args import (
     CacheHits,
@@ -40,12 +41,14 @@ from shmbroker.engines.packed_args import (
     hits_from_requests,
     trtllm_cache_tokens,
     trtllm_llm_kwargs,
-    trtllm_sampling,
     vllm_cache_tokens,
     vllm_llm_kwargs,
     vllm_sampling,
 )
+from shmbroker.engines.trtllm_params import sampling_fields, trtllm_sampling, trtllm_unhonoured
 from shmbroker.pack.contract import Contract
+from shmbroker.request.extras import decode_extras
+from shmbroker.request.options import RequestOptions
 
 CONTRACT = Contract(64, 16384, 4096)
 
@@ -120,6 +123,40 @@ def test_sampling_is_greedy_token_ids_only():
     assert trtllm_sampling(3, [2, 7])["stop_token_ids"] == [7]
     none = trtllm_sampling(3, [])
     assert none["end_id"] == -1 and none["ignore_eos"] is True
+
+
+def test_trtllm_sampling_from_request_options():
+    """Each option reaches `tensorrt_llm.SamplingParams` under the field TensorRT-LLM documents for it;
+    greedy stays top_k=1 (no sampling field that would change it), a temperature above 0 samples."""
+    greedy = RequestOptions(temperature=0.0, top_p=0.5, top_k=7, min_p=0.1, seed=3, repetition_penalty=1.2,
+                            min_tokens=2, n=2)
+    assert trtllm_sampling(8, [2], greedy) == {
+        "max_tokens": 8, "top_k": 1, "detokenize": False, "end_id": 2, "pad_id": 2, "repetition_penalty": 1.2,
+        "min_tokens": 2, "seed": 3}  # n: one greedy run stands for both samples
+    sampled = RequestOptions(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=-11, n=3, presence_penalty=0.5,
+                             frequency_penalty=-0.5, stop_token_ids=(5, 9), stop=("END", "\n\n"))
+    assert trtllm_sampling(8, [2, 9], sampled) == {
+        "max_tokens": 8, "top_k": 40, "detokenize": False, "end_id": 2, "pad_id": 2, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "seed": -11, "stop": ["END", "\n\n"], "include_stop_str_in_output": True,
+        "temperature": 0.7, "top_p": 0.9, "n": 3, "min_p": 0.05, "stop_token_ids": [9, 5]}
+    plain = trtllm_sampling(4, [2], RequestOptions(temperature=1.0, top_k=-1))  # -1: no top-k, as in vLLM
+    assert (plain["top_k"], plain["top_p"], plain["temperature"], plain["n"]) == (None, 1.0, 1.0, 1)
+    ignoring = trtllm_sampling(4, [2, 9], RequestOptions(ignore_eos=True, stop_token_ids=(7,)))
+    assert ignoring["ignore_eos"] is True and ignoring["stop_token_ids"] == [7]  # the model's EOS ids ignored
+    assert trtllm_sampling(4, [2], RequestOptions(seed=5), frozenset({"random_seed"}))["random_seed"] == 5
+    params = trt_sampling_params(TRT_SAMPLING_FIELDS)
+    for opts in (greedy, sampled, RequestOptions(temperature=1.5, n=4), RequestOptions(ignore_eos=True)):
+        params(**trtllm_sampling(8, [2, 9], opts))  # every name a field; never greedy with n > 1
+
+
+def test_trtllm_unhonoured_by_release_and_tokenizer():
+    fields = sampling_fields(trt_sampling_params(TRT_SAMPLING_FIELDS))
+    assert fields == frozenset(TRT_SAMPLING_FIELDS)
+    assert trtllm_unhonoured(fields, tokenizer=True) == set()
+    assert trtllm_unhonoured(fields, tokenizer=False) == {"stop"}  # the LLM API encodes stop strings with it
+    older = {k: v for k, v in TRT_SAMPLING_FIELDS.items() if k not in ("seed", "min_p")} | {"random_seed": None}
+    assert trtllm_unhonoured(sampling_fields(trt_sampling_params(older)), tokenizer=True) == {"min_p"}
+    assert sampling_fields(StubSamplingParams) is None  # takes any keyword: nothing known missing
 
 
 def test_eos_token_ids_from_model_directory(tmp_path):
@@ -232,6 +269,48 @@ class StubSamplingParams:
         self.__dict__.update(kwargs)
 
 
+# `tensorrt_llm.SamplingParams`' fields and defaults, as its source declares them (tensorrt_llm/sampling_params.py)
+TRT_SAMPLING_FIELDS = {
+    "end_id": None, "pad_id": None, "max_tokens": 32, "bad": None, "bad_token_ids": None, "stop": None,
+    "stop_token_ids": None, "include_stop_str_in_output": False, "embedding_bias": None, "logits_processor": None,
+    "apply_batched_logits_processor": False, "n": 1, "best_of": None, "use_beam_search": False, "top_k": None,
+    "top_p": None, "top_p_min": None, "top_p_reset_ids": None, "top_p_decay": None, "seed": None, "temperature": None,
+    "min_tokens": None, "beam_search_diversity_rate": None, "repetition_penalty": None, "presence_penalty": None,
+    "frequency_penalty": None, "length_penalty": None, "early_stopping": None, "no_repeat_ngram_size": None,
+    "min_p": None, "beam_width_array": None, "logprobs": None, "prompt_logprobs": None, "return_context_logits": False,
+    "return_generation_logits": False, "exclude_input_from_output": True, "return_encoder_output": False,
+    "return_perf_metrics": False, "additional_model_outputs": None, "lookahead_config": None, "guided_decoding": None,
+    "ignore_eos": False, "detokenize": True, "add_special_tokens": True, "truncate_prompt_tokens": None,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True,
+}
+
+
+def trt_sampling_params(fields: dict):
+    """A stand-in for `tensorrt_llm.SamplingParams` with exactly these keyword-only fields (its signature
+    says them, as the real dataclass's does): another name is a TypeError, and n > 1 with greedy decoding
+    is refused as the LLM API's `_validate` does (older releases: top_k 1 or unset and top_p 0 or unset
+    are greedy; newer ones: also temperature 0, or all three unset). `kwargs`: the names given."""
+
+    class TRTSamplingParams:
+        __signature__ = inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+                                           for k, v in fields.items()])
+
+        def __init__(self, **kwargs):
+            unknown = sorted(set(kwargs) - set(fields))
+            if unknown:
+                raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r}")
+            self.kwargs = kwargs
+            self.__dict__.update(fields)
+            self.__dict__.update(kwargs)
+            self.best_of = self.best_of or self.n
+            top_k, top_p, temperature = self.top_k, self.top_p, getattr(self, "temperature", None)
+            greedy = (top_k in (None, 1) and top_p in (None, 0.0)) or top_k == 1 or top_p == 0.0 or temperature == 0
+            if self.best_of > 1 and greedy:
+                raise ValueError("Greedy decoding in the LLM API does not allow multiple returns.")
+
+    return TRTSamplingParams
+
+
 class StubLLM:
     """Stands in for the packages' LLM class; tests inject a test double, so building it is an error."""
 
@@ -288,7 +367,7 @@ def vllm_engine(monkeypatch):
 def trtllm_engine(monkeypatch):
     """shmbroker.engines.trtllm imported over a stub `tensorrt_llm` package; forgotten afterwards."""
     pkg = types.ModuleType("tensorrt_llm")
-    pkg.LLM, pkg.SamplingParams = StubLLM, StubSamplingParams
+    pkg.LLM, pkg.SamplingParams = StubLLM, trt_sampling_params(TRT_SAMPLING_FIELDS)
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
     llmapi.KvCacheConfig = StubSamplingParams
     pkg.llmapi = llmapi
@@ -397,17 +476,32 @@ FAIL_IN_FLIGHT = 49_998  # ... a prompt holding this id fails after admission (i
 TIMES_OUT = 49_997  # ... a prompt holding this id ends with finish_reason "timeout"
 
 
+def sample_of(token_ids, k: int) -> list[int]:
+    """The test double's sample k of a request (sample 0: its ids as they are)."""
+    return [(int(t) + 7919 * k) % 50_000 for t in token_ids]
+
+
+def stopped_at(ids: list, reason, params) -> tuple[list, object]:
+    """(ids, finish reason) of a sample that may meet one of the params' stop ids."""
+    stops = set(getattr(params, "stop_token_ids", None) or ())
+    at = next((i for i, t in enumerate(ids) if t in stops), None)
+    if at is None or reason != "length":
+        return ids, reason
+    return ids[: at + 1] if getattr(params, "include_stop_str_in_output", False) else ids[:at], "stop"
+
+
 class FakeRequestOutput:
-    """Test double for `tensorrt_llm.llmapi.RequestOutput` (a GenerationResult): `outputs[0].token_ids` and
-    `outputs[0].finish_reason` once done; `aresult()` (and `await`) waits for it, available only when the
-    future was made inside a running event loop, as in the LLM API (its queue is then an AsyncQueue, woken
-    from the executor's thread with call_soon_threadsafe); `result(timeout)` raises queue.Empty on timeout."""
+    """Test double for `tensorrt_llm.llmapi.RequestOutput` (a GenerationResult): one output per sample the
+    params ask (`n`), each with its `index`, `token_ids` and `finish_reason` once done; `aresult()` (and
+    `await`) waits for it, available only when the future was made inside a running event loop, as in
+    the LLM API (its queue is then an AsyncQueue, woken from the executor's thread with
+    call_soon_threadsafe); `result(timeout)` raises queue.Empty on timeout."""
 
     def __init__(self, request_id: int, prompt: list, params):
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.params = params
-        self.outputs = [SimpleNamespace(index=0, token_ids=[], finish_reason=None)]
+        self.outputs = [SimpleNamespace(index=k, token_ids=[], finish_reason=None) for k in range(params.n)]
         self.generated = 0  # tokens decoded so far
         self.error = None
         self._finished = threading.Event()
@@ -422,9 +516,11 @@ class FakeRequestOutput:
         return self._finished.is_set()
 
     def complete(self, token_ids, finish_reason="length", error=None) -> None:
-        """From the double's stepping thread."""
-        self.outputs[0].token_ids = list(token_ids)
-        self.outputs[0].finish_reason = finish_reason
+        """From the double's stepping thread: sample k's ids are `token_ids` shifted by k (`sample_of`), each
+        ending at its first stop id with finish_reason "stop" (the id kept when the params say
+        include_stop_str_in_output, cut otherwise, as the LLM API does)."""
+        for k, out in enumerate(self.outputs):
+            out.token_ids, out.finish_reason = stopped_at(sample_of(token_ids, k), finish_reason, self.params)
         self.error = error
         self._finished.set()
         if self._loop is not None:
@@ -514,7 +610,8 @@ class FakeTRTLLM:
     waits for `submit_gate`, open unless a test closes it). A stepping thread admits queued requests in
     submission order, up to `max_running` at once (prefill: PrefixCacheModel in blocks of `per_block`),
     and every `step_seconds` decodes one token of each running request, so a request finishes
-    max_tokens steps after its admission: out of submission order when lengths differ. Each step queues
+    max_tokens steps after its admission: out of submission order when lengths differ, with the params' n
+    samples (FakeRequestOutput; `calls` keeps each request's SamplingParams). Each step queues
     one iteration-stats dict (cumulative kvCacheStats in blocks), read by `get_stats_async` or drained
     by `get_stats`. FAIL_AT_SUBMIT, FAIL_IN_FLIGHT and TIMES_OUT in a prompt make its request fail at
     submission, fail in flight, or end with finish_reason "timeout"; `shutdown` ends what is in flight
@@ -939,6 +1036,68 @@ def test_trtllm_failures_stay_with_their_items(trtllm):
     assert out.results[0].tokens.tolist() == generated_for([1, 2], 3)
     assert out.results[6].tokens.tolist() == generated_for([6], 3)
     assert engine.pending() == 0
+
+
+def test_trtllm_options_reach_sampling_params_and_samples_come_back(trtllm, tmp_path):
+    """One SamplingParams per item from its options (the double refuses a name TensorRT-LLM does not
+    document); n samples come back one after another, each with its finish reason."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    fake = FakeTRTLLM()
+    engine = trtllm(fake, TRTLLMSettings(model=str(tmp_path), max_new_tokens=64))
+    assert engine.honours == SAMPLES - {"stop"}  # no tokenizer here
+    prompts = [PREFIX + [k] for k in range(4)]
+    stop_id = generated_for(prompts[3], 6)[3]
+    sets = [None, RequestOptions(temperature=0.8, top_p=0.95, seed=7, n=3),
+            RequestOptions(temperature=0.0, n=2), RequestOptions(stop_token_ids=(stop_id,), min_tokens=1)]
+    batch = batch_of([1, 2, 3, 4], prompts, [6, 6, 6, 6])
+    batch.options = sets
+    out = engine.run(batch)
+    assert [r.status for r in out.results] == [OK] * 4
+    params = [p for _, p in fake.calls]
+    assert [p.kwargs for p in params] == [trtllm_sampling(6, [2], o, engine.fields) for o in sets]
+    assert (params[1].temperature, params[1].top_p, params[1].seed, params[1].n) == (0.8, 0.95, 7, 3)
+    assert (params[2].top_k, params[2].n) == (1, 1)  # greedy: run once
+    assert params[3].stop_token_ids == [stop_id] and params[3].include_stop_str_in_output is True
+    want = generated_for(prompts[1], 6)
+    extras = [decode_extras(r.extras, r.tokens.size) for r in out.results]
+    assert out.results[0].tokens.tolist() == generated_for(prompts[0], 6) and extras[0].lengths == (6,)
+    assert out.results[1].tokens.tolist() == want + sample_of(want, 1) + sample_of(want, 2)
+    assert extras[1].lengths == (6, 6, 6) and extras[1].finish_reasons == ("length",) * 3
+    assert out.results[2].tokens.tolist() == generated_for(prompts[2], 6) * 2 and extras[2].lengths == (6, 6)
+    assert out.results[3].tokens.tolist() == generated_for(prompts[3], 6)[:4]  # the stop id kept
+    assert extras[3].finish_reasons == ("stop",) and extras[3].cached_tokens is None  # the LLM API says none
+
+
+def test_trtllm_options_an_older_release_lacks_and_stop_strings_with_a_tokenizer(trtllm, trtllm_engine, tmp_path,
+                                                                                 monkeypatch):
+    older = {k: v for k, v in TRT_SAMPLING_FIELDS.items() if k not in ("seed", "min_p")} | {"random_seed": None}
+    monkeypatch.setattr(trtllm_engine, "SamplingParams", trt_sampling_params(older))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    fake = FakeTRTLLM()
+    engine = trtllm(fake, TRTLLMSettings(model=str(tmp_path), max_new_tokens=8))
+    assert engine.llm_kwargs["skip_tokenizer_init"] is False  # loaded: the LLM API encodes stop strings with it
+    assert "stop" in engine.honours and "min_p" not in engine.honours and "seed" in engine.honours
+    batch = batch_of([1], [PREFIX], [3])
+    batch.options = [RequestOptions(temperature=1.0, seed=9, stop=("END",))]
+    out = engine.run(batch)
+    assert out.results[0].status == OK
+    assert fake.calls[0][1].random_seed == 9 and fake.calls[0][1].stop == ["END"]
+
+
+def test_trtllm_refused_sampling_params_fail_their_item_alone(trtllm, trtllm_engine, monkeypatch):
+    class Refusing:
+        def __init__(self, **kwargs):
+            if kwargs.get("temperature"):
+                raise ValueError("temperature is not supported by this backend")
+            self.__dict__.update(TRT_SAMPLING_FIELDS, **kwargs)
+
+    monkeypatch.setattr(trtllm_engine, "SamplingParams", Refusing)
+    engine = trtllm(FakeTRTLLM())
+    batch = batch_of([1, 2], [PREFIX, PREFIX + [1]], [2, 2])
+    batch.options = [RequestOptions(temperature=0.5), None]
+    out = engine.run(batch)
+    assert [r.status for r in out.results] == [ENGINE_ERROR, OK]
+    assert "temperature is not supported" in out.results[0].error
 
 
 def test_trtllm_eos_from_loaded_configs(trtllm):
