@@ -102,9 +102,10 @@ class CardRun:
 
 
 def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_new_tokens,
-                     timeout_seconds: float) -> CardRun:
+                     timeout_seconds: float, options: list | None = None) -> CardRun:
     """Start a broker of `config` (one consumer named "card") under `tmp`, wait until its engine is
-    built, submit the items in one `submit_many`, take every result back, stop the broker."""
+    built, submit the items in one `submit_many` (with `options`, each item's own request options:
+    one `submit` each), take every result back, stop the broker."""
     from ..client.producer import Producer
     from ..observe.watch import BrokerView
 
@@ -120,7 +121,11 @@ def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_ne
                 broker.wait_engine(view, "gpu-card", timeout_seconds)
                 before = view.snapshot()["consumers"]["card"]
                 t0 = time.perf_counter()
-                p.submit_many(flat, offsets, max_new_tokens=max_new_tokens)
+                if options is None:
+                    p.submit_many(flat, offsets, max_new_tokens=max_new_tokens)
+                else:
+                    for i, o in enumerate(options):
+                        p.submit(flat[offsets[i] : offsets[i + 1]], max_new_tokens=int(max_new_tokens[i]), options=o)
                 status, num_tokens = [], []
                 got = 0
                 while got < n:

