@@ -123,6 +123,7 @@ class BatchTokens:
     def __init__(self, views: SegmentViews, locs: np.ndarray):
         self.views, self.locs = views, locs
         self._options = None  # (OptionsColumn or None, {row: why}) once decoded
+        self._samples = False  # each item's sample count once asked (None: one each)
 
     def __len__(self):
         return self.locs.size
@@ -160,6 +161,15 @@ class BatchTokens:
                 why = {int(rows[k]): text for k, text in why.items()}
             self._options = (column, why)
         return self._options
+
+    def samples(self) -> np.ndarray | None:
+        """Each item's sample count, once its options are decoded (`options`); None: one each."""
+        if self._options is None:
+            return None
+        if self._samples is False:
+            column = self._options[0]
+            self._samples = None if column is None else column.samples()
+        return self._samples
 
     def part(self, rows: np.ndarray) -> BatchTokens:
         """Items `rows` (indices into this record's items), with their options if decoded."""

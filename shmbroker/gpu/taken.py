@@ -32,6 +32,13 @@ class Taken:
         self.tokens = tokens  # its rows to run (locs[:n_run]) as `segments.BatchTokens`, options decoded once
 
 
+def rows_within(units: np.ndarray, room: int, idle: bool) -> int:
+    """How many of these rows (each `units` sequences: its samples) fit in `room` sequences; at least
+    one when the engine is idle (an item holds at most max_batch_size samples: more fails alone)."""
+    count = int(np.searchsorted(np.cumsum(units), room, side="right"))
+    return max(count, 1) if idle and units.size else count
+
+
 def engine_batch(c: int, run: np.ndarray) -> Batch:
     """The rows the engine may run of a record, as consumer c's Batch (its shape: the first row's)."""
     rows = np.zeros(run.size, BATCH_ROW)

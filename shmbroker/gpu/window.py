@@ -1,11 +1,11 @@
 """The in-flight window of a GPU process over its batch ring (docs/design.md "Feeding an engine").
 
 Records are taken from the ring in order and their items added to the engine up to the window
-(`pack.feeding.window_items`: a packed engine's max_batch_size plus an eighth, a record may go in
-in parts; a padded engine's two rectangles); each item's result is written when that item
+(`pack.feeding.window_items`: a packed engine's max_batch_size plus an eighth, in sequences: an item
+asking for n samples is n of them; a record may go in in parts; a padded engine's two rectangles); each item's result is written when that item
 finishes, in any order; the oldest records are released once all their items have results (a
 crash redelivers what is not released; the client drops a result it has already yielded). The
-bookkeeping is columnar: the window's items are id/record/row columns, not a Python object each.
+bookkeeping is columnar: the window's items are id/record/row columns (`inflight.py`), not a Python object each.
 A record taken and what its rows become are `taken.py`'s.
 
 Failures:
@@ -40,7 +40,8 @@ from .backoff import Backoff, WindowLimits
 from .core import ConsumerCore, rows_of
 from .deliveries import Deliveries, poison_message, private
 from .segments import BatchTokens
-from .taken import Taken, engine_batch, failed_results
+from .inflight import InFlight
+from .taken import Taken, engine_batch, failed_results, rows_within
 
 log = logging.getLogger("shmbroker.gpu")
 
@@ -79,19 +80,14 @@ class Window:
         self._end = 0  # ring position past the newest record taken
         self.padded = core.engine.mode == Mode.PADDED
         self.taken: deque[Taken] = deque()
-        # the runnable items of the records taken, as columns (no Python object per item): id, the
-        # serial of its record, its row there; `_order` sorts them by id (None: to be sorted again)
-        self.ids = np.zeros(0, np.uint64)
-        self.recs = np.zeros(0, np.int64)
-        self.rows = np.zeros(0, np.int64)
-        self._order: np.ndarray | None = None
-        self.id_set: set[int] = set()  # the same ids, to find a record's item already in flight at once
+        self.items = InFlight()  # the runnable items of the records taken
         self.num_taken = 0  # records taken so far (the next one's serial)
         self.num_released = 0  # records released so far (taken[0] is the num_released-th)
         self.admit_at = 0  # serial of the first record not all in the engine
         self.followers: dict[int, list] = {}  # item id in flight -> [(record, row)] of later copies of it
         self.positions = np.empty(self.PEEK_MAX, np.int64)
-        self.num_admitted = 0  # items in the engine
+        self.num_admitted = 0  # sequences in the engine: each item's samples (its n; 1 without options)
+        self.extra: dict[int, int] = {}  # item id in the engine -> its samples past the first
         self.num_batches_in = 0  # records with items in the engine (padded: at most 2)
         self.taken_ns = 0  # when the oldest open record was taken (its wait is counted then)
         self.wait_ns = 0  # batch-wait of the records taken, for the statistics
@@ -154,14 +150,15 @@ class Window:
         ids = locs["item_id"][runnable].tolist()
         dup = None
         seen = set(ids)
-        if len(seen) < len(ids) or (self.id_set and not self.id_set.isdisjoint(seen)):
+        held = self.items.id_set
+        if len(seen) < len(ids) or (held and not held.isdisjoint(seen)):
             # an item twice in the window: after a restart a record may hold the same item twice
             # (recovered and salvaged) and a restarted scheduler dispatches again what it had not seen
             # acked; it runs once, and the other rows get its result when it finishes
             dup = np.zeros(len(ids), bool)
             first: set[int] = set()
             for j, i in enumerate(ids):
-                dup[j] = i in self.id_set or i in first
+                dup[j] = i in held or i in first
                 first.add(i)
         t = Taken(self.num_taken, locs, runnable if dup is None else runnable[~dup], start, tokens)
         self.num_taken += 1
@@ -172,11 +169,7 @@ class Window:
                 self.followers.setdefault(int(locs["item_id"][k]), []).append((t, k))
         self.taken.append(t)
         if t.run.size:
-            self.id_set.update(seen)
-            self.ids = np.concatenate([self.ids, locs["item_id"][t.run].astype(np.uint64)])
-            self.recs = np.concatenate([self.recs, np.full(t.run.size, t.serial, np.int64)])
-            self.rows = np.concatenate([self.rows, t.run.astype(np.int64)])
-            self._order = None
+            self.items.add(locs["item_id"][t.run], t.serial, t.run)
         for res, rows in results:
             self._write(res, t, rows)
 
@@ -207,7 +200,10 @@ class Window:
                 self.num_batches_in += 1
                 t.counted = True
             else:
-                count = min(left, self.limit - self.num_admitted)
+                room = self.limit - self.num_admitted
+                samples = t.tokens.samples() if t.tokens is not None else None
+                count = min(left, room) if samples is None else \
+                    rows_within(samples[t.run[t.next_row : t.next_row + left]], room, not self.num_admitted)
                 if count <= 0:
                     return
             if not self.core.in_flight.size:
@@ -215,7 +211,7 @@ class Window:
             a = t.next_row
             t.next_row += count
             t.in_engine += count
-            self.num_admitted += count
+            self.num_admitted += count + self._more_samples(t, a, count)
             if t.run.size == t.locs.size or t.run[-1] - t.run[0] == t.run.size - 1:  # contiguous rows: a view
                 first = int(t.run[0]) + a if t.run.size else 0
                 rows = slice(first, first + count)
@@ -227,6 +223,17 @@ class Window:
             if refused is not None:
                 self.finished(refused)
             self._returned()
+
+    def _more_samples(self, t: Taken, a: int, count: int) -> int:
+        """The samples past the first of t's rows run[a:a + count], each a unit of the window too
+        (`extra` keeps them by item id until its result)."""
+        samples = t.tokens.samples() if t.tokens is not None else None
+        if samples is None:
+            return 0
+        more = samples[t.run[a : a + count]] - 1
+        for k in np.flatnonzero(more).tolist():
+            self.extra[int(t.locs["item_id"][t.run[a + k]])] = int(more[k])
+        return int(more.sum())
 
     def _poison(self, t: Taken) -> None:
         """t's next item: processes died on it alone poison_attempts times; it fails without running."""
@@ -275,12 +282,8 @@ class Window:
     def _retry(self) -> None:
         """Add the handed-back items again, record by record, in order."""
         ids = self.backoff.take()
-        if self._order is None:
-            self._order = np.argsort(self.ids, kind="stable")
-        order = self._order
-        at = order[np.minimum(np.searchsorted(self.ids[order], ids), order.size - 1)]
-        assert np.array_equal(self.ids[at], ids), "a retried item the window does not hold"
-        recs, rows = self.recs[at], self.rows[at]
+        at = self.items.find(ids, "a retried item")
+        recs, rows = self.items.recs[at], self.items.rows[at]
         first = self.taken[0].serial
         self.progress_ns = time.monotonic_ns()
         for serial in np.unique(recs).tolist():
@@ -317,22 +320,8 @@ class Window:
     def _finished(self, res: BatchResults) -> None:
         ids = res.item_ids.astype(np.uint64)
         n = ids.size
-        if n <= self.ids.size and np.array_equal(self.ids[:n], ids):  # the oldest items, in order
-            recs, rows = self.recs[:n], self.rows[:n]
-            self.ids, self.recs, self.rows = self.ids[n:], self.recs[n:], self.rows[n:]
-        else:
-            if self._order is None:
-                self._order = np.argsort(self.ids, kind="stable")
-            order = self._order
-            at = order[np.minimum(np.searchsorted(self.ids[order], ids), order.size - 1)]
-            assert np.array_equal(self.ids[at], ids), "a result for an item the window does not hold"
-            recs, rows = self.recs[at], self.rows[at]
-            keep = np.ones(self.ids.size, bool)
-            keep[at] = False
-            self.ids, self.recs, self.rows = self.ids[keep], self.recs[keep], self.rows[keep]
-        self._order = None
-        self.id_set.difference_update(ids.tolist())
-        self.num_admitted -= n
+        recs, rows = self.items.remove(ids)
+        self.num_admitted -= n + (sum(self.extra.pop(i, 0) for i in ids.tolist()) if self.extra else 0)
         if self.followers:
             for k, i in enumerate(ids.tolist()):
                 for t, row in self.followers.pop(i, ()):

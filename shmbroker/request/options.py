@@ -287,5 +287,11 @@ class OptionsColumn:
         i = int(self.index[k])
         return None if i < 0 else self.sets[i]
 
+    def samples(self) -> np.ndarray | None:
+        """Each item's sample count (its n; 1 without options), or None when every item has one."""
+        # a set that could not be read is None (its items fail); index -1 reads the last entry: 1
+        per_set = np.array([(s.n or 1) if s is not None else 1 for s in self.sets] + [1], np.int64)
+        return None if (per_set == 1).all() else per_set[self.index]
+
     def __iter__(self):
         return (None if i < 0 else self.sets[i] for i in self.index.tolist())

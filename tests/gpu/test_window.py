@@ -331,3 +331,67 @@ def test_a_restarted_gpu_process_counts_the_records_it_takes_over_from_zero(owne
     finally:
         prod.close()
         cons.close()
+
+
+class SampledEngine(ScriptedEngine):
+    """ScriptedEngine that honours n: it counts the sequences it holds (each item's samples)."""
+
+    honours = frozenset({"n", "temperature", "seed"})
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.n_of: dict[int, int] = {}
+        self.max_sequences = 0
+
+    def add(self, batch):
+        for k, i in enumerate(batch.item_ids.tolist()):
+            opts = batch.options_of(k)
+            self.n_of[int(i)] = (opts.n or 1) if opts is not None else 1
+        super().add(batch)
+        self.max_sequences = max(self.max_sequences, sum(self.n_of[i] for i, _ in self.held))
+
+
+class SampledViews(Views):
+    """Every third item asks for n = 5 samples, every other for none."""
+
+    @staticmethod
+    def words():
+        from shmbroker.request.options import encode, parse_options
+
+        return encode(parse_options({"n": 5, "temperature": 1.0, "seed": 1}))
+
+    def check(self, locs, words_out=None):
+        if words_out is not None:
+            words_out[:] = np.where(locs["item_id"] % 3 == 0, self.words().size, 0)
+        return np.zeros(locs.size, np.int64)
+
+    def option_words(self, locs):
+        from shmbroker.gpu.segments import OptionWords
+
+        return OptionWords([self.words()], np.where(locs["item_id"] % 3 == 0, 0, -1).astype(np.int64))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bs=st.integers(5, 40), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=10), per_poll=st.integers(1, 9))
+def test_each_sample_is_a_unit_of_the_window(owner, bs, sizes, per_poll):
+    """An item asking for n samples takes n of the window's sequences: the engine never holds more
+    sequences than the window allows (one item alone may fill it), and every item comes back once."""
+    sizes = [min(s, bs) for s in sizes]
+    contract = Contract(bs, 1 << 20, 4096)
+    engine = SampledEngine(per_poll=per_poll)
+    owned = create_ring(owner, f"s{np.random.randint(1 << 30)}", 1 << 20)
+    prod, cons = owned.attach(PRODUCER), owned.attach(CONSUMER)
+    writes = Writes()
+    limit = window_items(bs, "packed")
+    window = Window(ConsumerCore(contract, engine), cons, writes, SampledViews(), 0, limit,
+                    limits=WindowLimits.of(BrokerConfig(data_dir="unused")))
+    try:
+        total = push_records(prod, sizes)
+        drain(window)
+        assert sorted(i for call in writes.calls for i in call) == list(range(1, total + 1))
+        assert engine.max_sequences <= limit
+        if total >= 3:  # a sampled item was in the engine: the window counted its samples
+            assert max(engine.n_of.values()) == 5 and window.num_admitted == 0 and not window.extra
+    finally:
+        prod.close()
+        cons.close()
