@@ -10,36 +10,67 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from ..jobs.openai_batch import is_request, parse_request
+from ..jobs.openai_batch import Tokenized, checked_tokens, is_request, read_request
 from ..jobs.prompts import LineError, Prompt, parse_line
 
 TRACE_CHUNK_LINES = 256  # trace lines synthesised at once
+ENCODE_LINES = 512  # text prompts and chats tokenized at once
 DEFAULT_MODEL = "default"  # `--model default`: the broker's default model (consumers that declare none)
 
 
 def read_prompts(path: str, default_max_new: int | None, tokenizer=None, model: str | None = None):
     """Prompt or LineError per non-blank line; `default_max_new` fills in a missing max_new_tokens
     (and an OpenAI line's missing max_tokens); `model`, when given, is every line's model
-    (DEFAULT_MODEL: the default one)."""
+    (DEFAULT_MODEL: the default one). Text prompts and chats are tokenized ENCODE_LINES at a time
+    (`Tokenizer.encode_many`: the tokenizer's own batch, on every core), the lines kept in order."""
+    held: list = []  # Prompt, LineError or Tokenized, in line order
+    waiting = 0
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                yield _parse(line, number, default_max_new, tokenizer, model)
+                got = _parse(line, number, default_max_new, tokenizer, model)
             except ValueError as exc:
                 msg = str(exc)
                 if isinstance(exc, json.JSONDecodeError):
                     msg = f"not JSON ({exc.msg} at column {exc.colno})"
-                yield LineError(path, number, msg, custom_id_of(line))
+                got = LineError(path, number, msg, custom_id_of(line))
+            if not held and not isinstance(got, Tokenized):
+                yield got  # nothing waits to be tokenized before it
+                continue
+            held.append(got)
+            waiting += isinstance(got, Tokenized)
+            if waiting >= ENCODE_LINES:
+                yield from tokenized(held, path)
+                held, waiting = [], 0
+    yield from tokenized(held, path)
 
 
-def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt:
+def tokenized(held: list, path: str):
+    """The held lines in order, their texts tokenized by tokenizer, each in one batch."""
+    by_tokenizer: dict = {}
+    for k, got in enumerate(held):
+        if isinstance(got, Tokenized):
+            by_tokenizer.setdefault(id(got.tokenizer), []).append(k)
+    for ks in by_tokenizer.values():
+        many = held[ks[0]].tokenizer.encode_many([held[k].text for k in ks])
+        for k, tokens in zip(ks, many):
+            p = held[k].prompt
+            try:
+                p.tokens = checked_tokens(tokens, p.endpoint)
+                held[k] = p
+            except ValueError as exc:
+                held[k] = LineError(path, p.line, str(exc), p.id)
+    yield from held
+
+
+def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt | Tokenized:
     p = None
     if '"custom_id"' in line:
         row = json.loads(line)
         if is_request(row):
-            p = parse_request(row, number, tokenizer, model, default_max_new)
+            p = read_request(row, number, tokenizer, model, default_max_new)
     if p is None:
         if default_max_new is not None and '"max_new_tokens"' not in line:
             row = json.loads(line)
@@ -48,7 +79,7 @@ def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt:
                 line = json.dumps(row)
         p = parse_line(line, number)
     if model is not None:
-        p.model = None if model == DEFAULT_MODEL else model
+        (p.prompt if isinstance(p, Tokenized) else p).model = None if model == DEFAULT_MODEL else model
     return p
 
 

@@ -43,6 +43,9 @@ body; a cancelled item and a line that is not a request have no response and an 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
+
+import numpy as np
 
 from ..request.chat import ChatError
 from ..request.options import OPTION_NAMES, parse_options, refused_fields
@@ -67,11 +70,30 @@ def is_request(row) -> bool:
     return isinstance(row, dict) and "custom_id" in row
 
 
+class Tokenized(NamedTuple):
+    """A request whose prompt is text still to tokenize: its Prompt (tokens None), the text and the
+    tokenizer (`read_prompts` tokenizes many at once)."""
+
+    prompt: Prompt
+    text: str
+    tokenizer: object
+
+
 def parse_request(row: dict, number: int, tokenizer=None, model: str | None = None,
                   default_max_tokens: int | None = None) -> Prompt:
     """A Prompt from one request line (its `id` the custom_id); ValueError says what is wrong.
     `model`, when given, is every item's model in place of the body's. `tokenizer`: a `jobs/text.py`
     Tokenizer or Tokenizers, asked for the line's model's (`of`), or None."""
+    got = read_request(row, number, tokenizer, model, default_max_tokens)
+    if isinstance(got, Tokenized):
+        got.prompt.tokens = checked_tokens(got.tokenizer.encode(got.text), got.prompt.endpoint)
+        return got.prompt
+    return got
+
+
+def read_request(row: dict, number: int, tokenizer=None, model: str | None = None,
+                 default_max_tokens: int | None = None) -> Prompt | Tokenized:
+    """`parse_request`, leaving a text prompt to tokenize (a Tokenized)."""
     unknown = sorted(set(row) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)} in a batch request")
@@ -97,13 +119,16 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
         raise ValueError(f"'model' must be a non-empty string, got {name!r}")
     model = model if model is not None else name
     tokenizer = tokenizer.of(model) if tokenizer is not None else None
-    tokens = chat_tokens(body, tokenizer) if url == CHAT else completion_tokens(body, tokenizer)
+    tokens = chat_text(body, tokenizer) if url == CHAT else completion_prompt(body, tokenizer)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
     if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
         raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     options = parse_options(option_fields(body, url), max_tokens=max_tokens)
+    if isinstance(tokens, str):
+        return Tokenized(Prompt(number, None, max_tokens, None, model, cid, options if options else None, url),
+                         tokens, tokenizer)
     return Prompt(number, tokens, max_tokens, None, model, cid, options if options else None, url)
 
 
@@ -118,36 +143,37 @@ def option_fields(body: dict, url: str) -> dict:
     return fields
 
 
-def completion_tokens(body: dict, tokenizer):
+def completion_prompt(body: dict, tokenizer):
+    """The prompt's token ids, or its text (tokenized by the caller, `Tokenized`)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"a text prompt needs {NO_TOKENIZER}")
-        tokens = tokenizer.encode(prompt)
-        if tokens.size == 0:
-            raise ValueError("the text prompt is empty once tokenized")
-        return tokens
+        return prompt
     if isinstance(prompt, list) and prompt:
         return token_ids(prompt, "prompt")
     raise ValueError("'prompt' must be a non-empty list of token ids or a string")
 
 
-def chat_tokens(body: dict, tokenizer):
-    """The chat's prompt: its messages rendered with the model's chat template, then tokenized."""
+def chat_text(body: dict, tokenizer) -> str:
+    """The chat's prompt: its messages rendered with the model's chat template (tokenized by the caller)."""
     if tokenizer is None:
         raise ValueError(f"a chat request needs {NO_TOKENIZER} (its chat template is read there)")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError("'chat_template_kwargs' must be an object")
     try:
-        text = tokenizer.chat_template().render(body.get("messages"), kwargs)
+        return tokenizer.chat_template().render(body.get("messages"), kwargs)
     except ChatError as exc:
         raise ValueError(str(exc)) from None
-    tokens = tokenizer.encode(text)
+
+
+def checked_tokens(tokens: np.ndarray, endpoint: str) -> np.ndarray:
+    """A text's token ids; ValueError when it tokenized to none."""
     if tokens.size == 0:
-        raise ValueError("the chat renders to no tokens")
+        raise ValueError("the chat renders to no tokens" if endpoint == CHAT else "the text prompt is empty once tokenized")
     return tokens
 
 

@@ -19,6 +19,7 @@ import numpy as np
 # prompt ids kept to decode the generated ones in context (vLLM's incremental detokenizer starts
 # from as many: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 DECODE_CONTEXT_TOKENS = 5
+HEADS_KEPT = 4096  # decoded contexts a Tokenizer keeps
 
 
 class TextError(ValueError):
@@ -42,6 +43,7 @@ class Tokenizer:
         self.path = file
         self.directory = os.path.dirname(file)
         self._chat = None
+        self._heads: dict[tuple, str] = {}  # decoded contexts (`decode`)
 
     def of(self, model: str | None) -> Tokenizer:
         """The tokenizer of `model`'s lines: this one (given on the command line, it serves every model)."""
@@ -58,18 +60,25 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text, as the tokenizer's own batch (on every core)."""
+        return [np.array(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids, context=()) -> str:
         """Generated ids as text. `context`: the prompt's last ids (DECODE_CONTEXT_TOKENS), decoded
         before them and cut off again, so the text is what follows the prompt as the engine's own
         detokenizer writes it (a leading space a tokenizer adds only within a text, say)."""
         ids = [int(i) for i in ids]
-        plain = self._tok.decode(ids, skip_special_tokens=True)
         if not context or not ids:
-            return plain
-        ctx = [int(i) for i in context]
-        head = self._tok.decode(ctx, skip_special_tokens=True)
-        whole = self._tok.decode(ctx + ids, skip_special_tokens=True)
-        return whole[len(head):] if whole.startswith(head) else plain
+            return self._tok.decode(ids, skip_special_tokens=True)
+        ctx = tuple(int(i) for i in context)
+        head = self._heads.get(ctx)
+        if head is None:  # a job's prompts mostly end alike (a chat template's generation prompt)
+            if len(self._heads) >= HEADS_KEPT:
+                self._heads.clear()
+            head = self._heads[ctx] = self._tok.decode(list(ctx), skip_special_tokens=True)
+        whole = self._tok.decode([*ctx, *ids], skip_special_tokens=True)
+        return whole[len(head):] if whole.startswith(head) else self._tok.decode(ids, skip_special_tokens=True)
 
 
 class Tokenizers:
