@@ -9,7 +9,7 @@ import numpy as np
 
 from ..request.options import RequestOptions, encode, parse_options
 from ..ring.items import U32_MAX
-from ..ring.spsc import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
+from ..ring.batches import BATCH_BAD_BOUNDS, BATCH_EMPTY_ITEM, BATCH_TOO_LARGE, check_batch
 
 
 def as_int(value, what: str) -> int:
@@ -117,16 +117,3 @@ def option_words(options, max_new_tokens) -> np.ndarray | None:
         raise ValueError(f"options: 'min_tokens' ({options.min_tokens}) is more than max_new_tokens ({limit})")
     words = encode(options)
     return words if words.size else None
-
-
-def with_option_words(flat: np.ndarray, offs: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Items' payloads with the same option words after each one's tokens: (flat, offsets)."""
-    count, k = offs.size - 1, words.size
-    new_offs = offs + np.arange(count + 1, dtype=np.int64) * k
-    out = np.empty(int(new_offs[-1]), np.uint32)
-    is_option = np.zeros(out.size, bool)
-    at = (new_offs[1:, None] - k + np.arange(k)).ravel()
-    is_option[at] = True
-    out[at] = np.tile(words, count)
-    out[~is_option] = flat
-    return out, new_offs

@@ -29,7 +29,7 @@ from ..ring.items import (
     push_item_readonly,
 )
 from ..ring.ring import Ring
-from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32, with_option_words
+from .checks import as_int, as_offsets, batch_fields, check_prefix_len, check_u32
 from .connection import Recover
 
 RESTART_POLL_SECONDS = 0.01  # how often a submit looks again while the broker restarts its ingest process
@@ -181,8 +181,6 @@ class Submitter:
         meta[:, 1] = NO_PREFIX if fields.prefixes is None else fields.prefixes
         meta[:, 2] = mid
         meta[:, 3] = k  # the option words after each item's tokens (spill/collect.py)
-        if k:
-            flat, offs = with_option_words(flat, offs, words)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         deadline = time.monotonic() + (timeout if block else 0.0)
         out = np.empty(count, np.uint64)
@@ -194,7 +192,8 @@ class Submitter:
             sub = flat[offs[done] : offs[-1]]
             m = meta if meta.shape[0] == 1 else meta[done:]
             try:
-                self.ring.push_many(sub, part, seq0, m, max(0.0, deadline - time.monotonic()))
+                self.ring.push_many(sub, part, seq0, m, max(0.0, deadline - time.monotonic()),
+                                    words if k else None)
             except Full as exc:
                 self.seq = seq0 + exc.submitted
                 out[done : done + exc.submitted] = ids[: exc.submitted]

@@ -245,8 +245,10 @@ class Ring:
             if not self._wait_writable(tokens.size, deadline):
                 raise Full(f"ring {self.segment.name} stayed full for {timeout_seconds} s")
 
-    def push_many(self, flat: np.ndarray, offsets: np.ndarray, key0: int, meta: np.ndarray, timeout_seconds: float) -> int:
-        """Push every record, waiting for space up to `timeout_seconds` in all.
+    def push_many(self, flat: np.ndarray, offsets: np.ndarray, key0: int, meta: np.ndarray, timeout_seconds: float,
+                  tail: np.ndarray | None = None) -> int:
+        """Push every record, waiting for space up to `timeout_seconds` in all; `tail`: words every
+        record carries after its tokens (None: none).
 
         Returns the count (all of them); raises Full (with `.submitted`) when the
         deadline passes first, ValueError when a record can never fit.
@@ -254,8 +256,12 @@ class Ring:
         count = len(offsets) - 1
         deadline = time.monotonic() + timeout_seconds
         done = 0
+        k = 0 if tail is None else tail.size
         while True:
-            pushed, status, wake = spsc.push_many(self.buf, flat, offsets, key0, meta, done, count)
+            if tail is None:
+                pushed, status, wake = spsc.push_many(self.buf, flat, offsets, key0, meta, done, count)
+            else:
+                pushed, status, wake = spsc.push_many_tail(self.buf, flat, offsets, tail, key0, meta, done, count)
             if wake:
                 self._peer_bell.ring()
             done += pushed
@@ -264,7 +270,7 @@ class Ring:
             if status == L.TOO_LARGE:
                 raise ValueError(f"record {done} exceeds the ring's {self.max_tokens} tokens")
             try:
-                ready = self._wait_writable(int(offsets[done + 1] - offsets[done]), deadline)
+                ready = self._wait_writable(int(offsets[done + 1] - offsets[done]) + k, deadline)
             except PeerDead as exc:
                 exc.submitted = done
                 raise

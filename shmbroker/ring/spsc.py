@@ -91,9 +91,15 @@ def reserve(h, cap, head, size):
 @kernel
 def write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, m3):
     """Write and commit one record at `head` (after `skip` words); return the new head."""
+    return write_record_tail(w, w64, h, head, skip, size, tokens, src, n, tokens[:0], key, m0, m1, m2, m3)
+
+
+@kernel
+def write_record_tail(w, w64, h, head, skip, size, tokens, src, n, tail, key, m0, m1, m2, m3):
+    """`write_record` of tokens[src:src + n] followed by the `tail` words (in its payload too)."""
     cap = w.size
     start = (head + skip) & (cap - 1)
-    w[start + 1] = n
+    w[start + 1] = n + tail.size
     w64[(start >> 1) + 1] = key
     w[start + 4] = m0
     w[start + 5] = m1
@@ -101,6 +107,8 @@ def write_record(w, w64, h, head, skip, size, tokens, src, n, key, m0, m1, m2, m
     w[start + 7] = m3
     if n > 0:
         memcpy(w, start + RECORD_HEADER_WORDS, tokens, src, n)
+    if tail.size > 0:
+        memcpy(w, start + RECORD_HEADER_WORDS + n, tail, 0, tail.size)
     w[(start + size) & (cap - 1)] = 0  # sentinel: the next commit word reads "not yet"
     h[H_NEXT_KEY] = key + 1  # before the commit: a producer killed after it never reuses the key
     store_release(w, start, size)
@@ -140,6 +148,13 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
     Returns (records pushed, status, wake): status is OK when all went, FULL
     when the ring filled first, TOO_LARGE when record first+pushed cannot fit.
     """
+    return push_many_tail(buf, flat, offsets, flat[:0], key0, meta, first, last)
+
+
+@kernel
+def push_many_tail(buf, flat, offsets, tail, key0, meta, first, last):
+    """`push_many` with the same `tail` words after each record's tokens (its request options:
+    written in place, not copied into a new flat first)."""
     h = buf[:HEADER_BYTES].view(np.int64)
     w = buf[HEADER_BYTES:].view(np.uint32)
     w64 = buf[HEADER_BYTES:].view(np.uint64)
@@ -152,7 +167,7 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
     while i < last:
         lo = offsets[i]
         n = offsets[i + 1] - lo
-        size = (RECORD_HEADER_WORDS + n + 1) & ~1
+        size = (RECORD_HEADER_WORDS + n + tail.size + 1) & ~1
         if size > max_record:
             status = TOO_LARGE
             break
@@ -162,7 +177,8 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
             status = FULL
             break
         r = i if meta.shape[0] > 1 else 0
-        head = write_record(w, w64, h, head, skip, size, flat, lo, n, key0 + i, meta[r, 0], meta[r, 1], meta[r, 2], meta[r, 3])
+        head = write_record_tail(w, w64, h, head, skip, size, flat, lo, n, tail, key0 + i, meta[r, 0], meta[r, 1],
+                                 meta[r, 2], meta[r, 3])
         i += 1
         if (i - first) % PUBLISH_EVERY == 0:
             store_release(h, H_HEAD, head)
@@ -172,27 +188,6 @@ def push_many(buf, flat, offsets, key0, meta, first, last):
     if claim_waiter(h, H_CONSUMER_WAITING, H_NUM_PUSHED, (i - first) % PUBLISH_EVERY):
         wake = True
     return i - first, status, wake
-
-
-BATCH_OK = 0
-BATCH_EMPTY_ITEM = 1  # check_batch: an item has no tokens (or offsets decrease)
-BATCH_TOO_LARGE = 2  # check_batch: an item exceeds the ring's limit
-BATCH_BAD_BOUNDS = 3  # check_batch: offsets do not start at 0 and end at the flat size
-
-
-@kernel
-def check_batch(offsets, flat_size, max_tokens):
-    """Validate a batch's offsets in one pass: (BATCH_* status, index of the first bad item)."""
-    count = offsets.size - 1
-    if count < 1 or offsets[0] != 0 or offsets[count] != flat_size:
-        return BATCH_BAD_BOUNDS, 0
-    for i in range(count):
-        n = offsets[i + 1] - offsets[i]
-        if n <= 0:
-            return BATCH_EMPTY_ITEM, i
-        if n > max_tokens:
-            return BATCH_TOO_LARGE, i
-    return BATCH_OK, 0
 
 
 @kernel

@@ -11,7 +11,7 @@ import numpy as np
 
 def warm_rings() -> None:
     """The ring kernels: push, pop, peek, waits, digests."""
-    from ..ring import digest, items, layout, spsc
+    from ..ring import batches, digest, items, layout, spsc
 
     cap = 1024
     buf = np.zeros(layout.segment_bytes(cap), np.uint8)
@@ -21,7 +21,8 @@ def warm_rings() -> None:
     offs = np.array([0, 4], np.int64)
     meta = np.zeros((1, layout.META_WORDS), np.uint32)
     spsc.push_many(buf, tok, offs, 1, meta, 0, 1)
-    spsc.check_batch(offs, tok.size, 16)
+    spsc.push_many_tail(buf, tok, offs, tok[:2], 1, meta, 0, 1)
+    batches.check_batch(offs, tok.size, 16)
     spsc.push(buf, tok, 2, 0, 0, 0, 0)
     out = np.empty(64, np.uint32)
     spsc.pop_many(buf, out, np.empty(3, np.int64), np.empty(2, np.uint64), np.empty((2, 4), np.uint32), 1)

@@ -217,6 +217,36 @@ def test_many_laps_against_model(capacity_words):
     assert model.head_words // capacity_words > 100
 
 
+@pytest.mark.parametrize("capacity_words", [64, 4096])
+def test_push_many_tail_is_push_many_of_each_payload_with_its_tail(capacity_words):
+    """Records pushed with tail words (an item's request options, written in place) read back as the
+    records of the tokens and the tail one after another, through many laps, FULL and TOO_LARGE alike."""
+    rng = np.random.default_rng(capacity_words + 1)
+    buf = new_ring(capacity_words)
+    model = ReferenceRing(capacity_words)
+    top = layout.max_tokens(capacity_words) + 2
+    for step in range(2000):
+        if rng.integers(0, 2):
+            tail = rng.integers(0, 2**32, int(rng.integers(0, 6)), dtype=np.uint32)
+            counts = rng.integers(0, rng.choice([4, top]) + 1, int(rng.integers(0, 9)))
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            flat = rng.integers(0, 2**32, int(offsets[-1]), dtype=np.uint32)
+            meta = rng.integers(0, 2**32, (1, layout.META_WORDS), dtype=np.uint32)
+            whole = [np.concatenate([flat[a:b], tail]) for a, b in zip(offsets[:-1], offsets[1:])]
+            joined = np.concatenate(whole + [np.zeros(0, np.uint32)]).astype(np.uint32)
+            joined_offs = np.concatenate([[0], np.cumsum([w.size for w in whole])]).astype(np.int64)
+            count, status, _wake = spsc.push_many_tail(buf, flat, offsets, tail, step << 8, meta, 0, counts.size)
+            assert (int(count), plain(int(status))) == model.push_many(joined, joined_offs, step << 8, meta, 0,
+                                                                        counts.size)
+        else:
+            max_records, max_tokens = int(rng.integers(0, 9)), int(rng.integers(0, 2 * top))
+            got, status = kernel_pop(buf, max_records, max_tokens)
+            want, want_status = model.pop_many(max_records, max_tokens)
+            assert status == want_status
+            assert_same_records(got, want)
+        assert_same_state(buf, model)
+
+
 @pytest.mark.parametrize("capacity_words", [64, 128, 4096])
 def test_max_record_fits_at_every_offset_once_drained(capacity_words):
     """layout.max_record_words: the largest record a drained ring takes whatever its offset."""
