@@ -36,6 +36,7 @@ import time
 from collections import deque
 
 from ..errors import Full
+from ..request.extras import encode_extras
 from . import placement, subjects
 from .publisher import AckedPublisher, PublishRefused
 from .staging import Answer, Pulled, Staged, columns, decode_message, ranges
@@ -216,7 +217,7 @@ class Bridge:
             run, key = [], None
             for p, msg in itertools.islice(self.waiting, SUBMIT_BATCH):
                 try:
-                    prompt, producer, model = decode_message(msg)
+                    d = decode_message(msg)
                 except ValueError as exc:
                     if run:
                         break  # the run ends here; the bad one is refused next
@@ -224,26 +225,28 @@ class Bridge:
                     await self._refuse(msg, str(exc))
                     key = "refused"
                     break
-                if key is not None and key != (model, prompt.prefix_len is None):
+                if key is not None and key != (d.model, d.prompt.prefix_len is None, d.options_header):
                     break
-                key = (model, prompt.prefix_len is None)
-                run.append(Pulled(p, msg, prompt, producer))
+                key = (d.model, d.prompt.prefix_len is None, d.options_header)
+                options = d.options
+                run.append(Pulled(p, msg, d.prompt, d.producer))
             if not run:
                 continue
-            took = self._submit_run(run, key[0])
+            took = self._submit_run(run, key[0], options)
             n += took
             if took < len(run):
                 break  # the local ring is full: the rest waits for the next round
         self.counts["submitted"] += n
         return n
 
-    def _submit_run(self, run: list[Pulled], model) -> int:
-        """One submit_many of a run; the number the local ring took (each staged, or answered
-        `invalid` when the local broker's checks refuse it)."""
+    def _submit_run(self, run: list[Pulled], model, options=None) -> int:
+        """One submit_many of a run (one model, one kind of prefix, one set of request options); the
+        number the local ring took (each staged, or answered `invalid` when the local broker's checks
+        refuse it)."""
         cols = columns([r.prompt for r in run])
         try:
             ids = self.local.submit_many(cols.flat, cols.offsets, max_new_tokens=cols.max_new, prefix_len=cols.prefixes,
-                                         model=model, block=False)
+                                         model=model, block=False, options=options)
         except Full as exc:
             ids = exc.ids
         except (TypeError, ValueError) as exc:  # the local broker's own checks (a model it has no slot for)
@@ -284,7 +287,10 @@ class Bridge:
             if st is None:
                 self.counts["unknown_results"] += 1
             else:
-                self.unsent.append(Answer(st.producer, st.seq, r.status, r.tokens, r.error, local_id=int(r.item_id)))
+                extras = None if r.extras is None else encode_extras(r.extras.lengths, r.extras.stopped,
+                                                                     r.extras.cached_tokens)
+                self.unsent.append(Answer(st.producer, st.seq, r.status, r.tokens, r.error, local_id=int(r.item_id),
+                                          extras=extras))
         if got:
             self.local.ack()  # kept here (unsent, inflight) until stored; a crash: the prompts come again
         held_back = []  # results of partitions whose lease is not fresh: published once it is renewed
@@ -300,8 +306,10 @@ class Bridge:
                     continue
             payload = subjects.encode_result(a.seq, a.status, a.tokens, a.error)
             try:
-                future = await self.pub.publish(self.names.result_subject(a.producer), payload,
-                                                {subjects.HEADER_MSG_ID: subjects.msg_id(a.producer, a.seq)})
+                headers = {subjects.HEADER_MSG_ID: subjects.msg_id(a.producer, a.seq)}
+                if a.extras is not None:
+                    headers[subjects.HEADER_EXTRAS] = subjects.words_header(a.extras)
+                future = await self.pub.publish(self.names.result_subject(a.producer), payload, headers)
             except Exception as exc:  # reconnecting: try again next round
                 log.debug("result publish: %s", exc)
                 break

@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..client.checks import as_offsets, batch_fields, check_prefix_len, check_u32
+from ..client.checks import as_offsets, batch_fields, check_prefix_len, check_u32, option_words
 from ..client.producer import CONNECT_TIMEOUT_SECONDS, SUBMIT_TIMEOUT_SECONDS
 from ..client.reader import RESULT_BATCH, Result, ResultBatch
 from ..client.seen import SeenSet
 from ..errors import BrokerError, Full
+from ..request.extras import decode_extras
 from ..ring.items import as_tokens, model_id
 from .nats_loop import NatsLoop, require_nats
 from .options import DEFAULT_SERVERS, NatsOptions
@@ -39,15 +40,19 @@ from .permissions import inbox_prefix
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
 from .subjects import (
+    HEADER_EXTRAS,
     HEADER_MSG_ID,
+    HEADER_OPTIONS,
     PROMPT_HEADER,
     ClusterNames,
     StreamSettings,
     check_producer_name,
     decode_result,
     encode_prompt,
+    header_words,
     parse_msg_id,
     prompt_headers,
+    words_header,
 )
 
 HEADER_ROOM_BYTES = 1024  # a message's headers count against the servers' max_payload
@@ -63,9 +68,10 @@ class _Prompts:
     """The messages of one submit_many, each built when the publisher first asks for it (on the
     client's loop: building the next overlaps the servers' work on the last), then kept for a retry."""
 
-    def __init__(self, producer, flat, offs, parts, max_new, prefixes, shared, first, model):
+    def __init__(self, producer, flat, offs, parts, max_new, prefixes, shared, first, model, options=None):
         self.p, self.flat, self.offs, self.parts = producer, flat, offs, parts
         self.max_new, self.prefixes, self.shared, self.first, self.model = max_new, prefixes, shared, first, model
+        self.options = options  # the options header every message carries (None: none)
         self.built: list = [None] * len(parts)
 
     def __len__(self) -> int:
@@ -80,7 +86,7 @@ class _Prompts:
             tokens = self.flat[int(self.offs[i]) : int(self.offs[i + 1])]
             msg = self.built[i] = (self.p.names.prompt_subject(self.parts[i]),
                                    encode_prompt(tokens, seq, int(self.max_new[k]), prefix),
-                                   prompt_headers(self.p.name, seq, self.model))
+                                   prompt_headers(self.p.name, seq, self.model, self.options))
         return msg
 
 
@@ -148,18 +154,19 @@ class RemoteProducer:
     def submit(self, tokens, *, max_new_tokens: int, prefix_len: int | None = None, model: str | None = None,
                block: bool = True, timeout_seconds: float | None = None, options=None) -> int:
         """Submit one prompt; returns its item id (its sequence number) once JetStream stored it.
-        Request options do not cross hosts yet: `options` is refused, not dropped."""
+        `options`: its request options (`Producer.submit`'s), carried in the message's headers."""
         self._check_open()
-        refuse_options(options)
-        arr = as_tokens(tokens)
-        if arr.size > self.max_tokens:
-            raise ValueError(f"item of {arr.size} tokens exceeds the servers' message limit of {self.max_tokens} tokens")
-        prefix = None if prefix_len is None else check_prefix_len(prefix_len, arr)
         max_new = check_u32(max_new_tokens, "max_new_tokens")
+        header = options_header(options, max_new)
+        arr = as_tokens(tokens)
+        limit = self._token_limit(header)
+        if arr.size > limit:
+            raise ValueError(f"item of {arr.size} tokens exceeds the servers' message limit of {limit} tokens")
+        prefix = None if prefix_len is None else check_prefix_len(prefix_len, arr)
         mid = self._model_id(model)
         subject = self.names.prompt_subject(self._partition_fn(arr, prefix, mid, self.names.num_partitions))
         seq = self._take_seqs(1, timeout_seconds)
-        msg = (subject, encode_prompt(arr, seq, max_new, prefix), prompt_headers(self.name, seq, model))
+        msg = (subject, encode_prompt(arr, seq, max_new, prefix), prompt_headers(self.name, seq, model, header))
         self._publish([msg], np.array([seq], np.uint64), block, timeout_seconds)
         return seq
 
@@ -171,11 +178,12 @@ class RemoteProducer:
         checked before any is published. Returns the item ids (uint64). Past the deadline a
         full stream raises Full whose `submitted` and `ids` say which items went in (the first
         ones, unless the stream took a later item in flight while it refused an earlier one).
+        `options`: every item's request options, carried in each message's headers.
         """
         self._check_open()
-        refuse_options(options)
         flat = as_tokens(flat_tokens, "flat_tokens")
-        offs = as_offsets(offsets, flat.size, self.max_tokens)
+        header = options_header(options, max_new_tokens)
+        offs = as_offsets(offsets, flat.size, self._token_limit(header))
         count = offs.size - 1
         mid = self._model_id(model)
         max_new, prefixes, shared = batch_fields(max_new_tokens, prefix_len, offs)
@@ -188,9 +196,13 @@ class RemoteProducer:
         else:
             parts = [self._partition_fn(flat[a:b], None if prefixes is None else int(prefixes[0 if shared else i]), mid,
                                         num_partitions) for i, (a, b) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist()))]
-        msgs = _Prompts(self, flat, offs, parts, max_new, prefixes, shared, first, model)
+        msgs = _Prompts(self, flat, offs, parts, max_new, prefixes, shared, first, model, header)
         self._publish(msgs, ids, block, timeout_seconds)
         return ids
+
+    def _token_limit(self, header: str | None) -> int:
+        """The tokens an item may have: the servers' limit, less what its options header takes."""
+        return self.max_tokens - (0 if header is None else (len(header) + len(HEADER_OPTIONS) + 7) // 4)
 
     def _take_seqs(self, num_seqs: int, timeout_seconds: float | None) -> int:
         first = self._seqs.take_reserved(num_seqs)
@@ -283,19 +295,23 @@ class RemoteProducer:
         for msg in msgs:
             try:
                 r = decode_result(msg.data)
-                if msg.headers and HEADER_MSG_ID in msg.headers and parse_msg_id(msg.headers[HEADER_MSG_ID]) != (self.name, r.seq):
-                    raise ValueError(f"message id {msg.headers[HEADER_MSG_ID]!r} is not {self.name}:{r.seq}")
+                headers = msg.headers or {}
+                if HEADER_MSG_ID in headers and parse_msg_id(headers[HEADER_MSG_ID]) != (self.name, r.seq):
+                    raise ValueError(f"message id {headers[HEADER_MSG_ID]!r} is not {self.name}:{r.seq}")
+                extras = None
+                if HEADER_EXTRAS in headers:
+                    extras = decode_extras(header_words(headers[HEADER_EXTRAS], "extras"), r.tokens.size)
             except ValueError as exc:  # torn or foreign: counted and dropped, never redelivered
                 self.num_malformed_results += 1
                 self.last_malformed = str(exc)
                 self._loop.call(self._ack_all, [msg], "term", timeout_seconds=self._loop.options.connect_timeout_seconds)
                 continue
-            fresh.append((msg, r))
+            fresh.append((msg, r, extras))
         if fresh:
-            keep = self._seen.add(np.array([r.seq for _, r in fresh], np.int64))
-            for (msg, r), new in zip(fresh, keep.tolist()):
+            keep = self._seen.add(np.array([r.seq for _, r, _ in fresh], np.int64))
+            for (msg, r, extras), new in zip(fresh, keep.tolist()):
                 if new:
-                    self._pending.append((msg, Result(r.seq, r.status, r.tokens, r.error)))
+                    self._pending.append((msg, Result(r.seq, r.status, r.tokens, r.error, extras)))
                 else:
                     self.num_duplicate_results += 1
                     self._handed.append(msg)
@@ -354,8 +370,8 @@ class RemoteProducer:
         self.close()
 
 
-def refuse_options(options) -> None:
-    """Request options are carried within one host only (the prompt message has no field for them)."""
-    if options:
-        raise ValueError("request options are not carried past one host yet: submit them to a broker's "
-                         "Producer on its host")
+def options_header(options, max_new_tokens) -> str | None:
+    """The options header of a submit's request options (checked as `Producer.submit` checks them),
+    or None for none."""
+    words = option_words(options, max_new_tokens)
+    return None if words is None else words_header(words)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..request.options import decode as decode_options
 from . import subjects
 
 
@@ -19,6 +20,17 @@ class Pulled(NamedTuple):
     msg: object
     prompt: subjects.PromptMsg
     producer: str
+
+
+class Decoded(NamedTuple):
+    """A prompt message's prompt, producer, model (None: the default) and request options (the
+    header's text, so that equal options group by it, and its RequestOptions; None: none)."""
+
+    prompt: subjects.PromptMsg
+    producer: str
+    model: str | None
+    options_header: str | None
+    options: object
 
 
 class Columns(NamedTuple):
@@ -55,18 +67,21 @@ class Answer:
     error: str | None
     local_id: int | None = None
     msg: object = None
+    extras: object = None  # the result's extras words (request/extras.py), or None
 
 
-def decode_message(msg):
-    """(prompt, producer, model) of a pulled prompt message; ValueError naming what is wrong (a
-    torn payload, no producer, a message id that is not the payload's)."""
+def decode_message(msg) -> Decoded:
+    """A pulled prompt message decoded; ValueError naming what is wrong (a torn payload, no
+    producer, a message id that is not the payload's, request options that do not decode)."""
     headers = msg.headers or {}
     prompt = subjects.decode_prompt(msg.data)
     producer = subjects.check_producer_name(headers.get(subjects.HEADER_PRODUCER))
     ident = headers.get(subjects.HEADER_MSG_ID)
     if ident != subjects.msg_id(producer, prompt.seq):
         raise ValueError(f"message id {ident!r} is not its producer's and payload's {subjects.msg_id(producer, prompt.seq)!r}")
-    return prompt, producer, headers.get(subjects.HEADER_MODEL)
+    header = headers.get(subjects.HEADER_OPTIONS)
+    options = None if header is None else decode_options(subjects.header_words(header, "options"))
+    return Decoded(prompt, producer, headers.get(subjects.HEADER_MODEL), header, options)
 
 
 def columns(prompts: list) -> Columns:

@@ -15,6 +15,7 @@ A prompt and its result both carry the message id (`Nats-Msg-Id`) `<producer>:<s
 
 from __future__ import annotations
 
+import base64
 import re
 import struct
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a subject token, a stream or b
 HEADER_MSG_ID = "Nats-Msg-Id"
 HEADER_PRODUCER = "Shmb-Producer"
 HEADER_MODEL = "Shmb-Model"  # absent: the default model
+# a prompt's request options (request/options.py's words) and a result's extras (request/extras.py's
+# words), each as base64 of the little-endian words; absent: none
+HEADER_OPTIONS = "Shmb-Options"
+HEADER_EXTRAS = "Shmb-Extras"
 
 
 def check_producer_name(name) -> str:
@@ -141,11 +146,29 @@ def parse_msg_id(value: str) -> tuple[str, int]:
     return producer, int(seq)
 
 
-def prompt_headers(producer: str, seq: int, model: str | None) -> dict[str, str]:
+def prompt_headers(producer: str, seq: int, model: str | None, options: str | None = None) -> dict[str, str]:
     headers = {HEADER_MSG_ID: msg_id(producer, seq), HEADER_PRODUCER: producer}
     if model is not None:
         headers[HEADER_MODEL] = model
+    if options is not None:
+        headers[HEADER_OPTIONS] = options
     return headers
+
+
+def words_header(words) -> str:
+    """Words (request options, result extras) as a header value: base64 of their little-endian bytes."""
+    return base64.b64encode(np.ascontiguousarray(words, "<u4").tobytes()).decode("ascii")
+
+
+def header_words(value, what: str) -> np.ndarray:
+    """A header value's words (`words_header`'s); ValueError naming `what` when it holds none."""
+    try:
+        raw = base64.b64decode(value if isinstance(value, str) else "", validate=True)
+    except (ValueError, TypeError):
+        raise ValueError(f"the {what} header is not base64: {str(value)[:40]!r}") from None
+    if not raw or len(raw) % 4:
+        raise ValueError(f"the {what} header holds {len(raw)} bytes, not whole words")
+    return np.frombuffer(raw, "<u4").astype(np.uint32)
 
 
 def _read_header(payload: bytes, header: struct.Struct, fields, magic: bytes, what: str):

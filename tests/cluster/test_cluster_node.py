@@ -104,7 +104,7 @@ class FakeLocal:
         self.next_id += 1
         return self.next_id - 1
 
-    def submit_many(self, flat, offsets, *, max_new_tokens, prefix_len=None, model=None, block=True):
+    def submit_many(self, flat, offsets, *, max_new_tokens, prefix_len=None, model=None, block=True, options=None):
         return np.array([self.submit(flat[a:b], max_new_tokens=int(m), model=model)
                          for a, b, m in zip(offsets[:-1], offsets[1:], max_new_tokens)], np.uint64)
 
@@ -319,4 +319,62 @@ def test_a_nodes_status_top_and_exporter_show_its_bridge(server, tmp_path):
     finally:
         if client is not None:
             client.close()
+        node.stop()
+
+
+@pytest.mark.timeout(180)
+def test_request_options_cross_hosts_and_samples_come_back(server, tmp_path):
+    """A RemoteProducer's request options ride each prompt message's headers to a real node, which
+    submits them with its items; the samples, finish reasons and cached tokens come back in the
+    result messages' headers. An options header that does not decode fails its item alone."""
+    from shmbroker.bench.cluster_nodes import LocalNode, wait_partitions
+    from shmbroker.cluster.remote import RemoteProducer
+    from shmbroker.engines.sim import Sim
+    from shmbroker.engines.sim_requests import sample_key, sampled_result
+    from shmbroker.request.extras import decode_extras
+    from shmbroker.request.options import parse_options
+
+    node = LocalNode("opts", str(tmp_path), server.urls, lease_seconds=2.0)
+    node.start()
+    try:
+        wait_partitions([node], ClusterNames().num_partitions, 60)
+        prompt = np.arange(1, 301, dtype=np.uint32)
+        body = {"n": 3, "temperature": 1.0, "seed": 9}
+        with RemoteProducer("remote-opts", servers=server.urls,
+                            settings=StreamSettings(prompts_max_bytes=64 << 20, results_max_bytes=64 << 20)) as p:
+            sampled = p.submit(prompt, max_new_tokens=12, options=body)
+            many = p.submit_many(np.tile(prompt, 2), np.array([0, 300, 600]), max_new_tokens=12,
+                                 options={"temperature": 0.0})
+            plain = p.submit(prompt, max_new_tokens=12)
+            bad = int(plain) + 1000  # a prompt published by hand under a seq the producer has not used
+
+            async def publish_bad():  # its options header is not base64
+                nc = await _connect(server.urls[0])
+                await nc.jetstream().publish(p.names.prompt_subject(0), subjects.encode_prompt(prompt, bad, 4, None),
+                                             headers=subjects.prompt_headers(p.name, bad, None, "#not-base64#"))
+                await nc.close()
+
+            asyncio.run(publish_bad())
+            got = {}
+            end = time.monotonic() + 60
+            while len(got) < 5:
+                assert time.monotonic() < end, (sorted(got), node.log_tail())
+                for r in p.results(1.0):
+                    got[int(r.item_id)] = r
+        r = got[int(sampled)]
+        assert r.status == "ok" and len(r.samples) == 3, (r.status, r.error)
+        # the simulated engine's three samples under these options: seeded, a function of the prompt and
+        # the seed alone, whatever the item's id on the node (engines/sim_requests.py)
+        opts = parse_options(body)
+        key = sample_key(0, Sim.digest(prompt), opts)
+        tokens, extras = sampled_result(0, key, 12, opts, lambda keys, counts: Sim.generated_many(
+            np.zeros(keys.size, np.uint64), counts, keys=keys).flat)
+        want = decode_extras(extras, tokens.size)
+        assert r.tokens.tolist() == tokens.tolist() and r.finish_reasons == want.finish_reasons
+        assert len({tuple(s.tolist()) for s in r.samples}) == 3
+        greedy = [got[int(i)] for i in many]
+        assert all(g.status == "ok" for g in greedy) and greedy[0].tokens.tolist() == greedy[1].tokens.tolist()
+        assert got[int(plain)].status == "ok" and got[int(plain)].extras is None
+        assert got[bad].status == "invalid" and "options header is not base64" in got[bad].error
+    finally:
         node.stop()

@@ -125,10 +125,18 @@ def test_a_flipped_bit_never_reads_back_as_the_same_options(body, data):
     assert back != parse_options(body)
 
 
-def test_a_remote_producer_refuses_options_rather_than_dropping_them():
-    from shmbroker.cluster.remote import refuse_options
+def test_options_cross_hosts_in_a_header_read_back_bit_exact_or_refused():
+    """A remote producer's options header: checked as a local submit checks them, its words read back
+    exactly; a header that is not base64 of whole words is refused by name."""
+    from shmbroker.cluster.remote import options_header
+    from shmbroker.cluster.subjects import header_words
 
-    refuse_options(None)
-    refuse_options({})
-    with pytest.raises(ValueError, match="not carried past one host"):
-        refuse_options({"temperature": 0.5})
+    assert options_header(None, 16) is None
+    body = {"temperature": 0.5, "seed": 3, "stop": ["\n\n"], "n": 2}
+    header = options_header(body, 16)
+    assert decode(header_words(header, "options")) == parse_options(body)
+    with pytest.raises(OptionsError, match="min_tokens"):
+        options_header({"min_tokens": 20}, 16)
+    for bad in ("not base64!", "", "AAA="):
+        with pytest.raises(ValueError, match="options header"):
+            header_words(bad, "options")
