@@ -8,6 +8,8 @@ bad line costs only itself. A JSON object with a `custom_id` is an OpenAI Batch 
 from __future__ import annotations
 
 import json
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..jobs.openai_batch import Tokenized, checked_tokens, is_request, read_request
@@ -22,40 +24,61 @@ def read_prompts(path: str, default_max_new: int | None, tokenizer=None, model: 
     """Prompt or LineError per non-blank line; `default_max_new` fills in a missing max_new_tokens
     (and an OpenAI line's missing max_tokens); `model`, when given, is every line's model
     (DEFAULT_MODEL: the default one). Text prompts and chats are tokenized ENCODE_LINES at a time
-    (`Tokenizer.encode_many`: the tokenizer's own batch, on every core), the lines kept in order."""
+    with the tokenizer's own batch, on a thread of their own (the tokenizer leaves the GIL, so a
+    chunk is tokenized while the next is read and rendered), the lines kept in order."""
     held: list = []  # Prompt, LineError or Tokenized, in line order
     waiting = 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                got = _parse(line, number, default_max_new, tokenizer, model)
-            except ValueError as exc:
-                msg = str(exc)
-                if isinstance(exc, json.JSONDecodeError):
-                    msg = f"not JSON ({exc.msg} at column {exc.colno})"
-                got = LineError(path, number, msg, custom_id_of(line))
-            if not held and not isinstance(got, Tokenized):
-                yield got  # nothing waits to be tokenized before it
-                continue
-            held.append(got)
-            waiting += isinstance(got, Tokenized)
-            if waiting >= ENCODE_LINES:
-                yield from tokenized(held, path)
-                held, waiting = [], 0
-    yield from tokenized(held, path)
+    ahead: deque = deque()  # (lines, their encodings) of chunks being tokenized, oldest first
+    pool = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    got = _parse(line, number, default_max_new, tokenizer, model)
+                except ValueError as exc:
+                    msg = str(exc)
+                    if isinstance(exc, json.JSONDecodeError):
+                        msg = f"not JSON ({exc.msg} at column {exc.colno})"
+                    got = LineError(path, number, msg, custom_id_of(line))
+                if not held and not ahead and not isinstance(got, Tokenized):
+                    yield got  # nothing waits to be tokenized before it
+                    continue
+                held.append(got)
+                waiting += isinstance(got, Tokenized)
+                if waiting >= ENCODE_LINES:
+                    pool = pool or ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+                    ahead.append((held, encodings(held, pool)))
+                    held, waiting = [], 0
+                    if len(ahead) > 1:
+                        yield from tokenized(*ahead.popleft(), path)
+        while ahead:
+            yield from tokenized(*ahead.popleft(), path)
+        yield from tokenized(held, encodings(held, None), path)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-def tokenized(held: list, path: str):
-    """The held lines in order, their texts tokenized by tokenizer, each in one batch."""
+def encodings(held: list, pool) -> list:
+    """[(line indices, their token ids, or a future of them)], one per tokenizer of the held lines'
+    texts: each tokenizer's texts in one batch, on `pool` (None: here and now)."""
     by_tokenizer: dict = {}
     for k, got in enumerate(held):
         if isinstance(got, Tokenized):
             by_tokenizer.setdefault(id(got.tokenizer), []).append(k)
+    out = []
     for ks in by_tokenizer.values():
-        many = held[ks[0]].tokenizer.encode_many([held[k].text for k in ks])
-        for k, tokens in zip(ks, many):
+        encode, texts = held[ks[0]].tokenizer.encode_many, [held[k].text for k in ks]
+        out.append((ks, encode(texts) if pool is None else pool.submit(encode, texts)))
+    return out
+
+
+def tokenized(held: list, encoded: list, path: str):
+    """The held lines in order, their texts' token ids from `encodings`."""
+    for ks, many in encoded:
+        for k, tokens in zip(ks, many if isinstance(many, list) else many.result()):
             p = held[k].prompt
             try:
                 p.tokens = checked_tokens(tokens, p.endpoint)

@@ -55,3 +55,42 @@ def test_a_file_with_bad_lines_keeps_the_good_ones(tmp_path):
     assert [o.line for o in out] == [1, 2, 4, 5]
     assert [o.id for o in out if isinstance(o, Prompt)] == [1, "last"]
     assert str(out[1]).startswith(f"{path}:2: not JSON")
+
+
+def test_text_lines_tokenized_in_chunks_keep_the_files_order(tmp_path):
+    """Chats, token-id lines, bad lines and a text that tokenizes to nothing, over several chunks of
+    ENCODE_LINES: one Prompt or LineError per line, in the file's order, each chat's tokens its own."""
+    import json
+
+    from shmbroker.bench.jobs_chat import make_tokenizer
+    from shmbroker.commands.reading import ENCODE_LINES, read_prompts
+    from shmbroker.jobs.text import Tokenizer
+
+    tok = Tokenizer(make_tokenizer(tmp_path / "tok"))
+    lines, want = [], []
+    for i in range(ENCODE_LINES * 2 + 77):
+        kind = i % 7
+        if kind == 3:
+            lines.append(json.dumps({"tokens": [1, 2, i + 1], "max_new_tokens": 2}))
+            want.append(("ids", [1, 2, i + 1]))
+        elif kind == 5:
+            lines.append("{not json")
+            want.append(("error", "not JSON"))
+        elif i == 600:
+            body = {"prompt": "   ", "max_tokens": 2}  # whitespace: no token
+            lines.append(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+            want.append(("error", "empty once tokenized"))
+        else:
+            messages = [{"role": "user", "content": f"w{i}"}]
+            lines.append(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"messages": messages, "max_tokens": 2}}))
+            want.append(("chat", tok.encode(tok.chat_template().render(messages)).tolist()))
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    got = list(read_prompts(str(src), None, tok))
+    assert [g.line for g in got] == list(range(1, len(lines) + 1))
+    for g, (kind, what) in zip(got, want):
+        if kind == "error":
+            assert isinstance(g, LineError) and what in g.message, (g, what)
+        else:
+            assert g.tokens.tolist() == what
