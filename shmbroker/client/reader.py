@@ -52,6 +52,12 @@ class Result:
         """Each sample's finish reason, "stop" or "length" (None: the engine did not say)."""
         return None if self.extras is None else self.extras.finish_reasons
 
+    @property
+    def logprobs(self):
+        """Each sample's `request.extras.Logprobs` (each token's logprob, its top tokens' ids and
+        logprobs), when the item asked for logprobs and its engine gave them; else None."""
+        return None if self.extras is None else self.extras.logprobs
+
 
 @dataclass(frozen=True)
 class ResultBatch:

@@ -281,7 +281,7 @@ class JobSink(ResultSink):
         texts = [tokenizer.decode(s, tail) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
         text = texts[0] if texts is not None and len(texts) == 1 else None
         if self.fmt == "openai":
-            self._row(*output_row(r, entry.get("id"), entry, texts))
+            self._row(*output_row(r, entry.get("id"), entry, texts, None if tokenizer is None else tokenizer.token_text))
         else:
             row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
                    "tokens": tokens, "error": r.error}

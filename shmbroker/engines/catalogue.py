@@ -59,17 +59,18 @@ class EngineEntry:
         return Mode(settings.mode) if self.mode is SETTINGS else self.mode
 
 
-# what an item's result can carry: its samples, their finish reasons, cached tokens (no logprobs)
+# what an item's result can carry: its samples, their finish reasons, cached tokens
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
+WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (the sim and vLLM)
 # transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
 HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
-    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, SAMPLES),
+    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, WITH_LOGPROBS),
     EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False, HF_SAMPLES),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
-                SAMPLES),
+                WITH_LOGPROBS),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
                 SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",

@@ -106,6 +106,8 @@ def vllm_sampling(max_new_tokens: int, options=None) -> dict:
     if options.stop:
         kwargs["stop"] = list(options.stop)
         kwargs["detokenize"] = True
+    if options.logprobs:  # the sampled token's logprob, and top_logprobs more (vLLM's `logprobs`)
+        kwargs["logprobs"] = int(options.top_logprobs or 0)
     return kwargs
 
 

@@ -10,6 +10,9 @@ options the key is the item's id and its prompt's digest, as ever. With options:
 - the rest are accepted and change nothing: `stop` strings need text and `ignore_eos` an EOS,
   which a simulator has not, and the penalties and top-p/k/min-p only reshape a distribution it
   does not model.
+`logprobs` (with `top_logprobs` k) are modeled too: each token's logprob and its k top tokens are a
+seeded function of the token and its position (the token itself first among them), not of any
+distribution, so a test can tell them apart and check they travel intact.
 `n` samples are n outputs from keys derived from the item's (the first is its key: n = 1 is as
 without n), each with its own stop; the result carries them one after another, with their lengths
 and finish reasons in its extras (`request/extras.py`). The item finishes when its longest output does: its decode steps are its real output's, not max_new_tokens,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..request.extras import encode_extras
+from ..request.extras import Logprobs, encode_extras
 
 GREEDY_SALT = np.uint64(0xD6E8FEB86659FD93)
 SEED_SALT = np.uint64(0xA0761D6478BD642F)
@@ -75,4 +78,16 @@ def sampled_result(item_id: int, key: int, max_new: int, opts, generate) -> tupl
     ends = [stop_at(row, opts) for row in out]
     lengths = [max_new if e is None else e for e in ends]
     tokens = np.concatenate([row[:k] for row, k in zip(out, lengths)]) if n else np.zeros(0, np.uint32)
-    return tokens.astype(np.uint32), encode_extras(lengths, [e is not None for e in ends])
+    logprobs = [modeled_logprobs(row[:k], opts.top_logprobs or 0) for row, k in zip(out, lengths)] \
+        if opts.logprobs else None
+    return tokens.astype(np.uint32), encode_extras(lengths, [e is not None for e in ends], None, logprobs)
+
+
+def modeled_logprobs(tokens: np.ndarray, k: int) -> Logprobs:
+    """The simulator's logprobs of a sample's tokens (module docstring): token j's is -(1 + (t_j + j)
+    % 1000) / 1000, its top tokens t_j, t_j + 1, ... with logprobs falling by 0.5 each."""
+    t = tokens.astype(np.int64)
+    own = (-(1 + (t + np.arange(t.size)) % 1000) / 1000).astype(np.float32)
+    ids = ((t[:, None] + np.arange(k)) % (1 << 32)).astype(np.uint32)
+    top = (own[:, None] - 0.5 * np.arange(k)).astype(np.float32)
+    return Logprobs(own, ids, top)

@@ -108,10 +108,13 @@ def refused(item_id: int, exc: Exception) -> ItemResult:
     return engine_error(item_id, exc)
 
 
-def finished_result(item_id: int, out) -> ItemResult:
+def finished_result(item_id: int, out, options=None) -> ItemResult:
     """A finished request's result: its samples' tokens one after another (by their `index`), their
-    lengths and finish reasons and the prompt tokens vLLM served from its cache, as extras."""
-    return samples_result(item_id, getattr(out, "outputs", None), getattr(out, "num_cached_tokens", None))
+    lengths and finish reasons, the prompt tokens vLLM served from its cache and, when its options
+    ask, its logprobs, as extras."""
+    top = None if options is None or not options.logprobs else int(options.top_logprobs or 0)
+    return samples_result(item_id, getattr(out, "outputs", None), getattr(out, "num_cached_tokens", None),
+                          top_logprobs=top)
 
 
 class VLLM(StreamingRun):
@@ -197,7 +200,7 @@ class VLLM(StreamingRun):
                 if item is None:  # aborted earlier
                     continue
                 item_id, prompt = item[0], item[1]
-                result = finished_result(item_id, out)
+                result = finished_result(item_id, out, item[3])
                 results.append(result)
                 if result.status == OK:
                     cached.append(getattr(out, "num_cached_tokens", None))

@@ -177,13 +177,14 @@ def checked_tokens(tokens: np.ndarray, endpoint: str) -> np.ndarray:
     return tokens
 
 
-def output_row(r, cid, entry: dict, texts: list | None) -> tuple[dict, bool]:
+def output_row(r, cid, entry: dict, texts: list | None, token_text=None) -> tuple[dict, bool]:
     """(row, is_error) of one result `r` (`client.Result`): an output line, or for a failed item an
-    error line. `texts`: each sample's decoded text (None without a tokenizer)."""
+    error line. `texts`: each sample's decoded text (None without a tokenizer); `token_text(id)`: one
+    token's text, for logprobs (None: "token_id:<id>", as vLLM writes ids)."""
     item_id, status = r.item_id, r.status
     ids = {"id": f"batch_req_{item_id:x}", "custom_id": cid}
     if status == "ok":
-        body = ok_body(r, entry, texts)
+        body = ok_body(r, entry, texts, token_text)
         return {**ids, "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, False
     if status == "cancelled":
         return {**ids, "response": None, "error": {"code": "batch_cancelled", "message": r.error or "the job was cancelled"}}, True
@@ -193,20 +194,23 @@ def output_row(r, cid, entry: dict, texts: list | None) -> tuple[dict, bool]:
     return {**ids, "response": {"status_code": code, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, True
 
 
-def ok_body(r, entry: dict, texts: list | None) -> dict:
+def ok_body(r, entry: dict, texts: list | None, token_text=None) -> dict:
     """The API's completion (or chat completion) body of a result that ran: a choice per sample."""
     samples = r.samples
     reasons = r.finish_reasons or tuple(
         "length" if len(s) >= int(entry.get("max_new", len(s))) else "stop" for s in samples)
     chat = entry.get("endpoint") == CHAT
+    logprobs = r.logprobs
+    name = token_text or (lambda t: f"token_id:{t}")
     choices = []
     for k, (tokens, reason) in enumerate(zip(samples, reasons)):
         text = texts[k] if texts is not None else ""
+        lp = None if logprobs is None else (chat_logprobs if chat else completion_logprobs)(tokens, logprobs[k], name)
         if chat:
-            choices.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": reason})
         else:
-            choices.append({"index": k, "text": text, "token_ids": tokens.tolist(), "logprobs": None,
+            choices.append({"index": k, "text": text, "token_ids": tokens.tolist(), "logprobs": lp,
                             "finish_reason": reason})
     n, k = int(entry.get("n", 0)), int(r.tokens.size)
     usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
@@ -215,6 +219,36 @@ def ok_body(r, entry: dict, texts: list | None) -> dict:
     kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     return {"id": f"{prefix}-{r.item_id:x}", "object": kind, "created": int(time.time()),
             "model": entry.get("model") or "default", "choices": choices, "usage": usage}
+
+
+def chat_logprobs(tokens, lp, name) -> dict:
+    """A chat choice's `logprobs`: per token its text, logprob and UTF-8 bytes, and its top ones."""
+    def entry(t, value) -> dict:
+        text = name(int(t))
+        return {"token": text, "logprob": float(value), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t, v), "top_logprobs": [entry(i, x) for i, x in zip(ids, top)]}
+                        for t, v, ids, top in zip(tokens.tolist(), lp.token.tolist(), lp.top_ids.tolist(), lp.top.tolist())],
+            "refusal": None}
+
+
+def completion_logprobs(tokens, lp, name) -> dict:
+    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs (a text -> logprob map
+    a token) and text_offset, as the completions API writes them."""
+    texts = [name(int(t)) for t in tokens.tolist()]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in texts])[:-1]]).astype(int).tolist() if texts else []
+    return {"tokens": texts, "token_logprobs": [float(v) for v in lp.token.tolist()],
+            "top_logprobs": [top_map(ids, top, name) for ids, top in zip(lp.top_ids.tolist(), lp.top.tolist())],
+            "text_offset": offsets}
+
+
+def top_map(ids, top, name) -> dict:
+    """One token's top logprobs as the completions API's text -> logprob map: two ids of one text
+    keep the first (the likelier) one."""
+    out: dict = {}
+    for i, x in zip(ids, top):
+        out.setdefault(name(int(i)), float(x))
+    return out
 
 
 def line_error_row(number: int, message: str, cid=None, code: str = "invalid_request") -> dict:

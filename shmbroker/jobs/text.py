@@ -60,6 +60,10 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text (for logprobs), as decoding it alone gives it."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
     def encode_many(self, texts: list[str]) -> list[np.ndarray]:
         """`encode` of each text, as the tokenizer's own batch (on every core)."""
         return [np.array(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]

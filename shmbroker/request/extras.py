@@ -7,11 +7,16 @@ none, and reads as one sample of all its tokens, finish reason unknown.
 
 | word | what                                                                          |
 |------|-------------------------------------------------------------------------------|
-| 0    | EXTRAS_MAGIC (high 8 bits), the number of samples n (low 8 bits: 1..MAX_N)    |
+| 0    | EXTRAS_MAGIC (high 8 bits), logprob columns c (bits 8..15: 0 without logprobs, |
+|      | else 1 + top_logprobs), the number of samples n (low 8 bits: 1..MAX_N)         |
 | 1    | cached prompt tokens, or NO_COUNT (the engine did not say)                    |
 | 2..  | each sample's token count, bit 31 set when it finished on a stop (not length) |
+| ...  | with logprobs, for each token of each sample in order: its logprob (float32   |
+|      | bits), then c - 1 pairs of a top token id and its logprob (float32 bits)      |
 
-The samples' tokens are the result's tokens, one after another.
+The samples' tokens are the result's tokens, one after another. A result's extras are at most
+EXTRAS_MAX_WORDS words (the result record's count is 16 bits): logprobs of many tokens with many
+top_logprobs can exceed it, and `encode_extras` then refuses them (ExtrasError, saying so).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from .options import MAX_N
 
 EXTRAS_MAGIC = 0xB6
+EXTRAS_MAX_WORDS = 0xFFFF  # the result record's extras count is 16 bits (ring/wire.py)
 NO_COUNT = 0xFFFFFFFF
 STOPPED = 1 << 31
 FINISH_REASONS = ("length", "stop")  # by whether the sample stopped
@@ -33,25 +39,50 @@ class ExtrasError(ValueError):
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """One sample's logprobs: each token's (float32), and its top tokens' ids and logprobs (tokens x k)."""
+
+    token: np.ndarray
+    top_ids: np.ndarray
+    top: np.ndarray
+
+
+@dataclass(frozen=True)
 class Extras:
     lengths: tuple[int, ...]  # each sample's token count
     stopped: tuple[bool, ...]  # each sample ended on a stop (EOS, a stop id or string), not its length
     cached_tokens: int | None = None
+    logprobs: tuple[Logprobs, ...] | None = None  # one per sample, when asked for
 
     @property
     def finish_reasons(self) -> tuple[str, ...]:
         return tuple(FINISH_REASONS[s] for s in self.stopped)
 
 
-def encode_extras(lengths, stopped, cached_tokens: int | None = None) -> np.ndarray:
-    """The extras words of a result (`lengths` and `stopped`: one per sample)."""
+def encode_extras(lengths, stopped, cached_tokens: int | None = None, logprobs=None) -> np.ndarray:
+    """The extras words of a result (`lengths` and `stopped`: one per sample; `logprobs`: a Logprobs
+    per sample, or None). ExtrasError when they do not fit a result (EXTRAS_MAX_WORDS)."""
     n = len(lengths)
     if not 1 <= n <= MAX_N or len(stopped) != n:
         raise ExtrasError(f"a result holds 1 to {MAX_N} samples, each with a finish: got {n} and {len(stopped)}")
-    words = np.empty(2 + n, np.uint32)
-    words[0] = (EXTRAS_MAGIC << 24) | n
+    columns = 0 if logprobs is None else 1 + int(logprobs[0].top_ids.shape[1])
+    width = 2 * columns - 1 if columns else 0  # words a token: its logprob, then (id, logprob) pairs
+    total = 2 + n + width * int(sum(lengths))
+    if total > EXTRAS_MAX_WORDS:
+        raise ExtrasError(f"logprobs of {int(sum(lengths))} tokens with top_logprobs {columns - 1} take {total} words, "
+                          f"more than a result carries ({EXTRAS_MAX_WORDS}): ask fewer top_logprobs or tokens")
+    words = np.empty(total, np.uint32)
+    words[0] = (EXTRAS_MAGIC << 24) | (columns << 8) | n
     words[1] = NO_COUNT if cached_tokens is None else min(int(cached_tokens), NO_COUNT - 1)
-    words[2:] = np.asarray(lengths, np.uint32) | np.where(np.asarray(stopped, bool), np.uint32(STOPPED), np.uint32(0))
+    words[2 : 2 + n] = np.asarray(lengths, np.uint32) | np.where(np.asarray(stopped, bool), np.uint32(STOPPED), np.uint32(0))
+    if columns:
+        if len(logprobs) != n or any(lp.token.size != length for lp, length in zip(logprobs, lengths)):
+            raise ExtrasError("a result's logprobs must give one row per token of each sample")
+        table = np.empty((int(sum(lengths)), width), np.uint32)
+        table[:, 0] = np.concatenate([lp.token for lp in logprobs]).astype(np.float32).view(np.uint32)
+        table[:, 1::2] = np.concatenate([lp.top_ids for lp in logprobs]).astype(np.uint32)
+        table[:, 2::2] = np.concatenate([lp.top for lp in logprobs]).astype(np.float32).view(np.uint32)
+        words[2 + n :] = table.ravel()
     return words
 
 
@@ -60,14 +91,23 @@ def decode_extras(words, num_tokens: int) -> Extras:
     w = np.asarray(words, np.uint32)
     if w.size < 3 or int(w[0]) >> 24 != EXTRAS_MAGIC:
         raise ExtrasError("these words are not a result's extras")
-    n = int(w[0]) & 0xFF
-    if w.size != 2 + n:
-        raise ExtrasError(f"a result's extras for {n} samples are {w.size} words")
-    lengths = tuple(int(x) & ~STOPPED for x in w[2:])
+    n, columns = int(w[0]) & 0xFF, (int(w[0]) >> 8) & 0xFF
+    width = 2 * columns - 1 if columns else 0
+    if w.size != 2 + n + width * num_tokens:
+        raise ExtrasError(f"a result's extras for {n} samples and {num_tokens} tokens are {w.size} words")
+    lengths = tuple(int(x) & ~STOPPED for x in w[2 : 2 + n])
     if sum(lengths) != num_tokens:
         raise ExtrasError(f"the samples' lengths add up to {sum(lengths)}, the result holds {num_tokens} tokens")
     cached = int(w[1])
-    return Extras(lengths, tuple(bool(int(x) & STOPPED) for x in w[2:]), None if cached == NO_COUNT else cached)
+    logprobs = None
+    if columns:
+        table = w[2 + n :].reshape(num_tokens, width)
+        ends = np.cumsum(lengths)
+        logprobs = tuple(Logprobs(table[e - k : e, 0].copy().view(np.float32), table[e - k : e, 1::2].copy(),
+                                  table[e - k : e, 2::2].copy().view(np.float32))
+                         for k, e in zip(lengths, ends.tolist()))
+    return Extras(lengths, tuple(bool(int(x) & STOPPED) for x in w[2 : 2 + n]), None if cached == NO_COUNT else cached,
+                  logprobs)
 
 
 def samples_of(tokens: np.ndarray, extras: Extras | None) -> list[np.ndarray]:

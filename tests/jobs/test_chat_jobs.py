@@ -141,3 +141,52 @@ def test_the_brokers_tokenizers_table_serves_chat_lines_without_a_tokenizer_flag
         reply = ChatCompletion.model_validate(row["response"]["body"])
         assert reply.usage.prompt_tokens == want
         assert reply.usage.completion_tokens == 4 and isinstance(reply.choices[0].message.content, str)
+
+
+def test_logprobs_come_back_in_both_endpoints_as_the_api_writes_them(tmp_path):
+    """Chat lines asking logprobs (with top_logprobs, and n = 2) and a completions line asking a
+    logprobs count: the simulated engine's modeled logprobs come back per token, with its top tokens,
+    in the API's two shapes, each parsed by the openai package's own types."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from shmbroker.engines.sim_requests import modeled_logprobs
+    from shmbroker.jobs.text import Tokenizer
+
+    tok_dir = tokenizer_dir(tmp_path)
+    tok = Tokenizer(tok_dir)
+    messages = [{"role": "user", "content": "w7 w8 w9"}]
+    lines = [chat_line(0, {"messages": messages, "max_tokens": 5, "logprobs": True, "top_logprobs": 3, "seed": 1,
+                           "temperature": 1.0, "n": 2}),
+             chat_line(1, {"messages": messages, "max_tokens": 4, "logprobs": True}),
+             json.dumps({"custom_id": "t-2", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2}})]
+    src = tmp_path / "lp.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", "lp", CONFIG) as broker:
+        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "lp-" + secrets.token_hex(3),
+                     "--tokenizer", str(tok_dir), "--wait", "--out", str(out), "--out-format", "openai"])
+    assert code == 0
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    two = ChatCompletion.model_validate(rows["c-0"]["response"]["body"])
+    assert len(two.choices) == 2
+    for choice in two.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 5 and all(len(c.top_logprobs) == 3 for c in content)
+        for c in content:
+            assert c.top_logprobs[0].logprob == c.logprob and c.bytes == list(c.token.encode())
+            assert c.top_logprobs[1].logprob == pytest.approx(c.logprob - 0.5)
+    one = ChatCompletion.model_validate(rows["c-1"]["response"]["body"])
+    assert all(c.top_logprobs == [] for c in one.choices[0].logprobs.content)
+    done = Completion.model_validate(rows["t-2"]["response"]["body"])
+    lp = done.choices[0].logprobs
+    tokens = np.array(rows["t-2"]["response"]["body"]["choices"][0]["token_ids"], np.uint32)
+    want = modeled_logprobs(tokens, 2)
+    assert lp.token_logprobs == pytest.approx(want.token.tolist())
+    assert lp.tokens == [tok.token_text(t) for t in tokens.tolist()]
+    # a text -> logprob map a token, as the API writes it (two ids of one text keep one entry)
+    for d, top in zip(lp.top_logprobs, want.top.tolist()):
+        assert max(d.values()) == pytest.approx(top[0]) and all(any(v == pytest.approx(x) for x in top) for v in d.values())
+    assert lp.text_offset[0] == 0 and len(lp.text_offset) == tokens.size

@@ -38,7 +38,8 @@ SYSTEM = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"  # every line's system prompt:
 
 def bodies() -> list[dict]:
     """The file's request bodies: greedy, seeded sampling, n = 2, text parts, a past assistant turn,
-    and one line asking for logprobs (which no consumer here honours: it fails alone)."""
+    and one line asking for logprobs (the vllm engine honours them, the openai one does not: there
+    it fails alone)."""
     rng = np.random.default_rng(21)
     words = [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
     out = []
@@ -60,7 +61,7 @@ def bodies() -> list[dict]:
             body["n"] = 2
         out.append(body)
     out.append({"model": SERVED, "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4,
-                "logprobs": True, "top_logprobs": 2})
+                "temperature": 0.0, "logprobs": True, "top_logprobs": 2})
     return out
 
 
@@ -82,15 +83,18 @@ def reference(model: str, reqs: list[dict]) -> dict:
     out = {}
     try:
         for k, body in enumerate(reqs):
-            if "logprobs" in body:
-                continue
+            top = body.get("top_logprobs", 0) if body.get("logprobs") else None
             params = SamplingParams(max_tokens=body.get("max_completion_tokens", body.get("max_tokens", 16)),
                                     temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-                                    seed=body.get("seed"), n=body.get("n", 1))
+                                    seed=body.get("seed"), n=body.get("n", 1), logprobs=top)
             (res,) = llm.chat([body["messages"]], params, use_tqdm=False)
             samples = sorted(res.outputs, key=lambda c: c.index)
             out[f"line-{k}"] = {"texts": [c.text for c in samples], "finish_reasons": [c.finish_reason for c in samples],
                                 "prompt_tokens": len(res.prompt_token_ids)}
+            if top is not None:  # each token's logprob, and its top ones by rank
+                out[f"line-{k}"]["logprobs"] = [
+                    [pos[t].logprob, [lp.logprob for lp in sorted(pos.values(), key=lambda x: x.rank) if lp.rank <= top]]
+                    for t, pos in zip(samples[0].token_ids, samples[0].logprobs)]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
