@@ -52,6 +52,19 @@ def tokenizer_dir(path):
     return path
 
 
+def run_job(tmp_path, lines: list, prefix: str, config: str, *args: str):
+    """The lines as a job through a broker of `config`, `submit --wait --out-format openai` (with
+    `args`); (its exit code, the output file)."""
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", prefix, config) as broker:
+        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", f"{prefix}-" + secrets.token_hex(3),
+                     *args, "--wait", "--out", str(out), "--out-format", "openai"])
+    return code, out
+
+
 def chat_line(i: int, body: dict) -> str:
     return json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
 
@@ -73,13 +86,7 @@ def test_a_chat_batch_file_with_options_runs_and_reads_back_with_the_openai_type
     lines = [chat_line(i, b) for i, b in enumerate(bodies)]
     lines.append(chat_line(40, {"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json"}}))
     lines.append(chat_line(41, {"messages": [{"role": "tool", "content": "w1"}]}))
-    src = tmp_path / "chat.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    (tmp_path / "b").mkdir()
-    with serve(tmp_path / "b", "cj", CONFIG) as broker:
-        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "chat-" + secrets.token_hex(3),
-                     "--model", "default", "--tokenizer", str(tok_dir), "--wait", "--out", str(out), "--out-format", "openai"])
+    code, out = run_job(tmp_path, lines, "cj", CONFIG, "--model", "default", "--tokenizer", str(tok_dir))
     err = capsys.readouterr().err
     assert code == 1, err  # two lines refused
     assert "chat.jsonl:41: body field(s) response_format are not served" in err and "chat.jsonl:42:" in err
@@ -123,13 +130,7 @@ def test_the_brokers_tokenizers_table_serves_chat_lines_without_a_tokenizer_flag
     lines = [chat_line(i, {"messages": messages, "max_tokens": 4, "seed": i, "temperature": 1.0})  # the default model
              for i in range(3)]
     lines.append(chat_line(3, {"model": "other", "messages": messages}))
-    src = tmp_path / "chat.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    (tmp_path / "b").mkdir()
-    with serve(tmp_path / "b", "ct", CONFIG + f'\n[tokenizers]\ndefault = "{tok_dir}"\n') as broker:
-        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "chat-" + secrets.token_hex(3),
-                     "--wait", "--out", str(out), "--out-format", "openai"])
+    code, out = run_job(tmp_path, lines, "ct", CONFIG + f'\n[tokenizers]\ndefault = "{tok_dir}"\n')
     err = capsys.readouterr().err
     assert code == 1, err
     assert "chat.jsonl:4: a chat request needs --tokenizer" in err and "[tokenizers]" in err
@@ -161,13 +162,7 @@ def test_logprobs_come_back_in_both_endpoints_as_the_api_writes_them(tmp_path):
              chat_line(1, {"messages": messages, "max_tokens": 4, "logprobs": True}),
              json.dumps({"custom_id": "t-2", "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2}})]
-    src = tmp_path / "lp.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    (tmp_path / "b").mkdir()
-    with serve(tmp_path / "b", "lp", CONFIG) as broker:
-        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "lp-" + secrets.token_hex(3),
-                     "--tokenizer", str(tok_dir), "--wait", "--out", str(out), "--out-format", "openai"])
+    code, out = run_job(tmp_path, lines, "lp", CONFIG, "--tokenizer", str(tok_dir))
     assert code == 0
     rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     two = ChatCompletion.model_validate(rows["c-0"]["response"]["body"])
