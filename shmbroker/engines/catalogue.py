@@ -61,7 +61,7 @@ class EngineEntry:
 
 # what an item's result can carry: its samples, their finish reasons, cached tokens
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
-WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (the sim and vLLM)
+WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (sim, vLLM, openai)
 # transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
 HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
 
@@ -74,7 +74,7 @@ ENGINES = {e.name: e for e in (
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
                 SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
-                Mode.PACKED, True, SAMPLES),
+                Mode.PACKED, True, WITH_LOGPROBS),
 )}
 
 

@@ -16,7 +16,9 @@ results of every request returned since the last poll (in any order): a slow req
 only its own items. `StreamingRun.run` gives the one-batch-at-a-time call on top.
 
 Request size. `max_tokens` is per request, and so are the sampling fields an item's request options
-set (temperature, seed, stop, n, ...: the body's fields of the same names; greedy without any), so a
+set (temperature, seed, stop, n, ...: the body's fields of the same names; greedy without any;
+logprobs as the completions API's `logprobs` count, read back from each choice's `token_logprobs`
+and its `top_logprobs` keyed by token id, `openai_reply.choice_logprobs`), so a
 request's items share max_new_tokens and options (items of an add are grouped by both, the groups kept in the add's order); then each group is cut to
 `max_items_per_request`. Its default (0: `default_items_per_request`) is small, 1 to 4: one item per
 request is best for a continuously batching server, since each request returns (and its slot is
@@ -269,11 +271,16 @@ class OpenAICompatible(StreamingRun):
         s = self.settings
         body = {"model": s.model, "prompt": prompts, "max_tokens": int(max_tokens), "temperature": 0,
                 "n": 1, "stream": False, "return_token_ids": True}
+        top = None  # the logprobs the items ask: the completions API's `logprobs` count
         if options is not None:
-            body.update({k: list(v) if isinstance(v, tuple) else v for k, v in options.given().items()})
-        if self.ask_logprobs:
-            body["logprobs"] = 0
-            body["return_tokens_as_token_ids"] = True
+            given = options.given()
+            if given.pop("logprobs", None):
+                top = int(given.pop("top_logprobs", 0) or 0)
+            given.pop("top_logprobs", None)
+            body.update({k: list(v) if isinstance(v, tuple) else v for k, v in given.items()})
+        if self.ask_logprobs or top is not None:
+            body["logprobs"] = top or 0
+            body["return_tokens_as_token_ids"] = True  # top_logprobs' keys then name their token ids
         content = json.dumps(body, separators=(",", ":")).encode()
         delay_seconds = s.backoff_seconds
         tries = int(s.retries) + 1
@@ -292,7 +299,7 @@ class OpenAICompatible(StreamingRun):
                 status = resp.status_code
                 if status == 200:
                     self.last_ok = monotonic()
-                    reply, from_token_ids = parse_reply(resp, prompts, int(body["n"]))
+                    reply, from_token_ids = parse_reply(resp, prompts, int(body["n"]), top)
                     if from_token_ids:
                         self.ask_logprobs = False
                     return reply

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from ..request.extras import encode_extras
+from ..request.extras import ExtrasError, Logprobs, encode_extras
 
 TOKEN_ID_PREFIX = "token_id:"
 ASKED_FIELDS = '"return_token_ids": true, and "return_tokens_as_token_ids": true with "logprobs": 0'
@@ -56,10 +56,11 @@ class Reply:
         return self.extras[k] if k < len(self.extras) else None
 
 
-def parse_reply(resp: httpx.Response, prompts: list, n: int = 1) -> tuple[Reply, bool]:
+def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None = None) -> tuple[Reply, bool]:
     """A 200 answer to a request for `prompts`, n samples each: (its Reply, whether any choice's
-    tokens came from `token_ids`: the server needs no logprobs asked for). RequestFailed: no answer
-    to read."""
+    tokens came from `token_ids`: the server needs no logprobs asked for). `top`: the logprobs asked
+    for (each token's and `top` more; None: none), read from each choice's `logprobs`.
+    RequestFailed: no answer to read."""
     try:
         data = resp.json()
     except ValueError as exc:
@@ -75,22 +76,26 @@ def parse_reply(resp: httpx.Response, prompts: list, n: int = 1) -> tuple[Reply,
     prompt_tokens = usage.get("prompt_tokens")
     if not isinstance(prompt_tokens, int):
         prompt_tokens = sum(len(p) for p in prompts)
-    samples, from_ids = read_choices(choices, len(prompts), n)
+    samples, from_ids = read_choices(choices, len(prompts), n, top)
     reply = Reply([None] * len(prompts), [None] * len(prompts), prompt_tokens, cached, extras=[None] * len(prompts))
     for k, got in enumerate(samples):
         if isinstance(got, str):
             reply.errors[k] = got
             continue
-        reply.tokens[k] = np.concatenate([t for t, _ in got])
+        reply.tokens[k] = np.concatenate([t for t, _, _ in got])
         # the usage's cached tokens are the request's: an item's own only when it is the request's one prompt
-        reply.extras[k] = encode_extras([t.size for t, _ in got], [stop for _, stop in got],
-                                        cached if len(prompts) == 1 else None)
+        try:
+            reply.extras[k] = encode_extras([t.size for t, _, _ in got], [stop for _, stop, _ in got],
+                                            cached if len(prompts) == 1 else None,
+                                            None if top is None else [lp for _, _, lp in got])
+        except ExtrasError as exc:
+            reply.tokens[k], reply.errors[k] = None, f"its logprobs: {exc}"
     return reply, from_ids
 
 
-def read_choices(choices: list, num_prompts: int, n: int) -> tuple[list, bool]:
-    """Per prompt: its n samples as (tokens, stopped) in sample order, or the error text that fails
-    it; and whether any tokens came from `token_ids`."""
+def read_choices(choices: list, num_prompts: int, n: int, top: int | None = None) -> tuple[list, bool]:
+    """Per prompt: its n samples as (tokens, stopped, Logprobs or None) in sample order, or the error
+    text that fails it; and whether any tokens came from `token_ids`."""
     got: list = [[None] * n for _ in range(num_prompts)]
     errors: list = [None] * num_prompts
     from_ids = False
@@ -107,8 +112,11 @@ def read_choices(choices: list, num_prompts: int, n: int) -> tuple[list, bool]:
         from_ids |= from_token_ids
         if out is None:
             errors[k] = errors[k] or NO_TOKEN_IDS
-        else:
-            got[k][j] = (out, reason == "stop")
+            continue
+        try:
+            got[k][j] = (out, reason == "stop", None if top is None else choice_logprobs(choice, out, top))
+        except ValueError as exc:
+            errors[k] = f"its logprobs: {exc}"
     result = []
     for k in range(num_prompts):
         if errors[k] is None and any(s is None for s in got[k]):
@@ -116,6 +124,26 @@ def read_choices(choices: list, num_prompts: int, n: int) -> tuple[list, bool]:
                 f"the server returned {sum(s is not None for s in got[k])} of its {n} choices"
         result.append(errors[k] if errors[k] is not None else got[k])
     return result, from_ids
+
+
+def choice_logprobs(choice: dict, tokens: np.ndarray, top: int) -> Logprobs:
+    """A completions choice's `logprobs` (asked with `return_tokens_as_token_ids`): each token's
+    `token_logprobs`, and its `top_logprobs` map's `top` likeliest as (token id, logprob).
+    ValueError when the server gave fewer."""
+    lp = choice.get("logprobs")
+    own = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    tops = lp.get("top_logprobs") if isinstance(lp, dict) else None
+    if not isinstance(own, list) or len(own) != tokens.size or (top and not isinstance(tops, list)):
+        raise ValueError("the server gave no logprobs for every token (choices[].logprobs.token_logprobs)")
+    ids = np.empty((tokens.size, top), np.uint32)
+    values = np.empty((tokens.size, top), np.float32)
+    for j in range(tokens.size if top else 0):
+        ranked = sorted(((float(v), key) for key, v in (tops[j] or {}).items()), reverse=True)[:top]
+        if len(ranked) < top or not all(key.startswith(TOKEN_ID_PREFIX) for _, key in ranked):
+            raise ValueError(f"the server gave {len(ranked)} of the top {top} logprobs of token {j} as token ids")
+        ids[j] = [int(key[len(TOKEN_ID_PREFIX):]) for _, key in ranked]
+        values[j] = [v for v, _ in ranked]
+    return Logprobs(np.array([float(v) if v is not None else float("-inf") for v in own], np.float32), ids, values)
 
 
 def choice_tokens(choice: dict) -> tuple:

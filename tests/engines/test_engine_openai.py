@@ -178,8 +178,11 @@ class FakeCompletionsServer:
             choice["token_ids"] = out
         if self.style in ("vllm", "old_vllm") and body.get("return_tokens_as_token_ids") \
                 and body.get("logprobs") is not None:
+            k = body["logprobs"]  # each token's top k: itself and the next ids, their logprobs -1, -2, ...
             choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in out], "token_logprobs": [-1.0] * len(out),
-                                  "text_offset": list(range(len(out))), "top_logprobs": None}
+                                  "text_offset": list(range(len(out))),
+                                  "top_logprobs": [{f"token_id:{t + r}": -1.0 - r for r in range(k)} for t in out] if k
+                                  else None}
         if self.style == "sglang_output_ids":
             choice["output_ids"] = out
         return choice
@@ -332,6 +335,28 @@ def test_n_samples_come_back_as_one_result_with_their_finish_reasons(server_fact
     assert "stop" in decode_extras(out.results[1].extras, out.results[1].tokens.size).finish_reasons
     alone = decode_extras(out.results[2].extras, out.results[2].tokens.size)
     assert alone.lengths == (5,) and alone.cached_tokens is not None
+
+
+def test_logprobs_are_read_from_the_servers_top_logprobs(server_factory, engines):
+    """An item asking logprobs (top 2) gets the body's `logprobs` count and token-id keys; each
+    token's logprob and its top two by value come back in its extras; items without stay plain."""
+    from shmbroker.request.extras import decode_extras
+    from shmbroker.request.options import RequestOptions
+
+    server = server_factory()
+    engine = engines(server, max_items_per_request=4)
+    tokens = prompts(2)
+    asked = RequestOptions(temperature=0.0, logprobs=True, top_logprobs=2)
+    out = engine.run(EngineBatch(np.arange(100, 102, dtype=np.uint64), tokens, np.full(2, 3, np.int64),
+                                 options=[asked, None]))
+    assert [r.status for r in out.results] == ["ok", "ok"]
+    body = next(b for b in server.bodies if b.get("logprobs") == 2)
+    assert body["return_tokens_as_token_ids"] is True and "top_logprobs" not in body
+    (lp,) = decode_extras(out.results[0].extras, out.results[0].tokens.size).logprobs
+    got = out.results[0].tokens.astype(np.int64)
+    assert lp.token.tolist() == [-1.0] * got.size
+    assert lp.top_ids.tolist() == [[t, t + 1] for t in got.tolist()] and lp.top.tolist() == [[-1.0, -2.0]] * got.size
+    assert decode_extras(out.results[1].extras, out.results[1].tokens.size).logprobs is None
 
 
 def test_max_items_per_request_splits_a_group(server_factory, engines):

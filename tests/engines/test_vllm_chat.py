@@ -9,9 +9,8 @@ behind it (`tests/support/vllm_chat_check.py` under `.venv-vllm`), two ways: a `
 - `n = 2` gives two choices; `usage.prompt_tokens` is the prompt vLLM rendered from the same
   template; `usage.prompt_tokens_details.cached_tokens` is vLLM's own counter (the lines share a
   system prompt, so some are served from the prefix cache);
-- a line asking for logprobs (top 2): through the vllm engine its `choices[0].logprobs` are vLLM's
-  own, token by token; the openai consumer does not honour logprobs, and there the line fails
-  alone, naming the option. Every other line is `ok` both ways.
+- a line asking for logprobs (top 2): its `choices[0].logprobs` are vLLM's own, token by token,
+  both ways (the openai consumer reads the server's `top_logprobs` by token id).
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def test_a_chat_batch_file_through_a_real_vllm_equals_vllms_own_chat(report, way
     logprobs_line = f"line-{len(reqs) - 1}"
     assert run["submit_exit"] == 0, run["log_tail"]  # every line was a request
     got = {row["custom_id"]: row for row in run["out"]}
-    honoured = way == "vllm_engine"
-    assert sorted(got) == sorted(k for k in ref if honoured or k != logprobs_line), run["log_tail"]
+    assert sorted(got) == sorted(ref), run["log_tail"]
     cached = []
     for cid, want in ref.items():
         if cid not in got:
@@ -62,17 +60,12 @@ def test_a_chat_batch_file_through_a_real_vllm_equals_vllms_own_chat(report, way
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
     assert len(got["line-8"]["response"]["body"]["choices"]) == 2
     assert all(c is not None and c >= 0 for c in cached) and max(cached) >= 32  # one system-prompt block at least
-    if honoured:
-        assert run["errors"] == []
-        content = ChatCompletion.model_validate(got[logprobs_line]["response"]["body"]).choices[0].logprobs.content
-        want = ref[logprobs_line]["logprobs"]
-        assert len(content) == len(want)
-        for c, (own, top) in zip(content, want):
-            assert c.logprob == pytest.approx(own, abs=1e-3)
-            assert [t.logprob for t in c.top_logprobs] == pytest.approx(top, abs=1e-3)
-    else:
-        (failed,) = run["errors"]
-        assert failed["custom_id"] == logprobs_line and failed["response"]["status_code"] == 400
-        assert "logprobs" in failed["response"]["body"]["error"]["message"]
+    assert run["errors"] == []
+    content = ChatCompletion.model_validate(got[logprobs_line]["response"]["body"]).choices[0].logprobs.content
+    want = ref[logprobs_line]["logprobs"]
+    assert len(content) == len(want)
+    for c, (own, top) in zip(content, want):
+        assert c.logprob == pytest.approx(own, abs=1e-3)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(top, abs=1e-3)
     sampled = [cid for cid in ref if reqs[int(cid.removeprefix("line-"))].get("temperature", 1.0) > 0]
     assert sampled and any(ref[c]["texts"] != ref[sampled[0]]["texts"] for c in sampled[1:])

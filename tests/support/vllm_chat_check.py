@@ -38,8 +38,7 @@ SYSTEM = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"  # every line's system prompt:
 
 def bodies() -> list[dict]:
     """The file's request bodies: greedy, seeded sampling, n = 2, text parts, a past assistant turn,
-    and one line asking for logprobs (the vllm engine honours them, the openai one does not: there
-    it fails alone)."""
+    and one line asking for logprobs (top 2)."""
     rng = np.random.default_rng(21)
     words = [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
     out = []
