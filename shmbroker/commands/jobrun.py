@@ -275,7 +275,6 @@ class JobSink(ResultSink):
         """Write one result (False: its key is in the output already, or no entry names it)."""
         if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
             return False
-        tokens = r.tokens.tolist()
         tokenizer = self.tokenizer.of(entry.get("model")) if self.tokenizer is not None else None
         tail = entry.get("tail", ())
         texts = [tokenizer.decode(s, tail) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
@@ -284,7 +283,7 @@ class JobSink(ResultSink):
             self._row(*output_row(r, entry.get("id"), entry, texts, None if tokenizer is None else tokenizer.token_text))
         else:
             row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
-                   "tokens": tokens, "error": r.error}
+                   "tokens": r.tokens.tolist(), "error": r.error}
             if text is not None:
                 row["text"] = text
             if r.extras is not None:  # samples, finish reasons and cached prompt tokens, as the engine said

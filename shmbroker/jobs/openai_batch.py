@@ -125,7 +125,8 @@ def read_request(row: dict, number: int, tokenizer=None, model: str | None = Non
         max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
     if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
         raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    options = parse_options(option_fields(body, url), max_tokens=max_tokens)
+    given = option_fields(body, url)
+    options = parse_options(given, max_tokens=max_tokens) if given else None
     if isinstance(tokens, str):
         return Tokenized(Prompt(number, None, max_tokens, None, model, cid, options if options else None, url),
                          tokens, tokenizer)

@@ -65,14 +65,17 @@ class Tokenizer:
         return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
     def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        """`encode` of each text, as the tokenizer's own batch (on every core)."""
-        return [np.array(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """`encode` of each text, as the tokenizer's own batch (on every core). The batch's fast form
+        (tokenizers 0.21 and later) computes no character offsets, which nothing here reads: about
+        0.7 of the CPU."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.array(e.ids, np.uint32) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids, context=()) -> str:
         """Generated ids as text. `context`: the prompt's last ids (DECODE_CONTEXT_TOKENS), decoded
         before them and cut off again, so the text is what follows the prompt as the engine's own
         detokenizer writes it (a leading space a tokenizer adds only within a text, say)."""
-        ids = [int(i) for i in ids]
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
         if not context or not ids:
             return self._tok.decode(ids, skip_special_tokens=True)
         ctx = tuple(int(i) for i in context)

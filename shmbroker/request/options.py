@@ -84,7 +84,7 @@ class RequestOptions:
         return not self.temperature
 
     def __bool__(self) -> bool:
-        return bool(self.given())
+        return any(getattr(self, name) is not None for name in OPTION_NAMES)
 
 
 # (name, kind) in wire order; a kind is how the field is checked and encoded
