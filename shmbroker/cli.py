@@ -354,7 +354,8 @@ def _add_jobs(sub) -> None:
 
 
 def _add_operations(sub) -> None:
-    """`nats`, `status`, `top` and `warm`: a local NATS server, a running broker watched, the kernels compiled."""
+    """`nats`, `status`, `top`, `serve-http` and `warm`: a local NATS server, a running broker watched, its
+    HTTP API alone, the kernels compiled."""
     p = sub.add_parser("nats", help="start a local NATS server (or a cluster) with JetStream in the foreground and print its URLs")
     p.add_argument("--servers", type=int, choices=(1, 3), default=1, help="1 server, or a cluster of 3 (default 1)")
     p.add_argument("--dir", default=None, help="where the servers keep their stores and logs (default: a temporary directory)")
@@ -369,6 +370,11 @@ def _add_operations(sub) -> None:
     p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes, at most 0.5 (default 0.5)")
     p.set_defaults(func=_top)
+    p = sub.add_parser("serve-http", help="serve the OpenAI Files and Batches API ([http]) beside a running broker")
+    p.add_argument("--config", default=None, help="shmbroker.toml (its [http] table and data_dir)")
+    p.add_argument("--data-dir", default=None, help="data directory (overrides the configuration's)")
+    p.add_argument("--addr", default=None, help="host:port (overrides http.addr)")
+    p.set_defaults(func=_commands("serve_http"))
     p = sub.add_parser("warm", help="compile the numba kernels into the on-disk cache (make demo and make test do)")
     p.set_defaults(func=_warm)
 

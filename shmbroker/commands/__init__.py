@@ -7,8 +7,9 @@ Each runs in the user's own shell process, as a producer or a reader of the data
     shmbroker results --name N [--out F] [--timeout S]
     shmbroker status [--json]
     shmbroker nats [--servers 1|3] [--dir D]
+    shmbroker serve-http [--config F] [--addr HOST:PORT]
 
-One module a command (`submit`, `results`, `status`, `local_nats`, `jobs` for the three job commands); what they share is in `common`.
+One module a command (`submit`, `results`, `status`, `local_nats`, `serve_http`, `jobs` for the three job commands); what they share is in `common`.
 
 Exit status: 0 done; 1 some lines refused, a result missing, no broker; 2 a
 bad configuration, file or option.
@@ -19,7 +20,8 @@ from __future__ import annotations
 from .jobs import cancel, job, jobs
 from .local_nats import nats
 from .results import results
+from .serve_http import serve_http
 from .status import status
 from .submit import submit
 
-__all__ = ["cancel", "job", "jobs", "nats", "results", "status", "submit"]
+__all__ = ["cancel", "job", "jobs", "nats", "results", "serve_http", "status", "submit"]

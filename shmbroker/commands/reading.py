@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 from ..jobs.openai_batch import Tokenized, checked_tokens, is_request, read_request
 from ..jobs.prompts import LineError, Prompt, parse_line
+from ..ring.items import DEFAULT_MODEL
 
 TRACE_CHUNK_LINES = 256  # trace lines synthesised at once
 ENCODE_LINES = 512  # text prompts and chats tokenized at once
-DEFAULT_MODEL = "default"  # `--model default`: the broker's default model (consumers that declare none)
 
 
 def read_prompts(path: str, default_max_new: int | None, tokenizer=None, model: str | None = None):

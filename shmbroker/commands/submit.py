@@ -20,6 +20,7 @@ import numpy as np
 
 from ..jobs.progress import Progress
 from ..jobs.prompts import U32_MAX, LineError, Prompt
+from ..ring.items import DEFAULT_MODEL
 from .common import IdLog, ResultSink, config_data_dir, load_ids, open_output, open_producer, print_error, result_row, written_ids
 from .reading import count_lines, read_prompts, read_trace
 
@@ -374,7 +375,7 @@ def _unserved(data_dir: str, models) -> None:
     except (KeyError, TypeError):
         return  # a remote producer, or a broker that has not described itself: nothing to compare
     for model, n in sorted(models.items(), key=lambda kv: str(kv[0])):
-        if (model or "default") not in served:
+        if (model or DEFAULT_MODEL) not in served:
             print_error(f"no consumer of this broker serves model {model!r} ({n} items: they come back invalid); it serves "
                  f"{', '.join(sorted(served))} (--model NAME sets every line's model; --model default: the default one)")
 

@@ -144,6 +144,8 @@ class BrokerConfig:
                       help="cards declared for when NVML cannot tell (a `Card` each)")
     cluster: object = key(None, table="[cluster]", default_text="none (a single host)",
                           help="this broker is a node of a cluster on NATS JetStream (a `cluster.options.ClusterConfig`)")
+    http: object = key(None, table="[http]", default_text="none (no HTTP API)",
+                       help="the OpenAI Files and Batches API over HTTP, a role of the broker (an `HttpConfig`)")
     tokenizers: dict = key(default_factory=dict, table="[tokenizers]", default_text="none", flat=True,
                            help="each served model's tokenizer directory (its `tokenizer.json` and chat template), "
                                 "keyed by model name (`default`: the default model): `submit` and `results` render "

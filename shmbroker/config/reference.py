@@ -20,6 +20,7 @@ from ..engines.options import REQUIRED
 from . import settings
 from .broker import BrokerConfig, Card, Tier, key_name, toml_keys
 from .cluster import CLUSTER_CHECKS, SERVER_SCHEMES
+from .http import HttpConfig
 from .engines import ENGINE_CHECK, SIM_CHECKS, real_values
 
 REGENERATE = "python -m shmbroker.cli config --reference > docs/configuration.md"
@@ -165,7 +166,9 @@ def markdown() -> str:
              "## `engine_settings`", "", ENGINE_SETTINGS_TEXT, "", *engine_sections(),
              "## `[[tiers]]`", "", TIERS_TEXT, "", *table(tier_rows(settings.TIER_KEYS)),
              "## `[[gpus]]`", "", GPUS_TEXT, "", *table([row(f) for f in toml_keys(Card)]),
-             "## `[cluster]`", "", CLUSTER_TEXT, "", *cluster_sections()]
+             "## `[cluster]`", "", CLUSTER_TEXT, "", *cluster_sections(),
+             "## `[http]`", "", first_paragraph(HttpConfig) + " " + HTTP_TEXT, "",
+             *table([row(f) for f in toml_keys(HttpConfig)])]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -211,3 +214,6 @@ GPUS_TEXT = ("Cards come from NVML when nvidia-ml-py is installed (`pip install 
 CLUSTER_TEXT = ("The broker is a node of a cluster on NATS JetStream (`pip install 'shmbroker[cluster]'`). The keys "
                 "are written flat in the one table; each is a field of one of the dataclasses below, and "
                 "`shmbroker config` shows them grouped so.")
+HTTP_TEXT = ("It serves the OpenAI Files and Batches API for the official `openai` client ([jobs](jobs.md#the-openai-"
+             "batch-api-over-http)); `pip install 'shmbroker[http]'`. A request without a key of `[http.keys]` is "
+             "answered 401; each tenant sees only its own files and batches.")

@@ -26,9 +26,10 @@ from ..control.stats import MAX_MODELS
 from ..engines.options import SimSettings
 from ..errors import ConfigError
 from ..pack.contract import Contract
-from ..ring.items import model_id
+from ..ring.items import DEFAULT_MODEL, model_id
 from .broker import GIB, BrokerConfig, Card, ConsumerConfig, Tier, key_field, key_name, required_keys, toml_keys
 from .cluster import parse_cluster
+from .http import parse_http
 from .engines import ENGINE_CHECK, engine_settings
 from .validator import Validator, parse_addr
 
@@ -75,6 +76,9 @@ def as_dict(cfg: BrokerConfig) -> dict:
     for key in SECRET_KEYS:
         if nats.get(key) is not None:
             nats[key] = "***"
+    if out.get("http"):  # the tenants, not their keys' hashes
+        out["http"]["keys"] = {name: "***" for name, _ in out["http"].pop("key_hashes")}
+        out["http"].pop("tenants")
     return out
 
 
@@ -99,8 +103,10 @@ def parse(raw: dict, where: str = CONFIG_FILE, *, data_dir: str | None = None) -
         out["gpus"] = gpus(v, raw["gpus"])
     if "cluster" in raw:
         out["cluster"] = parse_cluster(v, raw["cluster"], out.get("instance", BrokerConfig.instance))
+    if "http" in raw:
+        out["http"] = parse_http(v, raw["http"])
     if "tokenizers" in raw:
-        served = {c.model_name or "default" for c in out["consumers"]} | {t.model or "default" for t in out.get("tiers", ())}
+        served = {c.model_name or DEFAULT_MODEL for c in out["consumers"]} | {t.model or DEFAULT_MODEL for t in out.get("tiers", ())}
         out["tokenizers"] = tokenizers(v, raw["tokenizers"], served)
     return BrokerConfig(source=where, **out)
 

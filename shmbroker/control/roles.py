@@ -12,6 +12,7 @@ exporter) and broker.json name them by `Role.name`:
 | gpu     | one per consumer               | gpu-<consumer>   |
 | metrics | one, unless `metrics_addr` "" | metrics          |
 | bridge  | one, with a `[cluster]` table  | bridge           |
+| http    | one, with an `[http]` table    | http             |
 
 Every role restarts the same way (`watchdog.RestartPolicy`). A name is built (`Role.name`) and read
 back (`parse`) only here.
@@ -30,11 +31,12 @@ class Kind(StrEnum):
     GPU = "gpu"
     METRICS = "metrics"
     BRIDGE = "bridge"
+    HTTP = "http"
 
 
-# The order a graceful stop takes (supervisor/supervise.py's docstring says why): the cluster's bridge (a
-# producer of this broker) first, producers' rings drained next, the exporter last.
-STOP_ORDER = (Kind.BRIDGE, Kind.INGEST, Kind.SCHED, Kind.GPU, Kind.RESULTS, Kind.METRICS)
+# The order a graceful stop takes (supervisor/supervise.py's docstring says why): the HTTP API and the
+# cluster's bridge (producers of this broker) first, producers' rings drained next, the exporter last.
+STOP_ORDER = (Kind.HTTP, Kind.BRIDGE, Kind.INGEST, Kind.SCHED, Kind.GPU, Kind.RESULTS, Kind.METRICS)
 _NUMBERED = (Kind.INGEST, Kind.GPU)  # the kinds with one role per ingest process or consumer
 
 
@@ -65,13 +67,15 @@ SCHED = Role(Kind.SCHED)
 RESULTS = Role(Kind.RESULTS)
 METRICS = Role(Kind.METRICS)
 BRIDGE = Role(Kind.BRIDGE)
+HTTP = Role(Kind.HTTP)
 
 
-def broker_roles(num_ingest: int, consumers: list[str], metrics: bool, bridge: bool = False) -> list[Role]:
+def broker_roles(num_ingest: int, consumers: list[str], metrics: bool, bridge: bool = False,
+                 http: bool = False) -> list[Role]:
     """A broker's roles in start order (`consumers`: the consumers' names, in configuration order)."""
     return ([ingest(k) for k in range(num_ingest)] + [SCHED, RESULTS]
             + [gpu(c, name) for c, name in enumerate(consumers)] + ([METRICS] if metrics else [])
-            + ([BRIDGE] if bridge else []))
+            + ([BRIDGE] if bridge else []) + ([HTTP] if http else []))
 
 
 def kind_of(name: str) -> Kind | None:

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..request.chat import ChatError
+from ..ring.items import DEFAULT_MODEL
 from ..request.options import OPTION_NAMES, parse_options, refused_fields
 from .prompts import U32_MAX, Prompt, token_ids
 
@@ -219,7 +220,7 @@ def ok_body(r, entry: dict, texts: list | None, token_text=None) -> dict:
         usage["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
     kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     return {"id": f"{prefix}-{r.item_id:x}", "object": kind, "created": int(time.time()),
-            "model": entry.get("model") or "default", "choices": choices, "usage": usage}
+            "model": entry.get("model") or DEFAULT_MODEL, "choices": choices, "usage": usage}
 
 
 def chat_logprobs(tokens, lp, name) -> dict:

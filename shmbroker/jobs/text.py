@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from ..ring.items import DEFAULT_MODEL
+
 
 # prompt ids kept to decode the generated ones in context (vLLM's incremental detokenizer starts
 # from as many: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
@@ -97,7 +99,7 @@ class Tokenizers:
         self._open: dict[str, Tokenizer] = {}
 
     def of(self, model: str | None) -> Tokenizer | None:
-        name = model or "default"
+        name = model or DEFAULT_MODEL
         if name not in self._open:
             path = self.paths.get(name)
             if path is None:

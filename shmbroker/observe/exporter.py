@@ -206,22 +206,23 @@ class ExporterAddressError(BrokerError):
     """The exporter cannot listen on `metrics_addr` (taken, or not an address of this host)."""
 
 
-def bind(addr: tuple[str, int]) -> socket.socket:
-    """The listening socket (the supervisor binds it before it forks, so a taken address fails the start)."""
+def bind(addr: tuple[str, int], key: str = "metrics_addr", backlog: int = 16) -> socket.socket:
+    """The listening socket (the supervisor binds it before it forks, so a taken address fails the start);
+    `key` names the setting in an error (the exporter's, or `http.addr`)."""
     host, port = addr
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:
-        raise ExporterAddressError(f"metrics_addr {host}:{port}: {exc}") from None
+        raise ExporterAddressError(f"{key} {host}:{port}: {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(16)
+        sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        raise ExporterAddressError(f"metrics_addr {host}:{port}: {exc.strerror} (set metrics_addr to a free "
-                                   f"address, or to \"\" to run without the exporter)") from None
+        raise ExporterAddressError(f"{key} {host}:{port}: {exc.strerror} (set {key} to a free address"
+                                   + (", or to \"\" to run without the exporter)" if key == "metrics_addr" else ")")) from None
     return sock
 
 

@@ -44,6 +44,7 @@ from ..results.behind import names_behind
 from ..results.delivery import Cursors
 from ..results.log import RESULTS_DIR
 from ..ring import layout as L
+from ..ring.items import DEFAULT_MODEL
 from ..ring.liveness import is_alive, start_ticks
 from ..ring.shm import Segment
 
@@ -62,7 +63,7 @@ def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], mod
              metrics_addr: str | None) -> dict:
     models: dict[int, str] = {}
     for c in cfg.consumers:
-        models.setdefault(c.contract.model, c.model_name or "default")
+        models.setdefault(c.contract.model, c.model_name or DEFAULT_MODEL)
     return {
         "pid": os.getpid(),
         "pid_start": start_ticks(os.getpid()),

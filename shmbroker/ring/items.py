@@ -113,10 +113,13 @@ push_item = kernel(signature=_signature(readonly=False))(_push_item)
 push_item_readonly = kernel(signature=_signature(readonly=True))(_push_item)
 
 
+DEFAULT_MODEL = "default"  # the name of the default model (that of consumers declaring none)
+
+
 def model_id(name: str | None) -> int:
     """Stable 31-bit id of a model name (FNV-1a folded to 31 bits, never 0: the packing index keeps
-    model ids in 0..2^31-1); None is the default model, 0."""
-    if name is None:
+    model ids in 0..2^31-1); None, or DEFAULT_MODEL by name, is the default model, 0."""
+    if name is None or name == DEFAULT_MODEL:
         return 0
     if not isinstance(name, str) or not name:
         raise TypeError(f"model must be a non-empty str or None, got {name!r}")

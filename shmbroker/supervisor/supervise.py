@@ -68,11 +68,14 @@ class Supervisor:
         self.data_dir = Path(cfg.data_dir)
         # the roles' names key the control segment's slots, broker.json and the logs (control/roles.py)
         self.role_of = {r.name: r for r in broker_roles(cfg.ingest_processes, [c.name for c in cfg.consumers],
-                                                        bool(cfg.metrics_addr), cfg.cluster is not None)}
+                                                        bool(cfg.metrics_addr), cfg.cluster is not None,
+                                                        cfg.http is not None)}
         self.roles = list(self.role_of)
         self.wiring: Wiring | None = None
         self.metrics_sock = None
         self.metrics_addr: str | None = None
+        self.http_sock = None
+        self.http_addr: str | None = None
         self.desc: dict | None = None
         self.pids: dict[int, str] = {}
         self.role_pid: dict[str, int] = {}
@@ -114,6 +117,14 @@ class Supervisor:
             host, port = self.metrics_sock.getsockname()[:2]
             self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
+        if cfg.http is not None:  # the API's address too: taken, the start fails here
+            from ..config.settings import parse_addr
+            from ..observe.exporter import bind
+
+            self.http_sock = bind(parse_addr(cfg.http.addr), "http.addr", 1024)
+            host, port = self.http_sock.getsockname()[:2]
+            self.http_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("OpenAI Files and Batches API on http://%s/v1", self.http_addr)
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
             salvaged, self.left_rings = salvage_at_start(backlog, cfg)
@@ -145,6 +156,8 @@ class Supervisor:
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
         self.desc = w.desc = describe(cfg, self.control, self.roles, w.ring_names(), self.modes, self.metrics_addr)
         w.metrics_sock = self.metrics_sock
+        w.http_sock = self.http_sock
+        self.desc["http_addr"] = self.http_addr
         self.supervision = Supervision(self.control, self.roles, Limits.of(cfg),
                                        {name: w.sides(role) for name, role in self.role_of.items()})
         for role in self.roles:
@@ -288,6 +301,9 @@ class Supervisor:
         if self.metrics_sock is not None:
             self.metrics_sock.close()
             self.metrics_sock = None
+        if self.http_sock is not None:
+            self.http_sock.close()
+            self.http_sock = None
         if self.desc is not None:
             remove_description(self.cfg.data_dir)
             self.desc = None

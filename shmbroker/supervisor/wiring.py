@@ -59,6 +59,7 @@ class Wiring:
     left_rings: list[tuple[int, str]]
     desc: dict | None = None  # broker.json (the exporter attaches with it)
     metrics_sock: socket.socket | None = None  # the exporter's bound socket
+    http_sock: socket.socket | None = None  # the HTTP API's bound socket
 
     @classmethod
     def create(cls, owner: Owner, cfg: BrokerConfig, modes: list[Mode], control: Control,
@@ -137,7 +138,13 @@ def _run_bridge(w: Wiring, role: Role, slot) -> None:
     bridge_main(w.cfg, w.control, stopping)
 
 
-MAINS = {Kind.INGEST: _run_ingest, Kind.SCHED: _run_sched, Kind.RESULTS: _run_results, Kind.GPU: _run_gpu,
+def _run_http(w: Wiring, role: Role, slot) -> None:
+    from ..httpapi.server import http_main
+
+    http_main(w.cfg, w.http_sock, slot, stopping)
+
+
+MAINS = {Kind.HTTP: _run_http, Kind.INGEST: _run_ingest, Kind.SCHED: _run_sched, Kind.RESULTS: _run_results, Kind.GPU: _run_gpu,
          Kind.METRICS: _run_metrics, Kind.BRIDGE: _run_bridge}
 
 
@@ -147,6 +154,8 @@ def run_child(w: Wiring, role: Role, slot) -> None:
     _child_setup(slot)
     if role.kind is not Kind.METRICS and w.metrics_sock is not None:
         w.metrics_sock.close()
+    if role.kind is not Kind.HTTP and w.http_sock is not None:
+        w.http_sock.close()
     MAINS[role.kind](w, role, slot)
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI Files and Batches API over HTTP: a role of the broker (`[http]`) or `shmbroker serve-http`."""

@@ -1,0 +1,122 @@
+"""A file upload (`POST /v1/files`, multipart/form-data) streamed to disk as it arrives.
+
+python-multipart's push parser is fed the body chunk by chunk; the `file` part's bytes go straight
+to the upload's temporary file (`files.FileStore.begin_upload`), so memory holds one chunk whatever
+the file's size. Bytes and lines are counted as they pass: past `max_file_bytes` or
+`max_file_lines` the upload is refused (413) at once. A client that sends nothing for
+`upload_idle_seconds` is dropped (408). Whatever ends an upload early removes its temporary file:
+a torn upload leaves no file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from .objects import ApiError
+
+FIELD_BYTES_MAX = 1024  # a form field other than the file (`purpose`)
+
+
+class Parts:
+    """The parser's callbacks: the file part's bytes to `fd`, small fields kept, limits counted."""
+
+    def __init__(self, fd: int, max_bytes: int, max_lines: int):
+        self.fd, self.max_bytes, self.max_lines = fd, max_bytes, max_lines
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.size = self.lines = 0
+        self.last = b"\n"
+        self._header = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._name: str | None = None
+        self._is_file = False
+        self._value = bytearray()
+
+    def callbacks(self) -> dict:
+        return {"on_part_begin": self._begin, "on_header_field": self._field, "on_header_value": self._hvalue,
+                "on_header_end": self._header_end, "on_headers_finished": self._headers_done,
+                "on_part_data": self._data, "on_part_end": self._end}
+
+    def _begin(self):
+        self._headers, self._header, self._value = {}, b"", bytearray()
+
+    def _field(self, data, start, end):
+        self._header += data[start:end]
+
+    def _hvalue(self, data, start, end):
+        self._headers[self._header.lower()] = self._headers.get(self._header.lower(), b"") + data[start:end]
+
+    def _header_end(self):
+        self._header = b""
+
+    def _headers_done(self):
+        from python_multipart.multipart import parse_options_header
+
+        _, opts = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = opts.get(b"name", b"").decode("utf-8", "replace")
+        self._is_file = self._name == "file"
+        if self._is_file:
+            if self.filename is not None:
+                raise ApiError(400, "the form holds more than one 'file'", param="file")
+            self.filename = opts.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")[:255]
+
+    def _data(self, data, start, end):
+        chunk = data[start:end]
+        if not self._is_file:
+            self._value += chunk
+            if len(self._value) > FIELD_BYTES_MAX:
+                raise ApiError(400, f"form field {self._name!r} is over {FIELD_BYTES_MAX} bytes", param=self._name)
+            return
+        self.size += len(chunk)
+        self.lines += chunk.count(b"\n")
+        if chunk:
+            self.last = chunk[-1:]
+        if self.size > self.max_bytes:
+            raise ApiError(413, f"the file is over {self.max_bytes} bytes", param="file")
+        if self.lines > self.max_lines:
+            raise ApiError(413, f"the file has over {self.max_lines} lines", param="file")
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def _end(self):
+        if not self._is_file and self._name:
+            self.fields[self._name] = self._value.decode("utf-8", "replace")
+
+    def total_lines(self) -> int:
+        return self.lines + (self.last != b"\n")
+
+
+async def receive_file(request, fd: int, max_bytes: int, max_lines: int, idle_seconds: float) -> Parts:
+    """Stream the request's multipart body: the file part into `fd`; ApiError on anything wrong."""
+    from python_multipart.exceptions import MultipartParseError
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    kind, opts = parse_options_header(request.headers.get("content-type", ""))
+    if kind != b"multipart/form-data" or b"boundary" not in opts:
+        raise ApiError(400, "an upload is multipart/form-data with a 'file' and 'purpose'")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes + (1 << 16):
+        raise ApiError(413, f"the file is over {max_bytes} bytes", param="file")
+    parts = Parts(fd, max_bytes, max_lines)
+    parser = MultipartParser(opts[b"boundary"], parts.callbacks())
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), idle_seconds)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise ApiError(408, f"the upload sent nothing for {idle_seconds:g} s") from None
+        try:
+            parser.write(chunk)
+        except MultipartParseError as exc:
+            raise ApiError(400, f"the multipart body is malformed ({exc})") from None
+    try:
+        parser.finalize()
+    except MultipartParseError as exc:
+        raise ApiError(400, f"the multipart body is malformed ({exc})") from None
+    if parts.filename is None:
+        raise ApiError(400, "the form holds no 'file'", param="file")
+    return parts
