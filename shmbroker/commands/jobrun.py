@@ -120,8 +120,8 @@ class JobRun:
             digest, _ = digest_and_lines(path)
             if meta.digest != digest:
                 raise JobError(f"job {name!r} was made from another input ({meta.digest}); {path} is {digest}")
-            if v["status"] in ("cancelling", "cancelled"):
-                raise JobError(f"job {name!r} is {v['status']}: it cannot be resumed")
+            # A cancelled job may be taken up too: it submits nothing more (its lines left are written
+            # as cancelled) and writes the results its output lacks.
             if v["submitter_pid"] is not None:
                 raise JobError(f"job {name!r} is being submitted by pid {v['submitter_pid']}")
             return cls(data_dir, meta, True)

@@ -60,6 +60,7 @@ class BatchRecord:
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    created_ns: int = field(default_factory=time.time_ns)  # orders the list (created_at is in seconds)
 
 
 class BatchStore:
@@ -94,7 +95,7 @@ class BatchStore:
         """A tenant's batches, newest first."""
         with self._lock:
             rows = [r for r in self._records.values() if r.owner == owner]
-        return sorted(rows, key=lambda r: (r.created_at, r.id), reverse=True)
+        return sorted(rows, key=lambda r: (r.created_ns, r.id), reverse=True)
 
     def active(self) -> list[BatchRecord]:
         with self._lock:

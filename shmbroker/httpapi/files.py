@@ -70,7 +70,7 @@ class FileStore:
 
     def describe(self, file_id: str, owner: str, filename: str, purpose: str, size: int, lines: int) -> dict:
         meta = {"id": file_id, "owner": owner, "filename": filename, "purpose": purpose, "bytes": size,
-                "lines": lines, "created_at": int(time.time())}
+                "lines": lines, "created_at": int(time.time()), "created_ns": time.time_ns()}
         atomic_write(self.dir / f"{file_id}.json", json.dumps(meta).encode())
         with self._lock:
             self._meta[file_id] = meta
@@ -88,7 +88,7 @@ class FileStore:
         """A tenant's files, newest first."""
         with self._lock:
             rows = [m for m in self._meta.values() if m["owner"] == owner]
-        return sorted(rows, key=lambda m: (m["created_at"], m["id"]), reverse=True)
+        return sorted(rows, key=lambda m: (m.get("created_ns", 0), m["id"]), reverse=True)
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(files, bytes) a tenant keeps."""

@@ -126,9 +126,7 @@ class Runner:
             self._end(rec, "expired" if expired else "cancelled", None)
             return
         self.batches.save(rec)
-        if store.is_job(self.data_dir, rec.id):
-            cancel_job(self.data_dir, rec.id)
-        self.bell.set()
+        self.bell.set()  # the runner cancels its job (`_watch`), once the submitter has made it
 
     def _validate(self, rec: BatchRecord) -> None:
         if rec.cancelling_at:
@@ -143,17 +141,19 @@ class Runner:
         self._spawn(rec)
 
     def _watch(self, rec: BatchRecord) -> None:
+        if time.time() > rec.expires_at and not rec.cancelling_at:
+            self._cancel(rec, expired=True)
+        view = self.batches.job_view(rec)
+        if rec.cancelling_at and view is not None and view["cancel_requested_at"] is None \
+                and view["status"] not in store.TERMINAL:
+            cancel_job(self.data_dir, rec.id)
         proc = self.procs.get(rec.id)
         if proc is not None and proc.poll() is None:
-            if time.time() > rec.expires_at and not rec.cancelling_at:
-                self.cancel(rec, expired=True)
             return
         self.procs.pop(rec.id, None)
-        view = self.batches.job_view(rec)
         if view is not None and view["submitter_pid"] is None and job_view_ended(view):
-            self._end(rec, "expired" if rec.expiring else view["status"], view)
-        elif time.time() > rec.expires_at and not rec.cancelling_at:
-            self.cancel(rec, expired=True)
+            final = "expired" if rec.expiring else "cancelled" if rec.cancelling_at else view["status"]
+            self._end(rec, final, view)
         elif view is None or view["submitter_pid"] is None:
             if time.monotonic() - self.started.get(rec.id, -RESPAWN_SECONDS) >= RESPAWN_SECONDS:
                 self._spawn(rec)

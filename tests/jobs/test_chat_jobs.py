@@ -12,6 +12,7 @@ import secrets
 import numpy as np
 import pytest
 from support.brokerproc import serve
+from support.chattok import WORDS, tokenizer_dir
 
 from shmbroker.cli import main
 from shmbroker.engines.sim import Sim
@@ -33,25 +34,6 @@ max_batch_tokens = 65536
 max_input_len = 1024
 engine_settings = { mode = "packed", cache_tokens = 262144 }
 """
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WORDS = [f"w{i}" for i in range(200)]
-
-
-def tokenizer_dir(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS + ["user", "assistant", "system"])],
-                            trainers.WordLevelTrainer(special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"]))
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<|im_end|>",
-        "chat_template": CHATML}))
-    return path
-
-
 def run_job(tmp_path, lines: list, prefix: str, config: str, *args: str):
     """The lines as a job through a broker of `config`, `submit --wait --out-format openai` (with
     `args`); (its exit code, the output file)."""
