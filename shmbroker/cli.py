@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -94,6 +94,11 @@ def _bench(args) -> int:
         from .bench import jobs
 
         result = jobs.run(num_items=args.items or int(100_000 * args.scale), repeats=args.repeats or 3, seed=args.seed,
+                          say=lambda line: print(line, file=sys.stderr))
+    elif args.name == "http":
+        from .bench import http
+
+        result = http.run(lines=args.items or int(50_000 * args.scale), repeats=args.repeats or 2, seed=args.seed,
                           say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
@@ -258,9 +263,9 @@ def _add_bench(sub) -> None:
     g.add_argument("--epsilon", type=float, default=None,
                    help=f"cluster: no node above (1 + epsilon) x the mean of tokens (default {NodeSettings.epsilon})")
     g.add_argument("--items", type=int, default=None,
-                   help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale)")
+                   help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale); http: the batch file's lines (default 50000 x scale)")
     g.add_argument("--repeats", type=int, default=None,
-                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 3)")
+                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 3); http: runs of each side (default 2)")
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)

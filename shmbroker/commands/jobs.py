@@ -113,8 +113,8 @@ def _watch(data_dir: str, name: str, v: dict, plain_seconds: float | None) -> in
 
 
 def cancel(args) -> int:
-    from ..frontdoor.producer_book import ProducerBook
-    from ..jobs import cancels, store
+    from ..httpapi.runner import cancel_job
+    from ..jobs import store
 
     data_dir, v, code = _named(args)
     if v is None:
@@ -125,8 +125,7 @@ def cancel(args) -> int:
     if v["status"] in store.TERMINAL:
         print_error(f"job {args.name!r} is {v['status']}: nothing to cancel")
         return 1
-    store.write_cancel(data_dir, args.name)
-    cancels.add(data_dir, args.name, ProducerBook(data_dir).names.get(args.name, []))
+    cancel_job(data_dir, args.name)
     print_error(f"cancelling job {args.name!r}: its items not yet dispatched come back cancelled, those in flight finish "
          f"(shmbroker job {args.name} --watch)")
     return 0

@@ -87,7 +87,7 @@ async def create_file(api: Api, request) -> dict:
         import asyncio
 
         meta = await asyncio.to_thread(api.files.commit, fd, tmp, owner, parts.filename, purpose, parts.size,
-                                       parts.total_lines())
+                                       parts.total_lines(), parts.requests.summary())
         fd = -1
         return file_object(meta)
     finally:

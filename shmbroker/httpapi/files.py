@@ -4,6 +4,7 @@
 |--------------------|---------------------------------------------------------------------------|
 | `<id>`             | the bytes: an upload, or a batch's output or error file                   |
 | `<id>.json`        | its description: owner (tenant), filename, purpose, bytes, lines, created |
+|                    | and, for an upload, its lines' urls and repeated custom_ids (`requests`)  |
 | `.upload-<random>` | an upload being received; left by a crash, it is removed at start         |
 
 A file exists once its description does. An upload is written to `.upload-*`, fsynced, renamed to
@@ -57,7 +58,8 @@ class FileStore:
         tmp = self.dir / f"{UPLOAD_PREFIX}{new_id('')}"
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
 
-    def commit(self, fd: int, tmp: Path, owner: str, filename: str, purpose: str, size: int, lines: int) -> dict:
+    def commit(self, fd: int, tmp: Path, owner: str, filename: str, purpose: str, size: int, lines: int,
+               requests: dict | None = None) -> dict:
         """The upload made a file: synced, renamed to its id, described. Closes `fd`."""
         try:
             fsync(fd)
@@ -66,11 +68,13 @@ class FileStore:
         file_id = new_id(FILE_PREFIX)
         rename(tmp, self.path(file_id))
         fsync_dir(self.dir)
-        return self.describe(file_id, owner, filename, purpose, size, lines)
+        return self.describe(file_id, owner, filename, purpose, size, lines, requests)
 
-    def describe(self, file_id: str, owner: str, filename: str, purpose: str, size: int, lines: int) -> dict:
+    def describe(self, file_id: str, owner: str, filename: str, purpose: str, size: int, lines: int,
+                 requests: dict | None = None) -> dict:
+        """`requests`: what the upload read of its lines (`upload.Lines.summary`)."""
         meta = {"id": file_id, "owner": owner, "filename": filename, "purpose": purpose, "bytes": size,
-                "lines": lines, "created_at": int(time.time()), "created_ns": time.time_ns()}
+                "lines": lines, "created_at": int(time.time()), "created_ns": time.time_ns(), "requests": requests}
         atomic_write(self.dir / f"{file_id}.json", json.dumps(meta).encode())
         with self._lock:
             self._meta[file_id] = meta

@@ -43,8 +43,12 @@ def cancel_job(data_dir: str, name: str) -> None:
     cancels.add(data_dir, name, ProducerBook(data_dir).names.get(name, []))
 
 
-def validate(path, endpoint: str) -> list[dict]:
-    """The errors that fail a batch: lines naming another endpoint, custom_ids given twice."""
+def validate(path, endpoint: str, summary: dict | None = None) -> list[dict]:
+    """The errors that fail a batch: lines naming another endpoint, custom_ids given twice. With the
+    upload's `summary` (`upload.Lines`), a file whose lines all name the endpoint and repeat no
+    custom_id passes without being read again."""
+    if summary is not None and set(summary.get("urls", {})) <= {endpoint} and not summary.get("duplicates"):
+        return []
     errors: list[dict] = []
     seen: set = set()
     with open(path, "rb") as fh:
@@ -132,7 +136,8 @@ class Runner:
         if rec.cancelling_at:
             self._end(rec, "cancelled", None)
             return
-        rec.errors = validate(self.files.path(rec.input_file_id), rec.endpoint)
+        meta = self.files.get(rec.owner, rec.input_file_id)
+        rec.errors = validate(self.files.path(rec.input_file_id), rec.endpoint, meta.get("requests"))
         if rec.errors:
             self._end(rec, "failed", None)
             return
@@ -167,6 +172,8 @@ class Runner:
             self.procs[rec.id] = subprocess.Popen(argv + (["--resume"] if resume else []), stdin=subprocess.DEVNULL,
                                                   stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_die_with_parent)
         self.started[rec.id] = time.monotonic()
+        proc = self.procs[rec.id]
+        threading.Thread(target=lambda: (proc.wait(), self.bell.set()), name=f"wait-{proc.pid}", daemon=True).start()
         log.info("batch %s: submitter pid %d%s", rec.id, self.procs[rec.id].pid, " (resumed)" if resume else "")
 
     def _end(self, rec: BatchRecord, final: str, view: dict | None) -> None:

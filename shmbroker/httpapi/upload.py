@@ -3,7 +3,8 @@
 python-multipart's push parser is fed the body chunk by chunk; the `file` part's bytes go straight
 to the upload's temporary file (`files.FileStore.begin_upload`), so memory holds one chunk whatever
 the file's size. Bytes and lines are counted as they pass: past `max_file_bytes` or
-`max_file_lines` the upload is refused (413) at once. A client that sends nothing for
+`max_file_lines` the upload is refused (413) at once. Each line is read as it passes, for what a
+batch checks (`Lines`). A client that sends nothing for
 `upload_idle_seconds` is dropped (408). Whatever ends an upload early removes its temporary file:
 a torn upload leaves no file.
 """
@@ -11,11 +12,72 @@ a torn upload leaves no file.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 from .objects import ApiError
 
 FIELD_BYTES_MAX = 1024  # a form field other than the file (`purpose`)
+LINE_BYTES_MAX = 1 << 20  # a longer line is not read as a request while it passes (the submitter reads it)
+DUPLICATES_KEPT = 100
+
+
+class Lines:
+    """What a batch needs to know of its file, read as it passes: each line's `url` (the first line
+    naming each) and the custom_ids given twice. A batch is then checked against this summary at
+    once (`runner.validate`), not by reading the file again."""
+
+    def __init__(self):
+        self.number = 0
+        self.urls: dict[str, int] = {}
+        self.duplicates: list[tuple[int, str]] = []
+        self._ids: set[str] = set()
+        self._carry = bytearray()
+        self._skipping = False
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                if not self._skipping:
+                    self._carry += chunk[start:]
+                    if len(self._carry) > LINE_BYTES_MAX:
+                        self._carry, self._skipping = bytearray(), True
+                return
+            if self._skipping:
+                self._skipping = False
+                self.number += 1
+            else:
+                self._line(bytes(self._carry) + chunk[start:end] if self._carry else chunk[start:end])
+                self._carry = bytearray()
+            start = end + 1
+
+    def finish(self) -> None:
+        if self._carry and not self._skipping:
+            self._line(bytes(self._carry))
+        self._carry = bytearray()
+
+    def _line(self, line: bytes) -> None:
+        self.number += 1
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(row, dict):
+            return
+        url, cid = row.get("url"), row.get("custom_id")
+        if isinstance(url, str):
+            self.urls.setdefault(url, self.number)
+        if isinstance(cid, str):
+            if cid in self._ids:
+                if len(self.duplicates) < DUPLICATES_KEPT:
+                    self.duplicates.append((self.number, cid))
+            else:
+                self._ids.add(cid)
+
+    def summary(self) -> dict:
+        return {"urls": self.urls, "duplicates": self.duplicates}
 
 
 class Parts:
@@ -32,6 +94,7 @@ class Parts:
         self._name: str | None = None
         self._is_file = False
         self._value = bytearray()
+        self.requests = Lines()
 
     def callbacks(self) -> dict:
         return {"on_part_begin": self._begin, "on_header_field": self._field, "on_header_value": self._hvalue,
@@ -79,6 +142,7 @@ class Parts:
         view = memoryview(chunk)
         while view:
             view = view[os.write(self.fd, view):]
+        self.requests.feed(chunk)
 
     def _end(self):
         if not self._is_file and self._name:
@@ -119,4 +183,5 @@ async def receive_file(request, fd: int, max_bytes: int, max_lines: int, idle_se
         raise ApiError(400, f"the multipart body is malformed ({exc})") from None
     if parts.filename is None:
         raise ApiError(400, "the form holds no 'file'", param="file")
+    parts.requests.finish()
     return parts
