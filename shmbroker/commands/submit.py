@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..jobs.progress import Progress
+from ..jobs.store import CANCEL_REASONS
 from ..jobs.prompts import U32_MAX, LineError, Prompt
 from ..ring.items import DEFAULT_MODEL
 from .common import IdLog, ResultSink, config_data_dir, load_ids, open_output, open_producer, print_error, result_row, written_ids
@@ -67,9 +68,9 @@ class _Submission:
                 chunk = kept
             if self.job.cancel_asked():  # the rest stays unsubmitted: cancelled
                 self.cancelled += len(chunk)
+                code, message = CANCEL_REASONS[self.job.cancel_reason]
                 for p in chunk if self.sink is not None else ():
-                    self.sink.line(p.line, "the job was cancelled before this line was submitted", p.id,
-                                   code="batch_cancelled", status="cancelled")
+                    self.sink.line(p.line, message, p.id, code=code, status="cancelled")
                 return
         start = 0
         for i in range(1, len(chunk) + 1):
@@ -155,6 +156,8 @@ class _Submission:
 
     def _write(self, r) -> bool:
         if self.job is not None:
+            if r.status == "cancelled" and self.job.cancel_asked():  # the cancel's code for its lines
+                self.sink.cancel = CANCEL_REASONS[self.job.cancel_reason]
             return self.sink.result(r, self.job.entries.pop(r.item_id, None))
         ids = self.ids
         if r.item_id not in ids and self._old_ids is None:

@@ -35,11 +35,12 @@ RESPAWN_SECONDS = 2.0  # a submitter that exited is started again at most this o
 TICK_SECONDS = 0.25
 
 
-def cancel_job(data_dir: str, name: str) -> None:
-    """Cancel job `name`: its cancel file, and its producer ids in the scheduler's cancels (`jobs/cancels.py`)."""
+def cancel_job(data_dir: str, name: str, reason: str = "cancelled") -> None:
+    """Cancel job `name` (`reason`: a key of store.CANCEL_REASONS): its cancel file, and its producer
+    ids in the scheduler's cancels (`jobs/cancels.py`)."""
     from ..frontdoor.producer_book import ProducerBook
 
-    store.write_cancel(data_dir, name)
+    store.write_cancel(data_dir, name, reason)
     cancels.add(data_dir, name, ProducerBook(data_dir).names.get(name, []))
 
 
@@ -151,7 +152,7 @@ class Runner:
         view = self.batches.job_view(rec)
         if rec.cancelling_at and view is not None and view["cancel_requested_at"] is None \
                 and view["status"] not in store.TERMINAL:
-            cancel_job(self.data_dir, rec.id)
+            cancel_job(self.data_dir, rec.id, "expired" if rec.expiring else "cancelled")
         proc = self.procs.get(rec.id)
         if proc is not None and proc.poll() is None:
             return

@@ -179,7 +179,8 @@ def checked_tokens(tokens: np.ndarray, endpoint: str) -> np.ndarray:
     return tokens
 
 
-def output_row(r, cid, entry: dict, texts: list | None, token_text=None) -> tuple[dict, bool]:
+def output_row(r, cid, entry: dict, texts: list | None, token_text=None,
+               cancel: tuple[str, str] = ("batch_cancelled", "the job was cancelled")) -> tuple[dict, bool]:
     """(row, is_error) of one result `r` (`client.Result`): an output line, or for a failed item an
     error line. `texts`: each sample's decoded text (None without a tokenizer); `token_text(id)`: one
     token's text, for logprobs (None: "token_id:<id>", as vLLM writes ids)."""
@@ -189,7 +190,8 @@ def output_row(r, cid, entry: dict, texts: list | None, token_text=None) -> tupl
         body = ok_body(r, entry, texts, token_text)
         return {**ids, "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, False
     if status == "cancelled":
-        return {**ids, "response": None, "error": {"code": "batch_cancelled", "message": r.error or "the job was cancelled"}}, True
+        return {**ids, "response": None, "error": {
+            "code": cancel[0], "message": r.error if r.error and cancel[0] == "batch_cancelled" else cancel[1]}}, True
     code = HTTP_STATUS.get(status, 500)
     body = {"error": {"message": r.error or status, "type": "invalid_request_error" if code == 400 else "server_error",
                       "param": None, "code": status}}

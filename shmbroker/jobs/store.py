@@ -7,7 +7,7 @@
 |               |                                | whether every line was handled, the submitter's pid    |
 | `counts.json` | the results process (`tally`)  | results by status, and the sequence numbers counted    |
 |               |                                | (so a result delivered twice counts once)              |
-| `cancel.json` | `shmbroker cancel`             | when the cancel was asked for                          |
+| `cancel.json` | `shmbroker cancel`             | when the cancel was asked for, and why (`reason`)      |
 
 Each is replaced whole (`durable.atomic_write`), so a reader sees one version or the next, never a
 torn one. A job's name is its producer name: its items' results are the results of that name.
@@ -134,8 +134,24 @@ def cancel_requested(data_dir: str | os.PathLike, name: str) -> float | None:
         return time.time()  # present but unreadable: it was asked for
 
 
-def write_cancel(data_dir: str | os.PathLike, name: str) -> None:
-    atomic_write(job_dir(data_dir, name) / "cancel.json", json.dumps({"requested_at": time.time()}).encode())
+# why a job was cancelled -> the error code and message of its lines that did not run (the Batch API's)
+CANCEL_REASONS = {"cancelled": ("batch_cancelled", "the job was cancelled before this line ran"),
+                  "expired": ("batch_expired", "the batch's completion window ended before this line ran")}
+
+
+def write_cancel(data_dir: str | os.PathLike, name: str, reason: str = "cancelled") -> None:
+    assert reason in CANCEL_REASONS, reason
+    atomic_write(job_dir(data_dir, name) / "cancel.json",
+                 json.dumps({"requested_at": time.time(), "reason": reason}).encode())
+
+
+def cancel_reason(data_dir: str | os.PathLike, name: str) -> str:
+    """Why the job was cancelled (a key of CANCEL_REASONS; "cancelled" when its file does not say)."""
+    try:
+        reason = json.loads((job_dir(data_dir, name) / "cancel.json").read_bytes()).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return "cancelled"
+    return reason if reason in CANCEL_REASONS else "cancelled"
 
 
 def submitter_alive(meta: JobMeta) -> bool:

@@ -1,6 +1,8 @@
 """A chat batch file, as users write it for the OpenAI Batch API, through a broker with a real vLLM
-behind it (`tests/support/vllm_chat_check.py` under `.venv-vllm`), two ways: a `vllm` consumer
-(the engine in the GPU process) and an `openai` consumer in front of a real `vllm serve`.
+behind it (`tests/support/vllm_chat_check.py` under `.venv-vllm`), three ways: a `vllm` consumer
+(the engine in the GPU process) with `submit`; the same broker's HTTP role (the OpenAI Files and
+Batches API) driven by the real `openai` package; and an `openai` consumer in front of a real
+`vllm serve`.
 
 - every output line parses with `openai.types.chat.ChatCompletion`;
 - each line's choices equal vLLM's own `LLM.chat` for the same messages and SamplingParams, run
@@ -10,7 +12,8 @@ behind it (`tests/support/vllm_chat_check.py` under `.venv-vllm`), two ways: a `
   template; `usage.prompt_tokens_details.cached_tokens` is vLLM's own counter (the lines share a
   system prompt, so some are served from the prefix cache);
 - a line asking for logprobs (top 2): its `choices[0].logprobs` are vLLM's own, token by token,
-  both ways (the openai consumer reads the server's `top_logprobs` by token id).
+  every way (the openai consumer reads the server's `top_logprobs` by token id);
+- through HTTP the batch ends `completed`, every line counted completed, with no error file.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ def report(tmp_path_factory):
 
 
 @pytest.mark.timeout(1600)
-@pytest.mark.parametrize("way", ["vllm_engine", "vllm_serve"])
+@pytest.mark.parametrize("way", ["vllm_engine", "http", "vllm_serve"])
 def test_a_chat_batch_file_through_a_real_vllm_equals_vllms_own_chat(report, way):
     from openai.types.chat import ChatCompletion
 
     reqs, ref, run = report["requests"], report["reference"], report[way]
     assert run["supervisor_exit"] == 0, run["log_tail"]
     logprobs_line = f"line-{len(reqs) - 1}"
-    assert run["submit_exit"] == 0, run["log_tail"]  # every line was a request
+    if way == "http":  # the batch's own account: every line a request, each completed
+        assert run["batch"]["status"] == "completed", (run["batch"], run["log_tail"])
+        assert run["batch"]["request_counts"] == {"total": len(reqs), "completed": len(reqs), "failed": 0}
+    else:
+        assert run["submit_exit"] == 0, run["log_tail"]  # every line was a request
     got = {row["custom_id"]: row for row in run["out"]}
     assert sorted(got) == sorted(ref), run["log_tail"]
     cached = []

@@ -282,3 +282,16 @@ def test_a_stalled_upload_is_dropped_and_holds_up_nothing(broker):
         answer = s.recv(65536)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert upload_files(broker.data_dir) == before
+
+
+def test_a_batch_past_its_window_expires(broker):
+    c = client(broker)
+    f = c.files.create(file=("late.jsonl", jsonl([completion_line(i, model="slow") for i in range(80)])),
+                       purpose="batch")
+    b = wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s").id)
+    assert b.status == "expired" and b.expired_at and b.expires_at == b.created_at + 3
+    counts = b.request_counts
+    assert counts.total == 80 and counts.completed + counts.failed == 80 and counts.failed > 0
+    out, err = lines_of(c, b.output_file_id), lines_of(c, b.error_file_id)
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"cmp-{i}" for i in range(80))
+    assert err and all(r["error"]["code"] == "batch_expired" for r in err)

@@ -1,4 +1,4 @@
-"""A chat batch file through a broker with a real vLLM behind it, two ways (run by
+"""A chat batch file through a broker with a real vLLM behind it, three ways (run by
 tests/engines/test_vllm_chat.py under .venv-vllm; prints one JSON object, the last line):
 
     .venv-vllm/bin/python tests/support/vllm_chat_check.py WORK_DIR
@@ -7,8 +7,11 @@ tests/engines/test_vllm_chat.py under .venv-vllm; prints one JSON object, the la
 2. The reference: every line's messages through vLLM's own `LLM.chat`, one request at a time,
    each with the SamplingParams its body asks (built here from the body, not by the broker's code).
 3. `shmbroker submit FILE --job --tokenizer MODEL --wait --out-format openai` against a broker
-   whose consumer is engine = "vllm" on the model.
-4. `vllm serve` on the same model (loopback, a free port), and the same file against a broker whose
+   whose consumer is engine = "vllm" on the model, serving the lines' model name (SERVED).
+4. Then, on the same broker (the model loaded once), the same file through its HTTP role with the
+   `openai` package: upload, a batch, polled until it ends, its output and error files read. Its
+   submitter renders the lines with the broker's `[tokenizers]` entry for SERVED.
+5. `vllm serve` on the same model (loopback, a free port), and the same file against a broker whose
    consumer is engine = "openai" pointed at it.
 The test asserts on the report; this script only runs and records.
 """
@@ -33,6 +36,8 @@ from support.vllm_real_check import BLOCK, CONTRACT, EXTRA, MAX_NEW, SETTINGS, V
 from support.vllm_sampling_check import SPECIAL, reference_engine_args, tiny_model_with_tokenizer  # noqa: E402
 
 SERVED = "tiny-chat"
+HTTP_KEY = "vllm-chat-check-key"  # the HTTP role's one tenant
+ENDED = ("completed", "failed", "cancelled", "expired")
 SYSTEM = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"  # every line's system prompt: one prefix family
 
 
@@ -143,23 +148,75 @@ def openai_config(base_url: str) -> str:
             f"timeout_seconds = 120.0\n")
 
 
-def through_broker(work: Path, config: str, src: Path, model: str) -> dict:
-    """The file through `submit --job --wait --out-format openai`: its output and error lines."""
+def engine_config(model: str) -> str:
+    """`broker_config`'s, its consumer serving SERVED (the model the lines name, which the HTTP way
+    submits as is), the model's tokenizer for SERVED, and an `[http]` table on a free port."""
+    base = broker_config(model)
+    consumer = 'engine = "vllm"\n'
+    assert base.count(consumer) == 1, base
+    return (base.replace(consumer, f"{consumer}model = {json.dumps(SERVED)}\n")
+            + f'\n[tokenizers]\n"{SERVED}" = {json.dumps(model)}\n\n'
+            + f'[http]\naddr = "127.0.0.1:0"\n\n[http.keys]\ncheck = "{HTTP_KEY}"\n')
+
+
+def lines_of(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def submitted(data_dir: str, work: Path, src: Path, model: str, route: str | None) -> dict:
+    """The file through `submit --job --wait --out-format openai` (`--model route` unless None:
+    the lines' own model): its exit code, output and error lines."""
     from shmbroker.cli import main
+
+    out = work / "out.jsonl"
+    code = main(["submit", str(src), "--data-dir", data_dir, "--job", "chat", "--tokenizer", model, "--wait",
+                 "--out", str(out), "--out-format", "openai"] + ([] if route is None else ["--model", route]))
+    return {"submit_exit": code, "out": lines_of(out), "errors": lines_of(work / "out.errors.jsonl")}
+
+
+def through_http(data_dir: str, src: Path, timeout_seconds: float = 300.0) -> dict:
+    """The file as a batch of the broker's HTTP role, with the `openai` package: the batch's status and
+    counts, its output and error lines, its submitter's log."""
+    from openai import OpenAI
+
+    addr = json.loads((Path(data_dir) / "broker.json").read_text())["http_addr"]
+    c = OpenAI(base_url=f"http://{addr}/v1", api_key=HTTP_KEY, max_retries=0)
+    with src.open("rb") as fh:
+        f = c.files.create(file=fh, purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + timeout_seconds
+    while b.status not in ENDED and time.monotonic() < deadline:
+        time.sleep(0.5)
+        b = c.batches.retrieve(b.id)
+
+    def lines(file_id: str | None) -> list[dict]:
+        return [] if file_id is None else [json.loads(x) for x in c.files.content(file_id).text.splitlines()]
+
+    log = Path(data_dir) / "http" / "logs" / f"{b.id}.log"
+    return {"batch": {"status": b.status, "request_counts": b.request_counts and b.request_counts.model_dump(),
+                      "errors": b.errors and b.errors.model_dump()},
+            "out": lines(b.output_file_id), "errors": lines(b.error_file_id),
+            "submitter_log": log.read_text(errors="replace")[-3000:] if log.exists() else ""}
+
+
+def through_broker(work: Path, config: str, src: Path, model: str, route: str | None = "default",
+                   http: bool = False) -> dict:
+    """{"submit": the file through `submit`, and with `http` then "http": through the HTTP role},
+    each with the broker's exit code and log."""
     from support.brokerproc import BrokerProc
 
     broker = BrokerProc(work, config)
     broker.start(ready_timeout_seconds=180)
-    out = work / "out.jsonl"
+    runs = {}
     try:
-        code = main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "chat", "--model", "default",
-                     "--tokenizer", model, "--wait", "--out", str(out), "--out-format", "openai"])
+        runs["submit"] = submitted(broker.data_dir, work, src, model, route)
+        if http:
+            runs["http"] = through_http(broker.data_dir, src)
     finally:
         exit_code = broker.stop(120)
-    errors = work / "out.errors.jsonl"
-    return {"submit_exit": code, "supervisor_exit": exit_code, "log_tail": broker.log()[-3000:],
-            "out": [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else [],
-            "errors": [json.loads(x) for x in errors.read_text().splitlines()] if errors.exists() else []}
+    for run in runs.values():
+        run.update(supervisor_exit=exit_code, log_tail=run.pop("submitter_log", "") + broker.log()[-3000:])
+    return runs
 
 
 def main(work: str) -> int:
@@ -169,17 +226,18 @@ def main(work: str) -> int:
     reqs = bodies()
     src = batch_file(work_dir / "chat.jsonl", reqs)
     ref = reference(model, reqs)
-    engine = through_broker(work_dir / "engine", broker_config(model), src, model)
+    engine = through_broker(work_dir / "engine", engine_config(model), src, model, route=None, http=True)
     server, base_url = vllm_serve(model, work_dir / "serve.log")
     try:
-        served = through_broker(work_dir / "served", openai_config(base_url), src, model)
+        served = through_broker(work_dir / "served", openai_config(base_url), src, model)["submit"]
     finally:
         server.terminate()
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-    print(json.dumps({"requests": reqs, "reference": ref, "vllm_engine": engine, "vllm_serve": served}))
+    print(json.dumps({"requests": reqs, "reference": ref, "vllm_engine": engine["submit"], "http": engine["http"],
+                      "vllm_serve": served}))
     return 0
 
 
