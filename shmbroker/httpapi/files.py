@@ -119,5 +119,6 @@ class FileStore:
         if lines == 0:
             unlink(path, missing_ok=True)
             return None
+        os.chmod(path, 0o600)  # the submitter made it with its umask
         self.describe(file_id, owner, filename, OUTPUT_PURPOSE, path.stat().st_size, lines)
         return file_id

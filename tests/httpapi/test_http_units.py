@@ -134,3 +134,36 @@ def test_a_running_batch_shows_its_jobs_status():
         assert status(rec, {"status": job}) == shown
     assert job_view_ended({"status": "failed", "total": 3, "failed": 3})  # every line refused
     assert not job_view_ended({"status": "failed", "total": 3, "failed": 0})  # its submitter could not start: resumed
+
+
+def test_tenant_limits_are_answered_as_the_api_does(tmp_path):
+    from starlette.testclient import TestClient
+
+    from shmbroker.httpapi.server import build_app, open_api
+
+    cfg = settings.parse({"http": {"tenant_max_files": 2, "tenant_max_bytes": 250, "tenant_max_batches": 1,
+                                   "keys": {"a": "tenant-key-a", "b": "tenant-key-b"}}})
+    api = open_api(cfg.http, str(tmp_path), ["default"])
+    web = TestClient(build_app(api))
+    auth = {"Authorization": "Bearer tenant-key-a"}
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": [1, 2], "max_tokens": 1}}).encode() + b"\n"
+
+    def upload(data, headers=auth):
+        return web.post("/v1/files", files={"file": ("f.jsonl", data)}, data={"purpose": "batch"}, headers=headers)
+
+    first = upload(line)
+    assert first.status_code == 200, first.text
+    too_big = upload(line * 2)  # 108 + 216 bytes: over the tenant's 250
+    assert too_big.status_code == 413 and too_big.json()["error"]["param"] == "file"
+    assert upload(line[:40] + b"\n").status_code == 200
+    third = upload(b"{}\n")
+    assert third.status_code == 429 and third.json()["error"]["code"] == "file_limit_exceeded"
+    assert upload(line, {"Authorization": "Bearer tenant-key-b"}).status_code == 200  # another tenant's own
+    body = {"input_file_id": first.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    assert web.post("/v1/batches", json=body, headers=auth).status_code == 200
+    again = web.post("/v1/batches", json=body, headers=auth)
+    assert again.status_code == 429 and again.json()["error"]["code"] == "batch_limit_exceeded"
+    busy = web.delete(f"/v1/files/{first.json()['id']}", headers=auth)
+    assert busy.status_code == 409  # its batch has not ended
+    assert sorted(p.name for p in api.files.dir.iterdir() if p.name.startswith(".upload")) == []

@@ -133,6 +133,7 @@ def test_chat_and_completions_batches_through_the_openai_client(broker):
     assert all(b.usage.prompt_tokens > 0 and b.choices[0].message.content is not None for b in bodies.values())
     assert len(bodies["chat-20"].choices) == 3
     assert c.files.retrieve(b1.output_file_id).purpose == "batch_output"
+    assert (Path(broker.data_dir) / "http" / "files" / b1.output_file_id).stat().st_mode & 0o777 == 0o600
 
     assert b2.status == "completed"
     assert (b2.request_counts.total, b2.request_counts.completed, b2.request_counts.failed) == (16, 15, 1)
