@@ -98,7 +98,7 @@ def _bench(args) -> int:
     elif args.name == "http":
         from .bench import http
 
-        result = http.run(lines=args.items or int(50_000 * args.scale), repeats=args.repeats or 2, seed=args.seed,
+        result = http.run(lines=args.items or int(50_000 * args.scale), repeats=args.repeats or 4, seed=args.seed,
                           say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
@@ -265,7 +265,7 @@ def _add_bench(sub) -> None:
     g.add_argument("--items", type=int, default=None,
                    help="cluster: items published in the throughput run (default 20000); jobs: the job's items (default 100000 x scale); http: the batch file's lines (default 50000 x scale)")
     g.add_argument("--repeats", type=int, default=None,
-                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 3); http: runs of each side (default 2)")
+                   help="cluster: throughput repeats of each side, interleaved (default 3); jobs: progress runs of each side (default 3); http: runs of each side (default 4)")
     g.add_argument("--no-nodes", action="store_true",
                    help="cluster: leave out the broker nodes' part (the fault run, items/s through one and two nodes)")
     p.set_defaults(func=_bench)

@@ -11,7 +11,7 @@ Figures:
 - `batch_seconds`: `batches.create` to a poll that sees `completed` (polled every 100 ms);
 - `submit_job_seconds`: `shmbroker submit FILE --job --wait --out F --out-format openai`, the same
   file on the same broker; `vs_submit_job` = batch_seconds / submit_job_seconds. The two alternate
-  `repeats` times (each first once), a batch uploading the file anew; figures are medians;
+  `repeats` times (default 4, each side first half the time), a batch uploading the file anew; figures are medians;
 - `download_mb_per_s`: the output file streamed with `files.with_streaming_response.content`;
 - `server_rss_mb_idle`, `server_rss_mb_max`: the HTTP process's resident memory before the upload,
   and its most (sampled every 20 ms) during the upload and the download.
@@ -92,7 +92,7 @@ def http_pid(info: dict) -> int:
         ctl.close()
 
 
-def run(*, lines: int = 50_000, line_bytes: int = 2_000, repeats: int = 2, seed: int = 0, say=lambda line: None) -> dict:
+def run(*, lines: int = 50_000, line_bytes: int = 2_000, repeats: int = 4, seed: int = 0, say=lambda line: None) -> dict:
     from openai import OpenAI
 
     tmp = Path(tempfile.mkdtemp(prefix="shmb-http-"))
@@ -121,7 +121,7 @@ def run(*, lines: int = 50_000, line_bytes: int = 2_000, repeats: int = 2, seed:
                     say(f"http: run {r}: {side} done")
             out["submit_job_seconds_each"] = runs["submit"]
             out["batch_seconds_each"] = [b["batch_seconds"] for b in runs["batch"]]
-            out.update({k: statistics.median(b[k] for b in runs["batch"]) for k in runs["batch"][0]})
+            out.update({k: round(statistics.median(b[k] for b in runs["batch"]), 3) for k in runs["batch"][0]})
             out["submit_job_seconds"] = statistics.median(runs["submit"])
             out["vs_submit_job"] = round(out["batch_seconds"] / out["submit_job_seconds"], 4)
             out["server_rss_mb_max"] = round(peak.peak, 1)
