@@ -51,7 +51,7 @@ def _bench(args) -> int:
         result = pack.run(trace=args.trace, mode=args.mode, scale=args.scale, seed=args.seed,
                           max_new_tokens=1 if args.max_new_tokens is None else args.max_new_tokens,
                           max_wait_seconds=args.max_wait,
-                          tolerance=args.padding_tolerance)
+                          tolerance=args.padding_tolerance, workload=args.workload)
     elif args.name == "e2e":
         from .bench import e2e
 
@@ -224,6 +224,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="workload size factor (default 1.0)")
     g = p.add_argument_group("pack")
     g.add_argument("--trace", default=None, help="Mooncake-format trace (JSONL) instead of the seeded generator")
+    g.add_argument("--workload", choices=("generator", "templates", "chains", "oneoffs", "mixed"), default="generator",
+                   help="pack: the seeded workload (default generator; the others: workloads/families.py, 8000 x scale items)")
     g.add_argument("--mode", choices=("offline", "streaming"), default="offline",
                    help="offline: the whole workload is the backlog; streaming: items arrive by timestamp")
     g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")

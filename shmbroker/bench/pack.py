@@ -40,6 +40,11 @@ seconds, never fewer than `lower_bound_strict_seconds`: the same with every
 decode step on the consumer of the most slots (decode_steps = ceil(D /
 max S), steps >= ceil((P + D) / T)).
 
+Under "padded", `lower_bound_padded_seconds` bounds any feeding of a padded engine and
+`modeled_vs_padded_bound` judges the policy against it (`pack_bound.py` gives its formula).
+With `--max-new-tokens 0` an item generates its own output length (a trace's `output_length`);
+a workload whose items stop early (`Workload.real_new`) is charged their real lengths.
+
 The decision latency is measured twice: with the whole workload as the
 backlog and with 1 % of it, so the JSON shows a 100x larger backlog beside.
 """
@@ -57,6 +62,7 @@ from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items
 from ..workloads.feeders import EngineAloneFeeder, FifoFeeder, PackerFeeder
 from ..workloads.packsim import SimConsumer, simulate
+from .pack_bound import lower_bound_padded_seconds
 
 CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
@@ -64,7 +70,11 @@ CONSUMERS = (
 )
 
 
-def workload_for(trace: str | None, scale: float, seed: int):
+def workload_for(trace: str | None, scale: float, seed: int, workload: str = "generator"):
+    if workload != "generator":
+        from ..workloads.families import generate_family
+
+        return generate_family(workload, max(200, int(8000 * scale)), seed)
     if trace:
         from ..workloads.trace import load
 
@@ -114,18 +124,22 @@ def per_item(ns: list[int], sizes: list[int]) -> float:
 
 
 def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, seed: int = 0,
-        max_new_tokens: int = 1, max_wait_seconds: float | None = None, tolerance: float | None = None) -> dict:
+        max_new_tokens: int = 1, max_wait_seconds: float | None = None, tolerance: float | None = None,
+        workload: str = "generator") -> dict:
     if mode not in ("offline", "streaming"):
         raise ValueError(f"mode must be offline or streaming, got {mode!r}")
     tol = DEFAULT_PADDING_TOLERANCE if tolerance is None else tolerance
-    wl = workload_for(trace, scale, seed)
+    wl = workload_for(trace, scale, seed, workload)
     if max_new_tokens > 0:
         wl.max_new_tokens = np.full(len(wl), max_new_tokens, np.int64)
     shapes = shape_items(wl.tokens, wl.offsets, wl.prefix_lens, wl.models, block_tokens=DEFAULT_BLOCK_TOKENS)
     cost = SimCost()
     total_blocks, distinct, distinct_tokens = distinct_blocks(shapes)
-    lb = lower_bound_seconds(distinct_tokens, wl.max_new_tokens, cost)
-    strict = lower_bound_strict_seconds(distinct_tokens, wl.max_new_tokens, cost)
+    lb = lower_bound_seconds(distinct_tokens, wl.outputs, cost)
+    strict = lower_bound_strict_seconds(distinct_tokens, wl.outputs, cost)
+    padded_lb = lower_bound_padded_seconds(distinct_tokens, wl.outputs, wl.lengths,
+                                           max(c.contract.max_batch_size for c in CONSUMERS),
+                                           max(c.contract.max_batch_tokens for c in CONSUMERS), cost)
     out: dict = {"workload": wl.name, "mode": mode, "items": len(wl), "input_tokens": int(wl.lengths.sum()),
                  "block_tokens": DEFAULT_BLOCK_TOKENS, "max_new_tokens": max_new_tokens or "workload",
                  "consumers": {c.name: {"max_batch_size": c.contract.max_batch_size,
@@ -138,6 +152,9 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
     gc.freeze()  # the workload's objects are permanent: keep the collector's pauses out of the timings
     try:
         _modes(out, wl, shapes, mode, cost, (lb, strict), hit_max, tol, max_wait_seconds)
+        padded = out[Mode.PADDED]
+        padded["lower_bound_padded_seconds"] = round(padded_lb, 3)
+        padded["modeled_vs_padded_bound"] = round(padded["modeled_seconds"] / padded_lb, 4)
     finally:
         gc.unfreeze()
     return out

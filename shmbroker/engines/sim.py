@@ -105,20 +105,19 @@ class SimEngine:
         self._lru_tokens = 0
         self._last_prefix: list = []  # padded: the previous batch's common prefix blocks
 
-    def run(self, shapes, rows, max_new_tokens) -> BatchCost:
+    def run(self, shapes, rows, max_new_tokens, real_new=None) -> BatchCost:
+        """One batch's cost. A row decodes until its real output length (`real_new`, at most its
+        max_new_tokens; None: that) and then costs nothing; the batch ends when its last row stops."""
         assert shapes.block_tokens == self.block_tokens, "items hashed with another block size"
         rows = [int(r) for r in rows]
         blocks = [shapes.sized_blocks(r) for r in rows]
         lengths = [int(shapes.lengths[r]) for r in rows]
         max_new = [max(1, int(m)) for m in max_new_tokens]
-        if self.mode == Mode.PADDED:
-            cost = self._padded(blocks, lengths)
-            steps = max(max_new) - 1
-            seq_steps = len(rows) * steps
-        else:
-            cost = self._packed(blocks, lengths)
-            steps = max(max_new) - 1
-            seq_steps = sum(m - 1 for m in max_new)
+        if real_new is not None:
+            max_new = [max(1, min(m, int(r))) for m, r in zip(max_new, real_new)]
+        cost = self._padded(blocks, lengths) if self.mode == Mode.PADDED else self._packed(blocks, lengths)
+        steps = max(max_new) - 1
+        seq_steps = sum(m - 1 for m in max_new)
         cost.seconds = self.cost.seconds(cost.computed_tokens, steps, seq_steps)
         return cost
 

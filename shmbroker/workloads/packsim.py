@@ -177,7 +177,7 @@ def simulate(feeder, consumers, mode: Mode, shapes, wl, *, arrivals=None, cost: 
     window = feeder.feeding == "window"
     if window and mode != Mode.PACKED:
         raise ValueError("only a packed engine is fed an in-flight window")
-    sim = _Simulation(feeder, consumers, mode, shapes, arrivals, cost or SimCost())
+    sim = _Simulation(feeder, consumers, mode, shapes, arrivals, cost or SimCost(), wl.outputs)
     while sim.done < sim.count:
         c = sim.next_consumer()
         now = sim.clocks[c]
@@ -191,8 +191,9 @@ class _Simulation:
     """One `simulate` run: each consumer's modeled clock, engine and tally, the items not yet done.
     The consumer whose clock is earliest acts next: it runs what the feeder gives it, or waits."""
 
-    def __init__(self, feeder, consumers, mode: Mode, shapes, arrivals, cost: SimCost):
+    def __init__(self, feeder, consumers, mode: Mode, shapes, arrivals, cost: SimCost, real: np.ndarray):
         n = len(consumers)
+        self.real = np.asarray(real, np.int64)  # each item's real output length: the engine stops it there
         self.feeder = feeder
         self.consumers = consumers
         self.mode = mode
@@ -248,7 +249,7 @@ class _Simulation:
                 if not len(batch):
                     continue
                 self.tallies[c].group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
-                run.pending.extend(zip(rows.tolist(), batch.max_new_tokens.tolist()))
+                run.pending.extend(zip(rows.tolist(), np.minimum(batch.max_new_tokens, self.real[rows]).tolist()))
             run.put(*run.pending.popleft())
         if engine.idle:
             return False
@@ -268,10 +269,10 @@ class _Simulation:
         if len(batch):
             run, tally = self.runners[c], self.tallies[c]
             if self.mode == Mode.PACKED:
-                seconds = run.run_batch(rows, batch.max_new_tokens)
+                seconds = run.run_batch(rows, np.minimum(batch.max_new_tokens, self.real[rows]))
                 tally.group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
             else:
-                cost = run.engine.run(self.shapes, rows, batch.max_new_tokens)
+                cost = run.engine.run(self.shapes, rows, batch.max_new_tokens, self.real[rows])
                 tally.add(cost, batch.shape.family, self.consumers[c].contract)
                 seconds = cost.seconds
             self.clocks[c] = now + seconds

@@ -29,6 +29,14 @@ class Workload:
     prefix_lens: np.ndarray  # int64, 0 = not declared
     models: np.ndarray  # int64
     name: str = "workload"
+    # each item's real output length (it stops there, at most its max_new_tokens: an EOS), when the
+    # workload says; None: every item generates its max_new_tokens. A feeder never reads it.
+    real_new: np.ndarray | None = None
+
+    @property
+    def outputs(self) -> np.ndarray:
+        """The tokens each item really generates (`real_new`, else max_new_tokens)."""
+        return self.max_new_tokens if self.real_new is None else np.minimum(self.real_new, self.max_new_tokens)
 
     def __len__(self) -> int:
         return int(self.offsets.size - 1)
@@ -43,7 +51,8 @@ class Workload:
     def head(self, n: int) -> "Workload":
         n = min(n, len(self))
         return Workload(self.tokens[: self.offsets[n]], self.offsets[: n + 1], self.arrivals[:n],
-                        self.max_new_tokens[:n], self.prefix_lens[:n], self.models[:n], f"{self.name}[:{n}]")
+                        self.max_new_tokens[:n], self.prefix_lens[:n], self.models[:n], f"{self.name}[:{n}]",
+                        None if self.real_new is None else self.real_new[:n])
 
 
 def generate(num_items: int = 20_000, *, seed: int = 0, num_families: int = 200, zipf_s: float = 1.1,

@@ -216,3 +216,20 @@ def test_trace_run_invariants():
     assert result["items"] == int(12_031 * 0.05)
     assert result["workload"] == f"trace({TRACE.name})"
     check_invariants(result, streaming=False)
+
+
+def test_the_padded_bound_is_below_every_padded_feeding(generating):
+    padded = generating["padded"]
+    bound = padded["lower_bound_padded_seconds"]
+    assert 0 < bound <= padded["modeled_seconds"] and bound <= padded["fifo"]["modeled_seconds"]
+    assert bound <= padded["engine_alone"]["modeled_seconds"]
+    assert padded["modeled_vs_padded_bound"] == pytest.approx(padded["modeled_seconds"] / bound, abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["templates", "chains", "oneoffs", "mixed"])
+def test_workload_families_run_and_stay_above_the_padded_bound(family):
+    out = pack.run(workload=family, scale=0.05, max_new_tokens=0)
+    assert out["workload"].startswith(f"{family}(") and out["items"] == 400
+    padded = out["padded"]
+    for figures in (padded, padded["fifo"], padded["engine_alone"]):
+        assert figures["modeled_seconds"] >= padded["lower_bound_padded_seconds"]

@@ -236,11 +236,19 @@ def test_seconds_formula():
     assert SimCost().seconds(0, 0, 0) == pytest.approx(SimCost().batch_overhead_seconds)
 
 
-def test_padded_seconds_decode_every_sequence_for_the_longest_output():
+def test_padded_seconds_step_for_the_longest_output_and_rows_stop_at_their_own():
     cost = engine("padded").run(three_items(), [0, 1, 2], [1, 3, 5])
     assert cost.computed_tokens == 26
-    steps = 5 - 1
-    assert cost.seconds == pytest.approx(1.0 + 0.01 * 26 + 0.5 * steps + 0.1 * 3 * steps)
+    steps = 5 - 1  # the rectangle steps until its longest row stops; a row stops costing at its own end
+    assert cost.seconds == pytest.approx(1.0 + 0.01 * 26 + 0.5 * steps + 0.1 * (0 + 2 + 4))
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_rows_stop_at_their_real_output(mode):
+    """An item that stops early (an EOS: `real_new` below its max_new_tokens) is charged its real
+    length, and a batch whose rows all stopped ends: steps for the longest real output."""
+    capped = engine(mode).run(three_items(), [0, 1, 2], [9, 9, 9], [1, 3, 5])
+    assert capped.seconds == pytest.approx(engine(mode).run(three_items(), [0, 1, 2], [1, 3, 5]).seconds)
 
 
 def test_packed_seconds_retire_each_sequence_at_its_own_output():
@@ -259,7 +267,7 @@ def test_no_decode_when_max_new_tokens_is_at_most_one(mode):
 def test_default_cost_matches_its_formula(mode):
     cost = SimEngine(mode, cache_tokens=BIG_CACHE, block_tokens=B).run(three_items(), [0, 1, 2], [2, 2, 9])
     default = SimCost()
-    seq_steps = 3 * 8 if mode == "padded" else 1 + 1 + 8
+    seq_steps = 1 + 1 + 8  # each row decodes until its own end, in either mode
     assert cost.seconds == pytest.approx(default.seconds(cost.computed_tokens, 8, seq_steps))
 
 

@@ -293,3 +293,17 @@ def test_generator_head_is_a_prefix_of_the_workload():
 def test_generator_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         generate(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["templates", "chains", "oneoffs", "mixed"])
+def test_workload_families_are_seeded_and_stop_within_their_caps(name):
+    from shmbroker.workloads.families import generate_family
+
+    a, b = generate_family(name, 300, seed=3), generate_family(name, 300, seed=3)
+    assert len(a) == 300 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.real_new, b.real_new)
+    assert np.all(a.real_new >= 1) and np.all(a.outputs <= a.max_new_tokens)
+    assert np.all(a.lengths > 0) and np.all(np.diff(a.arrivals) >= 0)
+    assert a.real_new.min() < a.max_new_tokens.max()  # some stop early
+    assert np.array_equal(a.head(10).real_new, a.real_new[:10])
+    with pytest.raises(ValueError):
+        generate_family("nope", 10)
