@@ -76,6 +76,16 @@ class BenchBroker:
                                    + Path(self.log_path).read_text(errors="replace")[-3000:])
             time.sleep(0.1)
 
+    def role_pids(self, info: dict) -> dict[str, int]:
+        """Each role's pid, from the control segment the registry's `info` names."""
+        from ..control.segment import Control
+
+        ctl = Control.attach(info["control"], info["roles"])
+        try:
+            return {role: int(ctl.role(r)[0]) for r, role in enumerate(info["roles"])}
+        finally:
+            ctl.close()
+
     def stop(self) -> int:
         """SIGTERM, wait (SIGKILL after 60 s); the exit status."""
         self.proc.send_signal(signal.SIGTERM)

@@ -72,17 +72,10 @@ class Broker:
             time.sleep(0.05)
 
     def role_pids(self) -> dict[str, int]:
-        from ..control.segment import Control
-
         try:
-            info = self.b.wait_ready()
-            ctl = Control.attach(info["control"], info["roles"])
+            return self.b.role_pids(self.b.wait_ready())
         except (OSError, RuntimeError, ValueError):  # a broker between two lives
             return {}
-        try:
-            return {role: int(ctl.role(r)[0]) for r, role in enumerate(info["roles"])}
-        finally:
-            ctl.close()
 
     def kill_supervisor(self) -> None:
         self.b.proc.kill()

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .broker import BenchBroker
+from .chaos_score import rss_bytes
 from .jobs_chat import SYSTEM_WORDS, VOCAB, make_tokenizer
 
 KEY = "bench-http-key"
@@ -55,11 +56,7 @@ def make_file(path: Path, lines: int, line_bytes: int, seed: int) -> int:
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return rss_bytes(pid) / (1 << 20)
 
 
 class RssPeak:
@@ -82,16 +79,6 @@ class RssPeak:
             self.peak = max(self.peak, rss_mb(self.pid))
 
 
-def http_pid(info: dict) -> int:
-    from ..control.segment import Control
-
-    ctl = Control.attach(info["control"], info["roles"])
-    try:
-        return int(ctl.role(info["roles"].index("http"))[0])
-    finally:
-        ctl.close()
-
-
 def run(*, lines: int = 50_000, line_bytes: int = 2_000, repeats: int = 4, seed: int = 0, say=lambda line: None) -> dict:
     from openai import OpenAI
 
@@ -108,7 +95,7 @@ def run(*, lines: int = 50_000, line_bytes: int = 2_000, repeats: int = 4, seed:
             info = broker.wait_ready()
             addr = json.loads((Path(broker.data_dir) / "broker.json").read_text())["http_addr"]
             client = OpenAI(base_url=f"http://{addr}/v1", api_key=KEY, max_retries=0, timeout=600)
-            peak = RssPeak(http_pid(info))
+            peak = RssPeak(broker.role_pids(info)["http"])
             idle = rss_mb(peak.pid)
             out = {"lines": lines, "file_bytes": size, "repeats": repeats, "server_rss_mb_idle": round(idle, 1)}
             runs: dict[str, list] = {"submit": [], "batch": []}

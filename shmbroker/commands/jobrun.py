@@ -272,7 +272,7 @@ class JobSink(ResultSink):
     def __init__(self, out, errors, producer, fmt: str, tokenizer, written: set[str]):
         super().__init__(out, producer, written, errors)
         self.fmt, self.tokenizer = fmt, tokenizer
-        self.cancel = ("batch_cancelled", "the job was cancelled")  # code and message of a cancelled result
+        self.cancel = store.CANCEL_REASONS["cancelled"]  # code and message of a cancelled result
 
     def result(self, r, entry: dict | None) -> bool:
         """Write one result (False: its key is in the output already, or no entry names it)."""

@@ -11,7 +11,6 @@ import logging
 import signal
 import sys
 
-from ..ring.items import DEFAULT_MODEL
 from .common import print_error
 from .jobrun import broker_description
 
@@ -20,7 +19,7 @@ def serve_http(args) -> int:
     from ..config import settings
     from ..config.settings import parse_addr
     from ..httpapi.server import open_api, run
-    from ..observe.exporter import ExporterAddressError, bind
+    from ..observe.exporter import ExporterAddressError, addr_text, bind
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shmbroker-http %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -40,10 +39,9 @@ def serve_http(args) -> int:
     except ExporterAddressError as exc:
         print_error(str(exc))
         return 2
-    models = desc.get("models") or sorted({c.model_name or DEFAULT_MODEL for c in cfg.consumers})
-    host, port = sock.getsockname()[:2]
-    print(f"serving the OpenAI Files and Batches API on http://{host}:{port}/v1 for {cfg.data_dir}", file=sys.stderr,
-          flush=True)
+    models = desc.get("models") or cfg.served_models()
+    print(f"serving the OpenAI Files and Batches API on http://{addr_text(sock)}/v1 for {cfg.data_dir}",
+          file=sys.stderr, flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     run(open_api(cfg.http, cfg.data_dir, models), sock, lambda: stop["now"])

@@ -27,7 +27,7 @@ from ..pack.contract import Contract
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
 from ..protocol import DATA_DIR_ENV, DEFAULT_DATA_DIR
-from ..ring.items import model_id
+from ..ring.items import DEFAULT_MODEL, model_id
 from .validator import Address, Choice, Integer, Number, Pattern, Text
 
 INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -150,6 +150,10 @@ class BrokerConfig:
                            help="each served model's tokenizer directory (its `tokenizer.json` and chat template), "
                                 "keyed by model name (`default`: the default model): `submit` and `results` render "
                                 "chat and text lines with it where `--tokenizer` is not given")
+
+    def served_models(self) -> list[str]:
+        """The models the consumers serve, by name, in their order (DEFAULT_MODEL for those declaring none)."""
+        return list(dict.fromkeys(c.model_name or DEFAULT_MODEL for c in self.consumers))
 
 
 @dataclass(frozen=True)

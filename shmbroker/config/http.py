@@ -9,8 +9,9 @@ moment they are read (`HttpConfig.key_hashes`), and `shmbroker config` shows nei
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .broker import key, toml_keys
@@ -46,10 +47,11 @@ class HttpConfig:
     key_hashes: tuple = key((), key="keys", table="[http.keys]", flat=True, default_text="none (no request is let in)",
                             help="tenant name = its bearer key, or `\"sha256:<hex>\"` of it; each tenant sees only "
                                  "its own files and batches")
-    tenants: dict = field(default_factory=dict)  # key hash -> tenant name (not a key; built from `keys`)
 
     def tenant_of(self, secret: str) -> str | None:
-        return self.tenants.get(key_hash(secret))
+        """The tenant whose key this is (compared as hashes, in constant time), or None."""
+        h = key_hash(secret)
+        return next((name for name, known in self.key_hashes if hmac.compare_digest(h, known)), None)
 
 
 def parse_http(v: Validator, raw) -> HttpConfig:
@@ -64,7 +66,6 @@ def parse_http(v: Validator, raw) -> HttpConfig:
             values[f.name] = f.metadata["check"].read(v, raw, name, "http")
     hashes = keys(v, raw.get("keys", {}))
     values["key_hashes"] = tuple(sorted(hashes.items()))
-    values["tenants"] = {h: name for name, h in hashes.items()}
     return HttpConfig(**values)
 
 

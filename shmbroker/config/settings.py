@@ -78,7 +78,6 @@ def as_dict(cfg: BrokerConfig) -> dict:
             nats[key] = "***"
     if out.get("http"):  # the tenants, not their keys' hashes
         out["http"]["keys"] = {name: "***" for name, _ in out["http"].pop("key_hashes")}
-        out["http"].pop("tenants")
     return out
 
 

@@ -7,6 +7,7 @@ missing or unknown key is a 401 with the API's error body. Every answer that is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -50,11 +51,7 @@ class Api:
 
     def batch_view(self, rec: BatchRecord) -> dict:
         view = None if rec.phase == "ended" else self.batches.job_view(rec)
-        try:
-            total = self.files.get(rec.owner, rec.input_file_id).get("lines", 0)
-        except ApiError:
-            total = 0
-        return batch_object(rec, view, total)
+        return batch_object(rec, view, self.files.lines(rec.owner, rec.input_file_id))
 
 
 async def json_body(request) -> dict:
@@ -84,10 +81,8 @@ async def create_file(api: Api, request) -> dict:
             raise ApiError(400, "the file is empty", param="file")
         if cfg.tenant_max_bytes and api.files.usage(owner)[1] + parts.size > cfg.tenant_max_bytes:
             raise ApiError(413, f"this tenant's files would be over {cfg.tenant_max_bytes} bytes", param="file")
-        import asyncio
-
         meta = await asyncio.to_thread(api.files.commit, fd, tmp, owner, parts.filename, purpose, parts.size,
-                                       parts.total_lines(), parts.requests.summary())
+                                       parts.requests.number, parts.requests.summary())
         fd = -1
         return file_object(meta)
     finally:

@@ -88,6 +88,12 @@ class FileStore:
             raise not_found("File", file_id)
         return meta
 
+    def lines(self, owner: str, file_id: str) -> int:
+        """A tenant's file's lines (0 when it is gone): a batch's total before its job counts them."""
+        with self._lock:
+            meta = self._meta.get(file_id)
+        return meta.get("lines", 0) if meta is not None and meta["owner"] == owner else 0
+
     def owned(self, owner: str) -> list[dict]:
         """A tenant's files, newest first."""
         with self._lock:

@@ -13,9 +13,6 @@ import secrets
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 ID_RE = re.compile(r"(file-|batch_)[0-9a-f]{24}")
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
 LIST_LIMIT_MAX = 100  # a page of batches (files: FILES_LIMIT_MAX)
 FILES_LIMIT_MAX = 10_000
 
@@ -28,7 +25,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+        kind = "rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
 

@@ -185,8 +185,7 @@ class Runner:
             got = self.files.register_output(rec.owner, file_id, f"{rec.id}_{kind}.jsonl")
             if got is not None:
                 rec.described[kind] = got
-        total = self.files.get(rec.owner, rec.input_file_id).get("lines", 0) if view is None else view["total"]
-        rec.counts = request_counts(view, total)
+        rec.counts = request_counts(view, self.files.lines(rec.owner, rec.input_file_id))
         rec.final, rec.phase = final, "ended"
         setattr(rec, {"completed": "completed_at", "failed": "failed_at", "cancelled": "cancelled_at",
                       "expired": "expired_at"}[final], t)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..ring.items import DEFAULT_MODEL
 from .app import (Api, cancel_batch, create_batch, create_file, delete_file, list_batches, list_files, list_models)
 from .batches import BatchStore
 from .files import FileStore
@@ -115,5 +114,4 @@ def http_main(cfg, sock, slot, stopping) -> None:
     """The `http` role: the API on the supervisor's bound socket."""
     from ..control.segment import beat
 
-    models = sorted({c.model_name or DEFAULT_MODEL for c in cfg.consumers})
-    run(open_api(cfg.http, cfg.data_dir, models), sock, stopping, lambda: beat(slot))
+    run(open_api(cfg.http, cfg.data_dir, cfg.served_models()), sock, stopping, lambda: beat(slot))

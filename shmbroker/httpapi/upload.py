@@ -23,8 +23,8 @@ DUPLICATES_KEPT = 100
 
 
 class Lines:
-    """What a batch needs to know of its file, read as it passes: each line's `url` (the first line
-    naming each) and the custom_ids given twice. A batch is then checked against this summary at
+    """What a batch needs to know of its file, read as it passes: its lines (`number`), each line's
+    `url` (the first line naming each) and the custom_ids given twice. A batch is then checked against this summary at
     once (`runner.validate`), not by reading the file again."""
 
     def __init__(self):
@@ -54,9 +54,12 @@ class Lines:
             start = end + 1
 
     def finish(self) -> None:
-        if self._carry and not self._skipping:
+        """The last line, when the file does not end in a newline."""
+        if self._skipping:
+            self.number += 1
+        elif self._carry:
             self._line(bytes(self._carry))
-        self._carry = bytearray()
+        self._carry, self._skipping = bytearray(), False
 
     def _line(self, line: bytes) -> None:
         self.number += 1
@@ -87,8 +90,7 @@ class Parts:
         self.fd, self.max_bytes, self.max_lines = fd, max_bytes, max_lines
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
-        self.size = self.lines = 0
-        self.last = b"\n"
+        self.size = 0
         self._header = b""
         self._headers: dict[bytes, bytes] = {}
         self._name: str | None = None
@@ -132,24 +134,18 @@ class Parts:
                 raise ApiError(400, f"form field {self._name!r} is over {FIELD_BYTES_MAX} bytes", param=self._name)
             return
         self.size += len(chunk)
-        self.lines += chunk.count(b"\n")
-        if chunk:
-            self.last = chunk[-1:]
         if self.size > self.max_bytes:
             raise ApiError(413, f"the file is over {self.max_bytes} bytes", param="file")
-        if self.lines > self.max_lines:
+        self.requests.feed(chunk)  # counts the lines too
+        if self.requests.number > self.max_lines:
             raise ApiError(413, f"the file has over {self.max_lines} lines", param="file")
         view = memoryview(chunk)
         while view:
             view = view[os.write(self.fd, view):]
-        self.requests.feed(chunk)
 
     def _end(self):
         if not self._is_file and self._name:
             self.fields[self._name] = self._value.decode("utf-8", "replace")
-
-    def total_lines(self) -> int:
-        return self.lines + (self.last != b"\n")
 
 
 async def receive_file(request, fd: int, max_bytes: int, max_lines: int, idle_seconds: float) -> Parts:

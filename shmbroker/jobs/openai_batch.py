@@ -51,6 +51,7 @@ from ..request.chat import ChatError
 from ..ring.items import DEFAULT_MODEL
 from ..request.options import OPTION_NAMES, parse_options, refused_fields
 from .prompts import U32_MAX, Prompt, token_ids
+from .store import CANCEL_REASONS
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -180,7 +181,7 @@ def checked_tokens(tokens: np.ndarray, endpoint: str) -> np.ndarray:
 
 
 def output_row(r, cid, entry: dict, texts: list | None, token_text=None,
-               cancel: tuple[str, str] = ("batch_cancelled", "the job was cancelled")) -> tuple[dict, bool]:
+               cancel: tuple[str, str] = CANCEL_REASONS["cancelled"]) -> tuple[dict, bool]:
     """(row, is_error) of one result `r` (`client.Result`): an output line, or for a failed item an
     error line. `texts`: each sample's decoded text (None without a tokenizer); `token_text(id)`: one
     token's text, for logprobs (None: "token_id:<id>", as vLLM writes ids)."""
@@ -191,7 +192,7 @@ def output_row(r, cid, entry: dict, texts: list | None, token_text=None,
         return {**ids, "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, False
     if status == "cancelled":
         return {**ids, "response": None, "error": {
-            "code": cancel[0], "message": r.error if r.error and cancel[0] == "batch_cancelled" else cancel[1]}}, True
+            "code": cancel[0], "message": r.error if r.error and cancel == CANCEL_REASONS["cancelled"] else cancel[1]}}, True
     code = HTTP_STATUS.get(status, 500)
     body = {"error": {"message": r.error or status, "type": "invalid_request_error" if code == 400 else "server_error",
                       "param": None, "code": status}}

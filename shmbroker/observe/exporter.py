@@ -226,6 +226,12 @@ def bind(addr: tuple[str, int], key: str = "metrics_addr", backlog: int = 16) ->
     return sock
 
 
+def addr_text(sock: socket.socket) -> str:
+    """A bound socket's address as `host:port` (`[host]:port` for IPv6): what broker.json shows."""
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _Server(HTTPServer):
     def __init__(self, sock: socket.socket, handler):
         super().__init__(sock.getsockname()[:2], handler, bind_and_activate=False)

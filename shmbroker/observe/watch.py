@@ -60,10 +60,7 @@ class NoBroker(BrokerError):
 # -- the description file (written by the supervisor) ----------------------------------------------
 
 def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], modes: list[Mode],
-             metrics_addr: str | None) -> dict:
-    models: dict[int, str] = {}
-    for c in cfg.consumers:
-        models.setdefault(c.contract.model, c.model_name or DEFAULT_MODEL)
+             metrics_addr: str | None, http_addr: str | None = None) -> dict:
     return {
         "pid": os.getpid(),
         "pid_start": start_ticks(os.getpid()),
@@ -71,13 +68,14 @@ def describe(cfg, control: Control, roles: list[str], rings: dict[str, str], mod
         "data_dir": os.path.abspath(cfg.data_dir),
         "control": control.segment.name,
         "roles": list(roles),
-        "models": list(models.values()),
-        "consumers": [{"name": c.name, "model": models[c.contract.model], "engine": c.engine, "mode": mode,
+        "models": cfg.served_models(),
+        "consumers": [{"name": c.name, "model": c.model_name or DEFAULT_MODEL, "engine": c.engine, "mode": mode,
                        "max_batch_size": c.contract.max_batch_size,
                        "max_batch_tokens": c.contract.max_batch_tokens,
                        "max_input_len": c.contract.max_input_len} for c, mode in zip(cfg.consumers, modes)],
         "rings": rings,
         "metrics_addr": metrics_addr,
+        "http_addr": http_addr,
         "tokenizers": dict(cfg.tokenizers),
         "cluster": None if cfg.cluster is None else {
             "node": cfg.cluster.node.node, "servers": list(cfg.cluster.nats.servers),

@@ -108,22 +108,18 @@ class Supervisor:
         from ..spill.store import Backlog
         from . import warmup
 
+        from ..config.settings import parse_addr
+        from ..observe.exporter import addr_text, bind
+
         cfg = self.cfg
-        if cfg.metrics_addr:  # first: a taken address fails the start before any recovery work
-            from ..config.settings import parse_addr
-            from ..observe.exporter import bind
-
+        # first, the listening addresses: a taken one fails the start before any recovery work
+        if cfg.metrics_addr:
             self.metrics_sock = bind(parse_addr(cfg.metrics_addr))
-            host, port = self.metrics_sock.getsockname()[:2]
-            self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self.metrics_addr = addr_text(self.metrics_sock)
             log.info("metrics exporter on http://%s/metrics", self.metrics_addr)
-        if cfg.http is not None:  # the API's address too: taken, the start fails here
-            from ..config.settings import parse_addr
-            from ..observe.exporter import bind
-
+        if cfg.http is not None:
             self.http_sock = bind(parse_addr(cfg.http.addr), "http.addr", 1024)
-            host, port = self.http_sock.getsockname()[:2]
-            self.http_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self.http_addr = addr_text(self.http_sock)
             log.info("OpenAI Files and Batches API on http://%s/v1", self.http_addr)
         backlog, report = Backlog.open(cfg.data_dir, segment_bytes=cfg.segment_bytes)
         try:
@@ -154,10 +150,10 @@ class Supervisor:
                                  ingest_bells=w.ingest_bells,
                                  info={"control": self.control.segment.name, "pid": os.getpid(),
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
-        self.desc = w.desc = describe(cfg, self.control, self.roles, w.ring_names(), self.modes, self.metrics_addr)
+        self.desc = w.desc = describe(cfg, self.control, self.roles, w.ring_names(), self.modes, self.metrics_addr,
+                                      self.http_addr)
         w.metrics_sock = self.metrics_sock
         w.http_sock = self.http_sock
-        self.desc["http_addr"] = self.http_addr
         self.supervision = Supervision(self.control, self.roles, Limits.of(cfg),
                                        {name: w.sides(role) for name, role in self.role_of.items()})
         for role in self.roles:

@@ -193,7 +193,8 @@ class _Simulation:
 
     def __init__(self, feeder, consumers, mode: Mode, shapes, arrivals, cost: SimCost, real: np.ndarray):
         n = len(consumers)
-        self.real = np.asarray(real, np.int64)  # each item's real output length: the engine stops it there
+        # each item's real output length (`Workload.outputs`: at most its max_new_tokens): the engine stops it there
+        self.real = np.asarray(real, np.int64)
         self.feeder = feeder
         self.consumers = consumers
         self.mode = mode
@@ -249,7 +250,7 @@ class _Simulation:
                 if not len(batch):
                     continue
                 self.tallies[c].group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
-                run.pending.extend(zip(rows.tolist(), np.minimum(batch.max_new_tokens, self.real[rows]).tolist()))
+                run.pending.extend(zip(rows.tolist(), self.real[rows].tolist()))
             run.put(*run.pending.popleft())
         if engine.idle:
             return False
@@ -269,7 +270,7 @@ class _Simulation:
         if len(batch):
             run, tally = self.runners[c], self.tallies[c]
             if self.mode == Mode.PACKED:
-                seconds = run.run_batch(rows, np.minimum(batch.max_new_tokens, self.real[rows]))
+                seconds = run.run_batch(rows, self.real[rows])
                 tally.group(batch.shape.family, len(batch), int(self.shapes.lengths[rows].sum()))
             else:
                 cost = run.engine.run(self.shapes, rows, batch.max_new_tokens, self.real[rows])

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 from support.brokerproc import BrokerProc
-from support.harness import sweep_shm
+from support.harness import sweep_shm, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 KEY = "fault-key-0123"
@@ -49,13 +48,6 @@ def completed_lines(broker, batch_id: str) -> int:
         return store.view(broker.data_dir, batch_id)["results"]
     except store.JobError:
         return 0
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_a_batch_survives_sigkill_of_the_http_role_and_of_the_broker(tmp_path):

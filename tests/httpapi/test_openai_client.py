@@ -19,6 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from support.brokerproc import serve
 from support.chattok import tokenizer_dir
+from support.harness import wait_for
 
 from shmbroker.httpapi.files import UPLOAD_PREFIX
 
@@ -77,13 +78,9 @@ def client(broker, key: str = ALICE) -> OpenAI:
 
 
 def wait(c: OpenAI, batch_id: str, until=("completed", "failed", "cancelled", "expired"), timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        b = c.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        assert time.monotonic() < deadline, f"batch {batch_id} is still {b.status}"
-        time.sleep(0.2)
+    """The batch once its status is one of `until`."""
+    return wait_for(lambda: next((b for b in [c.batches.retrieve(batch_id)] if b.status in until), None), timeout,
+                    f"batch {batch_id} reaching {until}")
 
 
 def lines_of(c: OpenAI, file_id: str | None) -> list[dict]:

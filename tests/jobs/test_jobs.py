@@ -9,11 +9,11 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from support.brokerproc import serve
+from support.harness import wait_for
 
 from shmbroker.cli import main
 from shmbroker.jobs import store
@@ -69,16 +69,6 @@ def cli(*argv) -> int:
 def shmbroker(*argv, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "shmbroker.cli", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
-
-
-def wait_for(check, timeout_seconds: float, what: str):
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout_seconds} s")
 
 
 # -- the OpenAI Batch format --------------------------------------------------------------------

@@ -5,6 +5,7 @@
     BrokerSide(data_dir)           # Owner + Registry + the ingest RingSet, in this process
     ingest_side(data_dir)          # the same with a Backlog and its writer: what ingest-0 holds
     Workload(seed, name)           # seeded prompts of 1..3000 tokens, many sharing a prefix
+    wait_for(check, seconds, what) # check()'s first truthy value, polled; AssertionError naming `what`
 
 The fixtures built on them are in conftest.py (`owner`, `make_broker`, `broker`); a broker in its own
 processes is brokerproc.py's.
@@ -30,6 +31,16 @@ from shmbroker.spill.store import Backlog
 
 DEV_SHM = Path("/dev/shm")
 DRAIN_SECONDS = 20.0  # bound on every wait for records that must arrive
+
+
+def wait_for(check, timeout_seconds: float, what: str):
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout_seconds} s")
 
 
 def shm_leftovers(instance: str) -> list[Path]:
