@@ -6,8 +6,8 @@ its prompt tokens, max_new_tokens and model; an OpenAI line's also its "endpoint
 prompt's last ids its output text is decoded after, `jobs/text.py`) is appended to the id sidecar and flushed, so a
 SIGKILL at any point leaves every pushed item named there. `--resume` then counts a line as
 submitted when its item was pushed: an item id of this broker lifetime below the producer's next
-sequence number, one the job's tally counted a result for, or one the backlog on disk still holds
-(an earlier lifetime's); every other line is submitted again. The output is keyed by custom_id
+sequence number, one the backlog on disk still holds (an earlier lifetime's), or one the job's
+tally counted a result for (read after the backlog: `attach`); every other line is submitted again. The output is keyed by custom_id
 (a native line's `id`, else its line number): a run on the same --out (and error file) skips the
 keys they hold, so each custom_id is in the output once.
 """
@@ -177,18 +177,22 @@ class JobRun:
         current, next_seq = producer.producer_id, producer.next_item_id & SEQ_MASK
         from ..jobs.tally import JobTally
 
-        tally = JobTally(self.data_dir, self.name)
         ids = np.fromiter(self.entries, np.uint64, len(self.entries))
         pids, seqs = (ids >> np.uint64(SEQ_BITS)).astype(np.int64), (ids & np.uint64(SEQ_MASK)).astype(np.int64)
         pushed = (pids == current) & (seqs < next_seq)
+        # The backlog is read before the tally. The results process saves its counts before its
+        # acks, so an item the backlog no longer holds when read was counted on disk before the
+        # tally is read; read the other way round, a checkpoint between the two reads loses it
+        # from both, and it would run twice.
+        earlier = pids != current
+        if earlier.any():
+            pushed |= np.isin(ids, self._backlog_ids()) & earlier
+        tally = JobTally(self.data_dir, self.name)
         counted = np.zeros(ids.size, bool)
         for p in np.unique(pids).tolist():
             if p in tally.seen:
                 mine = pids == p
                 counted[mine] = tally.seen[p].contains(seqs[mine])
-        unknown = ~pushed & ~counted & (pids != current)
-        if unknown.any():
-            pushed |= np.isin(ids, self._backlog_ids()) & unknown
         submitted = pushed | counted
         self.done_lines = {int(self.entries[int(i)]["line"]) for i in ids[submitted].tolist()}
         self.meta.submitted = len(self.done_lines)

@@ -227,3 +227,32 @@ def test_a_job_submitted_with_no_broker_is_failed_and_says_why(tmp_path, capsys)
     assert "no broker is running" in v["error"]
     assert main(["job", "nothing", "--data-dir", str(tmp_path / "data")]) == 1
     assert "no job 'nothing'" in capsys.readouterr().err
+
+
+def test_resume_counts_an_item_acked_while_it_reads(tmp_path, monkeypatch):
+    """A results-process checkpoint (counts saved, then acks) that lands while a resumed submitter
+    reads what its job has: an item done in between is found in one of the two, never in neither."""
+    from types import SimpleNamespace
+
+    from shmbroker.commands.common import IDS_DIR
+    from shmbroker.commands.jobrun import JobRun
+
+    store.write_meta(tmp_path, meta(name="j", submitted=3))
+    old = (np.uint64(4) << np.uint64(SEQ_BITS)) | np.arange(3, dtype=np.uint64)  # the last lifetime's producer
+    (tmp_path / IDS_DIR).mkdir()
+    (tmp_path / IDS_DIR / "j.jsonl").write_text(
+        "".join(json.dumps({"item_id": int(i), "id": f"c{k}", "line": k + 1, "n": 4}) + "\n" for k, i in enumerate(old)))
+
+    def checkpoint_then_backlog():
+        # item 0 was counted before; item 1 completes now: counted on disk, then acked (gone from the
+        # backlog); item 2 is still pending
+        tallies = JobTallies(tmp_path, {4: "j"}.get)
+        data, pos = result_headers([3, 3])
+        tallies.count(4, None, old[:2], np.array([Status.OK, Status.OK], np.uint32), data, pos)
+        tallies.save()
+        return old[2:]
+
+    monkeypatch.setattr(JobRun, "_backlog_ids", lambda self: checkpoint_then_backlog())
+    run = JobRun(str(tmp_path), store.read_meta(tmp_path, "j"), True)
+    run.attach(SimpleNamespace(producer_id=9, next_item_id=9 << SEQ_BITS))  # this lifetime's producer
+    assert run.done_lines == {1, 2, 3}  # every line was submitted: none goes again
