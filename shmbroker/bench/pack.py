@@ -40,8 +40,10 @@ seconds, never fewer than `lower_bound_strict_seconds`: the same with every
 decode step on the consumer of the most slots (decode_steps = ceil(D /
 max S), steps >= ceil((P + D) / T)).
 
-Under "padded", `lower_bound_padded_seconds` bounds any feeding of a padded engine and
-`modeled_vs_padded_bound` judges the policy against it (`pack_bound.py` gives its formula).
+Under "padded", `lower_bound_padded_seconds` bounds a feeding of a padded engine that knows each
+item's max_new_tokens (as a policy does) and `modeled_vs_padded_bound` judges the policy against
+it; `oracle_bound_padded_seconds` (`modeled_vs_oracle_bound`) bounds even one that knew where every
+output stops (`pack_bound.py` gives both formulas).
 With `--max-new-tokens 0` an item generates its own output length (a trace's `output_length`);
 a workload whose items stop early (`Workload.real_new`) is charged their real lengths.
 
@@ -56,13 +58,13 @@ import math
 
 import numpy as np
 
-from ..engines.sim import SimCost
+from ..engines.cost import SimCost
 from ..pack.contract import Contract, Mode
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, distinct_blocks, shape_items
 from ..workloads.feeders import EngineAloneFeeder, FifoFeeder, PackerFeeder
 from ..workloads.packsim import SimConsumer, simulate
-from .pack_bound import lower_bound_padded_seconds
+from .pack_bound import lower_bound_padded_seconds, oracle_bound_padded_seconds
 
 CONSUMERS = (
     SimConsumer("big", Contract(256, 131072, 131072), cache_tokens=2 << 20),
@@ -137,9 +139,10 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
     total_blocks, distinct, distinct_tokens = distinct_blocks(shapes)
     lb = lower_bound_seconds(distinct_tokens, wl.outputs, cost)
     strict = lower_bound_strict_seconds(distinct_tokens, wl.outputs, cost)
-    padded_lb = lower_bound_padded_seconds(distinct_tokens, wl.outputs, wl.lengths,
-                                           max(c.contract.max_batch_size for c in CONSUMERS),
-                                           max(c.contract.max_batch_tokens for c in CONSUMERS), cost)
+    s_max = max(c.contract.max_batch_size for c in CONSUMERS)
+    t_max = max(c.contract.max_batch_tokens for c in CONSUMERS)
+    padded_lb = lower_bound_padded_seconds(distinct_tokens, wl.max_new_tokens, wl.outputs, wl.lengths, s_max, t_max, cost)
+    oracle_lb = oracle_bound_padded_seconds(distinct_tokens, wl.outputs, wl.lengths, s_max, t_max, cost)
     out: dict = {"workload": wl.name, "mode": mode, "items": len(wl), "input_tokens": int(wl.lengths.sum()),
                  "block_tokens": DEFAULT_BLOCK_TOKENS, "max_new_tokens": max_new_tokens or "workload",
                  "consumers": {c.name: {"max_batch_size": c.contract.max_batch_size,
@@ -155,6 +158,8 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
         padded = out[Mode.PADDED]
         padded["lower_bound_padded_seconds"] = round(padded_lb, 3)
         padded["modeled_vs_padded_bound"] = round(padded["modeled_seconds"] / padded_lb, 4)
+        padded["oracle_bound_padded_seconds"] = round(oracle_lb, 3)
+        padded["modeled_vs_oracle_bound"] = round(padded["modeled_seconds"] / oracle_lb, 4)
     finally:
         gc.unfreeze()
     return out
@@ -163,7 +168,7 @@ def run(trace: str | None = None, mode: str = "offline", scale: float = 1.0, see
 def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) -> None:
     lb, strict = bounds
     for engine_mode in Mode:
-        offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol)
+        offline_packer = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, tolerance=tol, step_tokens=cost.step_tokens)
         res = simulate(offline_packer, CONSUMERS, engine_mode, shapes, wl, cost=cost)
         arrivals = None
         if mode == "streaming":
@@ -172,7 +177,8 @@ def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) 
             target = res["makespan_seconds"] / 2
             arrivals = (wl.arrivals - wl.arrivals[0]) * (target / span)
             wait = max_wait_seconds if max_wait_seconds is not None else target / 4
-            feeder = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, max_wait_seconds=wait, tolerance=tol)
+            feeder = PackerFeeder(CONSUMERS, engine_mode, shapes, wl, max_wait_seconds=wait, tolerance=tol,
+                                  step_tokens=cost.step_tokens)
             res = simulate(feeder, CONSUMERS, engine_mode, shapes, wl, arrivals=arrivals, cost=cost)
             res["max_wait_configured_seconds"] = round(wait, 3)
             decisions, sizes = feeder.decision_timings()
@@ -185,7 +191,7 @@ def _modes(out, wl, shapes, mode, cost, bounds, hit_max, tol, max_wait_seconds) 
         small = wl.head(max(1, len(wl) // 100))
         small_shapes = shape_items(small.tokens, small.offsets, small.prefix_lens, small.models,
                                    block_tokens=DEFAULT_BLOCK_TOKENS)
-        small_feeder = PackerFeeder(CONSUMERS, engine_mode, small_shapes, small, tolerance=tol)
+        small_feeder = PackerFeeder(CONSUMERS, engine_mode, small_shapes, small, tolerance=tol, step_tokens=cost.step_tokens)
         simulate(small_feeder, CONSUMERS, engine_mode, small_shapes, small, cost=cost)
         p50, p99 = _percentiles(decisions)
         small_decisions, small_sizes = small_feeder.decision_timings(min_samples=len(decisions))

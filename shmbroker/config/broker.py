@@ -24,6 +24,7 @@ import re
 from dataclasses import MISSING, dataclass, field
 
 from ..pack.contract import Contract
+from ..pack.contract import DEFAULT_STEP_TOKENS
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, LENGTH_MAX
 from ..protocol import DATA_DIR_ENV, DEFAULT_DATA_DIR
@@ -95,6 +96,10 @@ class BrokerConfig:
                                        "(it is served first by a consumer that fits it)")
     padding_tolerance: float = key(DEFAULT_PADDING_TOLERANCE, check=Number(0.0, 1e6),
                                    help="padded engines: a batch's longest item is at most (1 + tolerance) x its shortest")
+    decode_step_tokens: float = key(DEFAULT_STEP_TOKENS, check=Number(0.0, 1e9),
+                                    help="padded engines: one decode step costs about as much as prefilling this many "
+                                         "tokens; the policy batches a family alone only when the prefix it computes "
+                                         "once saves more than its outputs' spread costs in steps")
     index_items: int = key(1 << 20, check=Integer(1024, 1 << 28),
                            help="items the scheduler's packing index holds; more wait on disk (`sched/waiting/`) "
                                 "and enter as batches leave")

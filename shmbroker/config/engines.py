@@ -13,7 +13,7 @@ import math
 
 from ..engines.catalogue import ENGINES, entry
 from ..engines.options import DTYPES, REQUIRED, SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
-from ..engines.sim import SimCost
+from ..engines.cost import SimCost
 from ..errors import ConfigError
 from ..pack.contract import Mode
 from .validator import Choice, Flag, Integer, Number, Validator

@@ -33,7 +33,7 @@ kept. A block longer than `cache_tokens` is never cached; a pooled item's input 
 hash, `ItemShapes.sized_blocks`) never is. Generated tokens are not cached (they are not in
 any prompt's block hashes).
 
-Cost of one step (`SimCost`, the same parameters as the batch model in `sim.py`):
+Cost of one step (`cost.SimCost`, the same parameters as the batch model in `sim.py`):
 
     seconds = (decode_step_seconds if any sequence decodes else batch_overhead_seconds)
             + decode_token_seconds  x decoding sequences
@@ -54,10 +54,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .sim import SimCost
+from .cost import SimCost
 
 
 class _Seq:
@@ -89,8 +87,6 @@ class ContinuousSim:
         self.max_running = min(self.max_batch_size, self.max_batch_tokens)
         self.cache_tokens = int(cache_tokens)
         if cost is None:
-            from .sim import SimCost  # sim.py drives this model: imported late, not in a cycle
-
             cost = SimCost()
         self.cost = cost
         self._waiting: deque = deque()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..pack.contract import Mode
-from .sim import SimCost
+from .cost import SimCost
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
@@ -40,7 +40,7 @@ class SimSettings:
 
     mode: Mode = field(default=Mode.PACKED, metadata={"help": "`padded` or `packed`: the engine the simulation models"})
     cache_tokens: int = field(default=2 << 20, metadata={"help": "the prefix cache's size in tokens"})
-    cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, sim.py)
+    cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, cost.py)
     pace_seconds: float = field(default=0.04, metadata={"help": "wall seconds per modeled second (0: unpaced, as "
                                                                 "fast as the CPU runs it)"})
     poison_token: int | None = field(default=None, metadata={"help": "tests: adding an item that holds this token "

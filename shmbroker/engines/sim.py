@@ -13,7 +13,7 @@ It runs on the CPU in virtual time, so a large trace drains in seconds. Two mode
   at most `cache_tokens` tokens (a block computed by an earlier item of the batch is a hit for a
   later one, as with prefix caching of completed blocks).
 
-Cost of one batch (all parameters in `SimCost`):
+Cost of one batch (all parameters in `cost.SimCost`):
 
     seconds = batch_overhead_seconds
             + prefill_token_seconds x computed prefill tokens
@@ -43,28 +43,10 @@ import numpy as np
 from ..pack.contract import Mode, as_mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS, shape_items
 from .base import BatchResults, EngineOutcome, StreamingRun
+from .cost import SimCost
 from .faults import SimFaults
 from ..request.extras import decode_extras
 from .sim_requests import item_keys, sample_key, sampled_result
-
-
-@dataclass(frozen=True)
-class SimCost:
-    """The cost model: a batch's modeled seconds (keys of the simulated engine's `engine_settings`)."""
-
-    batch_overhead_seconds: float = field(default=0.003, metadata={"help": "cost model: seconds per batch"})
-    prefill_token_seconds: float = field(default=7.5e-6, metadata={"help": "cost model: seconds per computed "
-                                                                           "input token (cache misses)"})
-    decode_step_seconds: float = field(default=0.012, metadata={"help": "cost model: seconds per decoding step"})
-    decode_token_seconds: float = field(default=2e-5, metadata={"help": "cost model: seconds per sequence per "
-                                                                        "decoding step"})
-    zero_cost: bool = field(default=False, metadata={"help": "every batch free (benchmarks of the broker itself)"})
-
-    def seconds(self, computed_tokens: int, decode_steps: int, decode_seq_steps: int) -> float:
-        if self.zero_cost:
-            return 0.0
-        return (self.batch_overhead_seconds + self.prefill_token_seconds * computed_tokens
-                + self.decode_step_seconds * decode_steps + self.decode_token_seconds * decode_seq_steps)
 
 
 @dataclass

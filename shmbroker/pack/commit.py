@@ -8,7 +8,10 @@ leave the index with the batch.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..jit import kernel
+from .contract import LOOSE_FAMILY
 from .guard import OK, check_rows
 from .index import remove_quiet
 from .listing import branch_reclass, family_reclass
@@ -59,10 +62,15 @@ def finish(S, out, n, failed, nf, family_key, model, length_min, length_max, tol
             unclaim(S, out, n)
             n = 0
     alive = -1
+    loose = family_key == np.uint64(LOOSE_FAMILY)
     for i in range(n):
         alive = remove_quiet(S, out[i])
+        if loose and alive != -1:  # a loose rectangle's items come from many families
+            family_reclass(S, alive)
     for i in range(nf):
         alive = remove_quiet(S, failed[i])
-    if alive != -1:  # every item came from one family
+        if loose and alive != -1:
+            family_reclass(S, alive)
+    if alive != -1 and not loose:  # every item came from one family
         family_reclass(S, alive)
     return code

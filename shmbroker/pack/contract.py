@@ -73,14 +73,20 @@ class Contract:
 
 @dataclass(frozen=True)
 class Shape:
-    """(model, family, length band). A packed engine's band is its whole contract range."""
+    """(model, family, length band). A packed engine's band is its whole contract range. A padded
+    engine's loose rectangle (`loose.py`) has family LOOSE_FAMILY: its rows are of any families."""
 
     model: int
-    family: int  # the family key (see shapes.py)
+    family: int  # the family key (see shapes.py), or LOOSE_FAMILY
     length_min: int
     length_max: int
 
 
+LOOSE_FAMILY = 0  # no family key is 0 (`shapes.fmix64`)
+# A padded engine's decode step costs about as much as prefilling this many tokens: the rate at which
+# the padded policy weighs a shared prefix against decode padding (`loose.family_pays`); the simulated
+# engine's default cost model has it (`engines/sim.py`, decode_step_seconds / prefill_token_seconds).
+DEFAULT_STEP_TOKENS = 1600.0
 BATCH_ROW = np.dtype([("handle", "u8"), ("num_tokens", "i8"), ("max_new_tokens", "i8"), ("arrival", "f8"),
                       ("prefix_key", "u8"), ("model", "i8")])
 

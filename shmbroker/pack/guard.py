@@ -16,7 +16,8 @@ Checks, in order (the first failure is the reason):
   too_long   an item longer than max_input_len
   tokens     (padded engines) count x longest > max_batch_tokens
   model      an item of another model than the contract's
-  family     an item of another family than the batch's shape
+  family     an item of another family than the batch's shape (a loose rectangle's
+             shape, LOOSE_FAMILY, takes rows of any family: `loose.py`)
   band       an item outside the shape's length band, or (padded engines) a
              prefill-only batch wider than the padding tolerance: longest > (1 + tol) x
              shortest (a batch that generates is shaped by its decode: sweep.py)
@@ -30,7 +31,7 @@ from enum import IntEnum
 import numpy as np
 
 from ..jit import kernel
-from .contract import Batch, Contract, Mode, Shape, as_mode
+from .contract import LOOSE_FAMILY, Batch, Contract, Mode, Shape, as_mode
 
 
 class Verdict(IntEnum):
@@ -77,7 +78,7 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
         if rows[i].model != model:
             return MODEL
     for i in range(n):
-        if rows[i].prefix_key != family:
+        if rows[i].prefix_key != family and family != np.uint64(LOOSE_FAMILY):
             return FAMILY
     if lo < length_min or hi > length_max:
         return BAND

@@ -13,6 +13,8 @@ listed, and which consumer a branch is affine to, is the policy's
   A consumer with no branch left to claim may take over a child of another's
   branch (`branches._take_over`): that node's `claimed` marks it (other walks
   leave it out) and its `maxlen` the longest item a taker met there and left.
+- Every item is also in its lane (`lanes.py`): its class and output band, across
+  families, by input band.
 - Bands of a family are a two-level bitmap (`bands.py`), so the next
   non-empty band either side of a cursor is found in O(1) words; the lists
   linking records are in `links.py`.
@@ -33,6 +35,7 @@ from .links import (
     family_list_set,
     nitem_unlink,
 )
+from .lanes import lane_append, lane_unlink
 from .listing import class_of, family_reclass, remember_server
 from .shapes import LENGTH_MAX, band_of
 from .state import (
@@ -42,6 +45,7 @@ from .state import (
     M_FAMS_FREE,
     M_ITEMS,
     M_ITEMS_FREE,
+    M_LANES_FREE,
     M_NODES_FREE,
     M_TOKENS,
     OVERFLOW_LEN,
@@ -106,8 +110,9 @@ def _band_append(S, f, slot, length):
 
 
 @kernel(_nrt=False)
-def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
-    """Index one item; its slot, or a FULL_* code (nothing changed)."""
+def insert(S, handle, arrival, length, max_new, model, family_key, hashes, base):
+    """Index one item (base: tokens under its family key, 0 if not known); its slot, or a FULL_*
+    code (nothing changed)."""
     it = S.items
     fm = S.families
     meta = S.meta
@@ -115,7 +120,7 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
         return FULL_ITEMS
     if meta[M_NODES_FREE] < 3:
         return FULL_NODES
-    if meta[M_BUCKETS_FREE] < 1:
+    if meta[M_BUCKETS_FREE] < 1 or meta[M_LANES_FREE] < 1:
         return FULL_BUCKETS
     f = _family_for(S, family_key, model)
     if f == FULL_FAMILIES:
@@ -131,32 +136,36 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes):
     _band_append(S, f, slot, length)
     fm[f].pending += 1
     fm[f].tokens += length
+    if base > fm[f].base:
+        fm[f].base = base
     fm[f].generate += max_new
     if max_new > fm[f].maxnew:
         fm[f].maxnew = max_new
     family_reclass(S, f)
-    age_push(S, class_of(S.classes, model, length), slot)
+    cls = class_of(S.classes, model, length)
+    lane_append(S, slot, cls)
+    age_push(S, cls, slot)
     meta[M_ITEMS] += 1
     meta[M_TOKENS] += length
     return slot
 
 
 @kernel(_nrt=False)
-def insert_many(arrays, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes):
+def insert_many(arrays, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes, bases):
     """`insert` for items 0.. in order; the number indexed (stops, whole items only, when full)."""
     S = State(*arrays)
     for i in range(handles.size):
         slot = insert(S, handles[i], arrivals[i], lengths[i], max_new[i], models[i], families[i],
-                      hashes[hash_offsets[i]:hash_offsets[i + 1]])
+                      hashes[hash_offsets[i]:hash_offsets[i + 1]], bases[i])
         if slot < 0:
             return i
     return handles.size
 
 
 @kernel(_nrt=False)
-def insert_entry(arrays, handle, arrival, length, max_new, model, family_key, hashes):
+def insert_entry(arrays, handle, arrival, length, max_new, model, family_key, hashes, base):
     """`insert`, called from Python with the index's arrays (`PackIndex.arrays`)."""
-    return insert(State(*arrays), handle, arrival, length, max_new, model, family_key, hashes)
+    return insert(State(*arrays), handle, arrival, length, max_new, model, family_key, hashes, base)
 
 
 @kernel(_nrt=False)
@@ -179,6 +188,7 @@ def remove_quiet(S, slot):
     meta = S.meta
     cons = S.consumers
     f = it[slot].fam
+    lane_unlink(S, slot, class_of(S.classes, fm[f].model, it[slot].length))
     b = bucket_unlink(it, bk, slot)
     if bk[b].count == 0:
         bit_clear(S.band_bits, S.band_summary, f, bk[b].band)
@@ -248,18 +258,19 @@ class PackIndex:
         self.capacity = items
 
     def insert(self, handle: int, arrival: float, length: int, max_new: int, model: int, family: int,
-               hashes: np.ndarray) -> int:
-        """Index one item (hashes: its block hashes, uint64); its slot. Raises IndexFull, or
-        ValueError/TypeError for an item the index cannot hold (nothing changes then)."""
+               hashes: np.ndarray, base: int = 0) -> int:
+        """Index one item (hashes: its block hashes, uint64; base: the tokens under its family key,
+        `shapes.family_bases`, 0 if not known); its slot. Raises IndexFull, or ValueError/TypeError
+        for an item the index cannot hold (nothing changes then)."""
         _check_items(length, length, min(max_new, model), max(max_new, model), hashes)
         slot = insert_entry(self.arrays, np.uint64(handle), float(arrival), int(length), int(max_new), int(model),
-                            np.uint64(family), hashes)
+                            np.uint64(family), hashes, int(base))
         if slot < 0:
             raise IndexFull({FULL_ITEMS: "items", FULL_NODES: "trie nodes", FULL_FAMILIES: "families",
                              FULL_BUCKETS: "band buckets"}[slot])
         return int(slot)
 
-    def insert_many(self, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes) -> int:
+    def insert_many(self, handles, arrivals, lengths, max_new, models, families, hash_offsets, hashes, bases=None) -> int:
         """Index items i = 0.. in order (item i's block hashes: hashes[hash_offsets[i]:hash_offsets[i+1]])
         in one compiled call; the number indexed. Fewer than given means the index is full: the rest
         are left out, whole (they stay in the backlog). Raises ValueError/TypeError, indexing nothing,
@@ -277,7 +288,8 @@ class PackIndex:
         if hash_offsets.shape != (n + 1,) or (n and (hash_offsets[0] < 0 or hash_offsets[-1] > hashes.size
                                                       or (np.diff(hash_offsets) < 0).any())):
             raise ValueError("hash_offsets must be non-decreasing, n + 1 long, within hashes")
-        return int(insert_many(self.arrays, *cols, hash_offsets, hashes))
+        bases = np.zeros(n, np.int64) if bases is None else np.ascontiguousarray(np.broadcast_to(bases, (n,)), np.int64)
+        return int(insert_many(self.arrays, *cols, hash_offsets, hashes, bases))
 
     def remove(self, slot: int) -> None:
         remove_entry(self.arrays, slot)

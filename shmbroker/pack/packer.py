@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import BATCH_ROW, Batch, Contract, Mode, Shape, as_mode
+from .contract import BATCH_ROW, DEFAULT_STEP_TOKENS, Batch, Contract, Mode, Shape, as_mode
 from .guard import Guard, Verdict
 from .index import PackIndex
 from .policy import DEFAULT_PADDING_TOLERANCE, POLICIES
@@ -42,7 +42,7 @@ class ConsumerSpec:
 class Packer:
     def __init__(self, consumers: list[ConsumerSpec], *, capacity: int, nodes: int | None = None,
                  families: int | None = None, max_wait_seconds: float | None = None,
-                 tolerance: float = DEFAULT_PADDING_TOLERANCE):
+                 tolerance: float = DEFAULT_PADDING_TOLERANCE, step_tokens: float = DEFAULT_STEP_TOKENS):
         if not consumers:
             raise ValueError("a packer needs at least one consumer")
         names = [c.name for c in consumers]
@@ -61,7 +61,7 @@ class Packer:
         self.policies = []
         self.guards = []
         for i, c in enumerate(consumers):
-            kw = {"tol": tolerance} if c.mode == Mode.PADDED else {}
+            kw = {"tol": tolerance, "step_tokens": step_tokens} if c.mode == Mode.PADDED else {}
             policy = POLICIES[c.mode](self.index, i, c.contract, self.model_max[c.contract.model],
                                       max_wait_seconds, **kw)
             self.policies.append(policy)
@@ -75,8 +75,10 @@ class Packer:
         self.max_wait_seconds = max_wait_seconds
 
     def add(self, handle: int, arrival: float, length: int, max_new: int, model: int, family: int,
-            hashes: np.ndarray) -> int:
-        return self.index.insert(handle, arrival, length, max_new, model, family, hashes)
+            hashes: np.ndarray, base: int = 0) -> int:
+        """Index one item; base: the tokens under its family key (`shapes.family_bases`), which a
+        padded policy weighs against decode padding (0: not known)."""
+        return self.index.insert(handle, arrival, length, max_new, model, family, hashes, base)
 
     def add_many(self, handles, arrivals, shapes, max_new) -> int:
         """Add every item of `shapes` (pack.shapes.ItemShapes) in one compiled call: item ids, arrivals and
@@ -85,7 +87,7 @@ class Packer:
         n = len(shapes)
         return self.index.insert_many(handles, np.broadcast_to(np.asarray(arrivals, np.float64), (n,)), shapes.lengths,
                                       np.broadcast_to(np.asarray(max_new, np.int64), (n,)), shapes.models,
-                                      shapes.families, shapes.hash_offsets, shapes.hashes)
+                                      shapes.families, shapes.hash_offsets, shapes.hashes, shapes.bases)
 
     def __len__(self) -> int:
         return len(self.index)

@@ -75,9 +75,10 @@ from ..jit import kernel
 from .ages import oldest
 from .branches import claim_item_branch, goes_before, select_packed
 from .commit import finish
-from .contract import Mode
+from .contract import DEFAULT_STEP_TOKENS, LOOSE_FAMILY, Mode
 from .links import family_list_set
 from .listing import family_reclass
+from .loose import family_pays, select_loose
 from .shapes import NUM_BANDS, band_of
 from .state import C_BAND, C_FAM, C_MAXIN, State
 from .sweep import generates, select_padded
@@ -200,7 +201,7 @@ def choose_family(S, c, attempt, ip, fp, cls_order, age_own, skip, now):
 
 # decide kernels' parameter words (ints) and floats
 P_C, P_MODEL, P_BS, P_BT, P_MAXIN, P_MODELMAX, P_DESC, P_SCAN = range(8)
-F_MAXWAIT, F_TOL = range(2)
+F_MAXWAIT, F_TOL, F_STEP = range(3)
 
 
 @kernel(_nrt=False)
@@ -233,6 +234,15 @@ def decide_padded(arrays, now, ip, fp, cls_order, age_own, skip, out, failed, ro
         f, aged = choose_family(S, c, attempt, ip, fp, cls_order, age_own, skip, now)
         if f == -1:
             break
+        if generates(S.families, f, fp[F_TOL]) and not family_pays(S.families, f, ip[P_BS], ip[P_BT], fp[F_STEP]):
+            # its own rectangle is not worth its padding: a loose one from the lanes (loose.py)
+            n, nf, lo, hi = select_loose(S, c, cls_order, descending, ip[P_BS], ip[P_BT], ip[P_MAXIN],
+                                         ip[P_MODELMAX], fp[F_STEP], out, failed, aged)
+            if n or nf:
+                release_family(S, c)
+                code = finish(S, out, n, failed, nf, np.uint64(LOOSE_FAMILY), ip[P_MODEL], lo, hi, np.inf,
+                              ip[P_BS], ip[P_BT], ip[P_MAXIN], True, rows, failed_ids)
+                return n, nf, f, code, lo, hi, np.uint64(LOOSE_FAMILY)
         if aged != -1:
             cons[c, C_BAND] = band_of(S.items[aged].length)
         start = cons[c, C_BAND]
@@ -300,7 +310,7 @@ class Policy:
         # padded: the candidates a batch's items are chosen from (sweep.select_padded)
         self.cand = np.empty(CANDIDATES_PER_SLOT * contract.max_batch_size, np.int64)
         self.sort_keys = np.empty(self.cand.size, np.int64)
-        self.fp = np.array([self.max_wait, 0.0], np.float64)
+        self.fp = np.array([self.max_wait, 0.0, DEFAULT_STEP_TOKENS], np.float64)
 
     def decide(self, now: float, out, failed, rows, failed_ids) -> Decision:
         """One decision for this consumer; out, failed, rows and failed_ids are filled (`Decision`)."""
@@ -313,12 +323,15 @@ class Policy:
 class PaddedPolicy(Policy):
     kernel = staticmethod(decide_padded)
 
-    def __init__(self, *args, tol: float = DEFAULT_PADDING_TOLERANCE, **kw):
+    def __init__(self, *args, tol: float = DEFAULT_PADDING_TOLERANCE, step_tokens: float = DEFAULT_STEP_TOKENS, **kw):
         super().__init__(*args, **kw)
         if not 0 <= tol:
             raise ValueError(f"padding tolerance must be >= 0, got {tol}")
+        if not 0 <= step_tokens < float("inf"):
+            raise ValueError(f"decode step tokens must be >= 0, got {step_tokens}")
         self.tol = float(tol)
         self.fp[F_TOL] = self.tol
+        self.fp[F_STEP] = float(step_tokens)
         self.ip[P_SCAN] = 1  # families in list order: batches run one at a time, there is no tail to shorten
 
 

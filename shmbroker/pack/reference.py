@@ -43,6 +43,21 @@ tolerance=tol)`:
   max(1, max_new) wins (the smallest among equals), and that is the batch. The cursor: the band
   of the first candidate in walk order not taken, else the band where the walk stopped, else (it ran off the bottom) the top. Shape bounds: (shortest,
   longest) of the items taken, (0, 0) for a batch of failures only.
+- **padded, loose** (`loose.py`): before the sweep, a family that generates (tol > 0 and its
+  largest max_new ever > 1) is weighed (`pays`): it pays for a rectangle of its own when it has at
+  least 2 items, a base > 0 (the largest inserted while it lived), at least as many items as rows =
+  min(max_batch_size, max(1, max_batch_tokens x pending // its pending tokens)), and (rows - 1) x
+  base >= step_tokens x (its largest max_new ever - its pending max_new summed / pending). When it
+  does not, the batch is loose: of the classes "overflow" then "fits" (the consumer's model; the
+  item's own length says which), the first with an item of output band >= 1 (`out_band`); its
+  highest such output band, then each lower one >= 1, each walked band by band from the top (the
+  first) or from the band of max_batch_tokens // (count + 1) (the others) down, within a band
+  oldest insert first. An item longer than max_input_len is failed (the `FAILED_MAX`+1-th ends the
+  walk); the walk ends once count == max_batch_size or (count + 1) x longest > max_batch_tokens;
+  an item whose family pays, or whose (count + 1) x length > max_batch_tokens, is passed over (the
+  SKIP_PER_SLOT x max_batch_size-th ends the walk). A loose
+  batch with anything in it lets the family go (relisted, the cursor to the top at the next take)
+  and has family 0; one with nothing falls through to the sweep.
 - **packed**: the family root's own items (items of no block past the family key) first, then the
   claimed branch (a depth-1 trie node: the first block hash after the family key) depth-first:
   a node's items in insert order, then its live children in the order they became live. When a
@@ -83,7 +98,10 @@ from .contract import Contract, Mode, as_mode
 from .reference_index import (
     BRANCH_CLAIM_ORDER,
     FAMILY_TAKE_ORDER,
+    LENGTH_MAX,
     TOP_BAND,
+    band_of,
+    out_band,
     ReferenceIndex,
     RefFamily,
     RefItem,
@@ -93,7 +111,9 @@ from .reference_index import (
 
 FAILED_MAX = 64  # failures collected per decision
 CANDIDATES_PER_SLOT = 4  # padded: candidates a decision chooses from, per max_batch_size
+SKIP_PER_SLOT = 4  # padded, loose: items of paying families passed over per max_batch_size
 DEFAULT_TOLERANCE = 1 / 16
+DEFAULT_STEP_TOKENS = 1600.0
 
 
 @dataclass(frozen=True)
@@ -110,11 +130,13 @@ class RefBatch:
 class ReferencePacker(ReferenceIndex):
     """The packer's decisions for one consumer (`contract`, `mode`), without aging. See the module doc."""
 
-    def __init__(self, contract: Contract, mode: Mode, *, capacity: int, tolerance: float = DEFAULT_TOLERANCE):
+    def __init__(self, contract: Contract, mode: Mode, *, capacity: int, tolerance: float = DEFAULT_TOLERANCE,
+                 step_tokens: float = DEFAULT_STEP_TOKENS):
         mode = as_mode(mode)
         super().__init__(contract, capacity=capacity)
         self.mode = mode
         self.tol = float(tolerance)
+        self.step_tokens = float(step_tokens)
         self.band = TOP_BAND  # padded: the sweep's cursor
 
     def next_batch(self) -> RefBatch | None:
@@ -134,6 +156,17 @@ class ReferencePacker(ReferenceIndex):
             move_to(self.family_lists, self.family, None)
             self.band = TOP_BAND
         fam = self.family
+        if self.mode == Mode.PADDED and self.tol > 0 and fam.maxnew > 1 and not self._pays(fam):
+            taken, failed = self._select_loose()
+            if taken or failed:
+                fam.claimed = False
+                self.family = None
+                self._relist_family(fam)
+                for item in taken + failed:
+                    self._remove(item)
+                lengths = [item.length for item in taken]
+                bounds = (min(lengths), max(lengths)) if taken else (0, 0)
+                return RefBatch(tuple(i.handle for i in taken), tuple(i.handle for i in failed), 0, *bounds)
         if self.mode == Mode.PADDED:
             taken, failed = self._select_padded(fam)
             lengths = [item.length for item in taken]
@@ -150,6 +183,64 @@ class ReferencePacker(ReferenceIndex):
         items = [i for band in fam.bands.values() for i in band]
         return max(fam.maxnew, sum(i.length for i in items) // self.contract.max_batch_tokens,
                    sum(i.max_new for i in items) // self.contract.max_batch_size)
+
+    def _pays(self, fam: RefFamily) -> bool:
+        con = self.contract
+        items = fam.items()
+        pending = len(items)
+        if pending < 2 or fam.base == 0:
+            return False
+        rows = min(con.max_batch_size, max(1, con.max_batch_tokens * pending // max(sum(i.length for i in items), 1)))
+        if pending < rows:
+            return False
+        spread = fam.maxnew - sum(i.max_new for i in items) / pending
+        return (rows - 1) * float(fam.base) >= self.step_tokens * spread
+
+    def _select_loose(self) -> tuple[list, list]:
+        con = self.contract
+        mine = [i for fam in self.families.values() if fam.model == con.model for i in fam.items()
+                if out_band(i.max_new) >= 1]
+        taken: list = []
+        failed: list = []
+        for overflow in (True, False):
+            lanes = [i for i in mine if (i.length > con.max_input_len) == overflow]
+            if lanes:
+                break
+        else:
+            return taken, failed
+        skips = SKIP_PER_SLOT * con.max_batch_size
+        pays = {}
+        for o in sorted({out_band(i.max_new) for i in lanes}, reverse=True):
+            if len(taken) >= con.max_batch_size:
+                break
+            hi = max((i.length for i in taken), default=0)
+            top = band_of(min(con.max_batch_tokens // (len(taken) + 1), LENGTH_MAX)) if taken else TOP_BAND
+            lane = sorted((i for i in lanes if out_band(i.max_new) == o and band_of(i.length) <= top),
+                          key=lambda i: (-band_of(i.length), i.seq))
+            for item in lane:
+                if item.length > con.max_input_len:
+                    if len(failed) == FAILED_MAX:
+                        return taken, failed
+                    failed.append(item)
+                    continue
+                if item.family not in pays:
+                    pays[item.family] = self._pays(item.family)
+                if pays[item.family]:
+                    skips -= 1
+                    if skips == 0:
+                        return taken, failed
+                    continue
+                count = len(taken) + 1
+                if count > con.max_batch_size or count * hi > con.max_batch_tokens:
+                    return taken, failed
+                if count * item.length > con.max_batch_tokens:  # longer than a next row may be
+                    skips -= 1
+                    if skips == 0:
+                        return taken, failed
+                    continue
+                taken.append(item)
+                hi = max(hi, item.length)
+        return taken, failed
 
     def _select_padded(self, fam: RefFamily) -> tuple[list, list]:
         con = self.contract

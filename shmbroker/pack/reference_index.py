@@ -16,6 +16,7 @@ BAND_SUB = 1 << BAND_SUB_BITS
 LENGTH_BITS = 24
 NUM_BANDS = BAND_SUB + (LENGTH_BITS - BAND_SUB_BITS) * BAND_SUB
 TOP_BAND = NUM_BANDS - 1
+LENGTH_MAX = (1 << LENGTH_BITS) - 1
 BRANCH_CLAIM_ORDER = ("affine", "overflow", "fits")
 FAMILY_TAKE_ORDER = ("overflow", "fits")
 
@@ -27,6 +28,14 @@ def band_of(n: int) -> int:
     e = n.bit_length() - 1
     sub = (n >> (e - BAND_SUB_BITS)) & (BAND_SUB - 1)
     return (e - BAND_SUB_BITS + 1) * BAND_SUB + sub
+
+
+def out_band(max_new: int) -> int:
+    """Output band: 0 for at most one token, else two per octave of max_new."""
+    if max_new <= 1:
+        return 0
+    e = max_new.bit_length() - 1
+    return 1 + 2 * e + ((max_new >> (e - 1)) & 1)
 
 
 def band_floor(band: int) -> int:
@@ -49,6 +58,7 @@ class RefItem:
     family: RefFamily
     node: RefNode | None = None
     max_new: int = 1
+    seq: int = 0  # insert order: its place in its lane's band (`lanes.py`)
 
 
 @dataclass(eq=False)
@@ -76,11 +86,15 @@ class RefFamily:
     claimed: bool = False
     listed: str | None = None  # the family list it is in
     maxnew: int = 0  # largest max_new ever inserted while it lived
+    base: int = 0  # the largest base (tokens under the family key) inserted while it lived
     branch_lists: dict = field(default_factory=lambda: {name: [] for name in BRANCH_CLAIM_ORDER})
 
     @property
     def pending(self) -> int:
         return sum(len(items) for items in self.bands.values())
+
+    def items(self) -> list:
+        return [i for band in self.bands.values() for i in band]
 
 
 def move_to(lists: dict, member, name: str | None) -> None:
@@ -106,6 +120,7 @@ class ReferenceIndex:
         self.nodes: dict[int, RefNode] = {}  # block hash -> live non-root node, every family
         self.hints: dict[int, int] = {}  # slot -> branch key the consumer drained last there
         self.num_items = 0
+        self.inserted = 0
         # the consumer
         self.family: RefFamily | None = None  # held until it has no items
         self.branch: RefNode | None = None  # packed: the branch being drained
@@ -113,14 +128,17 @@ class ReferenceIndex:
     def __len__(self) -> int:
         return self.num_items
 
-    def add(self, handle: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1) -> None:
-        """Index one item: its family key and block hashes as `shape_items` gives them."""
+    def add(self, handle: int, length: int, family: int, hashes, model: int = 0, max_new: int = 1,
+            base: int = 0) -> None:
+        """Index one item: its family key, block hashes and base as `shape_items` gives them."""
         hashes = [int(h) for h in hashes]
         fam = self.families.get(family)
         if fam is None:
             fam = self.families[family] = RefFamily(family, model)
-        item = RefItem(handle, length, fam, max_new=max_new)
+        self.inserted += 1
+        item = RefItem(handle, length, fam, max_new=max_new, seq=self.inserted)
         fam.maxnew = max(fam.maxnew, max_new)
+        fam.base = max(fam.base, base)
         if fam.root is None:
             fam.root = RefNode(family, None, 0, fam)
         node = fam.root

@@ -19,7 +19,9 @@ item's **family key**:
 The family key names the trie's root; block hash i names the trie node at
 depth i+1 below it. A **band** is a length class: exact below 256 tokens, then
 256 bands per octave (a band's longest item is at most 1/256 longer than its
-shortest), up to `LENGTH_MAX` tokens.
+shortest), up to `LENGTH_MAX` tokens. An **output band** classes max_new_tokens
+coarsely, two per octave (`out_band`; 0: an item that generates at most one
+token), for the lanes of a padded engine's rectangles (`lanes.py`).
 
 The hash is FNV-1a over 32-bit tokens with a murmur3 finaliser per block; it is
 not cryptographic (a producer can only collide its own items into one family,
@@ -42,6 +44,7 @@ BAND_SUB = 1 << BAND_SUB_BITS
 LENGTH_BITS = 24
 LENGTH_MAX = (1 << LENGTH_BITS) - 1  # 16,777,215 tokens
 NUM_BANDS = BAND_SUB + (LENGTH_BITS - BAND_SUB_BITS) * BAND_SUB  # 4352
+NUM_OUT_BANDS = 64  # output bands: 0, then two per octave of max_new_tokens up to 2^31 (one u64 of lanes a class)
 
 
 @kernel
@@ -77,6 +80,20 @@ def band_of(n):
         e += 1
     sub = (np.int64(n) >> (e - BAND_SUB_BITS)) & (BAND_SUB - 1)
     return (e - BAND_SUB_BITS + 1) * BAND_SUB + sub
+
+
+@kernel
+def out_band(max_new):
+    """Output band of an item that generates up to max_new tokens: 0 for at most one, else
+    1 + 2 x floor(log2 max_new) + (its second bit), so a band's longest is < 1.5 x its shortest."""
+    if max_new <= 1:
+        return np.int64(0)
+    e = np.int64(0)
+    m = np.uint64(max_new)
+    while m > np.uint64(1):
+        m >>= np.uint64(1)
+        e += 1
+    return 1 + 2 * e + ((np.int64(max_new) >> (e - 1)) & 1)
 
 
 @kernel
@@ -154,6 +171,13 @@ def count_blocks(offsets, prefixes, block_tokens, hash_offsets):
     return hash_offsets[offsets.size - 1]
 
 
+def family_bases(prefixes, lengths, block_tokens: int) -> np.ndarray:
+    """Tokens under each item's family key, which every item of its family shares: its declared
+    prefix, else its first block; 0 for an item of its model's pool (shorter than a block)."""
+    prefixes = np.asarray(prefixes, np.int64)
+    return np.where(prefixes > 0, prefixes, np.where(np.asarray(lengths, np.int64) >= block_tokens, block_tokens, 0))
+
+
 class ItemShapes:
     """Family keys and block hashes of a set of items (flat arrays, one row per item)."""
 
@@ -162,7 +186,7 @@ class ItemShapes:
     def __init__(self, families, hash_offsets, hashes, lengths, models, bases, block_tokens, pooled=None):
         self.block_tokens = block_tokens
         self.pooled = pooled  # per item: in its model's pool (no cacheable prefix); None: unknown
-        self.bases = bases  # tokens under the family key: the declared prefix, else the first block
+        self.bases = bases  # tokens under the family key (`family_bases`)
         self.families = families
         self.hash_offsets = hash_offsets
         self.hashes = hashes
@@ -211,7 +235,7 @@ def shape_items(tokens: np.ndarray, offsets: np.ndarray, prefixes=None, models=N
     hashes = np.empty(total, np.uint64)
     families = np.empty(count, np.uint64)
     hash_items(tokens, offsets, prefixes, models, block_tokens, seed, families, hash_offsets, hashes)
-    bases = np.where(prefixes > 0, prefixes, np.minimum(lengths, block_tokens))
+    bases = family_bases(prefixes, lengths, block_tokens)
     pooled = (prefixes == 0) & (lengths < block_tokens)
     return ItemShapes(families, hash_offsets, hashes, lengths, models, bases, block_tokens, pooled)
 

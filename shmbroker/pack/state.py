@@ -10,14 +10,18 @@ ITEM (64 bytes)                          NODE (88 bytes): one trie node
   bucket   i32  bprev/bnext i32            ihead/itail i32  items ending here, nitems i32
   nprev/nnext i32   node item list         live    i32  has items or live children
   gen      i32  bumped when the slot frees  maxlen i32  claimed i32 (consumer+1) cls i32
-  pad      i32 x2                          cprev/cnext i32  the branch list it is in (cls)
+  lprev/lnext i32   lane bucket list       cprev/cnext i32  the branch list it is in (cls)
                                            affine  i32  consumer that served the branch last
                                            maxnew  i32  longest max_new under a branch
 
-FAMILY (56 bytes)                        BUCKET (24 bytes): one (family, band)
+FAMILY (64 bytes)                        BUCKET (24 bytes): one (family, band)
   key u64  model i32  root i32             key u64  head/tail i32  count i32  band i32
   pending i32  maxnew i32 (longest max_new while it lived)  tokens i64
   claimed i32  gcls i32  gprev/gnext i32  generate i64 (pending max_new summed)
+  base i32 (tokens under its key, the prefix every item shares; 0: not known)  pad i32
+
+A lane bucket (BUCKET_REC too) is one (lane, input band); a lane is one (class, output band) of
+every family (`lanes.py`), its input bands a bitmap as a family's are.
 
 `State` names the arrays. A kernel called from Python takes them as a plain tuple
 (`PackIndex.arrays`: numba dispatches a plain tuple faster than a named one, about a
@@ -33,12 +37,13 @@ import numpy as np
 
 from ..jit import kernel
 from .bands import BAND_WORDS, SUMMARY_WORDS
+from .shapes import NUM_OUT_BANDS
 from .tables import new_free_list, new_table
 
 ITEM_REC = np.dtype([
     ("handle", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
     ("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4"), ("nprev", "i4"), ("nnext", "i4"),
-    ("gen", "i4"), ("pad1", "i4"), ("pad2", "i4")])
+    ("gen", "i4"), ("lprev", "i4"), ("lnext", "i4")])
 NODE_REC = np.dtype([
     ("hash", "u8"), ("parent", "i4"), ("depth", "i4"), ("fam", "i4"), ("branch", "i4"),
     ("chead", "i4"), ("ctail", "i4"), ("sprev", "i4"), ("snext", "i4"),
@@ -47,11 +52,12 @@ NODE_REC = np.dtype([
     ("maxnew", "i4")])
 FAM_REC = np.dtype([
     ("key", "u8"), ("model", "i4"), ("root", "i4"), ("pending", "i4"), ("maxnew", "i4"), ("tokens", "i8"),
-    ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4"), ("generate", "i8")])
+    ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4"), ("generate", "i8"), ("base", "i4"),
+    ("pad", "i4")])
 BUCKET_REC = np.dtype([("key", "u8"), ("head", "i4"), ("tail", "i4"), ("count", "i4"), ("band", "i4")])
 
 # meta words
-M_ITEMS_FREE, M_NODES_FREE, M_FAMS_FREE, M_BUCKETS_FREE, M_ITEMS, M_TOKENS = range(6)
+M_ITEMS_FREE, M_NODES_FREE, M_FAMS_FREE, M_BUCKETS_FREE, M_ITEMS, M_TOKENS, M_LANES_FREE = range(7)
 # consumer state columns
 C_FAM, C_BRANCH, C_BAND, C_MAXIN = range(4)
 
@@ -88,6 +94,13 @@ class State(NamedTuple):
     consumers: np.ndarray  # [consumer, C_*]
     hint_keys: np.ndarray  # direct-mapped: the branch key a consumer served last in each slot (listing.py)
     hint_consumers: np.ndarray  # that consumer
+    lane_buckets: np.ndarray  # BUCKET_REC per (lane, input band) slot (lanes.py)
+    lane_keys: np.ndarray  # lane << 16 | band -> lane bucket slot
+    lane_slots: np.ndarray
+    lane_bits: np.ndarray  # per lane: its non-empty input bands
+    lane_summary: np.ndarray
+    lane_masks: np.ndarray  # [class]: bit o set while lane (class, output band o) has items
+    free_lanes: np.ndarray
 
 
 def hint_slots(capacity: int) -> int:
@@ -104,6 +117,8 @@ def new_state(classes: np.ndarray, items: int, nodes: int, families: int, num_co
     meta[M_NODES_FREE] = nodes
     meta[M_FAMS_FREE] = families
     meta[M_BUCKETS_FREE] = buckets
+    meta[M_LANES_FREE] = items
+    lanes = k1 * NUM_OUT_BANDS
     return State(
         np.zeros(items, ITEM_REC), np.zeros(nodes, NODE_REC), np.zeros(families, FAM_REC),
         np.zeros(buckets, BUCKET_REC), *new_table(nodes), *new_table(families), *new_table(buckets),
@@ -113,7 +128,9 @@ def new_state(classes: np.ndarray, items: int, nodes: int, families: int, num_co
         np.zeros((k1, items + 1), np.int64), np.zeros((k1, 2), np.int64),
         new_free_list(items), new_free_list(nodes), new_free_list(families), new_free_list(buckets),
         meta, classes, np.full((num_consumers, 4), -1, np.int64),
-        np.zeros(hint_slots(items), np.uint64), np.full(hint_slots(items), -1, np.int32))
+        np.zeros(hint_slots(items), np.uint64), np.full(hint_slots(items), -1, np.int32),
+        np.zeros(items, BUCKET_REC), *new_table(items), np.zeros((lanes, BAND_WORDS), np.uint64),
+        np.zeros((lanes, SUMMARY_WORDS), np.uint64), np.zeros(k1, np.uint64), new_free_list(items))
 
 
 # ---- free lists: a stack of free slots, its height in meta[k] ---------------------------------

@@ -35,7 +35,7 @@ from ..errors import PeerDead
 from ..jobs.cancels import CancelWatch
 from ..pack.feeding import queued_items
 from ..pack.packer import ConsumerSpec, Packer
-from ..pack.shapes import ItemShapes
+from ..pack.shapes import ItemShapes, family_bases
 from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER
@@ -96,7 +96,7 @@ class Scheduler:
         self.cfg = cfg
         specs = [ConsumerSpec(c.name, c.contract, m) for c, m in zip(cfg.consumers, modes)]
         self.packer = Packer(specs, capacity=cfg.index_items, max_wait_seconds=cfg.max_wait_seconds,
-                             tolerance=cfg.padding_tolerance)
+                             tolerance=cfg.padding_tolerance, step_tokens=cfg.decode_step_tokens)
         self.appended = appended
         self.batches = batch_rings
         self.bell = bell
@@ -216,10 +216,11 @@ class Scheduler:
             slots = self.table.free_slots(n)
             lengths = locs["num_tokens"][:n].astype(np.int64)
             models = locs["model"][:n].astype(np.int64)
-            # the index reads families, lengths, models and block hashes (no bases: those are the
-            # cache models')
+            # the index reads families, lengths, models, block hashes and the tokens under each family key
             shapes = ItemShapes(locs["prefix_key"][:n].copy(), hash_offsets[: n + 1] - hash_offsets[0],
-                                hashes[hash_offsets[0] :], lengths, models, None, self.cfg.block_tokens)
+                                hashes[hash_offsets[0] :], lengths, models,
+                                family_bases(locs["prefix_len"][:n], lengths, self.cfg.block_tokens),
+                                self.cfg.block_tokens)
             n = self.packer.add_many(slots.astype(np.uint64), time.monotonic() - self.t0, shapes,
                                      locs["max_new_tokens"][:n].astype(np.int64))
             self.table.fill(slots[:n], locs[:n], arrived.arrival_ns)

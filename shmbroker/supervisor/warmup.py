@@ -58,7 +58,8 @@ def warm_pack() -> None:
             packer = Packer([ConsumerSpec("a", Contract(4, 4096, 1024), mode),
                              ConsumerSpec("b", Contract(2, 1024, 512), mode)], capacity=8, max_wait_seconds=wait)
             for i in range(len(shapes)):
-                packer.add(i, 0.0, int(shapes.lengths[i]), 1, 0, int(shapes.families[i]), shapes.blocks(i))
+                packer.add(i, 0.0, int(shapes.lengths[i]), 1, 0, int(shapes.families[i]), shapes.blocks(i),
+                           int(shapes.bases[i]))
             while packer.next_batch(0, 5.0) is not None or packer.next_batch(1, 5.0) is not None:
                 pass
             packer.add_many(np.arange(len(shapes), dtype=np.uint64), 0.0, shapes, 1)

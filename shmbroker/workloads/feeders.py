@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from ..pack.contract import Batch, Mode, Shape
+from ..pack.contract import DEFAULT_STEP_TOKENS, Batch, Mode, Shape
 from ..pack.guard import Guard
 from ..pack.packer import ConsumerSpec, Packer
 from ..pack.policy import DEFAULT_PADDING_TOLERANCE
@@ -32,25 +32,27 @@ class PackerFeeder:
 
     name = "shmbroker"
 
-    def __init__(self, consumers, mode: Mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=DEFAULT_PADDING_TOLERANCE):
+    def __init__(self, consumers, mode: Mode, shapes, wl, *, max_wait_seconds=None, capacity=None, tolerance=DEFAULT_PADDING_TOLERANCE,
+                 step_tokens=DEFAULT_STEP_TOKENS):
         specs = [ConsumerSpec(c.name, c.contract, mode) for c in consumers]
         cap = capacity or len(shapes)
         # sized as a scheduler would size it for this backlog: items, twice the distinct families
         families = max(16, 2 * int(np.unique(shapes.families).size))
         self.packer = Packer(specs, capacity=cap, families=families, max_wait_seconds=max_wait_seconds,
-                             tolerance=tolerance)
+                             tolerance=tolerance, step_tokens=step_tokens)
         self.shapes = shapes
         self.wl = wl
         self.feeding = "window" if mode == Mode.PACKED else "batch"
         self.args = (consumers, mode, shapes, wl)
-        self.kwargs = {"max_wait_seconds": max_wait_seconds, "capacity": capacity, "tolerance": tolerance}
+        self.kwargs = {"max_wait_seconds": max_wait_seconds, "capacity": capacity, "tolerance": tolerance,
+                       "step_tokens": step_tokens}
         self.events: list[tuple] = []  # ("add", row, arrival) and ("decide", consumer, now), in call order
 
     def add(self, row: int, arrival: float) -> None:
         s = self.shapes
         self.events.append(("add", row, arrival))
         self.packer.add(row, arrival, int(s.lengths[row]), int(self.wl.max_new_tokens[row]), int(s.models[row]),
-                        int(s.families[row]), s.blocks(row))
+                        int(s.families[row]), s.blocks(row), int(s.bases[row]))
 
     def next_batch(self, c: int, now: float) -> Batch | None:
         self.events.append(("decide", c, now))

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engines.continuous import ContinuousSim
-from ..engines.sim import SimCost, SimEngine
+from ..engines.cost import SimCost
+from ..engines.sim import SimEngine
 from ..pack.contract import Contract, Mode
 
 WINDOW_HEADROOM = 1 / 8  # in-flight items past max_batch_size, as a share of it

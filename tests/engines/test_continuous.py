@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from shmbroker.engines.continuous import ContinuousSim
-from shmbroker.engines.sim import SimCost, SimEngine
+from shmbroker.engines.cost import SimCost
+from shmbroker.engines.sim import SimEngine
 from shmbroker.pack.shapes import shape_items
 
 B = 4

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmbroker.engines.sim import SimCost, SimEngine
+from shmbroker.engines.cost import SimCost
+from shmbroker.engines.sim import SimEngine
 from shmbroker.pack.shapes import ItemShapes, shape_items
 
 B = 4

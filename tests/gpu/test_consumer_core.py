@@ -9,7 +9,8 @@ from shmbroker.config.settings import SimSettings
 from shmbroker.engines import catalogue as registry
 from shmbroker.engines.base import EngineOutcome, EngineUnavailable, ItemResult
 from shmbroker.engines.catalogue import load_engine
-from shmbroker.engines.sim import Sim, SimCost
+from shmbroker.engines.cost import SimCost
+from shmbroker.engines.sim import Sim
 from shmbroker.gpu.core import ConsumerCore
 from shmbroker.pack.contract import Batch, Contract, Shape
 from shmbroker.pack.shapes import shape_items

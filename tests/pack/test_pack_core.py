@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from shmbroker.pack.contract import Contract, Shape
+from shmbroker.pack.contract import LOOSE_FAMILY, Contract, Shape
 from shmbroker.pack.guard import Guard
 from shmbroker.pack.index import IndexFull
 from shmbroker.pack.packer import ConsumerSpec, Packer
@@ -59,7 +59,7 @@ class Workload:
 
     def add(self, packer: Packer, i: int) -> None:
         packer.add(i, float(self.arrivals[i]), int(self.lengths[i]), int(self.max_new[i]), int(self.models[i]),
-                   int(self.shapes.families[i]), self.shapes.blocks(i))
+                   int(self.shapes.families[i]), self.shapes.blocks(i), int(self.shapes.bases[i]))
 
 
 def make_workload(items, block_tokens: int, arrivals=None) -> Workload:
@@ -107,8 +107,9 @@ def run_isolated(func: str, *args) -> subprocess.CompletedProcess:
 
 
 def family_runs(batches, c: int) -> list:
-    """Families of consumer c's non-empty batches, in order."""
-    return [b.shape.family for d, b in batches if d == c and len(b)]
+    """Families of consumer c's non-empty batches, in order; a padded engine's loose rectangles hold
+    no prefix (`loose.py`), so they are no family's run."""
+    return [b.shape.family for d, b in batches if d == c and len(b) and b.shape.family != LOOSE_FAMILY]
 
 
 def excess_switches(families: list) -> int:
@@ -407,14 +408,19 @@ def check_drain(specs, ws: Workload, batches, packer: Packer, tol: float) -> Non
         if specs[c].mode == "padded":  # a rectangle; a packed engine's group is bounded by its count only
             assert len(keys) * lengths.max() <= con.max_batch_tokens
         assert lengths.max() <= con.max_input_len
-        # shape-pure: one model (the consumer's), one family (by shape_items), one band
+        # shape-pure: one model (the consumer's), one family (by shape_items), one band; or a padded
+        # engine's loose rectangle: rows of any families, every one generating (loose.py)
         assert set(ws.models[keys].tolist()) == {con.model}
-        assert {int(ws.shapes.families[k]) for k in keys} == {batch.shape.family}
+        if batch.shape.family == LOOSE_FAMILY:
+            assert specs[c].mode == "padded" and tol > 0 and (ws.max_new[keys] > 1).all()
+        else:
+            assert {int(ws.shapes.families[k]) for k in keys} == {batch.shape.family}
         assert batch.shape.model == con.model
         assert batch.shape.length_min <= lengths.min() and lengths.max() <= batch.shape.length_max
         # a padded batch's input band: within the tolerance for prefill-only work; a family that
         # generates is batched by its generations, its band bounded by count x longest (above)
-        generates = tol > 0 and ws.max_new[ws.shapes.families == batch.shape.family].max() > 1
+        generates = batch.shape.family == LOOSE_FAMILY or (
+            tol > 0 and ws.max_new[ws.shapes.families == batch.shape.family].max() > 1)
         if specs[c].mode == "padded" and not generates:
             assert lengths.max() <= (1 + tol) * lengths.min()
         for k in keys:
@@ -436,9 +442,11 @@ def check_drain(specs, ws: Workload, batches, packer: Packer, tol: float) -> Non
 def test_packer_drains_random_workloads_to_contract_and_shape(data, specs, max_wait, chunks, tol):
     models = sorted({s.contract.model for s in specs})
     ws = data.draw(workloads(models), label="workload")
-    gen = data.draw(st.sampled_from(["prefill", "equal", "spread"]), label="max_new")
+    gen = data.draw(st.sampled_from(["prefill", "equal", "spread", "wide"]), label="max_new")
+    wide = data.draw(st.lists(st.integers(0, 11), min_size=len(ws), max_size=len(ws)), label="wide")
     ws.max_new = {"prefill": np.ones(len(ws), np.int64), "equal": np.full(len(ws), 8, np.int64),
-                  "spread": 1 + np.arange(len(ws), dtype=np.int64) * 7919 % 5 * 3}[gen]
+                  "spread": 1 + np.arange(len(ws), dtype=np.int64) * 7919 % 5 * 3,
+                  "wide": 1 << np.array(wide, np.int64)}[gen]  # 1 to 2048: loose rectangles across output bands
     packer = roomy_packer(specs, len(ws), max_wait_seconds=max_wait, tolerance=tol)
     batches = []
     bounds = np.linspace(0, len(ws), chunks + 1).astype(int)
@@ -454,6 +462,7 @@ def test_packer_drains_random_workloads_to_contract_and_shape(data, specs, max_w
     event(f"modes: {'+'.join(sorted(s.mode for s in specs))}")
     event("some items failed back" if any(b.failed for _, b in batches) else "no item failed back")
     event(f"families: {'1' if len(set(ws.shapes.families.tolist())) == 1 else 'several'}")
+    event("loose rectangles" if any(b.shape.family == LOOSE_FAMILY and len(b) for _, b in batches) else "no loose rectangle")
 
 
 # ---- 4. oversized items ------------------------------------------------------------------
@@ -555,7 +564,9 @@ def _aging_run(mode: str, max_wait: float | None, steps: int):
         assert len(packer) == 9 - len(batch)  # 4 left of A, X, 4 new ones, less the batch
         served.append(batch.shape.family)
         if x in batch.handles.tolist():
-            assert batch.shape.family == fam_b and batch.handles.tolist() == [x]
+            # padded: X's family of one does not pay for its own rectangle; a loose one takes X first
+            assert batch.shape.family == (LOOSE_FAMILY if mode == "padded" else fam_b)
+            assert batch.handles.tolist() == [x]
             return t, served
         assert batch.handles.tolist() == list(range(4 * t, 4 * t + 4)), "A is served oldest first"
     assert packer.guards[0].num_refusals == 0
@@ -741,7 +752,7 @@ def test_add_many_indexes_exactly_what_add_does(data, specs):
     one, bulk = roomy_packer(specs, len(ws)), roomy_packer(specs, len(ws))
     for i in range(len(ws)):
         one.index.insert(i, float(ws.arrivals[i]), int(ws.lengths[i]), 8, int(ws.models[i]),
-                         int(ws.shapes.families[i]), ws.shapes.blocks(i))
+                         int(ws.shapes.families[i]), ws.shapes.blocks(i), int(ws.shapes.bases[i]))
     assert bulk.add_many(np.arange(len(ws), dtype=np.uint64), ws.arrivals, ws.shapes, 8) == len(ws)
     assert len(bulk) == len(one) and bulk.index.tokens == one.index.tokens
     picks = [(c, b.handles.tolist(), b.failed, b.shape) for c, b in drain(one)]

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from shmbroker.pack import packer as packer_mod
 from shmbroker.pack import shapes
-from shmbroker.pack.contract import Contract
+from shmbroker.pack.contract import DEFAULT_STEP_TOKENS, LOOSE_FAMILY, Contract
 from shmbroker.pack.packer import ConsumerSpec, Packer
 from shmbroker.pack.policy import DEFAULT_PADDING_TOLERANCE
 from shmbroker.pack.reference import FAILED_MAX, ReferencePacker
@@ -48,13 +48,13 @@ class Twin:
     """A Packer and a ReferencePacker fed the same calls, compared after each."""
 
     def __init__(self, contract: Contract, mode: str, capacity: int, tol: float = DEFAULT_PADDING_TOLERANCE,
-                 block_tokens: int = 16):
+                 block_tokens: int = 16, step_tokens: float = DEFAULT_STEP_TOKENS):
         self.contract = contract
         self.mode = mode
         self.block_tokens = block_tokens
         self.packer = Packer([ConsumerSpec("one", contract, mode)], capacity=capacity, nodes=3 * capacity + 16,
-                             families=max(capacity, 16), tolerance=tol)
-        self.ref = ReferencePacker(contract, mode, capacity=capacity, tolerance=tol)
+                             families=max(capacity, 16), tolerance=tol, step_tokens=step_tokens)
+        self.ref = ReferencePacker(contract, mode, capacity=capacity, tolerance=tol, step_tokens=step_tokens)
         self.batches: list = []  # (keys, failed keys) of each decision, from the packer
         self.max_new = lambda key: 8  # max_new_tokens of each key (the order of generations)
 
@@ -72,9 +72,9 @@ class Twin:
         for i in range(len(items)):
             key = first_key + i
             fam, hashes, n, model = int(sh.families[i]), sh.blocks(i), int(lengths[i]), int(models[i])
-            max_new = self.max_new(key)
-            self.packer.add(key, 0.0, n, max_new, model, fam, hashes)
-            self.ref.add(key, n, fam, hashes, model, max_new)
+            max_new, base = self.max_new(key), int(sh.bases[i])
+            self.packer.add(key, 0.0, n, max_new, model, fam, hashes, base)
+            self.ref.add(key, n, fam, hashes, model, max_new, base)
             assert len(self.packer) == len(self.ref)
             keys.append(key)
         return keys
@@ -265,8 +265,9 @@ def test_padded_generating_batches_group_by_max_new_within_the_contract_not_the_
     widens past the tolerance, as far as count x longest allows; of the caps on input length (from
     the shortest candidate up, x (1 + tol) each), the batch is the one that keeps the most rows
     decoding (decode work over its longest max_new), taken longest max_new first, skipping items
-    that do not fit."""
-    twin = Twin(Contract(4, 400, 200), "padded", 16)
+    that do not fit. (A decode step priced at no prefill tokens: the family pays for its own
+    rectangles, `test_a_family_that_does_not_pay_batches_loose` has the other side.)"""
+    twin = Twin(Contract(4, 400, 200), "padded", 16, step_tokens=0.0)
     lengths = [40, 100, 60, 95, 45, 180]
     max_new = [100, 100, 98, 10, 99, 100]
     twin.max_new = lambda key: max_new[key]
@@ -280,7 +281,7 @@ def test_padded_generating_batches_group_by_max_new_within_the_contract_not_the_
     # a band that fills the rectangle is not widened: 100, 100, 99 are more than 200 tokens hold,
     # so the batch is two of them, longest max_new first (99, then key 3's 100); the 100 left alone
     # could take another 100: widened, it shares a batch with 20 (whose max_new is the longest)
-    twin = Twin(Contract(4, 200, 200), "padded", 16)
+    twin = Twin(Contract(4, 200, 200), "padded", 16, step_tokens=0.0)
     twin.max_new = lambda key: [5, 9, 100, 7][key]
     twin.add_items([(SYS + filler(n - 16, i), 0, 0) for i, n in enumerate([100, 99, 20, 100])])
     assert twin.drain() == [([1, 3], []), ([2, 0], [])]
@@ -291,12 +292,43 @@ def test_padded_generating_batches_group_by_max_new_within_the_contract_not_the_
     assert twin.drain() == [([5], []), ([1, 3], []), ([2], []), ([4], []), ([0], [])]
 
 
+def test_a_family_that_does_not_pay_batches_loose():
+    """Families of one item never pay for a rectangle of their own: their items batch loose, from
+    the lanes (highest output band first, each lane's bands top down, then the lower output bands
+    from the batch's longest down), with family 0. A family that pays (4 items under a declared
+    prefix of 40 tokens, one max_new: 3 x 40 >= 1600 x 0) is passed over, then batched alone."""
+    twin = Twin(Contract(4, 400, 200), "padded", 16)
+    lengths = [50, 120, 80, 150, 60, 30]
+    max_new = [100, 90, 120, 8, 110, 9]  # output bands 14, 13, 14, 7, 14, 7
+    prefix = list(range(300, 340))
+    twin.max_new = lambda key: max_new[key] if key < 6 else 100
+    twin.add_items([(list(range(1000 + 16 * i, 1016 + 16 * i)) + filler(n - 16, i), 0, 0)
+                    for i, n in enumerate(lengths)] + [(prefix + filler(60, 10 + k), 40, 0) for k in range(4)])
+    # band 14 top down: 100 x 4 (passed over: their family pays), 80, 60, 50; band 13 from the
+    # longest a fourth row may be (400 // 4 = 100) down: nothing (120 is longer); band 7 from 100
+    # down: 30, the fourth row (4 x 80 <= 400)
+    assert twin.decide() == ([2, 4, 0, 5], [])
+    # band 13: 120; band 7 from 400 // 2 down: 150 (2 x 150 <= 400)
+    assert twin.decide() == ([1, 3], [])
+    assert twin.decide() == ([6, 7, 8, 9], [])  # the paying family, alone
+    assert twin.decide() is None
+    # the shapes: loose batches have family 0 (LOOSE_FAMILY) and their own length bounds
+    twin = Twin(Contract(4, 400, 200), "padded", 16)
+    twin.max_new = lambda key: max_new[key]
+    twin.add_items([(list(range(1000 + 16 * i, 1016 + 16 * i)) + filler(n - 16, i), 0, 0)
+                    for i, n in enumerate(lengths)])
+    got = twin.packer.next_batch(0, 0.0)
+    assert [int(k) for k in got.handles] == [2, 4, 0, 5]
+    assert (got.shape.family, got.shape.length_min, got.shape.length_max) == (LOOSE_FAMILY, 30, 80)
+
+
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_families_are_listed_by_their_shortest_band_floor(mode):
     """A family is in the overflow list when its lowest band starts above max_input_len: at band
     resolution, so a family of one 601-token item (band [600, 601]) is listed as fitting 600."""
     assert band_of(601) == band_of(600) and band_floor(band_of(601)) == 600
     twin = Twin(Contract(4, 4000, 600), mode, 8)
+    twin.max_new = lambda key: 1  # prefill only: families of one item are batched alone, not loose
     fam = [list(range(200 + 16 * k, 216 + 16 * k)) for k in range(3)]  # a first block per family
     twin.add_items([(fam[0] + filler(84, 1), 0, 0), (fam[1] + filler(585, 2), 0, 0), (fam[2] + filler(684, 3), 0, 0)])
     assert twin.drain() == [([], [2]), ([0], []), ([], [1])]  # 700 (overflow), 100, then 601 (failed)
