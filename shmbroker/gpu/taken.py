@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..engines.base import BatchResults
-from ..pack.contract import BATCH_ROW, Batch, Shape
+from ..pack.contract import BATCH_ROW, LOOSE_FAMILY, Batch, Shape
 from ..ring.items import Status
 from .core import RECOVERED_CORRUPT
 
@@ -40,15 +40,18 @@ def rows_within(units: np.ndarray, room: int, idle: bool) -> int:
 
 
 def engine_batch(c: int, run: np.ndarray) -> Batch:
-    """The rows the engine may run of a record, as consumer c's Batch (its shape: the first row's)."""
+    """The rows the engine may run of a record, as consumer c's Batch: its shape is its rows' model,
+    family (LOOSE_FAMILY when they are of several: a padded engine's loose rectangle) and lengths."""
     rows = np.zeros(run.size, BATCH_ROW)
     rows["handle"] = run["item_id"]
     rows["num_tokens"] = run["num_tokens"]
     rows["max_new_tokens"] = run["max_new_tokens"]
     rows["prefix_key"] = run["prefix_key"]
     rows["model"] = run["model"]
-    return Batch(c, Shape(int(run["model"][0]), int(run["prefix_key"][0]), int(rows["num_tokens"].min()),
-                          int(rows["num_tokens"].max())), rows)
+    keys = run["prefix_key"]
+    family = int(keys[0]) if (keys == keys[0]).all() else LOOSE_FAMILY
+    return Batch(c, Shape(int(run["model"][0]), family, int(rows["num_tokens"].min()), int(rows["num_tokens"].max())),
+                 rows)
 
 
 def failed_results(failed: np.ndarray) -> BatchResults:

@@ -17,7 +17,8 @@ Checks, in order (the first failure is the reason):
   tokens     (padded engines) count x longest > max_batch_tokens
   model      an item of another model than the contract's
   family     an item of another family than the batch's shape (a loose rectangle's
-             shape, LOOSE_FAMILY, takes rows of any family: `loose.py`)
+             shape, LOOSE_FAMILY, takes rows of any family, on a padded engine, each
+             generating: `loose.py`)
   band       an item outside the shape's length band, or (padded engines) a
              prefill-only batch wider than the padding tolerance: longest > (1 + tol) x
              shortest (a batch that generates is shaped by its decode: sweep.py)
@@ -77,8 +78,12 @@ def check_rows(rows, n, family, model, length_min, length_max, tol, max_batch_si
     for i in range(n):
         if rows[i].model != model:
             return MODEL
+    loose = family == np.uint64(LOOSE_FAMILY)
     for i in range(n):
-        if rows[i].prefix_key != family and family != np.uint64(LOOSE_FAMILY):
+        if loose:
+            if not rectangle or rows[i].max_new_tokens <= 1:
+                return FAMILY
+        elif rows[i].prefix_key != family:
             return FAMILY
     if lo < length_min or hi > length_max:
         return BAND

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from shmbroker.pack.contract import LOOSE_FAMILY, Contract, Shape
+from shmbroker.pack.contract import LOOSE_FAMILY, Batch, Contract, Shape
 from shmbroker.pack.guard import Guard
 from shmbroker.pack.index import IndexFull
 from shmbroker.pack.packer import ConsumerSpec, Packer
@@ -164,6 +164,19 @@ def test_guard_counts_every_refusal_and_passes_pure_batches():
         expected[reason] = expected.get(reason, 0) + 1
     assert dict(guard.refusals) == expected
     assert guard.num_refusals == len(GUARD_CASES)
+
+
+def test_guard_takes_a_loose_rectangle_only_on_a_padded_engine_and_only_of_generating_rows():
+    loose = Shape(7, LOOSE_FAMILY, 100, 200)
+
+    def batch(max_new):
+        return Batch.of(0, loose, np.arange(3), [100, 150, 200], max_new, families=np.array([F, G, F], np.uint64))
+
+    assert Guard(TOL).check_batch(batch([8, 2, 30]), GUARD_CONTRACT) is None  # any families, any spread
+    assert Guard(TOL).check_batch(batch([8, 1, 30]), GUARD_CONTRACT) == "family"  # a prefill-only row
+    assert Guard(None).check_batch(batch([8, 2, 30]), GUARD_CONTRACT) == "family"  # a packed engine's group
+    assert Guard(TOL).check_batch(Batch.of(0, loose, np.arange(4), [260, 250, 255, 251], [8] * 4,
+                                           families=np.array([F, G, F, G], np.uint64)), GUARD_CONTRACT) == "tokens"
 
 
 def test_guard_of_a_packed_engine_does_not_bound_count_x_longest():
