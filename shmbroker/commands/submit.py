@@ -8,13 +8,11 @@ on stderr naming file and line, and with --wait a row of its own). Progress: `jo
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
 from collections import Counter
 from contextlib import ExitStack
-from pathlib import Path
 
 import numpy as np
 

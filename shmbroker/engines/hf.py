@@ -1,7 +1,9 @@
 """`hf`: transformers on torch, a padded engine that computes a shape-pure batch's shared prefix once.
 
-A batch from the broker is shape-pure: one prefix family, similar lengths. This engine turns that
-into compute saved:
+A batch from the broker is shape-pure: one prefix family, similar lengths (or a loose rectangle of
+several families whose own rectangles would not pay for their padding, `pack/loose.py`: similar
+input and output lengths, and a common prefix only as long as its rows happen to share). This
+engine turns that into compute saved:
 
 1. the batch's common prefix (`EngineBatch.prefix_tokens`, at least one token of every item left
    outside it) runs once, batch size 1, into a KV cache (`DynamicCache`);

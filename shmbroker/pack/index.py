@@ -26,7 +26,7 @@ import numpy as np
 
 from ..jit import kernel
 from .ages import age_push
-from .bands import bit_clear, bit_set
+from .bands import bit_clear
 from .links import (
     branch_list_set,
     bucket_append,
@@ -35,7 +35,7 @@ from .links import (
     family_list_set,
     nitem_unlink,
 )
-from .lanes import lane_append, lane_unlink
+from .lanes import band_bucket, lane_append, lane_unlink
 from .listing import class_of, family_reclass, remember_server
 from .shapes import LENGTH_MAX, band_of
 from .state import (
@@ -93,20 +93,11 @@ def _family_for(S, family_key, model):
 def _band_append(S, f, slot, length):
     """Append item `slot` to its length band's bucket in family f (the bucket made, and its band's
     bit set, when it is the band's first item)."""
-    bk = S.buckets
     band = band_of(length)
     bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
-    b = ht_find(S.bucket_keys, S.bucket_slots, bkey)
-    if b == -1:
-        b = pop_free(S.free_buckets, S.meta, M_BUCKETS_FREE)
-        bk[b].key = bkey
-        bk[b].head = -1
-        bk[b].tail = -1
-        bk[b].count = 0
-        bk[b].band = band
-        ht_put(S.bucket_keys, S.bucket_slots, bkey, b)
-        bit_set(S.band_bits, S.band_summary, f, band)
-    bucket_append(S.items, bk, b, slot)
+    b, _ = band_bucket(S.buckets, S.bucket_keys, S.bucket_slots, S.free_buckets, S.meta, M_BUCKETS_FREE, bkey, band,
+                       S.band_bits, S.band_summary, f)
+    bucket_append(S.items, S.buckets, b, slot)
 
 
 @kernel(_nrt=False)

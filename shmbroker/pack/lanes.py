@@ -36,23 +36,34 @@ def lane_key(lane, band):
 
 
 @kernel(_nrt=False)
+def band_bucket(buckets, keys, slots, free, meta, mfree, key, band, bits, summ, row):
+    """The bucket of `key` (a family's or a lane's band) in `buckets`: found in its table, else taken
+    from its free list (meta[mfree] its height), empty, with band `band` set in row `row` of the
+    bitmap (bits, summ). Returns (bucket, made)."""
+    b = ht_find(keys, slots, key)
+    if b != -1:
+        return b, False
+    b = pop_free(free, meta, mfree)
+    buckets[b].key = key
+    buckets[b].head = -1
+    buckets[b].tail = -1
+    buckets[b].count = 0
+    buckets[b].band = band
+    ht_put(keys, slots, key, b)
+    bit_set(bits, summ, row, band)
+    return b, True
+
+
+@kernel(_nrt=False)
 def lane_append(S, slot, cls):
     """Link item `slot` (its length and max_new set) at the tail of its lane bucket in class cls."""
     it = S.items
     lb = S.lane_buckets
     lane = lane_of(cls, it[slot].max_new)
     band = band_of(it[slot].length)
-    key = lane_key(lane, band)
-    b = ht_find(S.lane_keys, S.lane_slots, key)
-    if b == -1:
-        b = pop_free(S.free_lanes, S.meta, M_LANES_FREE)
-        lb[b].key = key
-        lb[b].head = -1
-        lb[b].tail = -1
-        lb[b].count = 0
-        lb[b].band = band
-        ht_put(S.lane_keys, S.lane_slots, key, b)
-        bit_set(S.lane_bits, S.lane_summary, lane, band)
+    b, made = band_bucket(lb, S.lane_keys, S.lane_slots, S.free_lanes, S.meta, M_LANES_FREE, lane_key(lane, band),
+                          band, S.lane_bits, S.lane_summary, lane)
+    if made:
         S.lane_masks[cls] |= np.uint64(1) << np.uint64(lane % NUM_OUT_BANDS)
     it[slot].lnext = -1
     it[slot].lprev = lb[b].tail
