@@ -26,7 +26,6 @@ import numpy as np
 
 from ..jit import kernel
 from .ages import age_push
-from .bands import bit_clear
 from .links import (
     branch_list_set,
     bucket_append,
@@ -35,7 +34,7 @@ from .links import (
     family_list_set,
     nitem_unlink,
 )
-from .lanes import band_bucket, lane_append, lane_unlink
+from .lanes import band_bucket, band_bucket_release, lane_append, lane_unlink
 from .listing import class_of, family_reclass, remember_server
 from .shapes import LENGTH_MAX, band_of
 from .state import (
@@ -90,10 +89,9 @@ def _family_for(S, family_key, model):
 
 
 @kernel(inline="always", _nrt=False)
-def _band_append(S, f, slot, length):
+def _band_append(S, f, slot, band):
     """Append item `slot` to its length band's bucket in family f (the bucket made, and its band's
     bit set, when it is the band's first item)."""
-    band = band_of(length)
     bkey = (np.uint64(f + 1) << np.uint64(16)) | np.uint64(band)
     b, _ = band_bucket(S.buckets, S.bucket_keys, S.bucket_slots, S.free_buckets, S.meta, M_BUCKETS_FREE, bkey, band,
                        S.band_bits, S.band_summary, f)
@@ -124,7 +122,8 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes, base)
     it[slot].max_new = max_new
     it[slot].fam = f
     hang_item(S, x, slot, length, max_new)
-    _band_append(S, f, slot, length)
+    band = band_of(length)
+    _band_append(S, f, slot, band)
     fm[f].pending += 1
     fm[f].tokens += length
     if base > fm[f].base:
@@ -134,7 +133,7 @@ def insert(S, handle, arrival, length, max_new, model, family_key, hashes, base)
         fm[f].maxnew = max_new
     family_reclass(S, f)
     cls = class_of(S.classes, model, length)
-    lane_append(S, slot, cls)
+    lane_append(S, slot, cls, band)
     age_push(S, cls, slot)
     meta[M_ITEMS] += 1
     meta[M_TOKENS] += length
@@ -179,12 +178,10 @@ def remove_quiet(S, slot):
     meta = S.meta
     cons = S.consumers
     f = it[slot].fam
-    lane_unlink(S, slot, class_of(S.classes, fm[f].model, it[slot].length))
+    lane_unlink(S, slot)
     b = bucket_unlink(it, bk, slot)
-    if bk[b].count == 0:
-        bit_clear(S.band_bits, S.band_summary, f, bk[b].band)
-        ht_delete(S.bucket_keys, S.bucket_slots, bk[b].key)
-        push_free(S.free_buckets, meta, M_BUCKETS_FREE, b)
+    band_bucket_release(bk, S.bucket_keys, S.bucket_slots, S.free_buckets, meta, M_BUCKETS_FREE, b, S.band_bits,
+                        S.band_summary, f)
     x = nitem_unlink(it, nd, slot)
     while x != -1 and nd[x].nitems == 0 and nd[x].chead == -1:
         p = nd[x].parent

@@ -5,13 +5,13 @@ A family's bands (`index.py`) hold its own items; a lane holds every item of one
 of one input band each, with a bitmap of its non-empty bands (`bands.py`) as a family has. A
 padded engine's rectangle pays its longest input on every row and decodes until its longest
 output, so a rectangle drawn from a lane, walking its input bands in order, is shaped in both
-dimensions that cost; the policy draws from lanes the families too small to fill a rectangle
-alone (`loose.py`). Each class has a mask of its non-empty lanes, so the longest output band
+dimensions that cost; the policy draws from lanes the items of families whose own rectangle
+would not pay for its padding (`loose.py`). Each class has a mask of its non-empty lanes, so the longest output band
 with items is one bit scan.
 
 Lane bucket key: lane << 16 | input band, lane = class x NUM_OUT_BANDS + output band. An item
-is linked in its lane bucket by lprev/lnext; its bucket is found again from its length,
-max_new and class, so the item record needs no more words.
+is linked in its lane bucket by its LANE_LINK record (`state.py`), by the same list kernels as
+its family's bucket (`links.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import numpy as np
 
 from ..jit import kernel
 from .bands import SUMMARY_WORDS, bit_clear, bit_set
-from .shapes import NUM_OUT_BANDS, band_of, out_band
+from .links import bucket_append, bucket_unlink
+from .shapes import NUM_OUT_BANDS, out_band
 from .state import M_LANES_FREE, pop_free, push_free
 from .tables import ht_delete, ht_find, ht_put
 
@@ -55,55 +56,43 @@ def band_bucket(buckets, keys, slots, free, meta, mfree, key, band, bits, summ, 
 
 
 @kernel(_nrt=False)
-def lane_append(S, slot, cls):
-    """Link item `slot` (its length and max_new set) at the tail of its lane bucket in class cls."""
-    it = S.items
-    lb = S.lane_buckets
-    lane = lane_of(cls, it[slot].max_new)
-    band = band_of(it[slot].length)
-    b, made = band_bucket(lb, S.lane_keys, S.lane_slots, S.free_lanes, S.meta, M_LANES_FREE, lane_key(lane, band),
-                          band, S.lane_bits, S.lane_summary, lane)
-    if made:
-        S.lane_masks[cls] |= np.uint64(1) << np.uint64(lane % NUM_OUT_BANDS)
-    it[slot].lnext = -1
-    it[slot].lprev = lb[b].tail
-    if lb[b].tail != -1:
-        it[lb[b].tail].lnext = slot
-    else:
-        lb[b].head = slot
-    lb[b].tail = slot
-    lb[b].count += 1
+def band_bucket_release(buckets, keys, slots, free, meta, mfree, b, bits, summ, row):
+    """Give bucket b back (`band_bucket`'s reverse) once it is empty: its band's bit cleared, its key
+    out of the table, the slot on its free list. Returns whether it was released."""
+    if buckets[b].count != 0:
+        return False
+    bit_clear(bits, summ, row, buckets[b].band)
+    ht_delete(keys, slots, buckets[b].key)
+    push_free(free, meta, mfree, b)
+    return True
 
 
 @kernel(_nrt=False)
-def lane_unlink(S, slot, cls):
-    """Unlink item `slot` from its lane bucket (freed when empty, the lane's mask bit cleared when
-    it has no band left)."""
-    it = S.items
+def lane_append(S, slot, cls, band):
+    """Link item `slot` (its max_new set; `band` its input band) at the tail of its lane bucket in
+    class cls."""
+    lane = lane_of(cls, S.items[slot].max_new)
+    b, made = band_bucket(S.lane_buckets, S.lane_keys, S.lane_slots, S.free_lanes, S.meta, M_LANES_FREE,
+                          lane_key(lane, band), band, S.lane_bits, S.lane_summary, lane)
+    if made:
+        S.lane_masks[cls] |= np.uint64(1) << np.uint64(lane % NUM_OUT_BANDS)
+    bucket_append(S.lane_links, S.lane_buckets, b, slot)
+
+
+@kernel(_nrt=False)
+def lane_unlink(S, slot):
+    """Unlink item `slot` from its lane bucket (released when empty, the lane's mask bit cleared
+    when it has no band left)."""
     lb = S.lane_buckets
-    lane = lane_of(cls, it[slot].max_new)
-    b = ht_find(S.lane_keys, S.lane_slots, lane_key(lane, band_of(it[slot].length)))
-    p = it[slot].lprev
-    n = it[slot].lnext
-    if p != -1:
-        it[p].lnext = n
-    else:
-        lb[b].head = n
-    if n != -1:
-        it[n].lprev = p
-    else:
-        lb[b].tail = p
-    lb[b].count -= 1
-    if lb[b].count == 0:
-        bit_clear(S.lane_bits, S.lane_summary, lane, lb[b].band)
-        ht_delete(S.lane_keys, S.lane_slots, lb[b].key)
-        push_free(S.free_lanes, S.meta, M_LANES_FREE, b)
-        empty = True
-        for w in range(SUMMARY_WORDS):
-            if S.lane_summary[lane, w] != np.uint64(0):
-                empty = False
-        if empty:
-            S.lane_masks[cls] &= ~(np.uint64(1) << np.uint64(lane % NUM_OUT_BANDS))
+    b = bucket_unlink(S.lane_links, lb, slot)
+    lane = np.int64(lb[b].key >> np.uint64(16))
+    if not band_bucket_release(lb, S.lane_keys, S.lane_slots, S.free_lanes, S.meta, M_LANES_FREE, b,
+                               S.lane_bits, S.lane_summary, lane):
+        return
+    for w in range(SUMMARY_WORDS):
+        if S.lane_summary[lane, w] != np.uint64(0):
+            return
+    S.lane_masks[lane // NUM_OUT_BANDS] &= ~(np.uint64(1) << np.uint64(lane % NUM_OUT_BANDS))
 
 
 @kernel(inline="always", _nrt=False)

@@ -1,10 +1,9 @@
 """The loose walk: a padded engine's rectangle drawn from lanes (`lanes.py`), across families.
 
-A family too small to fill a rectangle alone (`fills`: fewer pending items than max_batch_size
-and fewer pending tokens than max_batch_tokens) gains nothing from a batch of its own: a
-rectangle engine decodes every row until the batch's longest output, one step costing about
-the same for one row or a full batch, and a one-off prompt's family is one item. Such items
-batch loose: the shape's family is `LOOSE_FAMILY` (no prefix computed once), and the rectangle
+A family whose own rectangle would not pay for its padding (`family_pays`) gains nothing from
+a batch of its own: a rectangle engine decodes every row until the batch's longest output, one
+step costing about the same for one row or a full batch, and a one-off prompt's family is one
+item. Such items batch loose: the shape's family is `LOOSE_FAMILY` (no prefix computed once), and the rectangle
 is cut from the lanes in the order that minimises its two paddings, as the sorted cut of the
 padded bound does (`bench/pack_bound.py`): the longest output band of the consumer's first
 class that has one, its input bands walked from one end (the largest consumer of a model from
@@ -15,8 +14,9 @@ longest item a next row may be: max_batch_tokens / (rows + 1)). The walk stops o
 join (count == max_batch_size, or count x longest == max_batch_tokens); a descending walk passes
 over an item longer than a next row may be, an ascending one goes to the next output band.
 
-Items of families that fill a rectangle, or that another consumer holds, are passed over (their
-prefix is computed once in a family batch), at most SKIP_PER_SLOT x max_batch_size of them a
+Items of families that pay for their own rectangle, or that another consumer holds, are passed
+over (their prefix is computed once in a family batch), and so, by a descending walk, are items
+longer than a next row may be, at most SKIP_PER_SLOT x max_batch_size of them a
 walk, so a decision stays O(batch). An aged item (`ages.py`) is taken first and the walk starts
 at its lane and band.
 """
@@ -115,16 +115,47 @@ def _first_lane(S, cls_order, descending, max_in, out, aged):
 
 
 @kernel(_nrt=False)
+def _walk_bucket(S, c, slot, aged, descending, bs, bt, max_in, model_max, step_tokens, out, failed, n, nf, lo, hi,
+                 skips):
+    """Walk one lane bucket from item `slot` on, for `select_loose`, whose state it takes and gives
+    back: (rows, failures, shortest, longest, passes left, whether the walk is over)."""
+    it = S.items
+    while slot != -1:
+        if slot != aged:
+            length = np.int64(it[slot].length)
+            if length > model_max:
+                if nf == failed.size:
+                    return n, nf, lo, hi, skips, True
+                failed[nf] = slot
+                nf += 1
+            elif length > max_in:
+                return n, nf, lo, hi, skips, not descending  # an ascending walk meets only longer items from here
+            else:
+                took = _take(S, c, slot, n, hi, bs, bt, step_tokens, out)
+                if took == TAKEN:
+                    lo = length if n == 0 else min(lo, length)
+                    hi = max(hi, length)
+                    n += 1
+                elif took == FULL or (took == LONGER and not descending):  # ascending: only longer ones follow
+                    return n, nf, lo, hi, skips, True
+                else:  # passed over
+                    skips -= 1
+                    if skips == 0:
+                        return n, nf, lo, hi, skips, True
+        slot = S.lane_links[slot].bnext
+    return n, nf, lo, hi, skips, False
+
+
+@kernel(_nrt=False)
 def select_loose(S, c, cls_order, descending, bs, bt, max_in, model_max, step_tokens, out, failed, aged):
     """A loose rectangle for consumer c: (items, failures, shortest, longest); (0, 0, 0, 0) when no
     lane of its classes generates. Failures (items longer than model_max, met in an overflow
     class's lanes) are collected as `sweep.select_padded` does, at most failed.size."""
-    it = S.items
-    nf = 0
     cls, top, n = _first_lane(S, cls_order, descending, max_in, out, aged)
     if cls == -1:
         return 0, 0, 0, 0
-    lo = np.int64(it[aged].length) if n else np.int64(0)
+    nf = 0
+    lo = np.int64(S.items[aged].length) if n else np.int64(0)
     hi = lo
     skips = SKIP_PER_SLOT * bs
     o = top
@@ -135,44 +166,14 @@ def select_loose(S, c, cls_order, descending, bs, bt, max_in, model_max, step_to
                              band_of(min(bt // (n + 1), LENGTH_MAX)) if n else NUM_BANDS - 1)
         else:
             band = band_next(S.lane_bits, S.lane_summary, lane, 0)
-        full = False
         while band != -1:
-            slot = lane_head(S, lane, band)
-            while slot != -1:
-                if slot != aged:
-                    length = np.int64(it[slot].length)
-                    if length > model_max:
-                        if nf == failed.size:
-                            return n, nf, lo, hi
-                        failed[nf] = slot
-                        nf += 1
-                    elif length > max_in:
-                        full = not descending  # an ascending walk meets only longer items from here
-                        break
-                    else:
-                        took = _take(S, c, slot, n, hi, bs, bt, step_tokens, out)
-                        if took == FULL or (took == LONGER and not descending):
-                            full = True  # an ascending walk meets only longer items from here
-                            break
-                        if took == PASSED or took == LONGER:
-                            skips -= 1
-                            if skips == 0:
-                                return n, nf, lo, hi
-                        else:
-                            if n == 0:
-                                lo = length
-                                hi = length
-                            lo = min(lo, length)
-                            hi = max(hi, length)
-                            n += 1
-                slot = it[slot].lnext
-            if full:
-                break
+            n, nf, lo, hi, skips, over = _walk_bucket(S, c, lane_head(S, lane, band), aged, descending, bs, bt, max_in,
+                                                      model_max, step_tokens, out, failed, n, nf, lo, hi, skips)
+            if over:
+                return n, nf, lo, hi
             band = band_prev(S.lane_bits, S.lane_summary, lane, band - 1) if descending else \
                 band_next(S.lane_bits, S.lane_summary, lane, band + 1)
-        if full and descending:
-            return n, nf, lo, hi  # no item can join
-        if not descending:
+        if not descending:  # a smaller consumer's rectangle is its lowest output band's
             break
         o = _highest_lane(S.lane_masks[cls], o)
     return n, nf, lo, hi

@@ -10,7 +10,7 @@ ITEM (64 bytes)                          NODE (88 bytes): one trie node
   bucket   i32  bprev/bnext i32            ihead/itail i32  items ending here, nitems i32
   nprev/nnext i32   node item list         live    i32  has items or live children
   gen      i32  bumped when the slot frees  maxlen i32  claimed i32 (consumer+1) cls i32
-  lprev/lnext i32   lane bucket list       cprev/cnext i32  the branch list it is in (cls)
+  pad      i32 x2                          cprev/cnext i32  the branch list it is in (cls)
                                            affine  i32  consumer that served the branch last
                                            maxnew  i32  longest max_new under a branch
 
@@ -21,7 +21,9 @@ FAMILY (64 bytes)                        BUCKET (24 bytes): one (family, band)
   base i32 (tokens under its key, the prefix every item shares; 0: not known)  pad i32
 
 A lane bucket (BUCKET_REC too) is one (lane, input band); a lane is one (class, output band) of
-every family (`lanes.py`), its input bands a bitmap as a family's are.
+every family (`lanes.py`), its input bands a bitmap as a family's are. An item's place in its lane
+bucket is its LANE_LINK record (12 bytes: bucket, bprev, bnext, the names of ITEM's own bucket
+links, so the list kernels of `links.py` serve both).
 
 `State` names the arrays. A kernel called from Python takes them as a plain tuple
 (`PackIndex.arrays`: numba dispatches a plain tuple faster than a named one, about a
@@ -43,7 +45,7 @@ from .tables import new_free_list, new_table
 ITEM_REC = np.dtype([
     ("handle", "u8"), ("arrival", "f8"), ("length", "i4"), ("max_new", "i4"), ("fam", "i4"), ("node", "i4"),
     ("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4"), ("nprev", "i4"), ("nnext", "i4"),
-    ("gen", "i4"), ("lprev", "i4"), ("lnext", "i4")])
+    ("gen", "i4"), ("pad1", "i4"), ("pad2", "i4")])
 NODE_REC = np.dtype([
     ("hash", "u8"), ("parent", "i4"), ("depth", "i4"), ("fam", "i4"), ("branch", "i4"),
     ("chead", "i4"), ("ctail", "i4"), ("sprev", "i4"), ("snext", "i4"),
@@ -55,6 +57,7 @@ FAM_REC = np.dtype([
     ("claimed", "i4"), ("gcls", "i4"), ("gprev", "i4"), ("gnext", "i4"), ("generate", "i8"), ("base", "i4"),
     ("pad", "i4")])
 BUCKET_REC = np.dtype([("key", "u8"), ("head", "i4"), ("tail", "i4"), ("count", "i4"), ("band", "i4")])
+LANE_LINK = np.dtype([("bucket", "i4"), ("bprev", "i4"), ("bnext", "i4")])
 
 # meta words
 M_ITEMS_FREE, M_NODES_FREE, M_FAMS_FREE, M_BUCKETS_FREE, M_ITEMS, M_TOKENS, M_LANES_FREE = range(7)
@@ -94,6 +97,7 @@ class State(NamedTuple):
     consumers: np.ndarray  # [consumer, C_*]
     hint_keys: np.ndarray  # direct-mapped: the branch key a consumer served last in each slot (listing.py)
     hint_consumers: np.ndarray  # that consumer
+    lane_links: np.ndarray  # LANE_LINK per item slot: its place in its lane bucket
     lane_buckets: np.ndarray  # BUCKET_REC per (lane, input band) slot (lanes.py)
     lane_keys: np.ndarray  # lane << 16 | band -> lane bucket slot
     lane_slots: np.ndarray
@@ -129,7 +133,7 @@ def new_state(classes: np.ndarray, items: int, nodes: int, families: int, num_co
         new_free_list(items), new_free_list(nodes), new_free_list(families), new_free_list(buckets),
         meta, classes, np.full((num_consumers, 4), -1, np.int64),
         np.zeros(hint_slots(items), np.uint64), np.full(hint_slots(items), -1, np.int32),
-        np.zeros(items, BUCKET_REC), *new_table(items), np.zeros((lanes, BAND_WORDS), np.uint64),
+        np.zeros(items, LANE_LINK), np.zeros(items, BUCKET_REC), *new_table(items), np.zeros((lanes, BAND_WORDS), np.uint64),
         np.zeros((lanes, SUMMARY_WORDS), np.uint64), np.zeros(k1, np.uint64), new_free_list(items))
 
 

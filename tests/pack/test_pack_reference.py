@@ -32,7 +32,7 @@ from shmbroker.pack.contract import DEFAULT_STEP_TOKENS, LOOSE_FAMILY, Contract
 from shmbroker.pack.packer import ConsumerSpec, Packer
 from shmbroker.pack.policy import DEFAULT_PADDING_TOLERANCE
 from shmbroker.pack.reference import FAILED_MAX, ReferencePacker
-from shmbroker.pack.reference_index import NUM_BANDS, band_floor, band_of, hint_slots
+from shmbroker.pack.reference_index import LENGTH_MAX, NUM_BANDS, band_floor, band_of, hint_slots, out_band
 from shmbroker.pack.shapes import shape_items
 from shmbroker.pack.state import C_BAND
 
@@ -191,6 +191,9 @@ def test_reference_constants_and_bands_are_the_packers():
         assert band_of(n) == shapes.band_of(n), n
     for b in range(0, NUM_BANDS, 7):
         assert band_floor(b) == shapes.band_floor(b), b
+    assert LENGTH_MAX == shapes.LENGTH_MAX
+    for m in list(range(0, 5000)) + [(1 << 31) - 1, 1 << 20, 3 << 19]:
+        assert out_band(m) == shapes.out_band(m) < shapes.NUM_OUT_BANDS, m
     for capacity in (1, 16, 40_000, 100_000):
         p = Packer([ConsumerSpec("one", Contract(2, 100, 50))], capacity=capacity)
         assert hint_slots(capacity) == p.index.state.hint_keys.size
