@@ -1,5 +1,5 @@
 """`bench pack`'s padded bounds: what a feeding of a padded (static-batch) engine can spend at
-best, in modeled seconds (`engines/sim.py`, `SimCost`), so a policy is judged on any workload.
+best, in modeled seconds (`engines/cost.py`, `SimCost`), so a policy is judged on any workload.
 
 A padded batch on a consumer of contract (S, T) holds at most S items whose count x longest input
 is at most T, so its items' inputs add up to at most T. It pays an overhead, its computed prefill
