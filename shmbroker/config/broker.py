@@ -119,6 +119,10 @@ class BrokerConfig:
                                                    "missed: the process is killed and its batches redelivered")
     batch_deadline_token_seconds: float = seconds(0.01, "the deadline's part per input and generated token",
                                                   low_open=False)
+    engine_call_seconds: float = seconds(30.0, "one call into an engine may block this long, plus its own timeout and "
+                                               "`batch_deadline_token_seconds` per token of `max_batch_tokens` (the most "
+                                               "one engine step computes); past it the engine is dead: the GPU process "
+                                               "exits and restarts with a fresh one, its items handed back unfailed")
     heartbeat_timeout_seconds: float = seconds(120.0, "a process whose loop did not beat this long is hung: "
                                                       "killed and restarted")
     startup_timeout_seconds: float = seconds(900.0, "... and one whose loop has not begun this long after its start "

@@ -97,6 +97,13 @@ GPU = (
        "Batches split to run their items alone: a GPU process died on them poison_attempts times."),
     _c("poisoned", "consumer_poisoned_items_total",
        "Items failed (engine_error) because the engine process died on each alone poison_attempts times."),
+    _c("engine_deaths", "consumer_engine_deaths_total",
+       "Engines that died (EngineDead, a call past its deadline, its processes gone): each a fresh GPU process."),
+    _g("engine_restart_ns", "consumer_engine_restart_seconds",
+       "The last engine death's restart: seconds from the death to the fresh engine's first result.", scale=NS),
+    _g("engine_load_ns", "consumer_engine_load_seconds",
+       "Seconds the GPU process took from its start to its engine loaded (process start and model load).",
+       scale=NS),
 )
 
 INGEST = (

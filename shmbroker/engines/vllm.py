@@ -58,7 +58,8 @@ from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, OK, TOO_LONG, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .base import ENGINE_ERROR, OK, TOO_LONG, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .deaths import PROBE_TOKENS, Streak, death_of
 from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 from .samples import samples_result
 
@@ -68,6 +69,16 @@ try:
     FINAL_ONLY = {"output_kind": RequestOutputKind.FINAL_ONLY}
 except ImportError:  # a vLLM without it (or a test stub): every step reports running requests too
     FINAL_ONLY = {}
+
+try:  # vLLM's engine core is gone or broken for good (vllm/v1/engine/exceptions.py)
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    FATAL_TYPES: tuple = (EngineDeadError,)
+except ImportError:  # a vLLM without the v1 engine (or a test stub)
+    FATAL_TYPES = ()
+
+PROBE_REQUEST = "shmbroker-probe"  # a lone item's failure is charged once this one-token request runs
+PROBE_STEPS_MAX = 64  # steps a probe may take (one prefill, one token) before it counts as failed
 
 # vLLM's own words for a prompt past max_model_len (vllm/v1/engine/input_processor.py, renderers)
 TOO_LONG_WORDS = ("maximum context length", "maximum model length")
@@ -131,6 +142,7 @@ class VLLM(StreamingRun):
         self._alone: deque = deque()  # the requests of a step that raised, to run one at a time
         self._held: deque = deque()  # items added while those run alone
         self._isolating = False
+        self.streak = Streak("vllm", FATAL_TYPES)
 
     @property
     def llm(self):  # the engine object (the older name)
@@ -167,7 +179,10 @@ class VLLM(StreamingRun):
         try:
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
                                     SamplingParams(**vllm_sampling(max_new_tokens, opts), **FINAL_ONLY))
-        except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone
+        except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone, unless the engine is dead
+            why = death_of(exc, FATAL_TYPES)
+            if why is not None:
+                raise EngineDead(f"engine 'vllm' is dead: {why}") from exc
             self._answered.append(refused(item_id, exc))
             return
         self._live[rid] = (item_id, prompt, max_new_tokens, opts)
@@ -202,6 +217,7 @@ class VLLM(StreamingRun):
                 item_id, prompt = item[0], item[1]
                 result = finished_result(item_id, out, item[3])
                 results.append(result)
+                self.streak.answered()
                 if result.status == OK:
                     cached.append(getattr(out, "num_cached_tokens", None))
                     lengths.append(len(prompt))
@@ -212,18 +228,46 @@ class VLLM(StreamingRun):
         return EngineOutcome(results, hits.hit_blocks, hits.queried_blocks, seconds, reused_tokens=hits.reused_tokens)
 
     def _step_failed(self, exc: Exception) -> list:
-        """Abort what ran; a lone item fails, a group runs again one at a time (module docstring)."""
+        """Abort what ran; a group runs again one at a time; a lone item fails once a probe shows the
+        engine answers other work; a dead engine raises EngineDead (module docstring)."""
         live = list(self._live.values())
         self._live.clear()
-        try:
-            self.engine.abort_request([str(item[0]) for item in live])
-        except Exception:  # noqa: BLE001 - an engine that cannot abort has dropped them anyway
-            pass
+        self._abort([str(item[0]) for item in live])
         if self._isolating and len(live) <= 1:
-            return [engine_error(item[0], exc) for item in live]
+            return [self.streak.charge(item[0], exc, self._probe) for item in live]
+        self.streak.failed(exc)
         self._isolating = True
         self._alone.extendleft(reversed(live))
         return []
+
+    def _abort(self, request_ids: list) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:  # noqa: BLE001 - an engine that cannot abort has dropped them anyway
+            pass
+
+    def _probe(self) -> None:
+        """One token from a one-token prompt, alone in the engine; raises what the engine raises."""
+        self.engine.add_request(PROBE_REQUEST, TokensPrompt(prompt_token_ids=PROBE_TOKENS.tolist()),
+                                SamplingParams(**vllm_sampling(1, None), **FINAL_ONLY))
+        try:
+            for _ in range(PROBE_STEPS_MAX):
+                if any(str(out.request_id) == PROBE_REQUEST and getattr(out, "finished", True)
+                       for out in self.engine.step()):
+                    return
+        except BaseException:
+            self._abort([PROBE_REQUEST])
+            raise
+        self._abort([PROBE_REQUEST])
+        raise RuntimeError(f"the probe request did not finish in {PROBE_STEPS_MAX} steps")
+
+    def gone(self) -> str | None:
+        """Why vLLM's engine-core process is gone (its client's monitor saw it exit: the multiprocess
+        engine, `VLLM_ENABLE_V1_MULTIPROCESSING=1`), else None; cheap, from any thread."""
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        if resources is not None and getattr(resources, "engine_dead", False) is True:
+            return "vLLM's engine-core process is gone"
+        return None
 
     def _feed_isolated(self) -> None:
         """While isolating: the next lone item when none runs; once all ran, the held ones in order."""

@@ -16,13 +16,14 @@ that cannot load its engine counts no delivery.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from ..control import roles
-from ..control.segment import R_DEADLINE, beat
-from ..engines.base import BatchResults
+from ..control.segment import R_DEADLINE, R_STARTED, beat
+from ..engines.base import BatchResults, EngineDead
 from ..errors import Full, PeerDead
 from ..pack.feeding import window_items
 from ..ring import layout as L
@@ -33,6 +34,7 @@ from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words,
 from .backoff import WindowLimits
 from .core import ConsumerCore
 from .deliveries import Deliveries
+from .engine_watch import EngineWatch, WatchedEngine
 from .segments import SegmentViews
 from .window import WINDOW_COUNTS, Window
 
@@ -40,6 +42,7 @@ from .window import WINDOW_COUNTS, Window
 # within a few of its time slices.
 YIELD_ROUNDS = 64
 NO_EXTRAS = np.zeros(0, np.uint32)
+log = logging.getLogger("shmbroker.gpu")
 IDLE_PUBLISH_NS = 500_000_000  # an idle GPU process publishes its idle seconds this often
 
 
@@ -128,7 +131,6 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     stats = StatsWriter(control, role)
     engine = load_engine(consumer.engine, consumer.engine_settings, block_tokens=cfg.block_tokens,
                          contract=consumer.contract)
-    core = ConsumerCore(consumer.contract, engine, tolerance=cfg.padding_tolerance)
     ring = batch_ring.attach(CONSUMER)
     out = results_ring.attach(PRODUCER)
     views = SegmentViews(Path(cfg.data_dir) / BACKLOG_DIR)
@@ -138,19 +140,33 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
         slot[R_DEADLINE] = 0
 
     deliveries = Deliveries(control.own(role), int(ring.header[L.H_TAIL]), cfg.poison_attempts)
+    watch = EngineWatch(consumer.name, slot, engine, deliveries, report=lambda: window.in_flight_words(),
+                        counted=lambda: counting.engine_died())
+    core = ConsumerCore(consumer.contract, WatchedEngine(engine, watch, call_seconds(cfg, consumer.contract)),
+                        tolerance=cfg.padding_tolerance)
     window = Window(core, ring, ResultWriter(out, stopping, held_up), views, c,
                     window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
                     limits=WindowLimits.of(cfg))
     counting = GpuCounting(stats, core, window)
+    counting.loaded(slot, deliveries)
     window.on_event = counting.publish_window
+    watch.start()
     try:
         _serve(window, counting, ring, slot, stopping)
+    except EngineDead as exc:
+        watch.end(str(exc))
     finally:
+        watch.stop()
         slot[R_DEADLINE] = 0
         views.close()
         ring.close()
         out.close()
         engine.close()
+
+
+def call_seconds(cfg, contract) -> float:
+    """How long one call into the engine may block past its own timeout (`engine_watch.py`)."""
+    return cfg.engine_call_seconds + cfg.batch_deadline_token_seconds * contract.max_batch_tokens
 
 
 def _serve(window: Window, counting: GpuCounting, ring: Ring, slot: np.ndarray, stopping) -> None:
@@ -220,9 +236,32 @@ class GpuCounting:
         v = stats.values
         self.base = v.copy()
         self.at = {k: stats.index[k] for k in (*self.KEYS, *WINDOW_COUNTS, "tokens", "busy_ns", "idle_ns",
-                                                "batch_wait_ns", "engine_own_ns", "last_family", "engine_down")}
+                                                "batch_wait_ns", "engine_own_ns", "last_family", "engine_down",
+                                                "engine_deaths", "engine_restart_ns", "engine_load_ns")}
+        self.deliveries = None  # a fresh engine's deliveries, while its restart is to be measured
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
             core.resume_family(stats["last_family"] & U64_MASK)
+
+    def loaded(self, slot: np.ndarray, deliveries: Deliveries) -> None:
+        """The engine is loaded: the seconds since the process started, and the restart to measure at
+        its first result when an engine died before it (`engine_watch.py`)."""
+        load_ns = max(0, time.monotonic_ns() - int(slot[R_STARTED]))
+        self.stats.values[self.at["engine_load_ns"]] = load_ns
+        log.info("engine loaded in %.1f s", load_ns / 1e9)
+        self.deliveries = deliveries
+        self.stats.publish()
+
+    def engine_died(self) -> None:
+        self.stats.values[self.at["engine_deaths"]] += 1
+        self.stats.publish()
+
+    def _restarted(self) -> None:
+        """The first result since the engine's start: an engine death's restart, when one came before."""
+        seconds = self.deliveries.restart_seconds(time.monotonic_ns())
+        self.deliveries = None
+        if seconds is not None:
+            self.stats.values[self.at["engine_restart_ns"]] = int(seconds * 1e9)
+            log.warning("the engine restarted %.1f s after its predecessor died (death to first result)", seconds)
 
     def idle(self, idle_ns: int) -> None:
         self.stats.values[self.at["idle_ns"]] += idle_ns
@@ -245,6 +284,8 @@ class GpuCounting:
         self.stats.publish()
 
     def batch(self, busy_ns: int, idle_ns: int, wait_ns: int) -> None:
+        if self.deliveries is not None:
+            self._restarted()
         s, v, base, at = self.core.stats, self.stats.values, self.base, self.at
         for k in self.KEYS:
             v[at[k]] = base[at[k]] + getattr(s, k)

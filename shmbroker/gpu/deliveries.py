@@ -16,6 +16,7 @@ is first in line; only a release moves the tail, so a successor sees the same po
 | 2        | solo_at         | ring position of the record whose item runs alone               |
 | 3        | solo_row        | that item's row in its record                                   |
 | 4        | solo_deliveries | processes that ran that item alone (this one too); 0: none      |
+| 5        | died_ns         | CLOCK_MONOTONIC of the last engine death not yet followed by a result (0: none) |
 
 At its start the process compares its ring's tail with taken_end: the records between were held
 by a predecessor that died (a clean stop releases everything first). Its mode, with N =
@@ -30,6 +31,13 @@ by a predecessor that died (a clean stop releases everything first). Its mode, w
 
 Then NORMAL again. A process that dies before its engine is loaded has taken nothing: it counts
 no delivery (so an engine that cannot start fails no item).
+
+An engine that dies (`engine_watch.py`: EngineDead, a call past its deadline, its processes gone)
+is not its items' fault when the process got work done: a process in NORMAL mode that released a
+record before its engine died hands its records back uncounted (`engine_died`), and its successor
+starts NORMAL. One that released nothing, or that was running a dead predecessor's records again,
+counts the delivery as any death does: an item that kills every engine it meets still ends failed
+after poison_attempts deaths alone, instead of restarting the card forever.
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ from ..control.segment import OWN_WORDS
 
 NORMAL, AGAIN, SPLIT = "normal", "again", "split"
 # the own words' layout (the table above), declared here only
-O_TAKEN_END, O_DELIVERIES, O_SOLO_AT, O_SOLO_ROW, O_SOLO_DELIVERIES = range(5)
-assert O_SOLO_DELIVERIES < OWN_WORDS, "the deliveries fit a role slot's own words"
+O_TAKEN_END, O_DELIVERIES, O_SOLO_AT, O_SOLO_ROW, O_SOLO_DELIVERIES, O_DIED_NS = range(6)
+assert O_DIED_NS < OWN_WORDS, "the deliveries fit a role slot's own words"
 
 
 def poison_message(attempts: int) -> str:
@@ -56,6 +64,7 @@ class Deliveries:
         self.own = own
         self.attempts = attempts
         self.held_end = int(own[O_TAKEN_END])
+        self.start_tail = self.tail = tail  # the ring's tail at this process's start, and now
         self.prev_solo: tuple[int, int, int] | None = None
         if tail < self.held_end:
             deliveries = max(1, int(own[O_DELIVERIES])) + 1
@@ -101,8 +110,30 @@ class Deliveries:
 
     def released(self, tail: int) -> None:
         """Records were released up to ring position `tail`: the held ones all, and it is NORMAL again."""
+        self.tail = tail
         if self.mode != NORMAL and tail >= self.held_end:
             self._normal(tail)
+
+    def engine_died(self, now_ns: int) -> bool:
+        """The engine died at now_ns (module docstring): True when the records held count a delivery
+        (this process released none, or was not in NORMAL mode); the moment is kept for the
+        successor's restart time."""
+        own = self.own
+        own[O_DIED_NS] = now_ns
+        if self.mode != NORMAL or self.tail == self.start_tail:
+            return True
+        own[O_SOLO_DELIVERIES] = 0
+        own[O_DELIVERIES] = 1
+        own[O_TAKEN_END] = self.tail  # nothing held: the successor starts NORMAL from the tail
+        return False
+
+    def restart_seconds(self, now_ns: int) -> float | None:
+        """Seconds from the last engine death to now, once (a first result); None: none pending."""
+        died = int(self.own[O_DIED_NS])
+        if not died:
+            return None
+        self.own[O_DIED_NS] = 0
+        return (now_ns - died) / 1e9
 
     def solo_done(self) -> None:
         """The item running alone has its result: a death now is not its (what a predecessor died on

@@ -361,6 +361,13 @@ class Window:
         assert t.open >= 0, "more results than rows"
         self.ring.count_done(rows.size)
 
+    def in_flight_words(self) -> str:
+        """What the window holds, in words (an engine death's log line)."""
+        ids = self.core.in_flight
+        shown = ", ".join(f"{int(i):#x}" for i in ids[:4]) + (", ..." if ids.size > 4 else "")
+        return (f"{ids.size} items in the engine ({shown}), {len(self.taken)} batch records held, "
+                f"{self.num_released} released by this process")
+
     def release_done(self) -> int:
         """Release the oldest records whose items all have results; how many."""
         k = 0
