@@ -5,8 +5,9 @@ process as vLLM runs it by default: `VLLM_ENABLE_V1_MULTIPROCESSING=1`) is fed `
 producer. Once `kill_after` results are in, the `VLLM::EngineCore` process (the GPU process's child)
 is SIGKILLed. Measured:
 
-- `kill_to_next_result_seconds`: from the kill to the next result (the engine's restart: the GPU
-  process sees its engine core gone, exits, and a fresh one starts and loads the model);
+- `kill_to_exit_seconds`: from the kill to the GPU process's exit (it sees its engine core gone);
+- `kill_to_next_result_seconds`: from the kill to the first result after its successor started
+  (the engine's restart: a fresh GPU process starts and loads the model);
 - `engine_load_seconds`: the baseline, what the first GPU process took from its start to its engine
   loaded (the consumer's `engine_load_ns` before the kill) and the successor's;
 - `results`, `ok`, `distinct`: every item answered `ok` exactly once after the client's dedupe;
@@ -92,7 +93,7 @@ def run(*, items: int = 48, kill_after: int = 12, engine_call_seconds: float = 3
 def _measure(broker, info: dict, prompts: list, kill_after: int, producer_class, say) -> dict:
     got: dict[int, str] = {}
     results = 0
-    killed_at = next_at = None
+    killed_at = exited_at = next_at = gpu = None
     load_before = None
     with producer_class("faults", data_dir=broker.data_dir) as p:
         ids = [int(p.submit(t, max_new_tokens=MAX_NEW)) for t in prompts]
@@ -101,8 +102,10 @@ def _measure(broker, info: dict, prompts: list, kill_after: int, producer_class,
             for r in p.results(0.2):
                 results += 1
                 got[int(r.item_id)] = r.status
-                if killed_at is not None and next_at is None:
+                if exited_at is not None and next_at is None:
                     next_at = time.monotonic()
+            if killed_at is not None and exited_at is None and broker.role_pids(info)["gpu-cpu"] != gpu:
+                exited_at = time.monotonic()
             if killed_at is None and len(got) >= kill_after:
                 load_before = consumer_card(broker.data_dir).get("engine_load_ns", 0) / 1e9
                 gpu = broker.role_pids(info)["gpu-cpu"]
@@ -116,6 +119,7 @@ def _measure(broker, info: dict, prompts: list, kill_after: int, producer_class,
     card = consumer_card(broker.data_dir)
     return {"benchmark": "faults", "engine": "vllm", "items": len(prompts), "kill_after": kill_after,
             "results": results, "distinct": len(got), "ok": sum(s == "ok" for s in got.values()),
+            "kill_to_exit_seconds": None if exited_at is None else round(exited_at - killed_at, 2),
             "kill_to_next_result_seconds": None if next_at is None else round(next_at - killed_at, 2),
             "engine_load_seconds": {"first": round(load_before or 0.0, 2),
                                     "after_death": round(card.get("engine_load_ns", 0) / 1e9, 2)},

@@ -20,9 +20,9 @@ Two kinds of engine sit behind it:
   admit the next the moment one finishes. `StreamingRun` gives them `run(batch)` (add, then
   poll until every item is back) for callers that want one batch at a time;
 - batch engines (`padded` ones: transformers) compute a whole rectangle per call: they define
-  `run(batch)`, and `BatchStream` runs those calls on a worker thread in order, so the GPU
+  `run(batch)`, and `BatchStream` (`batch_stream.py`) runs those calls on a worker thread in order, so the GPU
   process takes and prepares its next batch while one runs (and a batch that raises is run
-  item by item, so an engine error fails only the items that cause it).
+  item by item, judged by `engines/deaths.py`: a bad item fails alone, a dead engine fails none).
 
 Engines never see rings, segments or the index. The catalogue (`catalogue.py`) declares each
 engine once: name, module, class, extra, settings class and mode.
@@ -36,17 +36,18 @@ alone. The engine being down is not the items' fault, and nothing is failed for 
   `gpu/window.py`), counted (`engine_retries`, the `engine_down` gauge);
 - a poll that raises anything else means the engine broke while running what it held: the items
   are handed back as above; after ENGINE_FAILURES_MAX such polls in a row, with no result between,
-  the engine is dead (`EngineDead`, which an adapter may also raise itself: vLLM's
-  EngineDeadError): the GPU process exits, the supervisor starts a fresh one and the batches are
-  redelivered (a death counts as a delivery: `gpu/deliveries.py`).
+  the engine is dead;
+- an engine is dead (`EngineDead`) when an adapter says so: its library's death error, an error
+  every later call repeats, a streak of failures (`deaths.py`, which also decides when a lone item's
+  failure is the item's). The GPU process then exits with its window handed back unfailed and a
+  fresh one with a fresh engine takes the batches again (`gpu/engine_watch.py`; whether that counts
+  as a delivery for the poison rule: `gpu/deliveries.py`).
 `call_seconds_max` (optional): how long the engine itself may take to answer or give up on an
 item (the `openai` engine's timeouts and retries); a batch's deadline is never shorter.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -262,109 +263,6 @@ class StreamingRun:
                          for i in batch.item_ids]
         total.down = None
         return total
-
-
-class BatchStream:
-    """A batch engine (one that defines `run(batch)`) behind the streaming interface: each added
-    batch runs whole on a worker thread, in order, while the caller prepares the next; `poll`
-    hands back the outcomes of the batches finished meanwhile. A batch that raises runs item by
-    item, so an engine error fails only the items that cause it; one that raises EngineDown is
-    handed back whole (`EngineOutcome.down`), and EngineDead is raised by the next poll."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.mode = engine.mode
-        self.engine_name = getattr(engine, "engine_name", type(engine).__name__)
-        self.honours = getattr(engine, "honours", frozenset())
-        self._todo: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._thread: threading.Thread | None = None
-        self._dead: EngineDead | None = None
-
-    def add(self, batch: EngineBatch) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
-            self._thread.start()
-        self._pending += len(batch)
-        self._todo.put(batch)
-
-    def pending(self) -> int:
-        return self._pending
-
-    def poll(self, timeout_seconds: float) -> EngineOutcome:
-        if self._dead is not None:
-            raise self._dead
-        outs = []
-        try:
-            outs.append(self._done.get(timeout=timeout_seconds) if self._pending and timeout_seconds > 0
-                        else self._done.get_nowait())
-            while True:
-                outs.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        if not outs:
-            return EngineOutcome([])
-        out = merge_outcomes(outs)
-        self._pending -= len(out.results) + (0 if out.down is None else out.down.item_ids.size)
-        return out
-
-    def run(self, batch: EngineBatch) -> EngineOutcome:
-        return run_isolated(self.engine, batch)
-
-    def _work(self) -> None:
-        while True:
-            batch = self._todo.get()
-            if batch is None:
-                return
-            try:
-                self._done.put(answered(batch, run_isolated(self.engine, batch)))
-            except EngineDown as exc:
-                self._done.put(EngineOutcome([], down=EngineDown(str(exc), batch.item_ids)))
-            except EngineDead as exc:
-                self._dead = exc
-                self._done.put(EngineOutcome([]))  # wakes a poll waiting for this batch
-                return
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._todo.put(None)
-            self._thread.join(timeout=60)
-        self.engine.close()
-
-
-def run_isolated(engine, batch: EngineBatch) -> EngineOutcome:
-    """engine.run(batch); if it raises, each item alone, so an error fails only its own item."""
-    try:
-        return engine.run(batch)
-    except (EngineDown, EngineDead):
-        raise
-    except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
-        if len(batch) == 1:
-            return EngineOutcome([engine_error(batch.item_ids[0], exc)])
-    parts = []
-    for k in range(len(batch)):
-        one = batch.rows([k])
-        try:
-            parts.append(engine.run(one))
-        except (EngineDown, EngineDead):
-            raise
-        except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
-            parts.append(EngineOutcome([engine_error(batch.item_ids[k], exc)]))
-    return merge_outcomes(parts)
-
-
-def answered(batch: EngineBatch, outcome: EngineOutcome) -> EngineOutcome:
-    """The outcome with exactly one result per item of the batch, in its order: an item the engine
-    gave no result for is an engine_error, a result for an item it was not given is dropped."""
-    res = outcome.results
-    if isinstance(res, BatchResults) and np.array_equal(res.item_ids, batch.item_ids):
-        return outcome
-    rs = res.items() if isinstance(res, BatchResults) else res
-    by_id = {r.item_id: r for r in rs}
-    outcome.results = [by_id.get(int(i)) or ItemResult(int(i), ENGINE_ERROR, error="the engine returned no result for it")
-                       for i in batch.item_ids]
-    return outcome
 
 
 def engine_error(item_id, exc: Exception) -> ItemResult:

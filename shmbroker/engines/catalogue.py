@@ -20,7 +20,8 @@ from enum import Enum
 
 from ..pack.contract import Mode, as_mode
 from ..request.options import OPTION_NAMES
-from .base import BatchStream, EngineUnavailable
+from .base import EngineUnavailable
+from .batch_stream import BatchStream
 
 
 class FromSettings(Enum):

@@ -34,9 +34,16 @@ runs plain right-padded batches (what FIFO feeding gets; `bench gpu` compares th
 
 Weights: a local directory (`model`, loaded with `local_files_only`: never downloaded), or a
 transformers config (`config`) built with random weights from `seed` (benchmarks, tests). bf16 on
-CUDA, fp32 on the CPU unless `dtype` says otherwise. An item the model cannot take (a token id
-outside its vocabulary, longer than its positions) raises: the GPU process then runs the batch's
-items one by one, so only that item fails.
+CUDA, fp32 on the CPU unless `dtype` says otherwise.
+
+Failures (judged by `BatchStream`, engines/batch_stream.py, with engines/deaths.py): a batch that raises is
+run item by item. An item the model cannot take (a token id outside its vocabulary, longer than its
+positions) raises alone and fails alone, once a one-token probe batch shows the engine still answers.
+torch reports a lost CUDA context (an illegal memory access, a device-side assert: every later call
+fails too) as a RuntimeError or torch.AcceleratorError in those words: the engine is dead
+(`EngineDead`), no item fails, and the GPU process starts afresh; so it is after ENGINE_FAILURES_MAX
+failures in a row with no success between. `torch.OutOfMemoryError` is not death: the items alone
+are smaller work.
 """
 
 from __future__ import annotations

@@ -38,7 +38,17 @@ SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
   queued since the last read (dicts; JSON text in older versions), ending after `timeout` seconds
   without one; collected only with `enable_iter_perf_stats=True`. Each holds `kvCacheStats` with
   `reusedBlocks`, `missedBlocks` (counted since the engine started) and `tokensPerBlock`;
-- `LLM.shutdown()`: aborts what is in flight and stops the executor.
+- `LLM.shutdown()`: aborts what is in flight and stops the executor;
+- errors (tensorrt_llm/executor/utils.py, executor.py, result.py, proxy.py, llmapi/llm.py): a request's
+  own failure (an `ErrorResponse(client_id, error_msg, request_id)`) is raised by its `aresult()` as
+  `RequestError`, a RuntimeError ("a per-request error", `GenerationExecutor._handle_background_error`);
+  any other error, from the executor's threads or its MPI worker (`mpi_done_callback`), shuts the
+  executor down and is raised by the next `generate_async` or `aresult()`; then `is_shutdown()` is true
+  and `LLM.generate_async` raises `RuntimeError("LLM is shutting down")`. trtllm-serve
+  (serve/openai_server.py) stops on `CppExecutorError` (tensorrt_llm.executor), answers `/health` from
+  `LLM._check_health()` (private by name: looked up defensively; `gone()` reads it) and
+  `/health_generate` by generating one token, as the probe here does. "Executor worker returned
+  error" is a start-up error: `LLM(...)` raises it.
 
 How futures are collected without blocking, and why on an event loop. A `GenerationResult` takes in
 its responses only when its owner waits on it: `result(timeout)` / `aresult()` read its queue, and
@@ -55,11 +65,15 @@ that queue. Nothing runs until a request finishes. (The executor makes its itera
 the first `generate_async`, in the calling thread's mode, so the stats are read on the loop too, with
 `get_stats_async`.)
 
-Failures stay with their items: a `SamplingParams` the LLM API refuses, a `generate_async` that raises
-(the prompt refused at submission) or an `aresult()` that raises (a per-request error, `RequestError`)
-or a request with a sample that ends 'cancelled' or 'timeout' gives that item an `engine_error`;
-`plan_batch` answers items without tokens (`invalid`), longer than max_input_len (`too_long`), asking
-more than the engine's max_new_tokens, or none, at add.
+Failures (engines/deaths.py). `plan_batch` answers items without tokens (`invalid`), longer than
+max_input_len (`too_long`), asking more than the engine's max_new_tokens, or none, at add; a
+`SamplingParams` the LLM API refuses fails its item at once. A `generate_async` or `aresult()` that
+raises, or a sample ended 'cancelled' or 'timeout', is the engine's fault until proven otherwise. It is
+dead (`EngineDead` from `add`, and from `poll` once the results before it are out) when the error is
+`CppExecutorError`, says "LLM is shutting down" or another death's words, or `LLM._check_health()` is
+false; or after ENGINE_FAILURES_MAX failures in a row. Otherwise the item is a suspect, charged (its
+`engine_error`) when another request completes after it, or, with nothing else in flight, once a
+probe (PROBE_TOKENS, one new token) does. A dead engine fails nothing: what it held stays pending.
 
 Cache figures: a task on the loop keeps the counters of the latest stats entry; each poll reports their
 growth since the previous poll, converted from TensorRT-LLM's blocks to the broker's `block_tokens`.
@@ -82,7 +96,8 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .base import ENGINE_ERROR, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .deaths import PROBE_ITEM_ID, PROBE_TOKENS, Streak, causes
 from .packed_args import (
     BusyClock,
     as_token_ids,
@@ -95,11 +110,19 @@ from .packed_args import (
 from .samples import samples_result
 from .trtllm_params import sampling_fields, trtllm_sampling, trtllm_unhonoured
 
+try:  # the executor's internal error: trtllm-serve stops on it (absent in a stub package)
+    from tensorrt_llm.executor import CppExecutorError
+
+    FATAL_TYPES: tuple = (CppExecutorError,)
+except ImportError:
+    FATAL_TYPES = ()
+
 STATS_TIMEOUT_SECONDS = 1.0  # get_stats_async ends a read after this long without a stats entry
 STATS_IDLE_SECONDS = 0.2  # then the next read starts this much later
 CLOSE_SECONDS = 30.0  # close waits at most this long for the loop to run what it was given and stop
 CANCEL_ROUNDS, CANCEL_WAIT_SECONDS = 10, 0.2  # close cancels the loop's tasks this often, this far apart
 ENDED = ("cancelled", "timeout")  # finish reasons that are not a completion
+DEATH_WORDS = ("llm is shutting down",)  # LLM.generate_async's, once the executor is shut down (llm.py)
 
 
 class TRTLLM(StreamingRun):
@@ -122,6 +145,11 @@ class TRTLLM(StreamingRun):
         self._seen = None  # ... as of the last poll
         self._stats_task = None
         self._closing = False
+        # the loop's alone: requests in flight, held suspects in completion order, the streak
+        self._running = 0
+        self._suspects: list[ItemResult] = []
+        self.streak = Streak("trtllm", FATAL_TYPES)
+        self._dead: EngineDead | None = None  # set on the loop, read by poll, add and gone
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="trtllm-engine", daemon=True)
         self._thread.start()
@@ -132,6 +160,8 @@ class TRTLLM(StreamingRun):
         """Hand the batch's items to the loop, which submits them in this order; returns at once."""
         if self.llm is None:
             raise RuntimeError("engine 'trtllm' is closed")
+        if self._dead is not None:
+            raise self._dead
         n = len(batch)
         if n == 0:
             return
@@ -157,11 +187,22 @@ class TRTLLM(StreamingRun):
     def pending(self) -> int:
         return self._pending
 
+    def gone(self) -> str | None:
+        """Why the engine is dead, or None while it runs: the death judged here, else the LLM API's
+        own health check, else the loop's thread ended. Cheap, and safe from any thread."""
+        if self._dead is not None:
+            return str(self._dead)
+        llm = self.llm
+        if llm is None or self._closing:
+            return None
+        return executor_down(llm) or (None if self._thread.is_alive() else "the engine's event loop thread ended")
+
     def poll(self, timeout_seconds: float) -> EngineOutcome:
         """The results of the items finished since the last poll (waiting at most timeout_seconds for
-        one when none has and some are in flight) and the cache counters' growth meanwhile."""
+        one when none has and some are in flight) and the cache counters' growth meanwhile; once the
+        engine is dead and those are out, EngineDead."""
         results = []
-        if self._pending:
+        if self._pending and self._dead is None:
             try:
                 results.append(self._done.get(timeout=timeout_seconds) if timeout_seconds > 0
                                else self._done.get_nowait())
@@ -172,6 +213,9 @@ class TRTLLM(StreamingRun):
                 results.append(self._done.get_nowait())
             except queue.Empty:
                 break
+        results = [r for r in results if r is not None]  # None: a death's wake-up
+        if not results and self._dead is not None:
+            raise self._dead
         self._pending -= len(results)
         with self._stats_lock:
             now = self._latest
@@ -220,31 +264,74 @@ class TRTLLM(StreamingRun):
         for item_id, prompt, params, copies in jobs:
             if llm is None:
                 self._done.put(ItemResult(item_id, ENGINE_ERROR, error="engine 'trtllm' was closed"))
-                continue
-            self.busy.begin()
-            try:
-                future = llm.generate_async(prompt, sampling_params=params)
-            except Exception as exc:  # noqa: BLE001 - a refused prompt fails its item only
-                self.busy.end()
-                self._done.put(engine_error(item_id, exc))
-                continue
-            self._loop.create_task(self._collect(item_id, future, copies))
+            elif self._dead is None:  # a dead engine's items stay pending: they are handed back
+                self._start(llm, item_id, prompt, params, copies)
         if self._stats_task is None and llm is not None and callable(getattr(llm, "get_stats_async", None)):
             self._stats_task = self._loop.create_task(self._collect_stats(llm))
 
+    def _start(self, llm, item_id: int, prompt: list, params, copies: int) -> None:
+        self.busy.begin()
+        try:
+            future = llm.generate_async(prompt, sampling_params=params)
+        except Exception as exc:  # noqa: BLE001 - refused at submission: judged (module docstring)
+            self.busy.end()
+            self._failed(engine_error(item_id, exc), exc)
+            return
+        self._running += 1
+        self._loop.create_task(self._collect(item_id, future, copies))
+
     async def _collect(self, item_id: int, future, copies: int = 1) -> None:
+        out = error = None
         try:
             out = await future.aresult()
-            ended = [r for r in (getattr(c, "finish_reason", None) for c in out.outputs) if r in ENDED]
-            if ended:
-                result = ItemResult(item_id, ENGINE_ERROR, error=f"TensorRT-LLM ended the request ({ended[0]})")
-            else:
-                result = samples_result(item_id, out.outputs, copies=copies)
-        except Exception as exc:  # noqa: BLE001 - a per-request error fails its item only
-            result = engine_error(item_id, exc)
+        except Exception as exc:  # noqa: BLE001 - judged below: the item's, or the engine's death
+            error = exc
         finally:
             self.busy.end()
-        self._done.put(result)
+            self._running -= 1
+        if error is not None:
+            self._failed(engine_error(item_id, error), error)
+            return
+        ended = [r for r in (getattr(c, "finish_reason", None) for c in out.outputs) if r in ENDED]
+        if ended:
+            error = RuntimeError(f"TensorRT-LLM ended the request ({ended[0]})")
+            self._failed(ItemResult(item_id, ENGINE_ERROR, error=str(error)), error)
+        else:
+            self._answered(samples_result(item_id, out.outputs, copies=copies))
+
+    def _answered(self, result: ItemResult) -> None:
+        """On the loop: a request completed, so the engine answers: the suspects before it are charged."""
+        if self._dead is not None:
+            return
+        self.streak.answered()
+        charged, self._suspects = self._suspects, []
+        for r in charged + ([] if result.item_id == PROBE_ITEM_ID else [result]):
+            self._done.put(r)
+
+    def _failed(self, result: ItemResult, exc: BaseException) -> None:
+        """On the loop: a request failed: the engine's death, or one more in the streak and a suspect."""
+        if self._dead is not None:
+            return
+        try:
+            why = executor_down(self.llm) or death_words(exc)
+            if why is not None:
+                raise EngineDead(f"engine 'trtllm' is dead: {why}") from exc
+            self.streak.failed(exc)
+        except EngineDead as dead:
+            self._dead, self._suspects = dead, []
+            self._done.put(None)  # wakes a waiting poll
+            return
+        if result.item_id != PROBE_ITEM_ID:
+            self._suspects.append(result)
+        self._loop.call_soon(self._probe)  # once the submissions under way are made
+
+    def _probe(self) -> None:
+        """On the loop: with suspects held and nothing in flight, a one-token request."""
+        llm = self.llm
+        if not self._suspects or self._running or self._dead is not None or llm is None:
+            return
+        params = SamplingParams(**trtllm_sampling(1, self.eos_ids, None, self.fields))
+        self._start(llm, PROBE_ITEM_ID, [int(t) for t in PROBE_TOKENS], params, 1)
 
     async def _collect_stats(self, llm) -> None:
         """Keep the newest block-reuse counters; ends when the LLM has no stats to give."""
@@ -279,6 +366,26 @@ async def _cancel_tasks() -> None:
         for t in tasks:
             t.cancel()
         _, tasks = await asyncio.wait(tasks, timeout=CANCEL_WAIT_SECONDS)
+
+
+def executor_down(llm) -> str | None:
+    """Why TensorRT-LLM's executor is down by its own health check (module docstring), or None."""
+    check = getattr(llm, "_check_health", None)
+    if not callable(check):
+        return None
+    try:
+        healthy = check()
+    except Exception as exc:  # noqa: BLE001 - a health check that cannot answer says the engine is gone
+        return f"LLM._check_health() raised {type(exc).__name__}: {exc}"
+    return None if healthy else "TensorRT-LLM's executor is shut down (LLM._check_health() is false)"
+
+
+def death_words(exc: BaseException) -> str | None:
+    """exc (or what caused it) in the words of a shut-down LLM API, or None."""
+    for e in causes(exc):
+        if any(w in str(e).lower() for w in DEATH_WORDS):
+            return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _configured_eos(llm) -> list[int]:

@@ -32,13 +32,13 @@ import numpy as np
 from ..engines.base import (
     RUN_DEADLINE_SECONDS,
     BatchResults,
-    BatchStream,
     EngineBatch,
     EngineDead,
     EngineDown,
     ItemResult,
     engine_error,
 )
+from ..engines.batch_stream import BatchStream
 from ..pack.contract import Batch, Contract, Mode
 from ..pack.guard import Guard
 from ..ring.items import Status

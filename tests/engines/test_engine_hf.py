@@ -1,5 +1,6 @@
 """The `hf` engine on the CPU with a tiny random-weight Llama: prefix reuse changes no output, a bad
-item fails alone, generation through the whole broker, and a small `bench gpu` run."""
+item fails alone (once a probe answers) while a dead engine fails none, generation through the whole
+broker, and a small `bench gpu` run."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ pytest.importorskip("transformers", reason="the hf engine needs transformers (th
 from support.brokerproc import BrokerProc  # noqa: E402
 
 from shmbroker.client.producer import Producer  # noqa: E402
-from shmbroker.engines.base import EngineBatch, EngineUnavailable  # noqa: E402
+from shmbroker.engines.base import BatchResults, EngineBatch, EngineDead, EngineUnavailable  # noqa: E402
+from shmbroker.engines.batch_stream import BatchStream  # noqa: E402
 from shmbroker.engines.catalogue import load_engine  # noqa: E402
+from shmbroker.engines.deaths import PROBE_ITEM_ID  # noqa: E402
 from shmbroker.engines.hf import HF, alone, unbatched  # noqa: E402
 from shmbroker.engines.options import HFSettings  # noqa: E402
 from shmbroker.gpu.core import ConsumerCore  # noqa: E402
@@ -114,6 +117,100 @@ def test_a_failing_item_does_not_fail_its_batch(engine):
     assert res.status.tolist() == [0, 3, 0]  # ok, engine_error, ok
     assert "outside the model's vocabulary" in res.errors[1]
     assert res.flat[res.offsets[0] : res.offsets[1]].tolist() == unbatched(engine, items[0], 2)
+
+
+# -- a dead engine told apart from a bad item (engines/deaths.py, BatchStream in engines/base.py) --
+
+CUDA_LOST = "CUDA error: an illegal memory access was encountered"
+
+
+class FailingHF:
+    """Test double around the real HF engine: `run` is the real engine's until `fail_after` calls
+    have run, then every call raises `error` (a lost CUDA context repeats on every later call).
+    `ran` keeps each call's item ids; `close` leaves the shared real engine open."""
+
+    def __init__(self, real: HF, fail_after: int | None = None, error: Exception | None = None):
+        self.real, self.fail_after, self.error = real, fail_after, error
+        self.mode = real.mode
+        self.engine_name = "hf"
+        self.ran: list[list[int]] = []
+
+    def run(self, batch):
+        self.ran.append([int(i) for i in batch.item_ids])
+        if self.fail_after is not None and len(self.ran) > self.fail_after:
+            raise self.error
+        return self.real.run(batch)
+
+    def close(self) -> None:
+        pass
+
+
+def _batches(rng, count: int, size: int) -> list[EngineBatch]:
+    return [EngineBatch(np.arange(b * 10, b * 10 + size, dtype=np.uint64), _family(rng, 16, [3] * size),
+                        np.full(size, 2, np.int64)) for b in range(count)]
+
+
+def _until_dead(stream: BatchStream, deadline_seconds: float = 60.0) -> tuple[list, EngineDead]:
+    """Poll until the stream raises EngineDead: (the results that came before it, the EngineDead)."""
+    got: list = []
+    deadline = time.monotonic() + deadline_seconds
+    while time.monotonic() < deadline:
+        try:
+            out = stream.poll(0.2)
+        except EngineDead as dead:
+            return got, dead
+        got.extend(out.results.items() if isinstance(out.results, BatchResults) else out.results)
+    raise AssertionError(f"no EngineDead within {deadline_seconds} s; results: {got}")
+
+
+@pytest.mark.parametrize("error, runs_after", [
+    (RuntimeError(CUDA_LOST), 1),  # a lost context: dead at once, nothing run alone
+    (RuntimeError("the kernel said no"), 3),  # no death words: the batch, its first item, the probe
+])
+def test_a_dead_engine_fails_no_item(engine, error, runs_after):
+    """After 2 batches every call raises: poll hands back the 2 finished batches, then raises
+    EngineDead; the batch that was running and the one after it get no result, none engine_error."""
+    double = FailingHF(engine, fail_after=2, error=error)
+    stream = BatchStream(double)
+    batches = _batches(np.random.default_rng(40), 4, 3)
+    for b in batches:
+        stream.add(b)
+    got, dead = _until_dead(stream)
+    assert sorted(r.item_id for r in got) == [0, 1, 2, 10, 11, 12] and {r.status for r in got} == {"ok"}
+    assert str(error) in str(dead) and stream.gone() == str(dead)
+    assert len(double.ran) == 2 + runs_after  # nothing after the death: the 4th batch never ran
+    if runs_after == 3:
+        assert double.ran[3:] == [[20], [PROBE_ITEM_ID]] and "3 times in a row" in str(dead)
+    with pytest.raises(EngineDead):
+        stream.add(batches[0])
+    with pytest.raises(EngineDead):
+        stream.poll(0.0)
+    assert stream.pending() == 6  # the last two batches: neither answered nor failed
+    stream.close()
+
+
+def test_a_poison_item_alone_fails_once_a_probe_answers(engine):
+    """A token the model cannot take makes the real batch raise: the items run alone, and the
+    poison one is charged engine_error only after a one-token probe ran; the others are ok."""
+    double = FailingHF(engine)
+    stream = BatchStream(double)
+    rng = np.random.default_rng(41)
+    items = _family(rng, 24, (4, 4, 4))
+    items[1] = items[1].copy()
+    items[1][-1] = 10_000  # outside the 500-token vocabulary
+    stream.add(EngineBatch(np.array([7, 8, 9], np.uint64), items, np.full(3, 2, np.int64)))
+    got = []
+    deadline = time.monotonic() + 60
+    while len(got) < 3 and time.monotonic() < deadline:
+        out = stream.poll(0.2)
+        got.extend(out.results.items() if isinstance(out.results, BatchResults) else out.results)
+    by_id = {r.item_id: r for r in got}
+    assert [by_id[i].status for i in (7, 8, 9)] == ["ok", "engine_error", "ok"]
+    assert "outside the model's vocabulary" in by_id[8].error
+    assert by_id[7].tokens.tolist() == unbatched(engine, items[0], 2)
+    assert double.ran == [[7, 8, 9], [7], [8], [PROBE_ITEM_ID], [9]]  # the probe answered before 8 was charged
+    assert stream.streak.count == 0 and stream.gone() is None
+    stream.close()
 
 
 def test_a_missing_package_names_the_extra(monkeypatch):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from shmbroker.config.settings import ConfigError, parse
-from shmbroker.engines.base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineBatch, EngineUnavailable
+from shmbroker.engines.base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineBatch, EngineDead, EngineUnavailable
 from shmbroker.engines.catalogue import SAMPLES, engine_mode, load_engine
 from shmbroker.engines.options import TRTLLMSettings, VLLMSettings
 from shmbroker.engines.packed_args import (
@@ -311,6 +311,16 @@ def trt_sampling_params(fields: dict):
     return TRTSamplingParams
 
 
+class StubCppExecutorError(RuntimeError):
+    """Stands in for `tensorrt_llm.executor.CppExecutorError` (executor/executor.py): the executor's
+    internal error, on which trtllm-serve stops."""
+
+
+class StubRequestError(RuntimeError):
+    """Stands in for `tensorrt_llm.executor.utils.RequestError`: a request's own failure, raised by its
+    `aresult()`."""
+
+
 class StubLLM:
     """Stands in for the packages' LLM class; tests inject a test double, so building it is an error."""
 
@@ -371,7 +381,11 @@ def trtllm_engine(monkeypatch):
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
     llmapi.KvCacheConfig = StubSamplingParams
     pkg.llmapi = llmapi
-    module = import_engine(monkeypatch, "trtllm", {"tensorrt_llm": pkg, "tensorrt_llm.llmapi": llmapi})
+    executor = types.ModuleType("tensorrt_llm.executor")
+    executor.CppExecutorError = StubCppExecutorError
+    pkg.executor = executor
+    module = import_engine(monkeypatch, "trtllm", {"tensorrt_llm": pkg, "tensorrt_llm.llmapi": llmapi,
+                                                   "tensorrt_llm.executor": executor})
     yield module
     forget_engine(module)
 
@@ -474,6 +488,7 @@ class FakeVLLM:
 FAIL_AT_SUBMIT = 49_999  # FakeTRTLLM.generate_async refuses a prompt holding this id (ValueError)
 FAIL_IN_FLIGHT = 49_998  # ... a prompt holding this id fails after admission (its aresult raises)
 TIMES_OUT = 49_997  # ... a prompt holding this id ends with finish_reason "timeout"
+REQUEST_ERROR = 49_996  # ... a prompt holding this id fails in flight with a RequestError, every time
 
 
 def sample_of(token_ids, k: int) -> list[int]:
@@ -613,11 +628,17 @@ class FakeTRTLLM:
     max_tokens steps after its admission: out of submission order when lengths differ, with the params' n
     samples (FakeRequestOutput; `calls` keeps each request's SamplingParams). Each step queues
     one iteration-stats dict (cumulative kvCacheStats in blocks), read by `get_stats_async` or drained
-    by `get_stats`. FAIL_AT_SUBMIT, FAIL_IN_FLIGHT and TIMES_OUT in a prompt make its request fail at
-    submission, fail in flight, or end with finish_reason "timeout"; `shutdown` ends what is in flight
-    "cancelled", as the LLM API does."""
+    by `get_stats`. FAIL_AT_SUBMIT, FAIL_IN_FLIGHT, REQUEST_ERROR and TIMES_OUT in a prompt make its
+    request fail at submission, fail in flight, or end with finish_reason "timeout"; `shutdown` ends what
+    is in flight "cancelled", as the LLM API does.
+    An executor that dies: with `fails_after`, every request from that submission index on fails in
+    flight with `failure()` (and with `shuts_down` the executor shuts itself down then, as it does on a
+    serious error: `_check_health()` turns false); with `refuses_after`, every submission from that
+    index on raises RuntimeError("LLM is shutting down"), what `LLM.generate_async` raises then."""
 
-    def __init__(self, per_block: int = 32, *, max_running: int = 4, step_seconds: float = 0.002):
+    def __init__(self, per_block: int = 32, *, max_running: int = 4, step_seconds: float = 0.002,
+                 fails_after: int | None = None, failure=None, shuts_down: bool = False,
+                 refuses_after: int | None = None):
         self.cache = PrefixCacheModel(per_block)
         self.per_block = per_block
         self.max_running = max_running
@@ -631,6 +652,9 @@ class FakeTRTLLM:
         self.steps = 0
         self.stats: FakeIterationStats | None = None
         self.closed = 0
+        self.fails_after, self.failure, self.shuts_down = fails_after, failure, shuts_down
+        self.refuses_after = refuses_after
+        self.shut_down = False  # the executor shut itself down (a serious error)
         self._lock = threading.Lock()
         self._waiting: collections.deque = collections.deque()
         self._running: list = []
@@ -641,8 +665,8 @@ class FakeTRTLLM:
     def generate_async(self, inputs, sampling_params=None, streaming=False):
         assert streaming is False and sampling_params is not None
         assert isinstance(inputs, list) and inputs and all(type(t) is int for t in inputs)
-        if self.closed:
-            raise RuntimeError("the LLM is shut down")
+        if self.closed or self.shut_down or (self.refuses_after is not None and len(self.calls) >= self.refuses_after):
+            raise RuntimeError("LLM is shutting down")
         self.submit_gate.wait()
         if FAIL_AT_SUBMIT in inputs:
             raise ValueError(f"token id {FAIL_AT_SUBMIT} is out of vocabulary")
@@ -697,7 +721,13 @@ class FakeTRTLLM:
         for future in done:
             self.finished_order.append(future.request_id)
             prompt = future.prompt_token_ids
-            if FAIL_IN_FLIGHT in prompt:
+            if self.fails_after is not None and future.request_id >= self.fails_after:
+                self.shut_down = self.shut_down or self.shuts_down
+                future.complete([], None, self.failure())
+            elif REQUEST_ERROR in prompt:
+                future.complete([], None, StubRequestError(f"request {future.request_id}: token {REQUEST_ERROR} "
+                                                           "is not in the model's embedding table"))
+            elif FAIL_IN_FLIGHT in prompt:
                 future.complete([], None, RuntimeError("Encountered an error in forwardAsync function"))
             elif TIMES_OUT in prompt:
                 future.complete(generated_for(prompt, 1), "timeout")
@@ -712,6 +742,10 @@ class FakeTRTLLM:
 
     def get_stats(self, timeout=2):
         return self.stats.drain() if self.stats is not None else []
+
+    def _check_health(self) -> bool:
+        """The LLM API's liveness check (llmapi/llm.py): false once the executor is shut down."""
+        return not (self.closed or self.shut_down)
 
     def shutdown(self):
         self.closed += 1
@@ -817,8 +851,54 @@ def test_vllm_step_failure_fails_only_the_item_that_causes_it(vllm_engine):
     assert "index out of bounds" in got[2].error
     for i, p, m in zip([1, 3, 4, 5], [[1, 2], [4], [5, 6, 7], [8]], [3, 1, 2, 1]):
         assert got[i].tokens.tolist() == generated_for(p, m)
-    assert [rid for rid, _, _ in fake.added] == ["1", "2", "3", "4", "1", "2", "3", "4", "5"]
+    # item 2 failed alone: charged once a one-token probe showed the engine answers other work
+    assert [rid for rid, _, _ in fake.added] == ["1", "2", "3", "4", "1", "2", "shmbroker-probe", "3", "4", "5"]
+    assert fake.added[6][1] == [0] and fake.added[6][2].max_tokens == 1
     assert not fake.has_unfinished_requests()
+
+
+class DyingVLLM(FakeVLLM):
+    """Test double: a FakeVLLM whose every step raises `error` once `after` steps ran."""
+
+    def __init__(self, after: int, error: Exception, **kw):
+        super().__init__(**kw)
+        self.after, self.error = after, error
+
+    def step(self):
+        if self.steps >= self.after:
+            self.steps += 1
+            raise self.error
+        return super().step()
+
+
+@pytest.mark.parametrize("error, words", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "illegal memory access"),
+    (RuntimeError("the model runner failed"), "3 times in a row"),
+], ids=["cuda", "streak"])
+def test_vllm_a_dead_engine_fails_no_item(vllm_engine, error, words):
+    """Every step raising after a few: poll raises EngineDead (at once for an error every later call
+    repeats; after a streak of three otherwise: the group, a lone item, the probe), and no item is
+    answered engine_error: what the engine held is left to the GPU process to hand back."""
+    from shmbroker.engines.base import EngineDead
+
+    fake = DyingVLLM(2, error, max_running=8)
+    engine = vllm_over(vllm_engine, fake)
+    engine.add(batch_of([1, 2, 3, 4], [[1, 2], [3], [4], [5, 6, 7]], [1, 5, 5, 5]))
+    got = []
+    with pytest.raises(EngineDead, match=words):
+        for _ in range(20):
+            got.extend(engine.poll(0.1).results)
+    assert [(r.item_id, r.status) for r in got] == [(1, OK)]
+
+
+def test_vllm_gone_reads_its_multiprocess_clients_engine_dead_mark(vllm_engine):
+    fake = FakeVLLM()
+    fake.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_dead=False))
+    engine = vllm_over(vllm_engine, fake)
+    assert engine.gone() is None
+    fake.engine_core.resources.engine_dead = True  # what vLLM's MPClientEngineMonitor sets when the core exits
+    assert "engine-core process is gone" in engine.gone()
+    assert vllm_over(vllm_engine, FakeVLLM()).gone() is None  # in-process: no engine core to lose
 
 
 def test_vllm_prefix_cache_figures_from_num_cached_tokens(vllm_engine):
@@ -1150,6 +1230,85 @@ def test_trtllm_needs_contract_and_closes_once(trtllm_engine):
     assert not engine._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         engine.add(batch_of([3], [PREFIX], [1]))
+
+
+def until_dead(engine, deadline_seconds: float = 10.0) -> tuple[list, EngineDead]:
+    """Poll until the engine raises EngineDead: (the results that came before it, the EngineDead)."""
+    got: list = []
+    deadline = time.monotonic() + deadline_seconds
+    while time.monotonic() < deadline:
+        try:
+            got.extend(engine.poll(0.2).results)
+        except EngineDead as dead:
+            return got, dead
+    raise AssertionError(f"no EngineDead within {deadline_seconds} s; results: {got}")
+
+
+CUDA_LOST = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.mark.parametrize("knobs, why", [
+    # the executor's internal error type, on which trtllm-serve stops
+    ({"fails_after": 4, "failure": lambda: StubCppExecutorError("Encountered an error in forwardAsync function")},
+     "is dead: StubCppExecutorError: Encountered an error"),
+    # a serious error shuts the executor down: its health check turns false
+    ({"fails_after": 4, "failure": lambda: RuntimeError("MPI worker exited with code 1"), "shuts_down": True},
+     "is dead: TensorRT-LLM's executor is shut down (LLM._check_health() is false)"),
+    # a shut-down executor refuses every submission in these words
+    ({"refuses_after": 4}, "is dead: RuntimeError: LLM is shutting down"),
+    # a lost CUDA context: every request fails in the same words
+    ({"fails_after": 4, "failure": lambda: RuntimeError(CUDA_LOST)}, f"is dead: RuntimeError: {CUDA_LOST}"),
+    # no death in the words or the health check: ENGINE_FAILURES_MAX failures in a row
+    ({"fails_after": 4, "failure": lambda: StubRequestError("no reason given")}, "'trtllm' failed 3 times in a row"),
+], ids=["executor-error", "shut-down", "refused", "cuda", "streak"])
+def test_trtllm_a_dead_executor_fails_no_item(trtllm, knobs, why):
+    """After 4 requests the executor dies: poll raises EngineDead; no item is engine_error, and the 8
+    items not yet answered are neither answered nor failed (they stay pending, to be handed back)."""
+    fake = FakeTRTLLM(max_running=4, **knobs)
+    engine = trtllm(fake)
+    engine.add(batch_of([0, 1, 2, 3], [PREFIX + [k] for k in range(4)], [3] * 4))
+    first = arrivals(engine, 4)
+    assert [r.status for r in first] == [OK] * 4 and engine.gone() is None
+    for b in (1, 2):
+        engine.add(batch_of([10 * b + k for k in range(4)], [PREFIX + [b, k] for k in range(4)], [3] * 4))
+    got, dead = until_dead(engine)
+    assert got == [] and why in str(dead)
+    assert engine.pending() == 8 and engine.gone() == str(dead)
+    assert all(p != [0] for p, _ in fake.calls)  # no probe: nothing was charged
+    with pytest.raises(EngineDead):
+        engine.poll(0.0)
+    with pytest.raises(EngineDead):
+        engine.add(batch_of([99], [PREFIX], [1]))
+
+
+def test_trtllm_a_poison_request_fails_alone(trtllm):
+    """A request that always fails with a RequestError: charged engine_error when the next request
+    completes after it; alone (nothing else in flight), once a one-token probe completes."""
+    fake = FakeTRTLLM(max_running=4)
+    engine = trtllm(fake)
+    prompts = [PREFIX + [k] for k in range(6)]
+    prompts[2] = PREFIX + [REQUEST_ERROR]
+    out = engine.run(batch_of(list(range(6)), prompts, [3] * 6))
+    assert [r.status for r in out.results] == [OK, OK, ENGINE_ERROR, OK, OK, OK]
+    assert "StubRequestError" in out.results[2].error and "embedding table" in out.results[2].error
+    assert [p for p, _ in fake.calls] == prompts  # no probe: item 3 completed after it
+    alone = engine.run(batch_of([7], [PREFIX + [REQUEST_ERROR]], [3]))
+    assert alone.results[0].status == ENGINE_ERROR
+    probe, params = fake.calls[-1]
+    assert probe == [0] and params.max_tokens == 1  # PROBE_TOKENS, one new token, after the lone failure
+    assert len(fake.calls) == 8 and engine.streak.count == 0 and engine.pending() == 0
+    assert engine.gone() is None
+
+
+def test_trtllm_gone_reads_the_llm_apis_health_check(trtllm):
+    fake = FakeTRTLLM()
+    engine = trtllm(fake)
+    assert engine.gone() is None
+    fake.shut_down = True
+    assert "_check_health() is false" in engine.gone()
+    older = FakeTRTLLM()
+    older._check_health = None  # a release without the check: only what the requests say
+    assert trtllm(older).gone() is None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 
 from shmbroker.config.settings import SimSettings
 from shmbroker.engines import catalogue as registry
-from shmbroker.engines.base import EngineOutcome, EngineUnavailable, ItemResult
+from shmbroker.engines.base import EngineDead, EngineOutcome, EngineUnavailable, ItemResult
 from shmbroker.engines.catalogue import load_engine
 from shmbroker.engines.cost import SimCost
 from shmbroker.engines.sim import Sim
@@ -78,7 +78,7 @@ class PoisonEngine:
     def run(self, batch):
         self.calls += 1
         if self.everything or self.poison & set(int(i) for i in batch.item_ids):
-            raise RuntimeError("device-side assert")
+            raise RuntimeError("a kernel failed on this prompt")
         return EngineOutcome([ItemResult(int(i), "ok", np.ones(2, np.uint32)) for i in batch.item_ids])
 
     def close(self):
@@ -90,18 +90,20 @@ def test_an_engine_error_fails_its_item_not_the_batch():
     core = ConsumerCore(CONTRACT, PoisonEngine(poison={102}))
     results = core.process(batch_of(tokens, family=7), tokens).items()
     assert [r.status for r in results] == ["ok", "ok", "engine_error", "ok"]
-    assert results[2].error == "RuntimeError: device-side assert"
+    assert results[2].error == "RuntimeError: a kernel failed on this prompt"
     assert core.stats.engine_errors == 1 and core.stats.ok == 3
 
 
-def test_an_engine_failing_everything_fails_every_item_and_the_core_goes_on():
+def test_an_engine_failing_everything_is_dead_and_fails_no_item():
+    """Every call raising: the batch, its first item alone, then the probe that would have charged that
+    item: three failures in a row with no success between, so the engine is dead (the GPU process
+    hands its items back and restarts) and no item is failed for it."""
     tokens = prompts(3)
     engine = PoisonEngine(everything=True)
     core = ConsumerCore(CONTRACT, engine)
-    assert [r.status for r in core.process(batch_of(tokens, family=7), tokens).items()] == ["engine_error"] * 3
-    one = tokens[:1]
-    assert [r.status for r in core.process(batch_of(one, family=7), one).items()] == ["engine_error"]
-    assert engine.calls == 1 + 3 + 1  # the batch, each item alone, then the single-item batch once
+    with pytest.raises(EngineDead, match="3 times in a row"):
+        core.process(batch_of(tokens, family=7), tokens)
+    assert engine.calls == 3 and core.stats.engine_errors == 0
 
 
 class ForgetfulEngine(PoisonEngine):

@@ -290,9 +290,10 @@ def test_an_engine_that_dies_is_restarted_and_its_items_are_retried_not_failed(t
         assert_others_ok(got, n, set())
         proc = slot_words(broker, "gpu-g")
         assert 1 <= proc["restarts"] <= 12, proc
-        assert "EngineDead" in proc["last_error"] and "fail_after" in proc["last_error"], proc
+        assert "engine dead" in proc["last_error"] and "fail_after" in proc["last_error"], proc
         stats = gpu_stats(broker)
         assert stats["engine_errors"] == 0 and stats["engine_retries"] > 0, stats
+        assert stats["engine_deaths"] == proc["restarts"], (stats, proc)
 
 
 @pytest.mark.timeout(120)
