@@ -1,9 +1,8 @@
 """shmbroker: a token-aware work broker for GPU LLM inference.
 
-Run the broker (supervise), check its configuration (config), feed it (submit) and read what it
-made (results), watch it (status, top), try it end to end on the simulated engine (demo), measure
-it against a baseline (bench), and compile its kernels ahead (warm). Past one host: submit and results
-with --cluster publish to and read from NATS JetStream; `nats` starts a local NATS server or cluster."""
+Run the broker (supervise), check its configuration (config), feed it (submit) and read what it made (results),
+watch it (status, top), try it end to end on the simulated engine (demo), measure it against a baseline (bench), and
+compile its kernels ahead (warm). Past one host: submit and results with --cluster use NATS JetStream; `nats` starts one."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http", "faults")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -100,6 +99,9 @@ def _bench(args) -> int:
 
         result = http.run(lines=args.items or int(50_000 * args.scale), repeats=args.repeats or 4, seed=args.seed,
                           say=lambda line: print(line, file=sys.stderr))
+    elif args.name == "faults":
+        from .bench import faults
+        result = faults.run(items=args.items or int(48 * args.scale), say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:
@@ -299,6 +301,8 @@ def _add_prompts(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default max_new_tokens of lines that give none")
     p.add_argument("--wait", action="store_true", help="also wait for every result and write them (see --out)")
     p.add_argument("--out", default=None, help="with --wait: results JSONL file (default: standard output)")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S", help="with --wait: give up after S s without "
+                   "a result (default: wait while a consumer of the items' model runs, starts or restarts; --cluster: 60)")
     p.add_argument("--cluster", default=None, metavar="nats://HOST:PORT[,...]",
                    help="publish to a cluster's prompts stream on these NATS servers instead of a local broker")
     g = p.add_argument_group("jobs")

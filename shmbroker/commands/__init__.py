@@ -2,14 +2,14 @@
 
 Each runs in the user's own shell process, as a producer or a reader of the data directory.
 
-    shmbroker submit prompts.jsonl [--trace] [--name N | --job J [--resume]] [--wait [--out F]]
+    shmbroker submit prompts.jsonl [--trace] [--name N | --job J [--resume]] [--wait [--out F] [--idle-timeout S]]
     shmbroker jobs [--json]; shmbroker job J [--json | --watch]; shmbroker cancel J
     shmbroker results --name N [--out F] [--timeout S]
     shmbroker status [--json]
     shmbroker nats [--servers 1|3] [--dir D]
     shmbroker serve-http [--config F] [--addr HOST:PORT]
 
-One module a command (`submit`, `results`, `status`, `local_nats`, `serve_http`, `jobs` for the three job commands); what they share is in `common`.
+One module a command (`submit`, `results`, `status`, `local_nats`, `serve_http`, `jobs` for the three job commands); what they share is in `common`; how long `submit --wait` waits is `waiting`.
 
 Exit status: 0 done; 1 some lines refused, a result missing, no broker; 2 a
 bad configuration, file or option.

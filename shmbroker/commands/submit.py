@@ -3,7 +3,8 @@ Mooncake-format trace) to a running broker, or with --cluster to a cluster's pro
 (a `RemoteProducer`); with --job as a batch job (`jobrun.py`) that has a status and a cancel.
 
 `submit` streams the file in chunks (`Producer.submit_many`); a bad line costs only itself (an error
-on stderr naming file and line, and with --wait a row of its own). Progress: `jobs/progress.py`.
+on stderr naming file and line, and with --wait a row of its own). Progress: `jobs/progress.py`; how
+long --wait waits: `waiting.py`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from ..jobs.prompts import U32_MAX, LineError, Prompt
 from ..ring.items import DEFAULT_MODEL
 from .common import IdLog, ResultSink, config_data_dir, load_ids, open_output, open_producer, print_error, result_row, written_ids
 from .reading import count_lines, read_prompts, read_trace
+from .waiting import ItemModels, Patience
 
 CHUNK_ITEMS = 1024  # prompts handed to submit_many at once
 CHUNK_TOKENS = 1 << 20
 SUBMIT_STALL_SECONDS = 60.0  # an ingest ring that stays full this long ends the submit
-WAIT_IDLE_SECONDS = 60.0  # --wait gives up when no result came for this long
 
 
 class _Submission:
@@ -46,6 +47,7 @@ class _Submission:
         self.cancelled = 0  # lines left unsubmitted because the job was cancelled
         self.ids: dict[int, str | int] = {}
         self.outstanding: set[int] = set()
+        self.item_models = ItemModels()  # the model of each item in `outstanding`
         self.statuses: Counter[str] = Counter()
         self.generated = 0
         self.models: Counter[str | None] = Counter()  # items submitted per model name
@@ -127,6 +129,7 @@ class _Submission:
         self.models[p.model] += 1
         if self.sink is not None:
             self.outstanding.add(item)
+            self.item_models.add(item, p.model)
         if self.job is not None:
             self.job.pushed(1, int(p.tokens.size))
         elif p.id is not None:
@@ -171,13 +174,12 @@ class _Submission:
                                  ok=ok, failed=sum(self.statuses.values()) - ok + self.refused, tokens=self.generated,
                                  status="cancelling" if self.cancelled else "")
 
-    def wait(self) -> bool:
-        """Read results until every submitted item has one; False after WAIT_IDLE_SECONDS without any."""
-        last = time.monotonic()
+    def wait(self, patience: Patience) -> bool:
+        """Read results until every submitted item has one; False once `patience` gives up (waiting.py)."""
         while self.outstanding:
-            if self.drain(min(1.0, WAIT_IDLE_SECONDS)):
-                last = time.monotonic()
-            elif time.monotonic() - last > WAIT_IDLE_SECONDS:
+            if self.drain(patience.read_seconds()):
+                patience.result_came()
+            elif patience.gives_up(lambda: self.item_models.of(self.outstanding)):
                 return False
             else:
                 self.show()
@@ -204,6 +206,8 @@ def _checks(args) -> str | None:
         return "--out-format openai and --error-file are a job's: add --job NAME"
     if args.error_file and args.out_format != "openai":
         return "--error-file goes with --out-format openai (the native format keeps errors in its rows)"
+    if args.idle_timeout is not None and not (args.wait and args.idle_timeout > 0):
+        return "--idle-timeout goes with --wait and takes a number of seconds > 0"
     return None
 
 
@@ -314,7 +318,10 @@ def _attach_sink(args, run: _Submission, files: ExitStack, tokenizer) -> None:
     errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" else None
     errors = files.enter_context(open_output(errors_at)) if errors_at is not None else None
     run.sink = JobSink(out, errors, run.producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
-    run.outstanding |= job.waiting_for(run.sink.written)
+    waiting = job.waiting_for(run.sink.written)
+    run.outstanding |= waiting
+    for item in sorted(waiting):
+        run.item_models.add(item, job.entries[item].get("model"))
     job.keep_entries = True
 
 
@@ -348,9 +355,13 @@ def _submitted_line(run: _Submission) -> str:
 
 
 def _wait_all(args, run: _Submission, name: str) -> bool:
-    """--wait: every result written (or WAIT_IDLE_SECONDS without one); whether all came."""
+    """--wait: every result written (or the wait gave up, `waiting.Patience`); whether all came."""
     job = run.job
-    complete = run.wait()
+    patience = Patience(None if getattr(args, "cluster", None) else run.data_dir, args.idle_timeout)
+    try:
+        complete = run.wait(patience)
+    finally:
+        patience.close()
     if job is not None and complete:
         job.meta.phase = "finalizing"
         job.save()
@@ -359,8 +370,8 @@ def _wait_all(args, run: _Submission, name: str) -> bool:
     where = f" to {args.out}" if args.out else ""
     print_error(f"{sum(run.statuses.values())} results ({counts or 'none'}) written{where}")
     if not complete:
-        print_error(f"no result came for {WAIT_IDLE_SECONDS:.0f} s; {len(run.outstanding)} items still "
-             f"without one (later: shmbroker results --name {name})")
+        print_error(f"gave up waiting: {patience.why}; {len(run.outstanding)} items still without a result "
+                    f"(later: shmbroker results --name {name})")
     elif job is not None:
         job.finished(cancelled=job.cancelled)
     return complete

@@ -25,6 +25,7 @@ SIM_CHECKS = {  # the simulated engine's keys, in the order they are read
     "cache_tokens": Integer(0, 1 << 40),
     **{key: Flag() if key == "zero_cost" else Number(0.0, 3600.0) for key in COST_KEYS},
     "pace_seconds": Number(0.0, 3600.0),
+    "start_seconds": Number(0.0, 3600.0),
     **{key: Integer(0, (1 << 32) - 1) for key in (*SIM_FAULT_TOKENS, "fail_after")},
     "poison_kill": Choice(SIM_KILLS),
 }

@@ -195,6 +195,12 @@ def mark_started(slot: np.ndarray) -> None:
     slot[R_STARTED] = time.monotonic_ns()
 
 
+def still_starting(slot: np.ndarray) -> bool:
+    """Whether the role's current incarnation has not beaten since its start: its loop has not begun
+    (an engine loading). Meaningful while its pid runs."""
+    return int(slot[R_BEAT]) <= int(slot[R_STARTED])
+
+
 class ProducerSlot:
     __slots__ = ("slot", "producer_id", "ingest", "name", "ingest_names", "result_names")
 

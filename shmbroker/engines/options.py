@@ -28,6 +28,8 @@ class SimSettings:
     `pace_seconds` wall seconds per modeled second (0: as fast as the CPU runs it, the modeled
     seconds reported, not spent). A paced engine finishes each item when the modeled clock says,
     so consumers of different sizes split a backlog as real cards would (supervise, demo).
+    `start_seconds`: wall seconds its constructor takes, as a large model's loading does (tests of
+    what waits on a consumer that starts).
 
     Faults, for tests of what the broker does when an engine misbehaves (each off when None; a
     `*_token` marks an item by a token id its prompt holds):
@@ -43,6 +45,8 @@ class SimSettings:
     cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, cost.py)
     pace_seconds: float = field(default=0.04, metadata={"help": "wall seconds per modeled second (0: unpaced, as "
                                                                 "fast as the CPU runs it)"})
+    start_seconds: float = field(default=0.0, metadata={"help": "wall seconds the engine takes to start, as a "
+                                                                "large model's loading does (0: at once)"})
     poison_token: int | None = field(default=None, metadata={"help": "tests: adding an item that holds this token "
                                                                      "kills the process (`poison_kill`)"})
     poison_kill: str = field(default="abort", metadata={"help": "tests: how a poison item kills: `abort` (SIGABRT), "

@@ -177,11 +177,13 @@ class Sim(StreamingRun):
     its modeled finish x pace_seconds (counted from when the engine last became busy), so consumers of
     different sizes split the work as real cards would. `zero_cost` hands everything back at once and
     reads no prompt (outputs of digest 0: `generated_many(ids, counts, zeros)`): a benchmark measures
-    the broker. Request options: `sim_requests.py`."""
+    the broker. `start_seconds` makes the constructor take that long, as a model loading does. Request
+    options: `sim_requests.py`."""
 
     VOCAB = 32_000
 
     def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
+        time.sleep(float(getattr(settings, "start_seconds", 0.0)))  # a model loading (`SimSettings.start_seconds`)
         self.mode = as_mode(settings.mode, "sim engine mode")
         self.block_tokens = block_tokens
         self.pace = float(getattr(settings, "pace_seconds", 0.0))

@@ -35,6 +35,7 @@ from ..control.segment import (
     R_RESTARTS,
     R_STARTED,
     Control,
+    still_starting,
 )
 from ..control.stats import MAX_MODELS, read_role
 from ..errors import BrokerError
@@ -156,20 +157,25 @@ class BrokerView:
         self.last_values[r] = got
         return got
 
+    def process(self, r: int, now_ns: int) -> dict:
+        """Role r's process as its slot says: pid, restarts, alive, starting (alive and its loop not begun
+        yet: an engine loading), heartbeat age, uptime, compilations, and its deaths (`death_report`)."""
+        slot = self.control.role(r)
+        role = self.roles[r]
+        pid, beat, started = int(slot[R_PID]), int(slot[R_BEAT]), int(slot[R_STARTED])
+        ticks = start_ticks(pid) if pid > 0 else None
+        alive = ticks is not None and is_alive(pid, ticks)
+        return {"role": role, "kind": str(kind_of(role)), "pid": pid, "restarts": int(slot[R_RESTARTS]),
+                "alive": alive, "starting": alive and still_starting(slot),
+                "heartbeat_age_seconds": max(0.0, (now_ns - beat) / 1e9) if beat else None,
+                "uptime_seconds": max(0.0, (now_ns - started) / 1e9) if started else None,
+                "compiles": int(slot[R_COMPILES]), **death_report(slot, now_ns)}
+
     def snapshot(self) -> dict:
         w = self.control.words
         now = time.monotonic_ns()
         values = {role: self.role_values(r) for r, role in enumerate(self.roles)}
-        processes = []
-        for r, role in enumerate(self.roles):
-            slot = self.control.role(r)
-            pid, beat, started = int(slot[R_PID]), int(slot[R_BEAT]), int(slot[R_STARTED])
-            ticks = start_ticks(pid) if pid > 0 else None
-            processes.append({"role": role, "kind": str(kind_of(role)), "pid": pid, "restarts": int(slot[R_RESTARTS]),
-                              "alive": ticks is not None and is_alive(pid, ticks),
-                              "heartbeat_age_seconds": max(0.0, (now - beat) / 1e9) if beat else None,
-                              "uptime_seconds": max(0.0, (now - started) / 1e9) if started else None,
-                              "compiles": int(slot[R_COMPILES]), **death_report(slot, now)})
+        processes = [self.process(r, now) for r in range(len(self.roles))]
         consumers = {}
         for i, c in enumerate(self.desc["consumers"]):
             v = dict(values.get(gpu(i, c["name"]).name, {}))
