@@ -86,6 +86,10 @@ class BenchBroker:
         finally:
             ctl.close()
 
+    def killed(self) -> None:
+        """The supervisor was SIGKILLed and reaped by the caller: its log file is closed."""
+        self._log.close()
+
     def stop(self) -> int:
         """SIGTERM, wait (SIGKILL after 60 s); the exit status."""
         self.proc.send_signal(signal.SIGTERM)

@@ -80,7 +80,7 @@ class Broker:
     def kill_supervisor(self) -> None:
         self.b.proc.kill()
         self.b.proc.wait(30)
-        self.b._log.close()
+        self.b.killed()
 
     def stop(self) -> int:
         return self.b.stop()
@@ -195,5 +195,5 @@ def kill_during_stop(broker: Broker, rng: random.Random) -> int:
     except subprocess.TimeoutExpired:
         broker.b.proc.kill()
         broker.b.proc.wait()
-    broker.b._log.close()
+    broker.b.killed()
     return killed

@@ -200,7 +200,7 @@ def _sample_check(engine, wl: Workload, plan: list, sample: np.ndarray, setup: S
     ref = copy.copy(engine)
     ref.model = copy.deepcopy(engine.model).float()
     ref.dtype = torch.float32
-    ref._kept = None
+    ref.forget_prefix()
     wanted = {int(r) for r in sample}
     equal = 0
     for batch in plan:
@@ -260,7 +260,7 @@ def _fed(setup: Setup, wl: Workload, broker_engine, fifo_plan: list, broker_plan
     runs = {"fifo": [], "broker": []}
     for side in ("fifo", "broker", "broker", "fifo"):
         engine, plan = (fifo_engine, fifo_plan) if side == "fifo" else (broker_engine, broker_plan)
-        broker_engine._kept = None
+        broker_engine.forget_prefix()
         runs[side].append(_feed(ConsumerCore(setup.contract, engine), wl, plan))
     fifo, broker = (_combine(runs[side], int(wl.lengths.sum())) for side in ("fifo", "broker"))
     return fifo, broker

@@ -134,20 +134,21 @@ class JobRun:
             raise JobError(f"{name!r} is a producer name submitted under without a job; pick another job name")
         meta = JobMeta(name, os.path.abspath(path), "", 0, fmt)
         run = cls(data_dir, meta, False)
-        run._own_pid()
+        run.own_pid()
         store.create(data_dir, meta)  # validating: seen as such while the file is read
         meta.digest, meta.lines = digest_and_lines(path)
         run.save()
         return run
 
-    def _own_pid(self) -> None:
+    def own_pid(self) -> None:
+        """This process is the job's submitter (its pid and start time in the job's record)."""
         from ..ring.liveness import start_ticks
 
         self.meta.submitter_pid, self.meta.submitter_start = os.getpid(), start_ticks(os.getpid()) or 0
 
     def claim(self) -> None:
         """This run submits the job now (its producer is connected): in_progress, under this pid."""
-        self._own_pid()
+        self.own_pid()
         self.meta.phase, self.meta.error, self.meta.finished_at = "in_progress", None, None
         self.meta.submit_done = False
         self.save()

@@ -124,11 +124,11 @@ class HF:
         cache, cached = self._prefix_cache(tokens[0][:prefix]) if prefix > 0 else (None, 0)
         opts = batch.options
         if self.sliding and n > 1:  # one suffix at a time on the shared prefix: no padding at all
-            generated = [self._generate([t], [x], prefix, copy.deepcopy(cache), [m], None if opts is None else [opts[i]])[0]
+            generated = [self.generate([t], [x], prefix, copy.deepcopy(cache), [m], None if opts is None else [opts[i]])[0]
                          for i, (t, x, m) in enumerate(zip(tokens, lengths, max_new))]
             rect = sum(x - prefix for x in lengths)
         else:
-            generated = self._generate(tokens, lengths, prefix, cache, max_new, opts)
+            generated = self.generate(tokens, lengths, prefix, cache, max_new, opts)
             rect = n * max(lengths[i] - prefix for i in range(n))
         padded = rect - sum(lengths[i] - prefix for i in range(n))
         b = self.block_tokens
@@ -178,7 +178,7 @@ class HF:
             return copy.deepcopy(cache), cached
         return cache, cached
 
-    def _generate(self, tokens, lengths, prefix: int, cache, max_new, options=None) -> list[Sampled]:
+    def generate(self, tokens, lengths, prefix: int, cache, max_new, options=None) -> list[Sampled]:
         """The items' samples: the suffixes prefilled as one right-padded rectangle on the prefix's KV,
         then each row decoded under its item's options (`hf_sampling.py`)."""
         dev = self.device
@@ -240,6 +240,11 @@ class HF:
     def _logits(self, keep: int) -> dict:
         return {self._keep: keep} if self._keep else {}
 
+    def forget_prefix(self) -> None:
+        """Drop the kept prefix's KV: the next batch computes its prefix whole (benchmarks' runs start
+        equal)."""
+        self._kept = None
+
     def close(self) -> None:
         self._kept = None
         self.model = None
@@ -267,7 +272,7 @@ def alone(engine: HF, tokens: np.ndarray, max_new_tokens: int, options=None) -> 
     cache = transformers.DynamicCache()
     tokens = np.asarray(tokens)
     with torch.inference_mode():
-        return engine._generate([tokens], [int(tokens.size)], 0, cache, [int(max_new_tokens)],
+        return engine.generate([tokens], [int(tokens.size)], 0, cache, [int(max_new_tokens)],
                                 None if options is None else [options])[0]
 
 

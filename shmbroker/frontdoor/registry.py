@@ -148,6 +148,13 @@ class Registry:
         with self._lock:
             return list(self._by_name.values())
 
+    def close_in_child(self) -> None:
+        """In a process forked from the registry's: close its copy of the listening socket (the
+        registry's own stays open, and its path stays on disk)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def close(self) -> None:
         """Stop serving (idempotent). The rings stay with the owner, which unlinks them."""
         self._stop.set()

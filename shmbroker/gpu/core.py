@@ -178,7 +178,7 @@ class ConsumerCore:
                     status[k] = Status.INVALID
                     errors[k] = refused[r]
         failed = _empty(batch.handles[rows].astype(np.uint64), status, errors)
-        self._count(failed)
+        self.count(failed)
         return failed, np.flatnonzero(~bad)
 
     def add(self, ids: np.ndarray, tokens, max_new: np.ndarray) -> BatchResults | None:
@@ -200,7 +200,7 @@ class ConsumerCore:
             raise
         except Exception as exc:  # noqa: BLE001 - isolate the item(s) that fail, below
             if ids.size == 1:
-                return self._count(BatchResults.of([engine_error(ids[0], exc)]))
+                return self.count(BatchResults.of([engine_error(ids[0], exc)]))
         refused = []
         for k in range(ids.size):
             try:
@@ -213,7 +213,7 @@ class ConsumerCore:
                 raise
             except Exception as exc:  # noqa: BLE001 - an engine error fails its item, not the process
                 refused.append(engine_error(ids[k], exc))
-        return self._count(BatchResults.of(refused)) if refused else None
+        return self.count(BatchResults.of(refused)) if refused else None
 
     def poll(self, timeout_seconds: float) -> BatchResults | None:
         """Results of the items the engine finished (each once; a result for an item not in flight is
@@ -249,7 +249,7 @@ class ConsumerCore:
         n = ids.size
         if n <= self.in_flight.size and np.array_equal(self.in_flight[:n], ids):  # the oldest, in order
             self.in_flight = self.in_flight[n:]
-            return self._count(res)
+            return self.count(res)
         mine = np.isin(ids, self.in_flight)
         _, first = np.unique(ids, return_index=True)
         if first.size < ids.size:  # an item answered twice: the first answer counts
@@ -262,7 +262,7 @@ class ConsumerCore:
             res = rows_of(res, np.flatnonzero(mine))
             ids = res.item_ids
         self.in_flight = self.in_flight[~np.isin(self.in_flight, ids)]
-        return self._count(res)
+        return self.count(res)
 
     def _hand_back(self, ids: np.ndarray, why: Exception) -> None:
         self.returned = np.concatenate([self.returned, np.asarray(ids, np.uint64)])
@@ -292,7 +292,8 @@ class ConsumerCore:
                     parts.append(got)
         return _in_order(batch.handles.astype(np.uint64), parts)
 
-    def _count(self, res: BatchResults) -> BatchResults:
+    def count(self, res: BatchResults) -> BatchResults:
+        """Count results in the statistics by status; the results."""
         counts = np.bincount(res.status, minlength=NUM_CODES)
         s = self.stats
         s.ok += int(counts[Status.OK])

@@ -120,9 +120,9 @@ class BatchTokens:
     `check(rows)` checks those items' records first (`SegmentViews.check`); `options(reader)`
     their request options, decoded once for the record and kept for its parts (`part`)."""
 
-    def __init__(self, views: SegmentViews, locs: np.ndarray):
+    def __init__(self, views: SegmentViews, locs: np.ndarray, options: tuple | None = None):
         self.views, self.locs = views, locs
-        self._options = None  # (OptionsColumn or None, {row: why}) once decoded
+        self._options = options  # (OptionsColumn or None, {row: why}) once decoded
         self._samples = False  # each item's sample count once asked (None: one each)
 
     def __len__(self):
@@ -173,8 +173,8 @@ class BatchTokens:
 
     def part(self, rows: np.ndarray) -> BatchTokens:
         """Items `rows` (indices into this record's items), with their options if decoded."""
-        out = BatchTokens(self.views, self.locs[rows])
-        if self._options is not None:
-            column, why = self._options
-            out._options = (None if column is None else OptionsColumn(column.sets, column.index[rows]), {})
-        return out
+        if self._options is None:
+            return BatchTokens(self.views, self.locs[rows])
+        column = self._options[0]
+        return BatchTokens(self.views, self.locs[rows],
+                           (None if column is None else OptionsColumn(column.sets, column.index[rows]), {}))

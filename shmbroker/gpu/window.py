@@ -246,7 +246,7 @@ class Window:
         log.warning("item %#x: %s; it fails (engine_error)", item_id, text)
         res = BatchResults(np.array([item_id], np.uint64), np.array([Status.ENGINE_ERROR], np.uint32),
                            np.zeros(0, np.uint32), np.zeros(2, np.int64), {0: text})
-        self.core._count(res)
+        self.core.count(res)
         self.counts["poisoned"] += 1
         self.events += 1
         self.finished(res)

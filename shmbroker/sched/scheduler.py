@@ -132,7 +132,7 @@ class Scheduler:
         t0 = time.perf_counter()
         backlog, report = Backlog.open(data_dir, segment_bytes=self.cfg.segment_bytes, readonly=True)
         try:
-            self.high = {w: s.next_seq for w, s in backlog._writers.items()}
+            self.high = backlog.next_seqs()
             pending = backlog.pending()
             corrupt = record_locations(backlog.corrupt())
         finally:

@@ -72,36 +72,49 @@ class Backlog:
         except AckFileCorrupt as exc:
             backlog.acks = Acks()  # at-least-once: nothing counts as done, everything is redelivered
             report.ack_file = f"corrupt ({exc}); treating nothing as acked"
-        recovery = Recovery(backlog.acks, readonly)
+        backlog.recover_writers(Recovery(backlog.acks, readonly), writers, report)
+        if not readonly and writers is None:
+            backlog.settle(report)
+        report.seconds = time.perf_counter() - t0
+        return backlog, report
+
+    def recover_writers(self, recovery: Recovery, writers: set[int] | None, report: RecoveryReport) -> None:
+        """Each writer's directory (those of `writers` only, when given) recovered: its state, what it
+        holds pending and what failed its CRC, less what is done."""
         pending_parts, corrupt_parts = [], []
-        for wdir in sorted(root.glob("w[0-9][0-9][0-9]")):
+        for wdir in sorted(self.root.glob("w[0-9][0-9][0-9]")):
             writer = int(wdir.name[1:])
             if writers is not None and writer not in writers:
                 continue
             state, parts, corrupt = recovery.recover_writer(wdir, writer, report)
-            backlog._writers[writer] = state
+            self._writers[writer] = state
             pending_parts.extend(parts)
             corrupt_parts.extend(corrupt)
-        backlog._acked_at_open = recovery.acked_at_open
-        report.writers = len(backlog._writers)
+        self._acked_at_open = recovery.acked_at_open
+        report.writers = len(self._writers)
         pending = np.concatenate(pending_parts) if pending_parts else np.empty(0, PENDING_DTYPE)
         report.records = int(pending.size)
         report.tokens = int(pending["num_tokens"].sum(dtype=np.uint64)) if pending.size else 0
-        backlog._pending = backlog._not_done(pending)
-        report.pending_records = int(backlog._pending.size)
-        report.pending_tokens = int(backlog._pending["num_tokens"].sum(dtype=np.uint64)) if backlog._pending.size else 0
+        self._pending = self._not_done(pending)
+        report.pending_records = int(self._pending.size)
+        report.pending_tokens = int(self._pending["num_tokens"].sum(dtype=np.uint64)) if self._pending.size else 0
         corrupt = np.concatenate(corrupt_parts) if corrupt_parts else np.empty(0, PENDING_DTYPE)
-        backlog._corrupt = backlog._not_done(corrupt)
-        report.corrupt_records = int(backlog._corrupt.size)
-        if not readonly and writers is None:
-            if backlog._acked_at_open:
-                try:  # what recovery found lost is done for good: the results process starts from the file
-                    backlog.save_acks()
-                except OSError as exc:
-                    report.ack_file += f"; not saved after recovery ({exc.strerror})"
-            report.segments_reclaimed = backlog.reclaim()
-        report.seconds = time.perf_counter() - t0
-        return backlog, report
+        self._corrupt = self._not_done(corrupt)
+        report.corrupt_records = int(self._corrupt.size)
+
+    def settle(self, report: RecoveryReport) -> None:
+        """After a whole recovery that may write: what it found lost is saved as done, and done
+        segments are reclaimed."""
+        if self._acked_at_open:
+            try:  # what recovery found lost is done for good: the results process starts from the file
+                self.save_acks()
+            except OSError as exc:
+                report.ack_file += f"; not saved after recovery ({exc.strerror})"
+        report.segments_reclaimed = self.reclaim()
+
+    def next_seqs(self) -> dict[int, int]:
+        """Each recovered writer's next sequence number."""
+        return {w: s.next_seq for w, s in self._writers.items()}
 
     def _not_done(self, recs: np.ndarray) -> np.ndarray:
         """The records of `recs` the ack file does not mark done."""

@@ -173,8 +173,8 @@ class Supervisor:
         if pid == 0:  # the child
             code = 0
             try:
-                if self.registry is not None and self.registry._sock is not None:
-                    self.registry._sock.close()
+                if self.registry is not None:
+                    self.registry.close_in_child()
                 run_child(self.wiring, self.role_of[role], slot)
             except BaseException as exc:  # noqa: BLE001 - a child reports and exits, never returns
                 code = 1

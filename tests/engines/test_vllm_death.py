@@ -56,3 +56,25 @@ def test_killing_the_vllm_engine_core_costs_a_restart_and_no_item(tmp_path):
     assert r["engine_deaths"] == 1, r
     assert r["kill_to_next_result_seconds"] is not None and r["kill_to_next_result_seconds"] < 30.0, r
     assert 0 < r["engine_restart_seconds"] < 30.0, r
+
+
+KILL_CHECK = ROOT / "tests" / "support" / "vllm_kill_check.py"
+
+
+@pytest.mark.timeout(900)
+def test_a_chat_batch_over_http_outlives_a_killed_engine_core(tmp_path):
+    """The HTTP role's batch of 150 chat lines; the engine core SIGKILLed after 40 items: the consumer's
+    next item is ok within 30 s of the kill, and the batch completes with every line ok exactly once."""
+    python = vllm_python()
+    proc = subprocess.run([python, str(KILL_CHECK), str(tmp_path)], capture_output=True, text=True, timeout=840,
+                          cwd=ROOT)
+    assert proc.returncode == 0, f"the check exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["killed"] and r["status"] == "completed", r["log_tail"]
+    ids = [o["custom_id"] for o in r["out"]]
+    assert sorted(ids) == sorted(f"line-{k}" for k in range(r["lines"])), "every line exactly once"
+    assert all(o["response"]["status_code"] == 200 for o in r["out"]) and r["errors"] == [], r["errors"][:3]
+    c = r["consumer"]
+    assert c["ok"] >= r["lines"] and c["engine_errors"] == 0 and c["engine_deaths"] == 1, c
+    assert r["kill_to_next_ok_seconds"] is not None and r["kill_to_next_ok_seconds"] < 30.0, (r["kill_to_next_ok_seconds"], c)
+    assert r["supervisor_exit"] == 0, r["log_tail"]
