@@ -80,7 +80,7 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 test: $(TEST_STAMP) warm lint
-	@$(MAKE) vllm || echo "make vllm failed: tests/engines/test_vllm_real.py will skip (no usable .venv-vllm)"
+	@($(MAKE) vllm && $(VLLM_VENV)/bin/shmbroker warm) || echo "make vllm failed: the tests/engines/test_vllm_*.py tests will skip (no usable .venv-vllm)"
 	$(PY) -m pytest -q
 
 # The chaos tests for longer: SIGKILL every kind of broker process (and the supervisor) at random

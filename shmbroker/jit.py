@@ -84,14 +84,24 @@ def kernel(fn=None, *, signature=None, **options):
     return decorate(fn)
 
 
+VERSION_FILE = "numba-version"  # in each cache directory: the numba that filled it
+
+
 def prune_stale() -> list[Path]:
-    """Remove cache directories of kernel sources other than the current ones."""
+    """Remove cache directories of kernel sources other than the current ones, compiled by this
+    numba (another environment's numba, e.g. `.venv-vllm`'s, keeps its own); marks the current one."""
     removed = []
     root = cache_root()
     if not root.is_dir():
         return removed
+    if CACHE_DIR.is_dir():
+        (CACHE_DIR / VERSION_FILE).write_text(numba.__version__)
     for child in root.iterdir():
-        if child.is_dir() and child != CACHE_DIR:
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(child)
+        if not child.is_dir() or child == CACHE_DIR:
+            continue
+        marker = child / VERSION_FILE
+        if marker.is_file() and marker.read_text().strip() != numba.__version__:
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
     return removed
