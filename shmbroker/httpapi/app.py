@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ class Api:
     batches: BatchStore
     runner: Runner
     models: list = field(default_factory=list)
+    # held (in worker threads) from a check to the change it allows: a file is not deleted while a
+    # batch takes it, and a tenant's batch limit holds against two creates at once
+    admit: threading.Lock = field(default_factory=threading.Lock)
 
     def tenant(self, request) -> str:
         auth = request.headers.get("authorization", "")
@@ -104,11 +108,12 @@ def list_files(api: Api, request) -> dict:
 
 def delete_file(api: Api, request, file_id: str) -> dict:
     owner = api.tenant(request)
-    api.files.get(owner, file_id)
-    busy = api.batches.uses_file(owner, file_id)
-    if busy is not None:
-        raise ApiError(409, f"file {file_id} is in use by batch {busy.id}, which has not ended", param="file_id")
-    api.files.delete(owner, file_id)
+    with api.admit:
+        api.files.get(owner, file_id)
+        busy = api.batches.uses_file(owner, file_id)
+        if busy is not None:
+            raise ApiError(409, f"file {file_id} is in use by batch {busy.id}, which has not ended", param="file_id")
+        api.files.delete(owner, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -134,6 +139,12 @@ def check_metadata(metadata) -> dict | None:
 async def create_batch(api: Api, request) -> dict:
     owner = api.tenant(request)
     body = await json_body(request)
+    return await asyncio.to_thread(new_batch, api, owner, body)
+
+
+def new_batch(api: Api, owner: str, body: dict) -> dict:
+    """Check a create's `body` and save its batch (fsynced: a batch answered 200 is on disk), in a
+    worker thread."""
     unknown = sorted(set(body) - BATCH_FIELDS)
     if unknown:
         raise ApiError(400, f"unknown field(s) {', '.join(unknown)}", param=unknown[0])
@@ -144,21 +155,23 @@ async def create_batch(api: Api, request) -> dict:
     input_id = body.get("input_file_id")
     if not isinstance(input_id, str):
         raise ApiError(400, "'input_file_id' must be a file id", param="input_file_id")
-    meta = api.files.get(owner, input_id)
-    if meta["purpose"] != "batch":
-        raise ApiError(400, f"file {input_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id")
-    seconds = window_seconds(body.get("completion_window"))
-    metadata = check_metadata(body.get("metadata"))
     limit = api.cfg.tenant_max_batches
-    if limit and len([r for r in api.batches.owned(owner) if r.phase != "ended"]) >= limit:
-        raise ApiError(429, f"this tenant has {limit} batches not ended already", code="batch_limit_exceeded")
-    t = now()
-    rec = BatchRecord(id=new_id(BATCH_PREFIX), owner=owner, endpoint=endpoint, input_file_id=input_id,
-                      completion_window=body["completion_window"], created_at=t, expires_at=t + seconds,
-                      output_file_id=new_id(FILE_PREFIX), error_file_id=new_id(FILE_PREFIX), metadata=metadata)
-    api.batches.save(rec)
+    with api.admit:
+        meta = api.files.get(owner, input_id)
+        if meta["purpose"] != "batch":
+            raise ApiError(400, f"file {input_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id")
+        seconds = window_seconds(body.get("completion_window"))
+        metadata = check_metadata(body.get("metadata"))
+        if limit and len([r for r in api.batches.owned(owner) if r.phase != "ended"]) >= limit:
+            raise ApiError(429, f"this tenant has {limit} batches not ended already", code="batch_limit_exceeded")
+        t = now()
+        rec = BatchRecord(id=new_id(BATCH_PREFIX), owner=owner, endpoint=endpoint, input_file_id=input_id,
+                          completion_window=body["completion_window"], created_at=t, expires_at=t + seconds,
+                          output_file_id=new_id(FILE_PREFIX), error_file_id=new_id(FILE_PREFIX), metadata=metadata)
+        view = api.batch_view(rec)  # as created: once saved, the runner may validate it at once
+        api.batches.save(rec)
     api.runner.bell.set()
-    return api.batch_view(rec)
+    return view
 
 
 def list_batches(api: Api, request) -> dict:
@@ -169,12 +182,11 @@ def list_batches(api: Api, request) -> dict:
 
 
 def cancel_batch(api: Api, request, batch_id: str) -> dict:
+    """The cancel is saved in the batch's record and left to the runner (`Runner.cancel`): the answer
+    waits for no job, file or output description."""
     rec = api.batches.get(api.tenant(request), batch_id)
-    if rec.phase == "ended":
-        if rec.final not in ("cancelled",):
-            raise ApiError(409, f"batch {batch_id} is {rec.final}: it cannot be cancelled", param="batch_id")
-    elif not rec.cancelling_at:
-        api.runner.cancel(rec)
+    if not api.runner.cancel(rec) and rec.final != "cancelled":
+        raise ApiError(409, f"batch {batch_id} is {rec.final}: it cannot be cancelled", param="batch_id")
     return api.batch_view(rec)
 
 

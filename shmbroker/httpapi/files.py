@@ -28,6 +28,7 @@ HTTP_DIR = "http"
 UPLOAD_PREFIX = ".upload-"
 PURPOSES = ("batch",)  # what an upload may be for; a batch's results are "batch_output"
 OUTPUT_PURPOSE = "batch_output"
+COUNT_CHUNK_BYTES = 1 << 20
 
 
 def http_dir(data_dir: str | os.PathLike) -> Path:
@@ -113,18 +114,35 @@ class FileStore:
         unlink(self.path(file_id), missing_ok=True)
 
     def register_output(self, owner: str, file_id: str, filename: str) -> str | None:
-        """A batch's output or error file, written by its submitter at `path(file_id)`, described;
-        None when it holds no line (the API then gives no file)."""
+        """A batch's output or error file, written by its submitter at `path(file_id)`, synced and
+        described; None when it holds no line (the API then gives no file). Seconds for gigabytes:
+        the runner calls it holding no lock a request waits on."""
         path = self.path(file_id)
         try:
-            with open(path, "rb") as fh:
-                fsync(fh.fileno())
-                lines = sum(1 for _ in fh)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            fsync(fd)
+            size, lines = count_lines(fd)
+        finally:
+            os.close(fd)
         if lines == 0:
             unlink(path, missing_ok=True)
             return None
         os.chmod(path, 0o600)  # the submitter made it with its umask
-        self.describe(file_id, owner, filename, OUTPUT_PURPOSE, path.stat().st_size, lines)
+        self.describe(file_id, owner, filename, OUTPUT_PURPOSE, size, lines)
         return file_id
+
+
+def count_lines(fd: int) -> tuple[int, int]:
+    """(bytes, lines) of the file at `fd` from its start, a last line without its newline counted
+    too. Read in chunks counted by `bytes.count`, not line by line: about ten times faster on a file
+    of short lines, and the reads let the event loop's thread run meanwhile."""
+    size = lines = 0
+    last = b"\n"
+    while chunk := os.pread(fd, COUNT_CHUNK_BYTES, size):
+        lines += chunk.count(b"\n")
+        size += len(chunk)
+        last = chunk[-1:]
+    return size, lines + (last != b"\n")

@@ -86,7 +86,9 @@ class Runner:
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}
         self.bell = threading.Event()
-        self.lock = threading.RLock()  # a record is changed by this thread and by a cancel from a request
+        # a record is changed by this thread and by a cancel from a request: each change and its
+        # save under this lock, and nothing else (no file read, described or synced but the record)
+        self.lock = threading.Lock()
         self.logs = http_dir(data_dir) / "logs"
         os.makedirs(self.logs, mode=0o700, exist_ok=True)
 
@@ -97,8 +99,7 @@ class Runner:
                 beat()
                 for rec in self.batches.active():
                     try:
-                        with self.lock:
-                            self.step(rec)
+                        self.step(rec)
                     except Exception:  # noqa: BLE001 - one batch's trouble must not stop the others
                         log.exception("batch %s", rec.id)
                 self.bell.wait(TICK_SECONDS)
@@ -119,36 +120,40 @@ class Runner:
         elif rec.phase == "running":
             self._watch(rec)
 
-    def cancel(self, rec: BatchRecord, expired: bool = False) -> None:
-        """Ask a batch to stop: its job cancelled, its unfinished lines `cancelled` (or expired)."""
+    def cancel(self, rec: BatchRecord, expired: bool = False) -> bool:
+        """Ask a batch to stop (its job cancelled, its unfinished lines `cancelled`, or expired): the
+        ask is saved in its record and this thread does the rest at its next step. False when the
+        batch had ended already. Called from a request too: it waits for no disk work but the
+        record's own save (see `lock`)."""
         with self.lock:
-            self._cancel(rec, expired)
-
-    def _cancel(self, rec: BatchRecord, expired: bool) -> None:
-        rec.cancelling_at = rec.cancelling_at or now()
-        rec.expiring = rec.expiring or expired
-        if rec.phase == "validating":
-            self._end(rec, "expired" if expired else "cancelled", None)
-            return
-        self.batches.save(rec)
-        self.bell.set()  # the runner cancels its job (`_watch`), once the submitter has made it
+            if rec.phase == "ended":
+                return False
+            if not rec.cancelling_at:
+                rec.cancelling_at = now()
+                rec.expiring = expired
+                self.batches.save(rec)
+        self.bell.set()
+        return True
 
     def _validate(self, rec: BatchRecord) -> None:
         if rec.cancelling_at:
-            self._end(rec, "cancelled", None)
+            self._end(rec, None)
             return
         meta = self.files.get(rec.owner, rec.input_file_id)
-        rec.errors = validate(self.files.path(rec.input_file_id), rec.endpoint, meta.get("requests"))
-        if rec.errors:
-            self._end(rec, "failed", None)
+        errors = validate(self.files.path(rec.input_file_id), rec.endpoint, meta.get("requests"))
+        if errors:
+            self._end(rec, None, errors)
             return
-        rec.phase, rec.in_progress_at = "running", now()
-        self.batches.save(rec)
+        with self.lock:
+            if rec.cancelling_at:
+                return  # asked while the file was read: ended at the next step
+            rec.phase, rec.in_progress_at = "running", now()
+            self.batches.save(rec)
         self._spawn(rec)
 
     def _watch(self, rec: BatchRecord) -> None:
         if time.time() > rec.expires_at and not rec.cancelling_at:
-            self._cancel(rec, expired=True)
+            self.cancel(rec, expired=True)
         view = self.batches.job_view(rec)
         if rec.cancelling_at and view is not None and view["cancel_requested_at"] is None \
                 and view["status"] not in store.TERMINAL:
@@ -158,8 +163,7 @@ class Runner:
             return
         self.procs.pop(rec.id, None)
         if view is not None and view["submitter_pid"] is None and job_view_ended(view):
-            final = "expired" if rec.expiring else "cancelled" if rec.cancelling_at else view["status"]
-            self._end(rec, final, view)
+            self._end(rec, view)
         elif view is None or view["submitter_pid"] is None:
             if time.monotonic() - self.started.get(rec.id, -RESPAWN_SECONDS) >= RESPAWN_SECONDS:
                 self._spawn(rec)
@@ -177,17 +181,25 @@ class Runner:
         threading.Thread(target=lambda: (proc.wait(), self.bell.set()), name=f"wait-{proc.pid}", daemon=True).start()
         log.info("batch %s: submitter pid %d%s", rec.id, self.procs[rec.id].pid, " (resumed)" if resume else "")
 
-    def _end(self, rec: BatchRecord, final: str, view: dict | None) -> None:
-        t = now()
-        rec.finalizing_at = rec.finalizing_at or (t if view is not None else None)
-        rec.described = {}
+    def _end(self, rec: BatchRecord, view: dict | None, errors: list | None = None) -> None:
+        """End a batch: `errors`, its validation's (it failed); else as its job ended (`view`), or
+        cancelled or expired when that was asked before the end is saved. The output files are
+        described first, without the lock (an output of gigabytes takes seconds to sync and count)."""
+        began, described = now(), {}
         for kind, file_id in (("output", rec.output_file_id), ("error", rec.error_file_id)):
             got = self.files.register_output(rec.owner, file_id, f"{rec.id}_{kind}.jsonl")
             if got is not None:
-                rec.described[kind] = got
-        rec.counts = request_counts(view, self.files.lines(rec.owner, rec.input_file_id))
-        rec.final, rec.phase = final, "ended"
-        setattr(rec, {"completed": "completed_at", "failed": "failed_at", "cancelled": "cancelled_at",
-                      "expired": "expired_at"}[final], t)
-        self.batches.save(rec)
+                described[kind] = got
+        counts = request_counts(view, self.files.lines(rec.owner, rec.input_file_id))
+        t = now()
+        with self.lock:
+            final = "failed" if errors else "expired" if rec.expiring else "cancelled" if rec.cancelling_at \
+                else view["status"]
+            rec.errors = errors or rec.errors
+            rec.finalizing_at = rec.finalizing_at or (began if view is not None else None)
+            rec.described, rec.counts = described, counts
+            rec.final, rec.phase = final, "ended"
+            setattr(rec, {"completed": "completed_at", "failed": "failed_at", "cancelled": "cancelled_at",
+                          "expired": "expired_at"}[final], t)
+            self.batches.save(rec)
         log.info("batch %s %s: %s", rec.id, final, rec.counts)

@@ -5,10 +5,15 @@ upload streams through an async handler without holding a worker thread (a slow 
 coroutine and its bytes on disk), and downloads stream from the file. `http_main` is the `http`
 role of `supervise` (its socket bound by the supervisor, so a taken address fails the start);
 `serve` is `shmbroker serve-http` beside a running broker.
+
+The event loop never waits on disk or on a lock: a handler that reads or syncs a file (a batch's
+job, a record saved, a file deleted) runs in a worker thread, and an upload's own sync too. Only
+the upload's bytes are written from the loop (to the page cache, in the chunks they come in).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 
@@ -26,6 +31,7 @@ def build_app(api: Api):
     """The ASGI app of `api`'s routes."""
     try:
         from starlette.applications import Starlette
+        from starlette.concurrency import run_in_threadpool
         from starlette.exceptions import HTTPException
         from starlette.requests import ClientDisconnect
         from starlette.responses import FileResponse, JSONResponse, Response
@@ -34,11 +40,14 @@ def build_app(api: Api):
         raise RuntimeError(NEEDS) from None
 
     def answer(fn):
+        """The route of handler `fn`: an async one runs on the event loop (it awaits its disk work in a
+        thread itself); a plain one in a worker thread, as it may read or sync files or wait on a lock."""
         async def endpoint(request):
             try:
-                got = fn(api, request, **request.path_params)
-                if hasattr(got, "__await__"):
-                    got = await got
+                if inspect.iscoroutinefunction(fn):
+                    got = await fn(api, request, **request.path_params)
+                else:
+                    got = await run_in_threadpool(fn, api, request, **request.path_params)
             except ApiError as exc:
                 return JSONResponse(exc.body(), exc.status)
             except ClientDisconnect:

@@ -14,6 +14,10 @@ process, the single writer of all of the following, takes each ring record and
    the log is synced, so an acked item's result is always on disk first), and reclaims segments
    whose records are all done.
 
+A full disk may stop a ring record midway, in a copy to a name's own log (`behind.py`): the record
+stays on its ring and is taken again from where it stopped (`routed.Taking`), before any other, so
+no record is written twice and no result is acked, counted or delivered twice.
+
 Delivery (`delivery.py`): each producer name's cursor (its first result the reader has not
 acknowledged) is saved in `results/cursor.json`; a reader that dies leaves what it did not
 acknowledge to the next reader under its name, and a replay after a restart gives each name its
@@ -34,7 +38,6 @@ from __future__ import annotations
 import errno
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -53,6 +56,7 @@ from .delivery import Cursors, Outlet
 from .log import RESULTS_DIR, OffsetQueue, ResultsLog, file_bytes_for
 from .recipients import Recipients
 from .replay import SCAN_MAX, Replay, ReplayPlans, scan_all
+from .routed import Columns, Placed, Taking, groups
 from .slots import (
     C_ACKED,
     C_CHECKPOINTS,
@@ -75,24 +79,6 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_BACKOFF_SECONDS = 0.05
 
 
-class Columns(NamedTuple):
-    """The result fields of the records being routed, a row per record (scratch arrays of SCAN_MAX
-    rows, refilled for every ring record: `head(n)` views their first `n`)."""
-
-    item_ids: np.ndarray
-    seqs: np.ndarray
-    status: np.ndarray
-    writers: np.ndarray
-
-    @classmethod
-    def scratch(cls) -> Columns:
-        return cls(np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint64), np.empty(SCAN_MAX, np.uint32),
-                   np.empty(SCAN_MAX, np.uint32))
-
-    def head(self, n: int) -> Columns:
-        return Columns(self.item_ids[:n], self.seqs[:n], self.status[:n], self.writers[:n])
-
-
 class Router:
     """The results process's single writer: it owns the shared results log, the backlog's acks,
     who each result goes to (`Recipients`), the names read far behind (`FarBehind`), the cursors
@@ -113,6 +99,7 @@ class Router:
         self.keeper = CursorKeeper(self.cursors, self.log, self.recipients, self.behind)
         self.replayed = False  # readers are set up (and cursors saved) only once the replay is done
         self._pos = np.empty(SCAN_MAX, np.int64)
+        self._taking: Taking | None = None  # a ring record logged and not all routed (a full disk)
         self._cols = Columns.scratch()
         self.last_save = time.monotonic()
         self.last_reclaim = time.monotonic()
@@ -160,7 +147,14 @@ class Router:
     # -- the flow ----------------------------------------------------------------------
 
     def take(self, ring: Ring) -> int:
-        """Log, route and ack what one GPU's results ring holds; the records it released."""
+        """Log, route and ack what one GPU's results ring holds; the records it released.
+
+        A ring record is released only once routed. A full disk may stop its route midway (a copy
+        to a name's own log): it raises, and the next take goes on from where that one stopped
+        (`Taking`), never writing a record or counting a result twice. Until then no other ring's
+        record is taken: every name's results stay in log order."""
+        if self._taking is not None and self._taking.ring is not ring:
+            return 0
         positions = self._pos[:1]
         taken = 0
         words = ring.data_words
@@ -172,44 +166,46 @@ class Router:
             nbytes = chunk_bytes(words, pos)
             start = (pos + L.RECORD_HEADER_WORDS) * 4
             data = ring.buf[L.HEADER_BYTES + start : L.HEADER_BYTES + start + nbytes]
-            at = self.log.append(data)
-            self.counters[C_LOG_BYTES] += nbytes
+            if self._taking is None:
+                self._taking = Taking(ring, pos, self.log.append(data), {})
+                self.counters[C_LOG_BYTES] += nbytes
+            assert self._taking.pos == pos, "a ring record half taken must be the first taken again"
             # from our own GPU process through shared memory: framed by the ring, no CRC to check
             # (the CRC protects the copy on disk, checked when the log is replayed)
             count, _stop, _outcome = scan_all(data, self._pos, check_crc=False)
-            self.route(data, self._pos[:count], at, ack=True)
+            self.route(data, self._pos[:count], self._taking.at, ack=True, copied=self._taking.copied)
             ring.release(new_tail, 1)
+            self._taking = None
             taken += 1
 
     def route(self, data: np.ndarray, rows: np.ndarray, at: int, ack: bool, own_log: bool = False,
-              plans: ReplayPlans | None = None) -> int:
+              plans: ReplayPlans | None = None, copied: dict[int, np.ndarray] | None = None) -> int:
         """Route the records at positions `rows` of `data`, which lie at log offset `at` of the
         shared log (with `own_log`, of their name's own log: a replay of it); returns how many.
         `ack`: fresh from a GPU or replayed (not a notice): their backlog records are acked.
-        `plans`: while replaying, which results each name still needs."""
+        `plans`: while replaying, which results each name still needs. `copied`: the copies made
+        to names' own logs, by producer id (`place`), kept by the caller across a full disk.
+
+        The copies come first, the only step that writes to disk; the acks, counts and deliveries
+        after them, all or none: a route a full disk stopped has changed nothing but copies."""
         n = rows.size
         cols = self._cols.head(n)
         result_fields(data, rows, n, cols.item_ids, cols.seqs, cols.writers, cols.status)
+        producers = (cols.item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
+        by_producer = groups(producers)
+        copied = {} if copied is None else copied
+        places = [self.place(p, data, rows if mine is None else rows[mine], at, own_log, plans, copied)
+                  for p, mine in by_producer]
         if ack:
-            for w, mine in _groups(cols.writers):
+            for w, mine in groups(cols.writers):
                 self.backlog.ack(w, cols.seqs if mine is None else cols.seqs[mine])
             self.counters[C_ACKED] += n
         self.counters[C_RESULTS] += n
-        producers = (cols.item_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
-        for p, mine in _groups(producers):
-            mine_rows = rows if mine is None else rows[mine]
+        for (p, mine), (name, outlet, mine_rows, offsets) in zip(by_producer, places):
             if ack:  # fresh from a GPU (not a replay): a job's results are counted
-                self.jobs.count(p, mine, cols.item_ids, cols.status, data, mine_rows)
-            outlet, name = self.recipients.find(p)
-            offsets = mine_rows + at
-            behind = self.behind.get(name) if name is not None else None
-            if behind is not None and not own_log:  # a name read far behind: copied to its own log
-                if plans is not None:  # replaying: those below `through` are there already
-                    keep = offsets >= behind.through
-                    mine_rows, offsets = mine_rows[keep], offsets[keep]
-                    if mine_rows.size == 0:
-                        continue
-                offsets = behind.append(data, mine_rows)
+                self.jobs.count(p, mine, cols.item_ids, cols.status, data, rows if mine is None else rows[mine])
+            if mine_rows.size == 0:
+                continue
             if plans is not None:
                 keep = plans.mask(name, outlet, offsets)
                 mine_rows, offsets = mine_rows[keep], offsets[keep]
@@ -221,6 +217,23 @@ class Router:
             else:
                 self._deliver(outlet, data, mine_rows, offsets)
         return n
+
+    def place(self, p: int, data: np.ndarray, rows: np.ndarray, at: int, own_log: bool, plans: ReplayPlans | None,
+              copied: dict[int, np.ndarray]) -> Placed:
+        """Where producer `p`'s records at `rows` of `data` (at shared-log offset `at`) go: a name read
+        far behind gets them copied to its own log, once (`copied`, by producer id, holds the copies
+        made); a replay (`plans`) copies only those at or past the name's `through`."""
+        outlet, name = self.recipients.find(p)
+        offsets = rows + at
+        behind = self.behind.get(name) if name is not None else None
+        if behind is None or own_log:
+            return Placed(name, outlet, rows, offsets)
+        if plans is not None:  # replaying: those below `through` are there already
+            keep = offsets >= behind.through
+            rows, offsets = rows[keep], offsets[keep]
+        if p not in copied and rows.size:
+            copied[p] = behind.append(data, rows)
+        return Placed(name, outlet, rows, copied.get(p, offsets))
 
     def _deliver(self, outlet: Outlet, data: np.ndarray, rows: np.ndarray, offsets: np.ndarray) -> None:
         """Push the records at `rows` of `data` (at log `offsets`) on a connected name's ring; what
@@ -279,7 +292,7 @@ class Router:
         if not force and now - self.last_save < ACK_SAVE_SECONDS:
             return
         self.last_save = now
-        if self.replayed:
+        if self.replayed and self._taking is None:  # no name moves while a record is half routed
             self.behind.rebalance(self.keeper.entries(), self.recipients)
         self.log.sync()  # results on disk before the acks that say their items are done
         self.behind.sync()
@@ -302,16 +315,6 @@ class Router:
         self.behind.close()
         self.backlog.close()
         self.recipients.close()
-
-
-def _groups(values: np.ndarray) -> list:
-    """[(value, mask)] of the distinct values; one value (the usual batch) without sorting or a mask."""
-    if values.size == 0:
-        return []
-    lo, hi = values.min(), values.max()
-    if lo == hi:
-        return [(int(lo), None)]
-    return [(int(v), values == v) for v in np.unique(values).tolist()]
 
 
 def _load_acks(root: Path):
