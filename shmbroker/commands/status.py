@@ -89,6 +89,8 @@ def _render(report: dict) -> None:
     for key in rows:
         fmt = _ratio if key in RATIOS else _fmt
         t.add_row(key, *(fmt(report["consumers"][n].get(key)) for n in names))
+    t.add_row("engine_deaths", *(_fmt(report["consumers"][n].get("engine_deaths")) for n in names))
+    t.add_row("last restart s", *(_fmt(report["consumers"][n].get("engine_restart_ns", 0) / 1e9 or None) for n in names))
     for key in ("items_per_second", "tokens_per_second"):
         t.add_row(key.replace("_per_second", "/s"), *(_fmt(report["rates"]["consumers"][n][key]) for n in names))
     console.print(t)

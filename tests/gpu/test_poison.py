@@ -21,6 +21,7 @@ import time
 import types
 import urllib.request
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,6 +253,16 @@ def test_an_engine_call_that_blocks_is_a_dead_engine_within_twice_its_deadline(t
         assert proc["restarts"] >= 2, proc
         assert "engine dead: its poll call did not return by its deadline" in proc["last_error"], proc
         assert proc["stats"]["engine_deaths"] == proc["restarts"], proc
+        assert proc["stats"]["engine_restart_ns"] > 0 and proc["stats"]["engine_load_ns"] > 0, proc
+        text = subprocess.run([sys.executable, "-m", "shmbroker.cli", "status", "--data-dir", broker.data_dir],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"}).stdout
+        assert "engine dead: its poll call did not return" in text and "engine_deaths" in text, text
+        addr = json.loads((Path(broker.data_dir) / "broker.json").read_text())["metrics_addr"]
+        metrics = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+        samples = {s.name: s.value for fam in text_string_to_metric_families(metrics) for s in fam.samples
+                   if s.labels.get("consumer") == "g"}
+        assert samples["shmbroker_consumer_engine_deaths_total"] == proc["restarts"], samples
+        assert 0 < samples["shmbroker_consumer_engine_restart_seconds"] < 30, samples
         # each death within 2 x its ~1.05 s deadline, plus a sim engine's restart (about a second here)
         assert time.monotonic() - started < proc["restarts"] * (2 * 1.05 + 3.0) + 5.0
 
