@@ -148,7 +148,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                     window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
                     limits=WindowLimits.of(cfg))
     counting = GpuCounting(stats, core, window)
-    counting.loaded(slot, deliveries)
+    counting.loaded(consumer.name, slot, deliveries)
     window.on_event = counting.publish_window
     watch.start()
     try:
@@ -239,15 +239,17 @@ class GpuCounting:
                                                 "batch_wait_ns", "engine_own_ns", "last_family", "engine_down",
                                                 "engine_deaths", "engine_restart_ns", "engine_load_ns")}
         self.deliveries = None  # a fresh engine's deliveries, while its restart is to be measured
+        self.consumer = ""
         if stats["batches"]:  # a restart continues the predecessor's run: its last family is served
             core.resume_family(stats["last_family"] & U64_MASK)
 
-    def loaded(self, slot: np.ndarray, deliveries: Deliveries) -> None:
+    def loaded(self, consumer: str, slot: np.ndarray, deliveries: Deliveries) -> None:
         """The engine is loaded: the seconds since the process started, and the restart to measure at
         its first result when an engine died before it (`engine_watch.py`)."""
         load_ns = max(0, time.monotonic_ns() - int(slot[R_STARTED]))
         self.stats.values[self.at["engine_load_ns"]] = load_ns
-        log.info("engine loaded in %.1f s", load_ns / 1e9)
+        log.info("consumer %s: engine loaded in %.1f s", consumer, load_ns / 1e9)
+        self.consumer = consumer
         self.deliveries = deliveries
         self.stats.publish()
 
@@ -261,7 +263,8 @@ class GpuCounting:
         self.deliveries = None
         if seconds is not None:
             self.stats.values[self.at["engine_restart_ns"]] = int(seconds * 1e9)
-            log.warning("the engine restarted %.1f s after its predecessor died (death to first result)", seconds)
+            log.warning("consumer %s: the engine restarted %.1f s after its predecessor died (death to first result)",
+                        self.consumer, seconds)
 
     def idle(self, idle_ns: int) -> None:
         self.stats.values[self.at["idle_ns"]] += idle_ns
