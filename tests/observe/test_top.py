@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import signal
+import subprocess
 import sys
 import termios
 import time
@@ -220,3 +221,31 @@ def test_render_highlights_dead_and_stale_processes(broker):
     assert re.search(rf"{snap['processes'][0]['role']} +\d+ +DEAD", text)
     assert re.search(r"3\.50s STALE", text)
     assert "no broker is running" in _text(top.waiting("/nowhere", "no broker is running on data directory '/nowhere'"))
+
+
+QUIT_PROBE = """
+import gc, os, sys
+from shmbroker.observe import top
+
+seen = []
+def frame(self):
+    seen.append(os.sched_getscheduler(0))
+    raise KeyboardInterrupt
+top.Top.frame = frame
+before = os.sched_getscheduler(0)
+assert top.run(sys.argv[1]) == 0
+print("policies", before, seen[0], os.sched_getscheduler(0), "frozen", gc.get_freeze_count(), file=sys.stderr)
+"""
+
+
+def test_quitting_leaves_the_idle_priority_and_the_heap_frozen(tmp_path):
+    """What keeps Ctrl-C prompt on a busy host: the exit does not run at SCHED_IDLE where the kernel
+    lets `top` leave it, and the interpreter's teardown does not collect the whole heap."""
+    proc = subprocess.run([sys.executable, "-c", QUIT_PROBE, str(tmp_path)], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, watching, after, frozen = map(int, re.search(r"policies (\d+) (\d+) (\d+) frozen (\d+)", proc.stderr).groups())
+    assert before == os.SCHED_OTHER and watching == os.SCHED_IDLE
+    if os.geteuid() == 0:  # an ordinary user may not leave SCHED_IDLE (RLIMIT_NICE)
+        assert after == before
+    assert frozen > 0
