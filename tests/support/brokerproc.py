@@ -77,7 +77,12 @@ class BrokerProc:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.starts += 1
-        self.wait_ready(ready_timeout_seconds)
+        try:
+            self.wait_ready(ready_timeout_seconds)
+        except BaseException:  # a broker that never got ready is not left running behind the failed test
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def info(self) -> dict | None:
