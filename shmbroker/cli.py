@@ -101,7 +101,7 @@ def _bench(args) -> int:
                           say=lambda line: print(line, file=sys.stderr))
     elif args.name == "faults":
         from .bench import faults
-        result = faults.run(items=args.items or int(48 * args.scale), say=lambda line: print(line, file=sys.stderr))
+        result = faults.run(items=args.items or int(240 * args.scale), say=lambda line: print(line, file=sys.stderr))
     else:  # argparse's choices make this unreachable
         raise SystemExit(f"unknown benchmark {args.name!r}")
     if args.json:

@@ -1,7 +1,8 @@
 """`shmbroker bench faults`: what an engine death costs a card, against a plain model load.
 
 A broker with one `vllm` consumer (a tiny random Llama on disk, vLLM's engine core in its own
-process as vLLM runs it by default: `VLLM_ENABLE_V1_MULTIPROCESSING=1`) is fed `items` prompts by a
+process as vLLM runs it by default: `VLLM_ENABLE_V1_MULTIPROCESSING=1`; `enforce_eager`, so no
+compile warm-up at each start) is fed `items` prompts by a
 producer. Once `kill_after` results are in, the `VLLM::EngineCore` process (the GPU process's child)
 is SIGKILLed. Measured:
 
@@ -45,7 +46,8 @@ def config(model_dir: str, engine_call_seconds: float) -> str:
             '[[consumers]]\nname = "cpu"\nengine = "vllm"\nmax_batch_size = 4\nmax_batch_tokens = 1024\n'
             "max_input_len = 256\n\n[consumers.engine_settings]\n"
             f"model = {json.dumps(model_dir)}\ndtype = \"float32\"\nmax_new_tokens = {MAX_NEW}\n"
-            "gpu_memory_utilization = 0.15\nextra = { block_size = 32, num_gpu_blocks_override = 128 }\n")
+            "gpu_memory_utilization = 0.15\nenforce_eager = true\n"
+            "extra = { block_size = 32, num_gpu_blocks_override = 128 }\n")
 
 
 def engine_core_pids(gpu_pid: int) -> list[int]:
@@ -74,7 +76,7 @@ def consumer_card(data_dir: str) -> dict:
         view.close()
 
 
-def run(*, items: int = 48, kill_after: int = 12, engine_call_seconds: float = 30.0, say=lambda line: None) -> dict:
+def run(*, items: int = 240, kill_after: int = 24, engine_call_seconds: float = 30.0, say=lambda line: None) -> dict:
     from ..client.producer import Producer
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process (inherited)
@@ -104,6 +106,8 @@ def _measure(broker, info: dict, prompts: list, kill_after: int, producer_class,
                 got[int(r.item_id)] = r.status
                 if exited_at is not None and next_at is None:
                     next_at = time.monotonic()
+                if len(got) >= kill_after:
+                    break  # the kill comes while most items still wait
             if killed_at is not None and exited_at is None and broker.role_pids(info)["gpu-cpu"] != gpu:
                 exited_at = time.monotonic()
             if killed_at is None and len(got) >= kill_after:

@@ -5,8 +5,9 @@
    repeated error with no words of death) fails no item and raises EngineDead; a poison request that
    makes every step raise while it is in the engine fails alone, engine_error, and the rest run ok.
 2. `shmbroker bench faults`: a broker whose vLLM engine core (its own process, as vLLM runs it by
-   default) is SIGKILLed mid-run: results resume within 30 s of the kill, and every item comes back
-   ok exactly once.
+   default) is SIGKILLed mid-run: the GPU process exits within 2 s of the kill, results resume once
+   a fresh one has loaded its engine, and every item comes back ok exactly once;
+3. the same through the HTTP role's Batch API with a chat file.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def test_killing_the_vllm_engine_core_costs_a_restart_and_no_item(tmp_path):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["distinct"] == r["items"] and r["ok"] == r["items"], r
     assert r["engine_deaths"] == 1, r
-    assert r["kill_to_next_result_seconds"] is not None and r["kill_to_next_result_seconds"] < 30.0, r
-    assert 0 < r["engine_restart_seconds"] < 30.0, r
+    assert r["kill_to_exit_seconds"] is not None and r["kill_to_exit_seconds"] < 2.0, r
+    # the restart is a fresh process's start and model load, and little more
+    load = r["engine_load_seconds"]["after_death"]
+    assert r["kill_to_next_result_seconds"] is not None and r["kill_to_next_result_seconds"] < load + 10.0, r
+    assert 0 < r["engine_restart_seconds"] < load + 10.0, r
 
 
 KILL_CHECK = ROOT / "tests" / "support" / "vllm_kill_check.py"
@@ -63,8 +67,10 @@ KILL_CHECK = ROOT / "tests" / "support" / "vllm_kill_check.py"
 
 @pytest.mark.timeout(900)
 def test_a_chat_batch_over_http_outlives_a_killed_engine_core(tmp_path):
-    """The HTTP role's batch of 150 chat lines; the engine core SIGKILLed after 40 items: the consumer's
-    next item is ok within 30 s of the kill, and the batch completes with every line ok exactly once."""
+    """The HTTP role's batch of 150 chat lines; the engine core SIGKILLed after 40 items: the GPU
+    process sees it within 2 s (not at the heartbeat timeout), the card is back in the time a fresh
+    process takes to load its engine (the restart: engine_load_seconds) and a few seconds more, and
+    the batch completes with every line ok exactly once."""
     python = vllm_python()
     proc = subprocess.run([python, str(KILL_CHECK), str(tmp_path)], capture_output=True, text=True, timeout=840,
                           cwd=ROOT)
@@ -76,5 +82,7 @@ def test_a_chat_batch_over_http_outlives_a_killed_engine_core(tmp_path):
     assert all(o["response"]["status_code"] == 200 for o in r["out"]) and r["errors"] == [], r["errors"][:3]
     c = r["consumer"]
     assert c["ok"] >= r["lines"] and c["engine_errors"] == 0 and c["engine_deaths"] == 1, c
-    assert r["kill_to_next_ok_seconds"] is not None and r["kill_to_next_ok_seconds"] < 30.0, (r["kill_to_next_ok_seconds"], c)
+    assert r["kill_to_exit_seconds"] is not None and r["kill_to_exit_seconds"] < 2.0, r["kill_to_exit_seconds"]
+    load = c["engine_load_ns"] / 1e9
+    assert r["kill_to_next_ok_seconds"] is not None and r["kill_to_next_ok_seconds"] < load + 10.0, (r, load)
     assert r["supervisor_exit"] == 0, r["log_tail"]
