@@ -34,8 +34,14 @@ The engine arguments are computed in `packed_args.py` (importable without vllm).
 Request id = str(item id). An item is answered without running (invalid, too long for the contract,
 more new tokens than the engine's max_new_tokens, none asked for) or refused by vLLM at
 `add_request`: its result comes from the next `poll`, alone. A `step()` that raises fails no item
-by itself: the requests then in flight are aborted and run again one at a time, so that only the
-item that makes the engine fail fails (engine_error); items added meanwhile wait, in order.
+by itself (`deaths.py`): vLLM's `EngineDeadError`, or an error every later call repeats (a lost CUDA
+context), raises EngineDead at once, from `step()` or `add_request`; otherwise the requests then in
+flight are aborted and run again one at a time, and a lone one that fails is charged (engine_error)
+only once a one-token probe request shows the engine answers; three failures in a row with no
+success between are EngineDead too. Items added meanwhile wait, in order. With the engine core in
+its own process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`), the client's monitor thread marks the engine
+dead when that process exits but a `step()` waiting on its output queue is never woken: `gone()`
+reads the mark, for the GPU process's engine watch (`gpu/engine_watch.py`).
 
 Cache figures per poll, from the finished items' `num_cached_tokens` in the broker's blocks
 (`block_tokens`): hit blocks = cached tokens // block_tokens, queried = prompt tokens // block_tokens,
