@@ -9,6 +9,8 @@ mode 0600 in a 0700 directory); one request per connection, one JSON line each w
         "ingest": {"segment": ..., "data_bell": ..., "space_bell": ...},
         "results": {...}}
     <- {"ok": false, "error": "..."}
+    -> {"op": "payload", "version": 1, "data": "<base64>"}     (a request payload, stored once)
+    <- {"ok": true, "digest": "<32 hex digits>"}
 
 This module is all the client (`client/`) knows of the broker's side: it imports nothing else of
 the package, so `from shmbroker import Producer` loads no server code.
@@ -39,16 +41,21 @@ def socket_path(data_dir: str | os.PathLike) -> Path:
     return Path(data_dir) / SOCKET_NAME
 
 
-def read_line(conn: socket.socket) -> dict:
-    """One JSON object, one line, at most MAX_REQUEST_BYTES; ValueError for anything else."""
-    data = b""
+def payload_request_bytes(max_payload_bytes: int) -> int:
+    """The longest request line that carries a payload of `max_payload_bytes` (base64, and the rest)."""
+    return max(MAX_REQUEST_BYTES, 4 * -(-max_payload_bytes // 3) + 1024)
+
+
+def read_line(conn: socket.socket, limit: int = MAX_REQUEST_BYTES) -> dict:
+    """One JSON object, one line, at most `limit` bytes; ValueError for anything else."""
+    data = bytearray()
     while not data.endswith(b"\n"):
-        chunk = conn.recv(MAX_REQUEST_BYTES)
+        chunk = conn.recv(min(1 << 16, limit + 1))
         if not chunk:
             break
         data += chunk
-        if len(data) > MAX_REQUEST_BYTES:
-            raise ValueError("request too long")
+        if len(data) > limit:
+            raise ValueError(f"request too long (over {limit} bytes)")
     try:
         message = json.loads(data)
     except json.JSONDecodeError as exc:

@@ -103,9 +103,16 @@ def as_offsets(offsets, flat_size: int, max_tokens: int) -> np.ndarray:
 
 
 def option_words(options, max_new_tokens) -> np.ndarray | None:
-    """The words of a submit's request options (a RequestOptions or a dict of request-body fields,
-    checked: OptionsError names a wrong one); None for none. `max_new_tokens` (one value or one per
-    item) bounds min_tokens."""
+    """The words of a submit's request options (`checked_options`); None for none."""
+    opts = checked_options(options, max_new_tokens)
+    words = encode(opts) if opts is not None else None
+    return words if words is not None and words.size else None
+
+
+def checked_options(options, max_new_tokens) -> RequestOptions | None:
+    """A submit's request options (a RequestOptions or a dict of request-body fields, checked:
+    OptionsError names a wrong one); None for none. `max_new_tokens` (one value or one per item)
+    bounds min_tokens."""
     if options is None:
         return None
     limit = int(np.min(max_new_tokens)) if not isinstance(max_new_tokens, (int, np.integer)) else int(max_new_tokens)
@@ -115,5 +122,4 @@ def option_words(options, max_new_tokens) -> np.ndarray | None:
         raise TypeError(f"options must be a RequestOptions or a dict of request fields, got {type(options).__name__}")
     elif options.min_tokens is not None and options.min_tokens > limit:
         raise ValueError(f"options: 'min_tokens' ({options.min_tokens}) is more than max_new_tokens ({limit})")
-    words = encode(options)
-    return words if words.size else None
+    return options

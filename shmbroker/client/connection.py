@@ -9,6 +9,7 @@ broker, else the broker itself restarted and the producer connects again.
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ def connect(data_dir: str | os.PathLike, name: str, timeout_seconds: float) -> C
         ingest.close()
         raise
     return Connection(int(reply["producer_id"]), reply.get("broker_pid"), ingest, results)
+
+
+def store_payload(data_dir: str | os.PathLike, payload: bytes, timeout_seconds: float) -> bytes:
+    """Hand a request payload to the broker's payload store (disk/payloads.py): its digest, once it
+    is on disk. BrokerError says why the broker refused it (too large, a full disk)."""
+    message = {"op": "payload", "version": PROTOCOL_VERSION, "data": base64.b64encode(payload).decode()}
+    try:
+        reply = request(data_dir, message, timeout_seconds)
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        raise NotRunning(f"no broker is running on data directory {data_dir!r} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise BrokerError(f"the broker on {data_dir!r} gave no valid reply to a payload ({exc}); try again") from None
+    if not reply.get("ok"):
+        raise BrokerError(f"broker refused a request payload: {reply.get('error')}")
+    return bytes.fromhex(reply["digest"])
 
 
 def same_broker(data_dir: str | os.PathLike, broker_pid: int | None) -> bool:

@@ -36,8 +36,10 @@ import numpy as np
 from .. import protocol
 from ..errors import BrokerError, NotRunning
 from ..request.options import RequestOptions
-from .checks import option_words
-from .connection import Connection, connect, same_broker
+from ..request.options import encode
+from ..request.structured import digest_of
+from .checks import checked_options
+from .connection import Connection, connect, same_broker, store_payload
 from .reader import RESULT_BATCH, Result, ResultBatch, ResultReader
 from .submitter import Resubmit, Submitter
 
@@ -69,6 +71,7 @@ class Producer:
         self.producer_id = 0  # the broker's id for this producer (`connection.Connection`); set on connect
         self._broker_pid: int | None = None  # the broker this producer connected to last
         self._conn: Connection | None = None  # None while not attached
+        self._stored: set[bytes] = set()  # digests of the payloads the broker has stored (put_payload)
         # the sides hold the recovery weakly: a Producer nobody holds closes when it is dropped
         # (`__del__`), not at the garbage collector's next round through a reference cycle
         recover = weakref.WeakMethod(self._recover)
@@ -126,7 +129,7 @@ class Producer:
         `options`: its request options (`shmbroker.request.options.RequestOptions`, or a dict of
         request-body fields checked by `parse_options`): they ride with the item, durably, to the
         engine that runs it; an engine that cannot honour one fails the item alone (`invalid`)."""
-        words = option_words(options, max_new_tokens)
+        words = self._option_words(options, max_new_tokens)
         while True:
             try:
                 if words is None:
@@ -156,7 +159,27 @@ class Producer:
         say which items went in.
         """
         return self._submitter.submit_many(flat_tokens, offsets, max_new_tokens, prefix_len, model, block,
-                                           timeout_seconds, option_words(options, max_new_tokens))
+                                           timeout_seconds, self._option_words(options, max_new_tokens))
+
+    def put_payload(self, payload: bytes) -> bytes:
+        """Store a request payload (a constraint's schema, regex, grammar or choices) in the broker,
+        durably and once however many items reference it; its digest. `submit` does this itself for
+        a constraint it is given with its payload."""
+        digest = digest_of(payload)
+        if digest not in self._stored:
+            if store_payload(self.data_dir, payload, self.connect_timeout_seconds) != digest:
+                raise BrokerError("the broker stored a payload under another digest")
+            self._stored.add(digest)
+        return digest
+
+    def _option_words(self, options, max_new_tokens) -> np.ndarray | None:
+        opts = checked_options(options, max_new_tokens)
+        if opts is None or not opts:
+            return None
+        s = opts.structured
+        if s is not None and s.payload is not None and s.digest not in self._stored:
+            self.put_payload(s.payload)
+        return encode(opts)
 
     @property
     def next_item_id(self) -> int:

@@ -226,6 +226,8 @@ class JobRun:
         if p.endpoint is not None:
             e["endpoint"] = p.endpoint
             e["tail"] = p.tokens[-DECODE_CONTEXT_TOKENS:].tolist()  # its output's text is decoded after them
+        if p.reply:
+            e.update(p.reply)
         if self.keep_entries:
             self.entries[item_id] = e
         return e

@@ -106,6 +106,10 @@ class BrokerConfig:
     overflow_items: int = key(1 << 22, check=Integer(1024, 1 << 30),
                               help="items past a full index that wait in the scheduler's memory when the disk is full; "
                                    "past it the scheduler takes no more announcements, and ingest, then producers, wait")
+    max_payload_bytes: int = key(1 << 20, check=Integer(1024, 64 << 20),
+                                 help="the largest request payload an item may reference (a constraint's JSON schema, "
+                                      "regex, grammar or choices), stored once in `payloads/` however many items "
+                                      "share it")
     metrics_addr: str = key("127.0.0.1:9464", check=Address(),
                             help="the Prometheus exporter's `host:port` (loopback unless set otherwise; `[::1]:9464` "
                                  "for IPv6; port 0 picks a free one, written to `broker.json`); `\"\"`: no exporter")

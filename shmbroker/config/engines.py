@@ -12,11 +12,11 @@ import dataclasses
 import math
 
 from ..engines.catalogue import ENGINES, entry
-from ..engines.options import DTYPES, REQUIRED, SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
+from ..engines.options import DTYPES, REQUIRED, STRUCTURED_BACKENDS, SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
 from ..engines.cost import SimCost
 from ..errors import ConfigError
 from ..pack.contract import Mode
-from .validator import Choice, Flag, Integer, Number, Validator
+from .validator import Choice, Flag, Integer, Number, Text, Validator
 
 ENGINE_CHECK = Choice(tuple(ENGINES))  # a consumer's or a tier's `engine`
 COST_KEYS = tuple(sorted(f.name for f in dataclasses.fields(SimCost)))  # keys of the sim's table, into SimCost
@@ -28,6 +28,7 @@ SIM_CHECKS = {  # the simulated engine's keys, in the order they are read
     "start_seconds": Number(0.0, 3600.0),
     **{key: Integer(0, (1 << 32) - 1) for key in (*SIM_FAULT_TOKENS, "fail_after")},
     "poison_kill": Choice(SIM_KILLS),
+    "tokenizer": Text(),
 }
 AT_LEAST_ONE = ("max_in_flight", "max_new_tokens", "tensor_parallel_size")
 FRACTIONS = ("gpu_memory_utilization", "free_gpu_memory_fraction")  # in (0, 1]
@@ -69,6 +70,12 @@ def real_settings(engine: str, raw: dict, at: str):
     dtypes = DTYPES if engine == "hf" else DTYPES[:-1]  # float64: the hf engine only (exact tests)
     if out.get("dtype", "auto") not in dtypes:
         raise ValueError(f"{at}.dtype: must be one of {', '.join(dtypes)} for engine {engine!r}, got {out['dtype']!r}")
+    if out.get("structured_outputs_backend", "auto") not in STRUCTURED_BACKENDS:
+        raise ValueError(f"{at}.structured_outputs_backend: must be one of {', '.join(STRUCTURED_BACKENDS)}, "
+                         f"got {out['structured_outputs_backend']!r}")
+    if out.get("disable_any_whitespace") and out.get("structured_outputs_backend", "auto") not in ("xgrammar", "guidance"):
+        raise ValueError(f"{at}.disable_any_whitespace: vLLM honours it with structured_outputs_backend = \"xgrammar\" "
+                         "or \"guidance\" only; name one of them")
     if engine == "hf" and bool(out.get("model")) == bool(out.get("config")):
         raise ValueError(f"{at}: engine 'hf' needs exactly one of model (a local directory) or config (a table)")
     for key in AT_LEAST_ONE:
@@ -88,6 +95,8 @@ def real_values(engine: str, name: str, kind: str) -> str:
         return ", ".join(f"`{d}`" for d in (DTYPES if engine == "hf" else DTYPES[:-1]))
     if name in FRACTIONS:
         return "> 0 and <= 1"
+    if name == "structured_outputs_backend":
+        return ", ".join(f"`{b}`" for b in STRUCTURED_BACKENDS)
     if name == "timeout_seconds":
         return "> 0"
     if name in AT_LEAST_ONE:

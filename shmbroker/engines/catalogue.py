@@ -64,7 +64,8 @@ class EngineEntry:
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
 WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (sim, vLLM, openai)
 # transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
-HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
+# and no constraint (structured outputs): refused by name rather than run unconstrained
+HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty", "structured"}
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
@@ -73,7 +74,7 @@ ENGINES = {e.name: e for e in (
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
                 WITH_LOGPROBS),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
-                SAMPLES),
+                SAMPLES - {"structured"}),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True, WITH_LOGPROBS),
 )}

@@ -82,7 +82,7 @@ import httpx
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
 from .openai_reply import Reply, RequestFailed, parse_reply, server_message
-from .packed_args import BusyClock
+from .packed_args import BusyClock, structured_fields
 
 RETRY_STATUSES = (408, 429)  # and every 5xx
 LOAD_STATUSES = (429, 503)  # the server's load: handed back (down) even while it answers others
@@ -277,6 +277,9 @@ class OpenAICompatible(StreamingRun):
             if given.pop("logprobs", None):
                 top = int(given.pop("top_logprobs", 0) or 0)
             given.pop("top_logprobs", None)
+            structured = given.pop("structured", None)
+            if structured is not None:  # vLLM's body field, the server compiles it
+                body["structured_outputs"] = structured_fields(structured)
             body.update({k: list(v) if isinstance(v, tuple) else v for k, v in given.items()})
         if self.ask_logprobs or top is not None:
             body["logprobs"] = top or 0

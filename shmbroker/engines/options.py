@@ -47,6 +47,9 @@ class SimSettings:
                                                                 "fast as the CPU runs it)"})
     start_seconds: float = field(default=0.0, metadata={"help": "wall seconds the engine takes to start, as a "
                                                                 "large model's loading does (0: at once)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "a tokenizer.json or tokenizer directory: "
+                                                                  "constrained items' outputs are valid text in its "
+                                                                  "ids (engines/sim_structured.py)"})
     poison_token: int | None = field(default=None, metadata={"help": "tests: adding an item that holds this token "
                                                                      "kills the process (`poison_kill`)"})
     poison_kill: str = field(default="abort", metadata={"help": "tests: how a poison item kills: `abort` (SIGABRT), "
@@ -101,7 +104,15 @@ class VLLMSettings:
     tensor_parallel_size: int = field(default=1, metadata={"help": "cards one engine spans"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     seed: int = field(default=0, metadata={"help": "vLLM's seed"})
+    structured_outputs_backend: str = field(default="auto", metadata={
+        "help": "the structured-output backend: `auto`, `xgrammar`, `guidance` (llguidance), `outlines`, "
+                "`lm-format-enforcer`"})
+    disable_any_whitespace: bool = field(default=False, metadata={
+        "help": "JSON constraints without free whitespace (xgrammar and guidance; vLLM reads it per engine)"})
     extra: dict = field(default_factory=dict, metadata={"help": "more `LLM(...)` keyword arguments, passed as given"})
+
+
+STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
 
 @dataclass(frozen=True)

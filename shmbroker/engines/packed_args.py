@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..request.structured import FIELD_OF, SWITCH_OF
+
 from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, ItemResult
 
 # vLLM v1 counters, in tokens (docs.vllm.ai "Production Metrics"); the `gpu_` names are the older ones
@@ -77,6 +79,9 @@ def vllm_llm_kwargs(settings, contract) -> dict:
         # stop strings work (vLLM matches them in the detokenized text)
         "skip_tokenizer_init": not has_tokenizer(settings.model),
         "disable_log_stats": False,  # get_metrics() asserts stat logging is on (bench gen reads the counters)
+        # a dict here, vLLM's StructuredOutputsConfig in the engine (vllm.py `build_engine`)
+        "structured_outputs_config": {"backend": settings.structured_outputs_backend,
+                                      "disable_any_whitespace": bool(settings.disable_any_whitespace)},
     }
     kwargs.update(settings.extra)
     return kwargs
@@ -108,7 +113,19 @@ def vllm_sampling(max_new_tokens: int, options=None) -> dict:
         kwargs["detokenize"] = True
     if options.logprobs:  # the sampled token's logprob, and top_logprobs more (vLLM's `logprobs`)
         kwargs["logprobs"] = int(options.top_logprobs or 0)
+    if options.structured is not None:  # a dict here, `StructuredOutputsParams` in the engine
+        kwargs["structured_outputs"] = structured_fields(options.structured)
     return kwargs
+
+
+def structured_fields(s) -> dict:
+    """vLLM's `StructuredOutputsParams(...)` fields of a constraint (request/structured.py), its
+    payload read: the one constraint field and the switches given."""
+    fields = {FIELD_OF[s.kind]: s.value()}
+    for name, bit in SWITCH_OF.items():
+        if s.has(bit):
+            fields[name] = True
+    return fields
 
 
 def trtllm_llm_kwargs(settings, contract) -> dict:

@@ -47,6 +47,7 @@ from .cost import SimCost
 from .faults import SimFaults
 from ..request.extras import decode_extras
 from .sim_requests import item_keys, sample_key, sampled_result
+from .sim_structured import StructuredText
 
 
 @dataclass
@@ -209,6 +210,8 @@ class Sim(StreamingRun):
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
         self._sampled: dict[int, tuple] = {}  # item id in flight with options -> (its samples, its extras)
+        tokenizer = getattr(settings, "tokenizer", None)  # constrained outputs as text (sim_structured.py)
+        self.structured = StructuredText(tokenizer) if tokenizer else None
 
     def pending(self) -> int:
         return self._pending
@@ -324,8 +327,11 @@ class Sim(StreamingRun):
             item = int(ids[k])
             key = sample_key(item, self.digest(batch.tokens[k]), opts)
             one = np.array([item], np.uint64)
-            tokens, extras = sampled_result(item, key, int(max_new[k]), opts, lambda keys, counts: self.generated_many(
-                np.repeat(one, keys.size), counts, keys=keys).flat)
+            if opts.structured is not None and self.structured is not None and self.structured.models(opts.structured):
+                tokens, extras = self.structured.result(opts.structured, key, int(max_new[k]), opts)
+            else:
+                tokens, extras = sampled_result(item, key, int(max_new[k]), opts, lambda keys, counts: self.generated_many(
+                    np.repeat(one, keys.size), counts, keys=keys).flat)
             self._sampled[item] = (tokens, extras)
             max_new[k] = max(decode_extras(extras, tokens.size).lengths)
         return max_new

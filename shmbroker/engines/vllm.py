@@ -61,6 +61,8 @@ from collections import deque
 
 import numpy as np
 from vllm import EngineArgs, LLMEngine, SamplingParams
+from vllm.config import StructuredOutputsConfig
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.inputs import TokensPrompt
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
@@ -94,6 +96,10 @@ def build_engine(kwargs: dict):
     """The real in-process engine (module docstring)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llvmlite_scan_workaround()
+    kwargs = dict(kwargs)
+    so = kwargs.get("structured_outputs_config")
+    if isinstance(so, dict):
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(**so)
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
@@ -108,6 +114,16 @@ def llvmlite_scan_workaround() -> None:
     table = getattr(getattr(ffi, "lib", None), "_fntab", None)
     if isinstance(table, dict) and not isinstance(table.get("__dict__"), dict):
         table["__dict__"] = {}
+
+
+def sampling_params(max_new_tokens: int, opts) -> SamplingParams:
+    """One item's `SamplingParams`: its options (packed_args.vllm_sampling), a constraint as vLLM's
+    `StructuredOutputsParams`."""
+    kwargs = vllm_sampling(max_new_tokens, opts)
+    so = kwargs.pop("structured_outputs", None)
+    if so is not None:
+        kwargs["structured_outputs"] = StructuredOutputsParams(**so)
+    return SamplingParams(**kwargs, **FINAL_ONLY)
 
 
 def vocab_size(engine) -> int | None:
@@ -142,7 +158,8 @@ class VLLM(StreamingRun):
         self.engine = given if given is not None else build_engine(self.llm_kwargs)
         self.vocab = vocab_size(self.engine)
         # stop strings are matched in text: without a tokenizer in the model directory there is none
-        self.unhonoured = {"stop"} if self.llm_kwargs.get("skip_tokenizer_init") else set()
+        # and constraints compile against its vocabulary
+        self.unhonoured = {"stop", "structured"} if self.llm_kwargs.get("skip_tokenizer_init") else set()
         self._live: dict[str, tuple] = {}  # request id -> (item id, prompt, max_new_tokens, options), in add order
         self._answered: list[ItemResult] = []  # results decided at add, handed out by the next poll
         self._alone: deque = deque()  # the requests of a step that raised, to run one at a time
@@ -184,7 +201,7 @@ class VLLM(StreamingRun):
             return
         try:
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                                    SamplingParams(**vllm_sampling(max_new_tokens, opts), **FINAL_ONLY))
+                                    sampling_params(max_new_tokens, opts))
         except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone, unless the engine is dead
             why = death_of(exc, FATAL_TYPES)
             if why is not None:

@@ -15,6 +15,7 @@ retry); the broker's hot loop only reads `version` and `producers()`.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..control.segment import MAX_PRODUCERS
-from ..protocol import PROTOCOL_VERSION, read_line, socket_path
+from ..disk.payloads import PayloadError
+from ..protocol import PROTOCOL_VERSION, payload_request_bytes, read_line, socket_path
 from ..ring.items import MAX_PRODUCER_ID
 from ..ring.layout import (
     H_CONSUMER_PID,
@@ -94,9 +96,13 @@ class Registry:
         ingest_bells: list | None = None,
         info: dict | None = None,
         retire_seconds: float,
+        payloads=None,
     ):
         self.owner = owner
         self.control = control
+        # the payload store (disk/payloads.py) producers put their request payloads in; None: no payloads
+        self.payloads = payloads
+        self.request_bytes = payload_request_bytes(payloads.max_bytes) if payloads is not None else None
         self.book = ProducerBook(data_dir) if control is not None else None
         for damaged in self.book.damaged if self.book is not None else ():
             logging.getLogger("shmbroker").warning("producer book: %s; its other copy used", damaged)
@@ -235,9 +241,11 @@ class Registry:
         pid, uid, _gid = peer_credentials(conn)
         if uid not in (os.geteuid(), 0):
             return {"ok": False, "error": f"uid {uid} may not use this broker"}
-        request = read_line(conn)
+        request = read_line(conn, *([self.request_bytes] if self.request_bytes else []))
         if request.get("op") == "info":
             return {"ok": True, **self.info}
+        if request.get("op") == "payload":
+            return self._payload(request)
         if request.get("op") != "connect":
             return {"ok": False, "error": f"unknown op {request.get('op')!r}"}
         if request.get("version") != PROTOCOL_VERSION:
@@ -253,6 +261,24 @@ class Registry:
             "ingest": entry.ingest.names.to_dict(),
             "results": entry.results.names.to_dict(),
         }
+
+    def _payload(self, request: dict) -> dict:
+        """Store a producer's request payload durably, once (disk/payloads.py); its digest."""
+        if self.payloads is None:
+            return {"ok": False, "error": "this broker keeps no request payloads"}
+        data = request.get("data")
+        if not isinstance(data, str):
+            return {"ok": False, "error": "'data' must be the payload in base64"}
+        try:
+            payload = base64.b64decode(data, validate=True)
+        except ValueError:
+            return {"ok": False, "error": "'data' is not base64"}
+        try:
+            return {"ok": True, "digest": self.payloads.put(payload).hex()}
+        except PayloadError as exc:
+            return {"ok": False, "error": str(exc)}
+        except OSError as exc:
+            return {"ok": False, "error": f"the payload could not be stored ({exc.strerror or exc})"}
 
     def _connect(self, name: str, pid: int) -> ProducerEntry:
         ticks = start_ticks(pid)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from ..disk.payloads import PayloadStore
 from ..control import roles
 from ..control.segment import R_DEADLINE, R_STARTED, beat
 from ..engines.base import BatchResults, EngineDead
@@ -143,7 +144,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
     watch = EngineWatch(consumer.name, slot, engine, deliveries, report=lambda: window.in_flight_words(),
                         counted=lambda: counting.engine_died())
     core = ConsumerCore(consumer.contract, WatchedEngine(engine, watch, call_seconds(cfg, consumer.contract)),
-                        tolerance=cfg.padding_tolerance)
+                        tolerance=cfg.padding_tolerance, payloads=PayloadStore(cfg.data_dir, cfg.max_payload_bytes))
     window = Window(core, ring, ResultWriter(out, stopping, held_up), views, c,
                     window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
                     limits=WindowLimits.of(cfg))

@@ -93,7 +93,7 @@ class ConsumerCore:
 
     An engine without add/poll (a batch engine with only `run`) is put behind `BatchStream`."""
 
-    def __init__(self, contract: Contract, engine, *, tolerance: float | None = None):
+    def __init__(self, contract: Contract, engine, *, tolerance: float | None = None, payloads=None):
         self.contract = contract
         if not callable(getattr(engine, "add", None)):
             engine = BatchStream(engine)
@@ -102,7 +102,7 @@ class ConsumerCore:
         # the request options this engine honours (its registry entry's; none for an engine made
         # without the registry): an item asking for another fails alone (`requests.py`)
         self.requests = RequestReader(getattr(engine, "engine_name", type(engine).__name__),
-                                      frozenset(getattr(engine, "honours", ())), contract.max_batch_size)
+                                      frozenset(getattr(engine, "honours", ())), contract.max_batch_size, payloads)
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
@@ -155,7 +155,7 @@ class ConsumerCore:
         limit = self.contract.max_input_len
         bad = (lengths == 0) | (lengths > limit)
         checks = None
-        refused: dict[int, str] = {}  # row -> why its request options cannot run here
+        refused: dict = {}  # row -> why its request options cannot run here (requests.Refusal)
         if isinstance(tokens, BatchTokens):
             fits = np.flatnonzero(~bad)
             checks = np.full(n, CHECK_OK, np.int64)
@@ -175,8 +175,7 @@ class ConsumerCore:
                     status[k] = Status.CORRUPT
                     errors[k] = CORRUPT_REASONS.get(int(checks[r]), CORRUPT_FRAME)
                 elif r in refused:
-                    status[k] = Status.INVALID
-                    errors[k] = refused[r]
+                    status[k], errors[k] = refused[r]
         failed = _empty(batch.handles[rows].astype(np.uint64), status, errors)
         self.count(failed)
         return failed, np.flatnonzero(~bad)

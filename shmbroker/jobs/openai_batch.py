@@ -43,23 +43,36 @@ body; a cancelled item and a line that is not a request have no response and an 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from ..request.chat import ChatError
+from ..request.options import (
+    OPTION_NAMES,
+    STRUCTURED_FIELDS,
+    OptionsError,
+    RequestOptions,
+    parse_options,
+    refused_fields,
+)
 from ..ring.items import DEFAULT_MODEL
-from ..request.options import OPTION_NAMES, parse_options, refused_fields
+from . import responses, tools
 from .prompts import U32_MAX, Prompt, token_ids
 from .store import CANCEL_REASONS
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+RESPONSES = "/v1/responses"
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
+TOOL_KEYS = {"tools", "tool_choice", "parallel_tool_calls"}
 # body fields each endpoint reads besides the request options
-BODY_KEYS = {COMPLETIONS: {"model", "prompt", "max_tokens"},
-             CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "chat_template_kwargs"}}
+BODY_KEYS = {COMPLETIONS: {"model", "prompt", "max_tokens", *STRUCTURED_FIELDS},
+             CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "chat_template_kwargs",
+                    *STRUCTURED_FIELDS, *TOOL_KEYS},
+             RESPONSES: responses.BODY_KEYS}
 HTTP_STATUS = {"too_long": 400, "invalid": 400, "engine_error": 500, "corrupt": 500}
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` count
 
@@ -110,10 +123,11 @@ def read_request(row: dict, number: int, tokenizer=None, model: str | None = Non
     body = row.get("body")
     if not isinstance(body, dict):
         raise ValueError("'body' must be a JSON object")
-    refused = refused_fields(body)
+    refused = responses.refused_fields(body) if url == RESPONSES else \
+        [k for k in refused_fields(body) if not (url == CHAT and k in TOOL_KEYS)]
     if refused:
         raise ValueError(f"body field(s) {', '.join(refused)} are not served: no engine here honours them")
-    extra = sorted(set(body) - BODY_KEYS[url] - set(OPTION_NAMES))
+    extra = sorted(set(body) - BODY_KEYS[url] - (set() if url == RESPONSES else set(OPTION_NAMES)))
     if extra:
         raise ValueError(f"body field(s) {', '.join(extra)} are not known for {url}")
     name = body.get("model")
@@ -121,23 +135,43 @@ def read_request(row: dict, number: int, tokenizer=None, model: str | None = Non
         raise ValueError(f"'model' must be a non-empty string, got {name!r}")
     model = model if model is not None else name
     tokenizer = tokenizer.of(model) if tokenizer is not None else None
-    tokens = chat_text(body, tokenizer) if url == CHAT else completion_prompt(body, tokenizer)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    call, forced = tools.forced_call(body) if url == CHAT else (None, None)
+    if url == COMPLETIONS:
+        tokens = completion_prompt(body, tokenizer)
+    else:
+        tokens = chat_text(body if url == CHAT else {"messages": responses.messages(body)}, tokenizer)
+    max_tokens = body.get("max_output_tokens") if url == RESPONSES else \
+        body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
     if type(max_tokens) is not int or not 1 <= max_tokens <= U32_MAX:
         raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    given = option_fields(body, url)
-    options = parse_options(given, max_tokens=max_tokens) if given else None
-    if isinstance(tokens, str):
-        return Tokenized(Prompt(number, None, max_tokens, None, model, cid, options if options else None, url),
-                         tokens, tokenizer)
-    return Prompt(number, tokens, max_tokens, None, model, cid, options if options else None, url)
+    options = line_options(body, url, max_tokens, forced)
+    prompt = Prompt(number, None if isinstance(tokens, str) else tokens, max_tokens, None, model, cid, options, url,
+                    call.entry() if call is not None else None)
+    return Tokenized(prompt, tokens, tokenizer) if isinstance(tokens, str) else prompt
+
+
+def line_options(body: dict, url: str, max_tokens: int, forced=None):
+    """A line's request options (None: none): its body's fields, a Responses request's `text.format`
+    or a forced tool call's constraint (one constraint a line)."""
+    given = option_fields(body, url) if url != RESPONSES else \
+        {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+    try:
+        options = parse_options(given, max_tokens=max_tokens) if given else None
+    except OptionsError as exc:
+        raise ValueError(str(exc)) from None
+    constraint = responses.text_format(body) if url == RESPONSES else forced
+    if constraint is not None:
+        if options is not None and options.structured is not None:
+            raise ValueError("one constraint per request: a forced tool call and a response format are both given")
+        options = replace(options or RequestOptions(), structured=constraint)
+    return options if options else None
 
 
 def option_fields(body: dict, url: str) -> dict:
     """The body's request options; the completions API's `logprobs` count as logprobs/top_logprobs."""
-    fields = {k: body[k] for k in OPTION_NAMES if k in body}
+    fields = {k: body[k] for k in (*OPTION_NAMES, *STRUCTURED_FIELDS) if k in body}
     if url == COMPLETIONS and "logprobs" in fields and fields["logprobs"] is not None:
         count = fields.pop("logprobs")
         if type(count) is not int or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
@@ -168,7 +202,7 @@ def chat_text(body: dict, tokenizer) -> str:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError("'chat_template_kwargs' must be an object")
     try:
-        return tokenizer.chat_template().render(body.get("messages"), kwargs)
+        return tokenizer.chat_template().render(body.get("messages"), kwargs, body.get("tools"))
     except ChatError as exc:
         raise ValueError(str(exc)) from None
 
@@ -204,14 +238,19 @@ def ok_body(r, entry: dict, texts: list | None, token_text=None) -> dict:
     samples = r.samples
     reasons = r.finish_reasons or tuple(
         "length" if len(s) >= int(entry.get("max_new", len(s))) else "stop" for s in samples)
-    chat = entry.get("endpoint") == CHAT
+    endpoint = entry.get("endpoint")
+    chat = endpoint in (CHAT, RESPONSES)
+    call = tools.ToolCall.of_entry(entry)
     logprobs = r.logprobs
     name = token_text or (lambda t: f"token_id:{t}")
     choices = []
     for k, (tokens, reason) in enumerate(zip(samples, reasons)):
         text = texts[k] if texts is not None else ""
         lp = None if logprobs is None else (chat_logprobs if chat else completion_logprobs)(tokens, logprobs[k], name)
-        if chat:
+        if call is not None:
+            message, reason = tools.message(call, text, reason, r.item_id, k)
+            choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": reason})
+        elif chat:
             choices.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": reason})
         else:
@@ -221,6 +260,8 @@ def ok_body(r, entry: dict, texts: list | None, token_text=None) -> dict:
     usage = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
     if r.cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
+    if endpoint == RESPONSES:
+        return responses.response_body(r, entry, texts[0] if texts else "", reasons[0], usage)
     kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     return {"id": f"{prefix}-{r.item_id:x}", "object": kind, "created": int(time.time()),
             "model": entry.get("model") or DEFAULT_MODEL, "choices": choices, "usage": usage}

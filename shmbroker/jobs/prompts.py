@@ -36,6 +36,7 @@ class Prompt:
     id: str | int | None = None
     options: RequestOptions | None = None  # its request options (request/options.py)
     endpoint: str | None = None  # an OpenAI batch line's url; None: the broker's own line format
+    reply: dict | None = None  # how its output is shaped beyond the endpoint's (a forced tool call: jobs/tools.py)
 
 
 @dataclass

@@ -10,7 +10,8 @@ special tokens (`bos_token`, `eos_token`, ...), `add_generation_prompt=True` and
 template writes the ones the model expects.
 
 Messages are checked first (`check_messages`), with errors that name the message and the field:
-roles `system`, `developer`, `user` and `assistant`; content a string or a list of text parts
+roles `system`, `developer`, `user`, `assistant` (with its `tool_calls`) and `tool` (with its
+`tool_call_id`); content a string or a list of text parts
 (`{"type": "text", "text": ...}`), which are joined with newlines as vLLM joins them for a
 template that takes string content.
 """
@@ -22,7 +23,10 @@ import os
 from datetime import datetime
 from functools import lru_cache
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# fields a message may hold besides its role and content: an assistant's earlier tool calls, a tool
+# message's answer to one (passed to the template as given)
+MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -41,9 +45,15 @@ def check_messages(messages) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise ChatError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name"} - MESSAGE_FIELDS.get(role, set()))
         if extra:
             raise ChatError(f"messages[{i}] has field(s) {', '.join(extra)} that are not served")
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ChatError(f"messages[{i}].tool_calls must be a list")
+        if calls and m.get("content") is None:  # an assistant turn that only called tools
+            out.append({**m, "content": ""})
+            continue
         out.append({**m, "content": _content(m.get("content"), i)})
     return out
 
@@ -98,16 +108,17 @@ class ChatTemplate:
         special = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
         return cls(source, special, path)
 
-    def render(self, messages, chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text of `messages` (checked), ending in the generation prompt."""
+    def render(self, messages, chat_template_kwargs: dict | None = None, tools: list | None = None) -> str:
+        """The prompt text of `messages` (checked), ending in the generation prompt; `tools` (function
+        tools) are the template's `tools`, as transformers passes them."""
         kwargs = dict(chat_template_kwargs or {})
         if not all(isinstance(k, str) for k in kwargs):
             raise ChatError("'chat_template_kwargs' must be an object")
-        reserved = sorted({"messages", "add_generation_prompt"} & set(kwargs))
+        reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(kwargs))
         if reserved:
             raise ChatError(f"'chat_template_kwargs' may not set {', '.join(reserved)}")
         context = {**self._globals, **self.special, **kwargs, "messages": check_messages(messages),
-                   "add_generation_prompt": True}
+                   "add_generation_prompt": True, "tools": tools}
         t = self._template
         try:
             ctx = self._new_context(t.environment, t.name, t.blocks, context, True, self._globals, None)

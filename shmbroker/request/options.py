@@ -17,6 +17,8 @@ without options carries no word.
 |       | float: an IEEE double (2 words, low first); int: int64 (2 words);           |
 |       | bool: 1 word (0/1); stop_token_ids: a count, then the ids;                  |
 |       | stop: a count, then per string its UTF-8 byte count and bytes (zero-padded) |
+|       | structured: 5 words, a constraint's kind, switches and payload digest       |
+|       | (request/structured.py: the payload itself is stored once, by digest)       |
 
 `max_tokens` is not an option: it is the item's max_new_tokens, carried as ever.
 """
@@ -27,6 +29,9 @@ import math
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from .structured import WORDS as STRUCT_WORDS
+from .structured import Structured, StructuredError, from_words, parse_structured, words_of
 
 WIRE_MAGIC = 0xA5  # the first word's high byte: a stray word never decodes as options
 MAX_WORDS = 1024  # the longest encoding a record may carry (4 KiB)
@@ -39,10 +44,12 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 
 # Body fields the broker refuses by name: each asks for something no engine here does, and
 # dropping it would run the request other than as written.
-REFUSED = ("response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
            "logit_bias", "stream", "stream_options", "suffix", "echo", "best_of", "prediction", "audio",
            "modalities", "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
-           "guided_choice", "guided_grammar", "structured_outputs")
+           "guided_choice", "guided_grammar")
+# the body fields a constraint is read from (request/structured.py), carried as the `structured` option
+STRUCTURED_FIELDS = ("response_format", "structured_outputs")
 
 
 class OptionsError(ValueError):
@@ -68,6 +75,7 @@ class RequestOptions:
     ignore_eos: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    structured: Structured | None = None  # a constraint on the output (request/structured.py)
 
     def given(self) -> dict:
         """The fields given, by name (what an engine maps to its own parameters)."""
@@ -91,7 +99,7 @@ class RequestOptions:
 FIELDS = (("temperature", "float"), ("top_p", "float"), ("top_k", "int"), ("min_p", "float"), ("seed", "int"),
           ("stop", "strs"), ("stop_token_ids", "ids"), ("n", "int"), ("presence_penalty", "float"),
           ("frequency_penalty", "float"), ("repetition_penalty", "float"), ("min_tokens", "int"),
-          ("ignore_eos", "bool"), ("logprobs", "bool"), ("top_logprobs", "int"))
+          ("ignore_eos", "bool"), ("logprobs", "bool"), ("top_logprobs", "int"), ("structured", "struct"))
 OPTION_NAMES = tuple(name for name, _ in FIELDS)
 assert OPTION_NAMES == tuple(f.name for f in fields(RequestOptions)), "FIELDS follows RequestOptions"
 assert len(FIELDS) <= 24, "the presence mask has 24 bits"
@@ -110,8 +118,14 @@ def parse_options(body: dict, *, max_tokens: int | None = None) -> RequestOption
     field that is wrong. `max_tokens`, when known, bounds min_tokens."""
     values = {}
     for name, kind in FIELDS:
-        if name in body and body[name] is not None:
+        if kind != "struct" and name in body and body[name] is not None:
             values[name] = _checked(name, kind, body[name])
+    try:
+        structured = parse_structured(body)
+    except StructuredError as exc:
+        raise OptionsError(str(exc)) from None
+    if structured is not None:
+        values["structured"] = structured
     opts = RequestOptions(**values)
     _check_together(opts, max_tokens)
     return opts
@@ -123,6 +137,10 @@ def refused_fields(body: dict) -> list[str]:
 
 
 def _checked(name: str, kind: str, value):
+    if kind == "struct":
+        if not isinstance(value, Structured):
+            raise OptionsError(f"'{name}' must be a request.structured.Structured, got {type(value).__name__}")
+        return value
     if kind == "bool":
         if type(value) is not bool:
             raise OptionsError(f"'{name}' must be true or false, got {value!r}")
@@ -199,6 +217,8 @@ def _encode_value(kind: str, value) -> list[int]:
         return [int(value)]
     if kind == "ids":
         return [len(value), *value]
+    if kind == "struct":
+        return words_of(value)
     words = [len(value)]
     for s in value:
         raw = s.encode()
@@ -253,6 +273,13 @@ def _decode_value(kind: str, w: np.ndarray, pos: int):
         return value, pos + 2
     if kind == "bool":
         return int(w[pos]), pos + 1  # 0 or 1, checked as a bool by the caller
+    if kind == "struct":
+        if pos + STRUCT_WORDS > w.size:
+            raise IndexError("a constraint past the end")
+        try:
+            return from_words(w[pos : pos + STRUCT_WORDS].tolist()), pos + STRUCT_WORDS
+        except StructuredError as exc:
+            raise OptionsError(f"request options hold a garbled constraint ({exc})") from None
     count = int(w[pos])
     pos += 1
     if kind == "ids":

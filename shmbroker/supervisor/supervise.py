@@ -47,6 +47,7 @@ from ..control.deaths import describe_status, note_exception
 from ..control.roles import STOP_ORDER, broker_roles
 from ..control.segment import C_METRICS_PORT, C_STOPPING, C_SUPERVISOR_PID, R_PID, R_RESTARTS, Control, mark_started
 from ..disk.lockfile import AlreadyRunning, InstanceLock
+from ..disk.payloads import PayloadStore
 from ..observe.watch import describe, remove_description, write_description
 from ..pack.contract import Mode
 from ..ring.owner import Owner
@@ -148,6 +149,7 @@ class Supervisor:
                                  result_ring_bytes=cfg.result_ring_bytes, control=self.control,
                                  retire_seconds=cfg.producer_retire_seconds,
                                  ingest_bells=w.ingest_bells,
+                                 payloads=PayloadStore(cfg.data_dir, cfg.max_payload_bytes),
                                  info={"control": self.control.segment.name, "pid": os.getpid(),
                                        "roles": self.roles, "consumers": [c.name for c in cfg.consumers]})
         self.desc = w.desc = describe(cfg, self.control, self.roles, w.ring_names(), self.modes, self.metrics_addr,

