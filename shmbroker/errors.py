@@ -56,3 +56,8 @@ class DiskFull(BrokerError):
 
 class ConfigError(BrokerError, ValueError):
     """The configuration names an unknown key or an impossible value; the message names the key."""
+
+
+class PayloadRefused(BrokerError, ValueError):
+    """The broker would not store a request payload (too large, empty): the request's own fault, so a
+    submit refuses that request alone."""

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import BrokerError, NotRunning
+from ..errors import BrokerError, NotRunning, PayloadRefused
 from ..protocol import PROTOCOL_VERSION, request
 from ..ring.ring import CONSUMER, PRODUCER, Ring, RingNames
 
@@ -34,6 +34,7 @@ class Connection:
     broker_pid: int | None  # the supervisor's pid, to tell a restarted broker (`same_broker`)
     ingest: Ring  # the producer's side of its ingest ring
     results: Ring  # the consumer's side of its result ring
+    max_payload_bytes: int = 0  # the largest request payload the broker stores (0: none)
 
     def close(self) -> None:
         """Detach from both rings (idempotent: Ring.close is)."""
@@ -60,7 +61,8 @@ def connect(data_dir: str | os.PathLike, name: str, timeout_seconds: float) -> C
     except BaseException:
         ingest.close()
         raise
-    return Connection(int(reply["producer_id"]), reply.get("broker_pid"), ingest, results)
+    return Connection(int(reply["producer_id"]), reply.get("broker_pid"), ingest, results,
+                      int(reply.get("max_payload_bytes") or 0))
 
 
 def store_payload(data_dir: str | os.PathLike, payload: bytes, timeout_seconds: float) -> bytes:
@@ -74,7 +76,9 @@ def store_payload(data_dir: str | os.PathLike, payload: bytes, timeout_seconds: 
     except ValueError as exc:
         raise BrokerError(f"the broker on {data_dir!r} gave no valid reply to a payload ({exc}); try again") from None
     if not reply.get("ok"):
-        raise BrokerError(f"broker refused a request payload: {reply.get('error')}")
+        error = str(reply.get("error"))
+        refused = PayloadRefused if reply.get("refused") else BrokerError
+        raise refused(f"broker refused a request payload: {error}")
     return bytes.fromhex(reply["digest"])
 
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .. import protocol
-from ..errors import BrokerError, NotRunning
+from ..errors import BrokerError, NotRunning, PayloadRefused
 from ..request.options import RequestOptions
 from ..request.options import encode
 from ..request.structured import digest_of
@@ -166,6 +166,10 @@ class Producer:
         durably and once however many items reference it; its digest. `submit` does this itself for
         a constraint it is given with its payload."""
         digest = digest_of(payload)
+        limit = self._conn.max_payload_bytes if self._conn is not None else 0
+        if digest not in self._stored and len(payload) > limit:
+            raise PayloadRefused(f"a request payload of {len(payload)} bytes is over the broker's max_payload_bytes = "
+                                 f"{limit}" if limit else "this broker stores no request payloads")
         if digest not in self._stored:
             if store_payload(self.data_dir, payload, self.connect_timeout_seconds) != digest:
                 raise BrokerError("the broker stored a payload under another digest")

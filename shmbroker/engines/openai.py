@@ -42,7 +42,8 @@ sent) failed on its own content, and its items fail (`engine_error`, with the re
 503 (the server's load) and a connection error (the server went away) are always handed back. A
 400/413/422 (the server refused the request's content, often one prompt: too long, a token id out
 of vocabulary) is not retried as is: a request of several prompts is split in halves and each
-half sent again, so only the prompts the server refuses fail, with its message. Other 4xx (auth,
+half sent again, so only the prompts the server refuses fail, with its message (`invalid`: a
+constraint its backend cannot compile, say). Other 4xx (auth,
 unknown model) fail the request's items at once. Nothing raises out of `add` or `poll` for a
 failed request.
 
@@ -80,7 +81,7 @@ from time import monotonic
 import httpx
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
+from .base import ENGINE_ERROR, INVALID, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
 from .openai_reply import Reply, RequestFailed, parse_reply, server_message
 from .packed_args import BusyClock, structured_fields
 
@@ -185,8 +186,9 @@ class OpenAICompatible(StreamingRun):
                 if exc.down and (exc.always or self.last_ok <= exc.sent):
                     down.extend(ids)  # the server is down: handed back, retried later
                     reason = str(exc)
-                else:
-                    results.extend(ItemResult(i, ENGINE_ERROR, error=str(exc)) for i in ids)
+                else:  # a lone item the server refused for its content (a constraint it cannot compile): invalid
+                    status = INVALID if exc.status in SPLIT_STATUSES and len(ids) == 1 else ENGINE_ERROR
+                    results.extend(ItemResult(i, status, error=str(exc)) for i in ids)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only
                 results.extend(ItemResult(i, ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}") for i in ids)

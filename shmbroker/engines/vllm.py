@@ -62,11 +62,11 @@ from collections import deque
 import numpy as np
 from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.config import StructuredOutputsConfig
-from vllm.sampling_params import StructuredOutputsParams
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, OK, TOO_LONG, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .deaths import PROBE_TOKENS, Streak, death_of
 from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 from .samples import samples_result
@@ -77,6 +77,13 @@ try:
     FINAL_ONLY = {"output_kind": RequestOutputKind.FINAL_ONLY}
 except ImportError:  # a vLLM without it (or a test stub): every step reports running requests too
     FINAL_ONLY = {}
+
+try:  # what vLLM raises for a request that is wrong (not an engine fault)
+    from vllm.exceptions import VLLMClientError
+
+    CLIENT_ERRORS: tuple = (VLLMClientError,)
+except ImportError:  # a release without it
+    CLIENT_ERRORS = ()
 
 try:  # vLLM's engine core is gone or broken for good (vllm/v1/engine/exceptions.py)
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -134,10 +141,14 @@ def vocab_size(engine) -> int | None:
 
 
 def refused(item_id: int, exc: Exception) -> ItemResult:
-    """An item vLLM would not take: too long in its own words, else an engine error."""
+    """An item vLLM would not take: too long in its own words; a request vLLM judges wrong (its
+    client-error type: a constraint its backend cannot compile, say) invalid, with vLLM's message;
+    else an engine error."""
     text = str(exc)
     if any(w in text for w in TOO_LONG_WORDS):
         return ItemResult(item_id, TOO_LONG, error=f"{type(exc).__name__}: {text}")
+    if isinstance(exc, CLIENT_ERRORS):
+        return ItemResult(item_id, INVALID, error=f"{type(exc).__name__}: {text.strip()}")
     return engine_error(item_id, exc)
 
 

@@ -260,6 +260,7 @@ class Registry:
             "producer_id": entry.producer_id,
             "ingest": entry.ingest.names.to_dict(),
             "results": entry.results.names.to_dict(),
+            "max_payload_bytes": self.payloads.max_bytes if self.payloads is not None else 0,
         }
 
     def _payload(self, request: dict) -> dict:
@@ -275,8 +276,8 @@ class Registry:
             return {"ok": False, "error": "'data' is not base64"}
         try:
             return {"ok": True, "digest": self.payloads.put(payload).hex()}
-        except PayloadError as exc:
-            return {"ok": False, "error": str(exc)}
+        except PayloadError as exc:  # the payload's own fault (too large, empty): `refused`
+            return {"ok": False, "error": str(exc), "refused": True}
         except OSError as exc:
             return {"ok": False, "error": f"the payload could not be stored ({exc.strerror or exc})"}
 

@@ -76,7 +76,12 @@ class Tokenizer:
     def decode(self, ids, context=()) -> str:
         """Generated ids as text. `context`: the prompt's last ids (DECODE_CONTEXT_TOKENS), decoded
         before them and cut off again, so the text is what follows the prompt as the engine's own
-        detokenizer writes it (a leading space a tokenizer adds only within a text, say)."""
+        detokenizer writes it (a leading space a tokenizer adds only within a text, say). Trailing
+        replacement characters are dropped: the bytes of a character cut off by max_tokens, which an
+        incremental detokenizer (tokenizers' DecodeStream, vLLM's) never emits."""
+        return self._decode(ids, context).rstrip("\ufffd")
+
+    def _decode(self, ids, context) -> str:
         ids = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
         if not context or not ids:
             return self._tok.decode(ids, skip_special_tokens=True)

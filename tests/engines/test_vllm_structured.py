@@ -9,7 +9,9 @@ the `openai` package; an `openai` consumer in front of a real `vllm serve`.
   of its choices, every regex output matches, every forced tool call's arguments validate against
   its function's parameters (`finish_reason` "tool_calls"); a json_object output that ended (`stop`)
   parses as an object (the random model may write a key until max_tokens: then it equals vLLM's own);
-- through HTTP both batches (chat and responses) end `completed`, with no error line.
+- the line whose schema the backend cannot compile fails alone, `invalid`, with xgrammar's message,
+  as an error line (400); every other line runs;
+- through HTTP both batches (chat and responses) end `completed`.
 """
 
 from __future__ import annotations
@@ -95,7 +97,11 @@ def test_structured_lines_through_a_real_vllm_validate_and_equal_vllms_own_chat(
     else:
         assert run["submit_exit"] == 0, run["log_tail"]
     got = {row["custom_id"]: row for row in run["out"]}
-    assert sorted(got) == sorted(ref) and run["errors"] == [], (run["errors"], run["log_tail"])
+    assert sorted(got) == sorted(ref), (run["errors"], run["log_tail"])
+    (bad,) = run["errors"]  # the uncompilable schema's line, alone
+    assert bad["custom_id"] == f"line-{len(reqs) - 1}" and bad["response"]["status_code"] == 400, bad
+    error = bad["response"]["body"]["error"]
+    assert error["code"] == "invalid" and "grammar" in error["message"] and "parenthesis" in error["message"], error
     for cid, want in ref.items():
         url, body = reqs[int(cid.removeprefix("line-"))]
         _check_line(url, body, got[cid]["response"]["body"], want)

@@ -67,11 +67,12 @@ def test_a_chat_batch_file_with_options_runs_and_reads_back_with_the_openai_type
         bodies.append(body)
     lines = [chat_line(i, b) for i, b in enumerate(bodies)]
     lines.append(chat_line(40, {"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json"}}))
-    lines.append(chat_line(41, {"messages": [{"role": "tool", "content": "w1"}]}))
+    lines.append(chat_line(41, {"messages": [{"role": "robot", "content": "w1"}]}))
     code, out = run_job(tmp_path, lines, "cj", CONFIG, "--model", "default", "--tokenizer", str(tok_dir))
     err = capsys.readouterr().err
     assert code == 1, err  # two lines refused
-    assert "chat.jsonl:41: body field(s) response_format are not served" in err and "chat.jsonl:42:" in err
+    assert "chat.jsonl:41: 'response_format.type' must be text, json_object or json_schema" in err
+    assert "chat.jsonl:42: messages[0].role must be one of" in err
     hf = AutoTokenizer.from_pretrained(str(tok_dir))
     got = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(got) == sorted(f"c-{i}" for i in range(40))

@@ -76,7 +76,7 @@ def test_named_templates_use_the_default(tmp_path):
 
 
 @pytest.mark.parametrize("messages, says", [
-    ([], "non-empty list"), ("hi", "non-empty list"), ([{"role": "tool", "content": "x"}], "messages\\[0\\].role"),
+    ([], "non-empty list"), ("hi", "non-empty list"), ([{"role": "robot", "content": "x"}], "messages\\[0\\].role"),
     ([{"role": "user", "content": 5}], "messages\\[0\\].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "content\\[0\\] must be a text part"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "tool_calls"), ([["user", "x"]], "messages\\[0\\] must be an object"),

@@ -5,7 +5,7 @@ tests/engines/test_vllm_structured.py under .venv-vllm; prints one JSON object, 
 
 The lines: `response_format` json_schema (three schemas: nested objects, enums, arrays, `$defs`),
 json_object, vLLM's `structured_outputs` choice and regex, forced tool calls (a named function and
-"required") and `/v1/responses` lines (a json_schema `text.format`, and plain text); every line at
+"required") and `/v1/responses` lines, and one line whose schema xgrammar cannot compile (a json_schema `text.format`, and plain text); every line at
 temperature 0. The model is the tests' tiny random Llama with a byte-level BPE tokenizer trained
 here (a word-level one cannot spell JSON) and a ChatML template that renders the tools.
 
@@ -61,6 +61,7 @@ SCHEMAS = [
                     "label": {"enum": ["a", "b"]}},
      "required": ["points", "label"], "additionalProperties": False},
 ]
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}, "required": ["a"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                            "parameters": {"type": "object", "properties": {
                                                "city": WORD, "unit": {"enum": ["c", "f"]}},
@@ -117,14 +118,20 @@ def lines() -> list[dict]:
     for k in range(4):
         user = [{"role": "user", "content": f"call {k}: the lazy dog"}]
         choice = "required" if k == 3 else {"type": "function", "function": {"name": TOOLS[k % 2]["function"]["name"]}}
-        out.append(("/v1/chat/completions", {"model": SERVED, "messages": user, "tools": TOOLS, "tool_choice": choice,
-                                             "max_completion_tokens": MAX_NEW, "temperature": 0.0}))
+        body = {"model": SERVED, "messages": user, "tools": TOOLS, "tool_choice": choice,
+                "max_completion_tokens": MAX_NEW, "temperature": 0.0}
+        if k == 3:  # one call: a random model would repeat calls until max_tokens
+            body["parallel_tool_calls"] = False
+        out.append(("/v1/chat/completions", body))
     for k in range(2):
         body = {"model": SERVED, "input": f"respond {k}: jumps over", "instructions": "be brief",
                 "max_output_tokens": MAX_NEW, "temperature": 0.0}
         if k == 0:
             body["text"] = {"format": {"type": "json_schema", "name": "resp", "schema": SCHEMAS[0], "strict": True}}
         out.append(("/v1/responses", body))
+    out.append(("/v1/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": "bad"}],
+                                         "response_format": {"type": "json_schema", "json_schema": {
+                                             "name": "bad", "schema": BAD_SCHEMA}}, "max_completion_tokens": 8}))
     return out
 
 
@@ -151,7 +158,8 @@ def constraint(url: str, body: dict):
         tools = [ChatCompletionToolsParam.model_validate(t) for t in body["tools"]]
         if isinstance(choice, dict):
             choice = ChatCompletionNamedToolChoiceParam.model_validate(choice)
-        return StructuredOutputsParams(json=get_json_schema_from_tools(choice, tools)), body["tools"]
+        schema = get_json_schema_from_tools(choice, tools, body.get("parallel_tool_calls"))
+        return StructuredOutputsParams(json=schema), body["tools"]
     rf = body.get("response_format")
     if rf is not None:
         return (StructuredOutputsParams(json_object=True) if rf["type"] == "json_object"
@@ -179,6 +187,8 @@ def reference(model: str, reqs) -> dict:
     out = {}
     try:
         for k, (url, body) in enumerate(reqs):
+            if body.get("response_format", {}).get("json_schema", {}).get("schema") == BAD_SCHEMA:
+                continue  # its backend cannot compile it: vLLM refuses the request (the broker's error line)
             so, tools = constraint(url, body)
             params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, structured_outputs=so)
             (res,) = llm.chat([messages_of(url, body)], params, use_tqdm=False, tools=tools)
