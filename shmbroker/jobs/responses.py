@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from ..request.chat import content_text
 from ..request.structured import Constraint, Structured, StructuredError, schema_payload
 
 BODY_KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata",
@@ -53,22 +54,8 @@ def messages(body: dict) -> list[dict]:
         role = item.get("role")
         if role not in ROLES:
             raise ValueError(f"input[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": role, "content": _content(item.get("content"), i)})
+        out.append({"role": role, "content": content_text(item.get("content"), f"input[{i}]", PART_TYPES)})
     return out
-
-
-def _content(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"input[{i}].content[{k}] of type {kind!r} is not served: only text parts are")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError(f"input[{i}].content must be a string or a non-empty list of text parts")
 
 
 def text_format(body: dict) -> Structured | None:

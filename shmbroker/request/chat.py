@@ -54,23 +54,24 @@ def check_messages(messages) -> list[dict]:
         if calls and m.get("content") is None:  # an assistant turn that only called tools
             out.append({**m, "content": ""})
             continue
-        out.append({**m, "content": _content(m.get("content"), i)})
+        out.append({**m, "content": content_text(m.get("content"), f"messages[{i}]")})
     return out
 
 
-def _content(content, i: int) -> str:
+def content_text(content, where: str, kinds: tuple = ("text",)) -> str:
+    """A message's content as one text: a string, or text parts (of types `kinds`) joined with newlines."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
         texts = []
         for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatError(f"messages[{i}].content[{k}] must be a text part ({{\"type\": \"text\", \"text\": ...}}), "
+                raise ChatError(f"{where}.content[{k}] must be a text part ({{\"type\": \"{kinds[0]}\", \"text\": ...}}), "
                                 f"got {kind!r}")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ChatError(f"messages[{i}].content must be a string or a non-empty list of text parts")
+    raise ChatError(f"{where}.content must be a string or a non-empty list of text parts")
 
 
 class ChatTemplate:

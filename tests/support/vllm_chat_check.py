@@ -228,22 +228,32 @@ def main(work: str) -> int:
     src = batch_file(work_dir / "chat.jsonl", reqs)
     ref = reference(model, reqs)
     engine = through_broker(work_dir / "engine", engine_config(model), src, model, route=None, http=True)
-    server, base_url = vllm_serve(model, work_dir / "serve.log")
+    served = through_served(work_dir, model, src)
+    print(json.dumps({"requests": reqs, "reference": ref, "vllm_engine": engine["submit"], "http": engine["http"],
+                      "vllm_serve": served}))
+    return 0
+
+
+def through_served(work_dir: Path, model: str, src: Path, more: list[str] = ()) -> dict:
+    """The file through a broker whose consumer is engine = "openai" in front of `vllm serve` on the model."""
+    server, base_url = vllm_serve(model, work_dir / "serve.log", more)
     try:
-        served = through_broker(work_dir / "served", openai_config(base_url), src, model)["submit"]
+        return through_broker(work_dir / "served", openai_config(base_url), src, model)["submit"]
     finally:
         server.terminate()
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-    print(json.dumps({"requests": reqs, "reference": ref, "vllm_engine": engine["submit"], "http": engine["http"],
-                      "vllm_serve": served}))
-    return 0
 
 
-if __name__ == "__main__":
+def run(main_of) -> None:
+    """Run a check's `main(work_dir)` from the command line."""
     (work_dir,) = sys.argv[1:]
     for sub in ("engine", "served"):
         (Path(work_dir) / sub).mkdir(parents=True, exist_ok=True)
-    sys.exit(main(work_dir))
+    sys.exit(main_of(work_dir))
+
+
+if __name__ == "__main__":
+    run(main)

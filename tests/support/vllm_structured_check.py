@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from support import vllm_chat_check as chat  # noqa: E402
+from support.bpetok import bpe_tokenizer_dir  # noqa: E402
 
 VOCAB = 512
 MAX_NEW = 96
@@ -40,10 +40,6 @@ EXTRA = {"block_size": BLOCK, "num_gpu_blocks_override": 128}
 SETTINGS = {"dtype": "float32", "max_new_tokens": MAX_NEW, "gpu_memory_utilization": 0.15, "seed": 0,
             "enforce_eager": True, "structured_outputs_backend": "xgrammar", "disable_any_whitespace": True}
 SERVED = chat.SERVED
-SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"
-            "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 WORD = {"type": "string", "pattern": "^[a-z]{1,8}$"}
 SCHEMAS = [
     {"type": "object", "properties": {"name": WORD, "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -72,30 +68,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 def tiny_model(path: Path) -> str:
-    """The tests' tiny random Llama with a byte-level BPE tokenizer trained on JSON and words."""
+    """The tests' tiny random Llama with the byte-level BPE tokenizer of `support/bpetok.py`."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ['{"name": "alpha", "age": 12, "tags": ["x", "y"], "ok": true, "value": null}',
-              "user assistant system tools function parameters properties required type object string integer",
-              "the quick brown fox jumps over the lazy dog"] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<|im_start|>",
-        "eos_token": "<|im_end|>", "chat_template": TEMPLATE, "model_max_length": 2048}))
-    return str(path)
+    return str(bpe_tokenizer_dir(path, VOCAB))
 
 
 def lines() -> list[dict]:
@@ -263,25 +245,13 @@ def main(work: str) -> int:
     ref = reference(model, reqs)
     engine, http = through_engine(work_dir / "engine", broker_config(model), src, model)
     serve_patch()
-    server, base_url = chat.vllm_serve(model, work_dir / "serve.log", ["--structured-outputs-config",
-                                                                      json.dumps({"backend": "xgrammar",
-                                                                                  "disable_any_whitespace": True}),
-                                                                      "--enforce-eager"])
-    try:
-        served = chat.through_broker(work_dir / "served", chat.openai_config(base_url), src, model)["submit"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    served = chat.through_served(work_dir, model, src, ["--structured-outputs-config", json.dumps({
+        "backend": SETTINGS["structured_outputs_backend"], "disable_any_whitespace": SETTINGS["disable_any_whitespace"]}),
+        "--enforce-eager"])
     print(json.dumps({"requests": reqs, "reference": ref, "vllm_engine": engine, "http": http,
                       "vllm_serve": served}))
     return 0
 
 
 if __name__ == "__main__":
-    (work_dir,) = sys.argv[1:]
-    for sub in ("engine", "served"):
-        (Path(work_dir) / sub).mkdir(parents=True, exist_ok=True)
-    sys.exit(main(work_dir))
+    chat.run(main)
