@@ -54,7 +54,7 @@ def _bench(args) -> int:
     elif args.name == "e2e":
         from .bench import e2e
 
-        result = e2e.run(scale=args.scale, options=args.options)
+        result = e2e.run(scale=args.scale, options=args.options, schema=args.schema)
     elif args.name == "restart":
         from .bench import restart
 
@@ -74,8 +74,8 @@ def _bench(args) -> int:
 
         try:
             result = gen.run(engine=args.engine, kv_blocks=args.kv_blocks, trace=args.trace, runs=args.runs,
-                             max_new_tokens=4 if args.max_new_tokens is None else args.max_new_tokens,
-                             sampling=args.sampling, say=lambda line: print(line, file=sys.stderr))
+                             max_new_tokens=args.max_new_tokens, sampling=args.sampling, structured=args.structured,
+                             say=lambda line: print(line, file=sys.stderr))
         except (BrokerError, ValueError) as exc:  # no engine packages, no trace: say so, no traceback
             print(f"shmbroker: {exc}", file=sys.stderr)
             return 2
@@ -246,12 +246,13 @@ def _add_bench(sub) -> None:
     g.add_argument("--kv-blocks", type=int, default=None,
                    help="gen: the engine's KV cache in blocks of 32 tokens (default 256)")
     g.add_argument("--runs", type=int, default=2, help="gen: runs of each side, alternated (default 2)")
-    g.add_argument("--sampling", action="store_true",
-                   help="gen: every item samples (temperature 0.7, top_p 0.95, its own seed, a stop token, n = 2 on "
-                        "every fourth), the same requests on both sides")
+    g.add_argument("--sampling", action="store_true", help="gen: every item samples (temperature 0.7, top_p 0.95, "
+                   "its own seed, a stop token, n = 2 on every fourth), the same requests on both sides")
+    g.add_argument("--structured", action="store_true", help="gen: every item constrained by one of 4 JSON schemas")
     g = p.add_argument_group("e2e")
     g.add_argument("--options", action="store_true",
                    help="e2e: every item carries one shared set of request options (e2e.SHARED_OPTIONS)")
+    g.add_argument("--schema", action="store_true", help="e2e: every item references one shared JSON schema")
     g = p.add_argument_group("chaos")
     g.add_argument("--seconds", type=float, default=30.0,
                    help="chaos: how long processes and readers are killed at random (default 30)")

@@ -6,7 +6,10 @@ with the default fsync policy and the simulated engine in zero-cost mode (it ret
 the broker is what is measured). Two producer processes each submit `items` 256-token items
 (`submit_many` in chunks of CHUNK) while they read their results (`take_results`); every item
 must come back exactly once with an ok status. With `--options` every item carries SHARED_OPTIONS
-(one set of request options, as a job's items do): what carrying them costs. Figures:
+(one set of request options, as a job's items do): what carrying them costs. With `--schema` the
+runs that would be observed instead carry, besides, a reference to one JSON schema (SHARED_SCHEMA,
+stored once as a payload and read once by the GPU process): `schema_items_per_s` and
+`schema_vs_plain` against the plain runs, alternated in the same run. Figures:
 
 - items_per_s, tokens_per_s: items over the time from the first submit to the last result;
 - submit_to_result_us_p50/p99: from the submit call that sent an item to its result's arrival;
@@ -51,6 +54,10 @@ CHUNK = 1024
 MAX_NEW_TOKENS = 1
 # `--options`: what every item carries (a job's usual set; the zero-cost engine honours and ignores it)
 SHARED_OPTIONS = {"temperature": 0.7, "top_p": 0.95, "seed": 1234, "stop_token_ids": [2]}
+# `--schema`: every item references one JSON schema (a payload stored once; the engine reads it once)
+SHARED_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "record", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": [f"field{k}" for k in range(24)],
+    "properties": {f"field{k}": {"type": "string", "description": f"the record's field number {k}"} for k in range(24)}}}}}
 DISK_PROBE_BYTES = 256 << 20
 # what an observed run adds (`Observer.finish`); reported from the last observed run
 OBSERVER_FIELDS = ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
@@ -122,9 +129,11 @@ def disk_write_bandwidth(directory: str, total: int = DISK_PROBE_BYTES) -> float
 
 
 def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale: float = 1.0,
-        data_dir: str | None = None, pairs: int = 4, options: bool = False) -> dict:
+        data_dir: str | None = None, pairs: int = 4, options: bool = False, schema: bool = False) -> dict:
     items = max(CHUNK, int(items_per_producer * scale))
     shared = SHARED_OPTIONS if options else None
+    # the runs of the second kind: observed, or with `schema` the same items referencing SHARED_SCHEMA
+    second = {**(shared or {}), **SHARED_SCHEMA} if schema else shared
     tmp = tempfile.mkdtemp(prefix="shmb-e2e-", dir=data_dir)
     try:
         disk_bw = disk_write_bandwidth(tmp, int(DISK_PROBE_BYTES * min(1.0, max(scale, 0.125))))
@@ -137,16 +146,23 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
             observed = k % 4 in (1, 2)  # plain, observed, observed, plain, ...
             run_dir = os.path.join(tmp, f"run{k}")
             os.mkdir(run_dir, 0o700)
-            runs[observed].append(_run_broker(run_dir, items, observe=observed, options=shared))
+            runs[observed].append(_run_broker(run_dir, items, observe=observed and not schema,
+                                              options=second if observed else shared))
             shutil.rmtree(run_dir, ignore_errors=True)
         out = _median_run(runs[False])
         watched = _median_run(runs[True])
         out["plain_runs_items_per_s"] = [r["items_per_s"] for r in runs[False]]
         out["observed_runs_items_per_s"] = [r["items_per_s"] for r in runs[True]]
-        out["observed_items_per_s"] = watched["items_per_s"]
-        out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
-        last = runs[True][-1]
-        out.update({key: last[key] for key in OBSERVER_FIELDS})
+        if schema:  # the second kind's runs were the schema's, not observed
+            out["schema_runs_items_per_s"] = out.pop("observed_runs_items_per_s")
+            out["schema_items_per_s"] = watched["items_per_s"]
+            out["schema_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
+            out["schema_option_words"] = int(encode(parse_options(second)).size)
+        else:
+            out["observed_items_per_s"] = watched["items_per_s"]
+            out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
+            last = runs[True][-1]
+            out.update({key: last[key] for key in OBSERVER_FIELDS})
         out["options"] = shared
         out["disk_write_bytes_per_s"] = round(disk_bw, 1)
         option_words = encode(parse_options(shared)).size if shared else 0

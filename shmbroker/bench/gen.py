@@ -32,6 +32,9 @@ each request with its own SamplingParams): temperature 0.7, top_p 0.95, a seed p
 `n = 2` on every fourth item and a stop token (SAMPLING_OPTIONS, STOP_TOKEN: an id the model
 produces, so some samples end before their max_new_tokens). `generated` counts every sample.
 
+`--structured`: every item constrained by one of four JSON schemas (`gen_structured.py`), the same
+requests on both sides; `generated` is what the schemas let each item write.
+
 Engines: `vllm` (the default; `.venv-vllm` has it: `make vllm`), `sim` (the simulated engine, packed,
 its cache the same size) and `hf` (transformers, padded: handed the items in FIFO batches of the
 contract, since a padded engine cannot take all at once).
@@ -50,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from ..pack.contract import Contract, Mode
+from . import gen_structured as gs
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 32  # tokens per 512-token trace block after scaling, and the engine's block size
@@ -211,18 +215,16 @@ def setup_for(engine: str, items: Items, kv_blocks: int, model_dir: str | None, 
 
 
 def alone_vllm(setup: Setup, items: Items) -> dict:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ..engines.packed_args import hits_between, vllm_cache_tokens, vllm_llm_kwargs, vllm_sampling
-    from ..engines.vllm import FINAL_ONLY, build_engine
+    from ..engines.packed_args import hits_between, vllm_cache_tokens, vllm_llm_kwargs
+    from ..engines.vllm import build_engine, sampling_params
 
     engine = build_engine(vllm_llm_kwargs(setup.settings_object(), setup.contract))
     try:
         before = vllm_cache_tokens(engine.get_metrics())  # the counters are the process's, cumulative
         prompts = [TokensPrompt(prompt_token_ids=items.prompt(i).tolist()) for i in range(len(items))]
-        params = [SamplingParams(**vllm_sampling(int(m), items.options_of(i)), **FINAL_ONLY)
-                  for i, m in enumerate(items.max_new_tokens)]
+        params = [sampling_params(int(m), items.options_of(i)) for i, m in enumerate(items.max_new_tokens)]
         generated = 0
         t0 = time.perf_counter()
         for i in range(len(items)):
@@ -307,7 +309,9 @@ def _side(runs: list, items: Items) -> dict:
 
 
 def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None = None, runs: int = 2,
-        max_new_tokens: int = 4, sampling: bool = False, say=None) -> dict:
+        max_new_tokens: int | None = None, sampling: bool = False, structured: bool = False, say=None) -> dict:
+    if max_new_tokens is None:  # the default: 4, and what a schema's JSON needs with --structured
+        max_new_tokens = gs.MAX_NEW_TOKENS if structured else 4
     if runs < 1:
         raise ValueError("bench gen --runs: at least 1")
     if max_new_tokens < 0:
@@ -321,14 +325,23 @@ def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None
 
             raise EngineUnavailable(f"bench gen --engine vllm needs vllm ({exc}): `make vllm`, then "
                                     ".venv-vllm/bin/shmbroker bench gen") from None
+    if structured and (engine != "vllm" or sampling):
+        raise ValueError("bench gen --structured: with --engine vllm, without --sampling")
     kv_blocks = 256 if kv_blocks is None else int(kv_blocks)
-    items = workload(trace, max_new_tokens, MODEL["vocab_size"])
-    if sampling:
-        items.options = sampling_options(len(items))
     tmp = tempfile.mkdtemp(prefix="shmb-gen-")
     try:
-        model_dir = write_model(Path(tmp) / "model", MODEL) if engine == "vllm" else None
+        model = dict(MODEL)
+        if structured:  # the model's vocabulary and end of sequence are its tokenizer's
+            model["vocab_size"], model["eos_token_id"] = gs.write_tokenizer(Path(tmp) / "model", MODEL["vocab_size"])
+        items = workload(trace, max_new_tokens, model["vocab_size"])
+        if sampling:
+            items.options = sampling_options(len(items))
+        if structured:
+            items.options = gs.structured_options(len(items))
+        model_dir = write_model(Path(tmp) / "model", model) if engine == "vllm" else None
         setup = setup_for(engine, items, kv_blocks, model_dir, int(items.max_new_tokens.max()))
+        if structured:
+            setup.settings.update(gs.ENGINE_SETTINGS)
         alone_fn = alone_vllm if engine == "vllm" else alone_generic
         # one untimed pass first: a host that has just freed memory refaults its pages slowly, and the
         # first timed run of either side would pay for it
@@ -355,6 +368,7 @@ def run(*, engine: str = "vllm", kv_blocks: int | None = None, trace: str | None
             "max_new_tokens": max_new_tokens, "sampling": {**SAMPLING_OPTIONS, "seed": "the item's index",
                                                            "stop_token_ids": [STOP_TOKEN], "n": f"2 on every {SAMPLES_EVERY}th item"}
             if sampling else None,
+            "structured": {"schemas": len(gs.SCHEMAS), "engine_settings": gs.ENGINE_SETTINGS} if structured else None,
             "generated_tokens": int(items.max_new_tokens.sum()), "kv_blocks": kv_blocks, "block_tokens": BLOCK_TOKENS,
             "kv_tokens": kv_blocks * BLOCK_TOKENS, "contract": {k: v for k, v in setup.consumer_table().items() if k.startswith("max_")},
             "warmup_seconds": round(warmup, 3), "engine_alone": alone, "broker": broker,

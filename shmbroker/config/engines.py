@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from ..engines.catalogue import ENGINES, entry
-from ..engines.options import DTYPES, REQUIRED, STRUCTURED_BACKENDS, SIM_FAULT_TOKENS, SIM_KILLS, SimSettings
+from ..engines.options import DTYPES, GUIDED_BACKENDS, REQUIRED, SIM_FAULT_TOKENS, SIM_KILLS, STRUCTURED_BACKENDS, SimSettings
 from ..engines.cost import SimCost
 from ..errors import ConfigError
 from ..pack.contract import Mode
@@ -73,6 +73,9 @@ def real_settings(engine: str, raw: dict, at: str):
     if out.get("structured_outputs_backend", "auto") not in STRUCTURED_BACKENDS:
         raise ValueError(f"{at}.structured_outputs_backend: must be one of {', '.join(STRUCTURED_BACKENDS)}, "
                          f"got {out['structured_outputs_backend']!r}")
+    if out.get("guided_decoding_backend", "xgrammar") not in GUIDED_BACKENDS:
+        raise ValueError(f"{at}.guided_decoding_backend: must be one of {', '.join(GUIDED_BACKENDS)}, "
+                         f"got {out['guided_decoding_backend']!r}")
     if out.get("disable_any_whitespace") and out.get("structured_outputs_backend", "auto") not in ("xgrammar", "guidance"):
         raise ValueError(f"{at}.disable_any_whitespace: vLLM honours it with structured_outputs_backend = \"xgrammar\" "
                          "or \"guidance\" only; name one of them")
@@ -97,6 +100,8 @@ def real_values(engine: str, name: str, kind: str) -> str:
         return "> 0 and <= 1"
     if name == "structured_outputs_backend":
         return ", ".join(f"`{b}`" for b in STRUCTURED_BACKENDS)
+    if name == "guided_decoding_backend":
+        return ", ".join(f"`{b}`" for b in GUIDED_BACKENDS)
     if name == "timeout_seconds":
         return "> 0"
     if name in AT_LEAST_ONE:

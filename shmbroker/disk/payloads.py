@@ -4,7 +4,7 @@ grammar), stored once under their digest and referenced by every item that uses 
 `payloads/<digest, 32 hex digits>.bin`, written once by atomic replace (`durable.atomic_write`: a
 temporary file, fsync, rename, fsync of the directory), 0600 in a 0700 directory, so a payload is
 on disk before any item naming it is pushed, and survives a SIGKILL of any process and a power loss.
-Storing a payload that is there already only checks it. The digest is the first 16 bytes of the
+Storing a payload that is there already only checks it. The registry (one process) is the only writer. The digest is the first 16 bytes of the
 payload's SHA-256 (`request/structured.py` `digest_of`); a read hashes the payload again, so a file
 whose bytes rotted, or one cut short, is refused (`PayloadCorrupt`) and its items fail `corrupt`.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 from pathlib import Path
 
 from ..request.structured import DIGEST_BYTES, digest_of
@@ -57,6 +58,9 @@ class PayloadStore:
     def __init__(self, data_dir: str | os.PathLike, max_bytes: int):
         self.dir = Path(data_dir) / DIR_NAME
         self.max_bytes = int(max_bytes)
+        # the registry answers producers on threads of its own: two storing one payload at once would
+        # replace the same file through the same temporary name
+        self._lock = threading.Lock()
 
     def path(self, digest: bytes) -> Path:
         assert len(digest) == DIGEST_BYTES
@@ -69,6 +73,10 @@ class PayloadStore:
         if not payload:
             raise PayloadError("an empty payload")
         digest = digest_of(payload)
+        with self._lock:
+            return self._put(payload, digest)
+
+    def _put(self, payload: bytes, digest: bytes) -> bytes:
         try:
             if self.get(digest) == payload:
                 return digest

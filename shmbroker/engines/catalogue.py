@@ -74,7 +74,7 @@ ENGINES = {e.name: e for e in (
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
                 WITH_LOGPROBS),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
-                SAMPLES - {"structured"}),
+                SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
                 Mode.PACKED, True, WITH_LOGPROBS),
 )}

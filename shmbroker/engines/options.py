@@ -126,7 +126,13 @@ class TRTLLMSettings:
     free_gpu_memory_fraction: float = field(default=0.9, metadata={"help": "the KV cache's share of the free memory, "
                                                                            "in (0, 1]"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "cards one engine spans"})
+    guided_decoding_backend: str = field(default="xgrammar", metadata={
+        "help": "the backend that compiles constraints (structured outputs): `xgrammar`, `llguidance`, or `none` "
+                "(not passed: constraints are not honoured); passed only when a tokenizer is loaded"})
     extra: dict = field(default_factory=dict, metadata={"help": "more `LLM(...)` keyword arguments, passed as given"})
+
+
+GUIDED_BACKENDS = ("xgrammar", "llguidance", "none")  # TRTLLMSettings.guided_decoding_backend
 
 
 @dataclass(frozen=True)

@@ -130,10 +130,13 @@ def structured_fields(s) -> dict:
 
 def trtllm_llm_kwargs(settings, contract) -> dict:
     """Keyword arguments of `tensorrt_llm.LLM(...)`; `kv_cache_config` is a dict the engine turns into
-    `tensorrt_llm.llmapi.KvCacheConfig`. `settings.extra` wins, its `kv_cache_config` table merged key by key."""
+    `tensorrt_llm.llmapi.KvCacheConfig`. `settings.extra` wins, its `kv_cache_config` table merged key by key.
+    `guided_decoding_backend` (what compiles constraints) is passed only with a tokenizer loaded: the LLM
+    API builds the backend from the tokenizer's vocabulary (llmapi/llm.py), and cannot without one."""
     extra = dict(settings.extra)
     kv_cache = {"enable_block_reuse": True, "free_gpu_memory_fraction": float(settings.free_gpu_memory_fraction)}
     kv_cache.update(extra.pop("kv_cache_config", None) or {})
+    tokenizer = has_tokenizer(settings.model)
     kwargs = {
         "model": settings.model,
         "max_batch_size": int(contract.max_batch_size),
@@ -144,11 +147,13 @@ def trtllm_llm_kwargs(settings, contract) -> dict:
         "kv_cache_config": kv_cache,
         # token ids in and out; a model directory with a tokenizer has it loaded, so that stop strings
         # work (the LLM API encodes them into the token ids it matches)
-        "skip_tokenizer_init": not has_tokenizer(settings.model),
+        "skip_tokenizer_init": not tokenizer,
         "tensor_parallel_size": int(settings.tensor_parallel_size),
         "dtype": settings.dtype,
         "enable_iter_perf_stats": True,  # LLM.get_stats() reports iteration stats (kvCacheStats) only with it
     }
+    if tokenizer and settings.guided_decoding_backend != "none":
+        kwargs["guided_decoding_backend"] = settings.guided_decoding_backend
     kwargs.update(extra)
     return kwargs
 

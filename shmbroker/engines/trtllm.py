@@ -9,11 +9,11 @@ the blocks its radix tree does not already hold, so the engine is `packed` (docs
 larger than `max_batch_size`, so TensorRT-LLM never waits for its next request.
 
 APIs followed (TensorRT-LLM LLM API: nvidia.github.io/TensorRT-LLM "API Reference" (LLM, RequestOutput,
-SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
+SamplingParams, KvCacheConfig, GuidedDecodingParams), the "Generate text asynchronously" example
 (examples/llm-api/llm_inference_async.py), and the NVIDIA/TensorRT-LLM sources named below):
 - `tensorrt_llm.LLM(model, skip_tokenizer_init, tensor_parallel_size, dtype, max_batch_size,
-  max_num_tokens, max_input_len, max_seq_len, kv_cache_config, enable_iter_perf_stats, **kwargs)`;
-- `tensorrt_llm.llmapi.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=...)`;
+  max_num_tokens, max_input_len, max_seq_len, enable_iter_perf_stats, guided_decoding_backend,
+  kv_cache_config=tensorrt_llm.llmapi.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction))`;
 - `LLM.generate_async(inputs, sampling_params=..., streaming=False) -> RequestOutput`
   (tensorrt_llm/llmapi/llm.py): one prompt (a token-id list) per call; it submits the request to the
   executor and returns its future. `LLM.generate` itself is generate_async per prompt, then `.result()`
@@ -26,14 +26,15 @@ SamplingParams, KvCacheConfig), the "Generate text asynchronously" example
   (tensorrt_llm/sampling_params.py): without a tokenizer `LLM._prepare_sampling_params` raises unless
   `end_id` is given, so the engine reads the end-of-sequence ids from the model directory
   (`packed_args.eos_token_ids`). An item's request options set the fields of the same names
-  (`trtllm_params.py`: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, n, the
-  penalties, min_tokens, ignore_eos); stop strings need the tokenizer (the LLM API encodes them), so
-  a model directory that holds one has it loaded (`skip_tokenizer_init` false) and without one an
-  item asking for stop strings fails `invalid`, as does one asking for a field the installed
-  SamplingParams lacks (`unhonoured`). The n samples come back as `outputs[i]` (`index` i), each
-  with its finish reason: the result carries them one after another with their lengths and finish
-  reasons as extras (`samples.py`); the LLM API reports no per-request cached tokens, so a result
-  says none (the batch's reused blocks come from the stats below);
+  (`trtllm_params.py`), its constraint `guided_decoding=GuidedDecodingParams(json, regex, grammar,
+  json_object)` (tensorrt_llm.llmapi), compiled by the LLM's `guided_decoding_backend`. Stop strings
+  and constraints need the tokenizer (the LLM API encodes stop strings, the backend reads its
+  vocabulary): a model directory that holds one has it loaded (`skip_tokenizer_init` false); without
+  one they are not honoured (`unhonoured`: such an item fails `invalid`), nor is a field the installed
+  SamplingParams lacks. A constraint the backend cannot compile fails its request with a per-request
+  error, judged as any other (below). The n samples come back as `outputs[i]` (`index` i), each with
+  its finish reason, carried one after another with their lengths and finish reasons as extras
+  (`samples.py`); the LLM API reports no per-request cached tokens, so a result says none;
 - `LLM.get_stats_async(timeout) -> IterationResult` (beta): an async iterator over the iteration stats
   queued since the last read (dicts; JSON text in older versions), ending after `timeout` seconds
   without one; collected only with `enable_iter_perf_stats=True`. Each holds `kvCacheStats` with
@@ -93,7 +94,7 @@ import queue
 import threading
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm.llmapi import KvCacheConfig
+from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
@@ -136,7 +137,8 @@ class TRTLLM(StreamingRun):
         self.llm = llm
         self.eos_ids = eos_token_ids(settings.model) or _configured_eos(llm)
         self.fields = sampling_fields(SamplingParams)  # what this release's SamplingParams takes
-        self.unhonoured = trtllm_unhonoured(self.fields, tokenizer=not self.llm_kwargs.get("skip_tokenizer_init"))
+        self.unhonoured = trtllm_unhonoured(self.fields, tokenizer=not self.llm_kwargs.get("skip_tokenizer_init"),
+                                            guided=bool(self.llm_kwargs.get("guided_decoding_backend")))
         self.busy = BusyClock()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # ItemResult of each finished item
         self._pending = 0
@@ -175,7 +177,7 @@ class TRTLLM(StreamingRun):
         for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
             item_id, opts = int(batch.item_ids[row]), batch.options_of(row)
             try:
-                params = SamplingParams(**trtllm_sampling(m, self.eos_ids, opts, self.fields))
+                params = SamplingParams(**trtllm_sampling(m, self.eos_ids, opts, self.fields, GuidedDecodingParams))
             except Exception as exc:  # noqa: BLE001 - the LLM API refuses these parameters: the item fails alone
                 self._done.put(engine_error(item_id, exc))
                 continue

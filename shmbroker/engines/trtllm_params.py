@@ -20,7 +20,16 @@ repetition_penalty, min_tokens, ignore_eos, end_id, max_tokens. How they are set
 - `stop` strings go as given: the LLM API encodes each with the model's tokenizer and matches those
   ids, so a model directory without a tokenizer cannot take them (`trtllm_unhonoured`);
 - an item with stop strings or ids asks `include_stop_str_in_output=True`: its tokens keep what
-  stopped it, as vLLM's token ids do (the LLM API would cut it from the ids otherwise).
+  stopped it, as vLLM's token ids do (the LLM API would cut it from the ids otherwise);
+- a constraint (request/structured.py) is `guided_decoding=GuidedDecodingParams(...)`
+  (`tensorrt_llm.llmapi`, one field set): `json` (the schema's text), `json_object=True`, `regex`,
+  `grammar`. TensorRT-LLM has no choice: a choice is the regex of its strings, each escaped
+  (`re.escape`), joined by `|`, in a group (`choice_regex`). The switches `disable_any_whitespace`
+  and `disable_additional_properties` have no TensorRT-LLM field: they are accepted and change
+  nothing (the backend's own whitespace and additional-properties rules apply; the output is still
+  JSON valid for the schema). The backend compiles a constraint against the tokenizer's vocabulary,
+  so an instance without a tokenizer, or built without a `guided_decoding_backend`, does not honour
+  constraints (`trtllm_unhonoured`).
 An installed SamplingParams that lacks a field (an older release without min_p, say) makes its
 option unhonoured by that instance (`sampling_fields`, `trtllm_unhonoured`): an item asking for it
 fails `invalid`, never runs without it.
@@ -29,12 +38,18 @@ fails `invalid`, never runs without it.
 from __future__ import annotations
 
 import inspect
+import re
+
+from ..request.structured import Constraint
 
 # request options (request/options.py) that `tensorrt_llm.SamplingParams` takes as fields of the same
 # name and meaning, whether the item samples or not; `seed` is `random_seed` in older releases
 TRTLLM_SAME_NAME = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 TRTLLM_OPTIONS = (*TRTLLM_SAME_NAME, "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                  "n", "ignore_eos")
+                  "n", "ignore_eos", "structured")
+# `GuidedDecodingParams`' field of each constraint kind but a choice (a regex: `choice_regex`)
+GUIDED_FIELD = {Constraint.JSON: "json", Constraint.JSON_OBJECT: "json_object", Constraint.REGEX: "regex",
+                Constraint.GRAMMAR: "grammar"}
 
 
 def sampling_fields(params_class) -> frozenset | None:
@@ -52,21 +67,26 @@ def trtllm_field(option: str, fields) -> str:
     """The `SamplingParams` field that carries a request option in this release."""
     if option == "seed" and fields is not None and "seed" not in fields and "random_seed" in fields:
         return "random_seed"
-    return option
+    return "guided_decoding" if option == "structured" else option
 
 
-def trtllm_unhonoured(fields, tokenizer: bool) -> set:
-    """The options a TensorRT-LLM instance cannot honour: those its `SamplingParams` has no field for,
-    and stop strings without a tokenizer (the LLM API turns them into token ids with it)."""
-    out = set() if tokenizer else {"stop"}
+def trtllm_unhonoured(fields, tokenizer: bool, guided: bool = True) -> set:
+    """The options a TensorRT-LLM instance cannot honour: those its `SamplingParams` has no field for;
+    stop strings and constraints without a tokenizer (the LLM API turns stop strings into token ids
+    with it, the backend compiles constraints against its vocabulary); constraints when the LLM was
+    built without a `guided_decoding_backend` (`guided` false)."""
+    out = set() if tokenizer else {"stop", "structured"}
+    if not guided:
+        out.add("structured")
     if fields is not None:
         out |= {o for o in TRTLLM_OPTIONS if trtllm_field(o, fields) not in fields}
     return out
 
 
-def trtllm_sampling(max_new_tokens: int, eos_ids, options=None, fields=None) -> dict:
+def trtllm_sampling(max_new_tokens: int, eos_ids, options=None, fields=None, guided=dict) -> dict:
     """`tensorrt_llm.SamplingParams(...)` of one item: greedy (top_k=1), token ids only, unless its
-    request options say otherwise (`fields`: what the installed SamplingParams takes, None: all). Without
+    request options say otherwise (`fields`: what the installed SamplingParams takes, None: all; `guided`
+    builds a constraint's `guided_decoding`: the engine passes `GuidedDecodingParams`). Without
     a tokenizer the LLM API needs `end_id` given; with no end-of-sequence id known an item generates all
     its max_new_tokens (end_id -1 and ignore_eos, as the executor itself does for ignore_eos). A greedy
     item asking for n samples runs once (the LLM API refuses n > 1 greedy: its samples are one)."""
@@ -83,6 +103,8 @@ def trtllm_sampling(max_new_tokens: int, eos_ids, options=None, fields=None) -> 
         out["ignore_eos"] = True
     if options is not None:
         out.update(_trtllm_options(options, fields))
+        if options.structured is not None:
+            out["guided_decoding"] = trtllm_guided(options.structured, guided)
         stops += [int(t) for t in options.stop_token_ids or () if int(t) not in stops]
     if stops:
         out["stop_token_ids"] = stops
@@ -106,3 +128,16 @@ def _trtllm_options(options, fields) -> dict:
         if options.min_p is not None:
             out["min_p"] = options.min_p
     return out
+
+
+def trtllm_guided(s, guided=dict):
+    """`GuidedDecodingParams(...)` of a constraint, its payload read, built by `guided` (a dict by
+    default: plain data). The switches have no field (module docstring)."""
+    if s.kind == Constraint.CHOICE:
+        return guided(regex=choice_regex(s.value()))
+    return guided(**{GUIDED_FIELD[s.kind]: s.value()})
+
+
+def choice_regex(choices) -> str:
+    """A regex that matches exactly one of the strings: each escaped, joined by `|`, in a group."""
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"

@@ -25,6 +25,16 @@ def test_bench_e2e_small_run_checks_every_item_and_reports_its_fields():
 
 
 @pytest.mark.timeout(180)
+def test_bench_e2e_schema_run_compares_items_with_a_shared_schema_to_plain_ones():
+    out = e2e.run(items_per_producer=2048, mpqueue_items=1000, pairs=1, schema=True)
+    assert out["items"] == 2 * 2048  # every item came back exactly once, ok, in both kinds of run
+    assert out["schema_items_per_s"] > 0 and out["schema_vs_plain"] > 0
+    assert len(out["plain_runs_items_per_s"]) == len(out["schema_runs_items_per_s"]) == 1
+    assert out["schema_option_words"] == 6  # the presence word and the constraint's five: not the schema's bytes
+    assert "observed_items_per_s" not in out
+
+
+@pytest.mark.timeout(180)
 def test_bench_restart_small_run_serves_the_recovered_backlog():
     out = restart.run(tokens=3_000_000)
     assert out["backlog_tokens"] == 3_000_000

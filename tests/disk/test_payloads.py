@@ -49,3 +49,15 @@ def test_a_payload_over_the_limit_or_empty_is_refused(tmp_path):
     with pytest.raises(PayloadError, match="empty"):
         store.put(b"")
     assert not store.dir.exists()
+
+
+def test_many_threads_storing_one_payload_at_once_all_get_its_digest(tmp_path):
+    """The registry answers each producer on a thread: two storing one schema at once must not replace
+    one file through one temporary name under each other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = PayloadStore(tmp_path, 1 << 16)
+    payload = b'{"type":"object"}' * 100
+    with ThreadPoolExecutor(8) as pool:
+        digests = list(pool.map(lambda _: store.put(payload), range(64)))
+    assert set(digests) == {digest_of(payload)} and store.get(digests[0]) == payload
