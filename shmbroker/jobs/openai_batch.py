@@ -15,12 +15,15 @@ A request line (what a file written for the OpenAI Batch API holds):
   `--tokenizer` (a model's tokenizer directory).
 - `/v1/completions`: `prompt` is token ids, or text when a tokenizer is given (`jobs/text.py`);
   a list of one prompt is that prompt; `logprobs` is a count there (OpenAI's legacy field).
+- `/v1/responses`: a Responses API request read as a chat (`responses.py`), its output a `Response`.
 - Request options (`request/options.py`: temperature, top_p, top_k, min_p, seed, stop,
-  stop_token_ids, n, the penalties, min_tokens, ignore_eos, logprobs/top_logprobs) are checked and
-  ride with the item; `max_tokens` (or `max_completion_tokens`) is its max_new_tokens, 16 when
-  absent as in the completions API. A field no engine here honours (`response_format`, `tools`,
-  ...) or one this file format does not know is refused by name, never dropped: the line goes to
-  the error file and the rest of the file runs.
+  stop_token_ids, n, the penalties, min_tokens, ignore_eos, logprobs/top_logprobs, and a constraint
+  from `response_format` / `structured_outputs`, `request/structured.py`) are checked and ride with
+  the item; chat `tools` with a forced `tool_choice` are a constraint too (`tools.py`), their output
+  `tool_calls`. `max_tokens` (or `max_completion_tokens`) is its max_new_tokens, 16 when absent as in
+  the completions API. A field no engine here honours (`logit_bias`, `stream`, ...) or one this
+  file format does not know is refused by name, never dropped: the line goes to the error file and
+  the rest of the file runs.
 
 An output line (a result that ran) has the API's body: `openai.types.Completion` for completions,
 `openai.types.chat.ChatCompletion` for chat, one choice per sample with its finish reason, and
