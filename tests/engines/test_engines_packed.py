@@ -19,6 +19,7 @@ import importlib
 import inspect
 import json
 import queue
+import re
 import sys
 import threading
 import time
@@ -45,10 +46,11 @@ from shmbroker.engines.packed_args import (
     vllm_llm_kwargs,
     vllm_sampling,
 )
-from shmbroker.engines.trtllm_params import sampling_fields, trtllm_sampling, trtllm_unhonoured
+from shmbroker.engines.trtllm_params import choice_regex, sampling_fields, trtllm_guided, trtllm_sampling, trtllm_unhonoured
 from shmbroker.pack.contract import Contract
 from shmbroker.request.extras import decode_extras
 from shmbroker.request.options import RequestOptions
+from shmbroker.request.structured import Constraint, Structured, Switch, compact_json
 
 CONTRACT = Contract(64, 16384, 4096)
 
@@ -103,6 +105,21 @@ def test_trtllm_kwargs_from_contract():
     }
 
 
+def test_trtllm_guided_decoding_backend_only_with_a_tokenizer(tmp_path):
+    """The backend that compiles constraints is built from the tokenizer's vocabulary: passed only when
+    the model directory holds one; `none` leaves it out; `extra` wins."""
+    assert "guided_decoding_backend" not in trtllm_llm_kwargs(TRTLLMSettings(model=str(tmp_path)), CONTRACT)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model = str(tmp_path)
+    assert trtllm_llm_kwargs(TRTLLMSettings(model=model), CONTRACT)["guided_decoding_backend"] == "xgrammar"
+    kw = trtllm_llm_kwargs(TRTLLMSettings(model=model, guided_decoding_backend="llguidance"), CONTRACT)
+    assert kw["guided_decoding_backend"] == "llguidance" and kw["skip_tokenizer_init"] is False
+    assert "guided_decoding_backend" not in trtllm_llm_kwargs(TRTLLMSettings(model=model, guided_decoding_backend="none"),
+                                                              CONTRACT)
+    extra = TRTLLMSettings(model=model, extra={"guided_decoding_backend": "llguidance"})
+    assert trtllm_llm_kwargs(extra, CONTRACT)["guided_decoding_backend"] == "llguidance"
+
+
 def test_trtllm_step_budget_is_the_contracts():
     kw = trtllm_llm_kwargs(TRTLLMSettings(model="m", max_new_tokens=256), Contract(8, 4096, 4096))
     assert (kw["max_num_tokens"], kw["max_input_len"], kw["max_seq_len"]) == (4096, 4096, 4352)
@@ -153,10 +170,54 @@ def test_trtllm_unhonoured_by_release_and_tokenizer():
     fields = sampling_fields(trt_sampling_params(TRT_SAMPLING_FIELDS))
     assert fields == frozenset(TRT_SAMPLING_FIELDS)
     assert trtllm_unhonoured(fields, tokenizer=True) == set()
-    assert trtllm_unhonoured(fields, tokenizer=False) == {"stop"}  # the LLM API encodes stop strings with it
+    # the LLM API encodes stop strings with it; the guided decoding backend compiles against its vocabulary
+    assert trtllm_unhonoured(fields, tokenizer=False) == {"stop", "structured"}
+    assert trtllm_unhonoured(fields, tokenizer=True, guided=False) == {"structured"}  # no guided_decoding_backend
+    no_guides = {k: v for k, v in TRT_SAMPLING_FIELDS.items() if k != "guided_decoding"}
+    assert trtllm_unhonoured(sampling_fields(trt_sampling_params(no_guides)), tokenizer=True) == {"structured"}
     older = {k: v for k, v in TRT_SAMPLING_FIELDS.items() if k not in ("seed", "min_p")} | {"random_seed": None}
     assert trtllm_unhonoured(sampling_fields(trt_sampling_params(older)), tokenizer=True) == {"min_p"}
     assert sampling_fields(StubSamplingParams) is None  # takes any keyword: nothing known missing
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+CHOICES = ["yes", "no (maybe)", "a|b", "1+1=2?"]
+CONSTRAINTS = {  # one of each kind, and the GuidedDecodingParams fields TensorRT-LLM is given for it
+    "json": (Structured.of(Constraint.JSON, compact_json(SCHEMA)), {"json": '{"type":"object","properties":'
+                                                                           '{"name":{"type":"string"}},'
+                                                                           '"required":["name"]}'}),
+    "json_object": (Structured.of(Constraint.JSON_OBJECT, None), {"json_object": True}),
+    "regex": (Structured.of(Constraint.REGEX, b"[a-z]+@[a-z]+\\.com"), {"regex": "[a-z]+@[a-z]+\\.com"}),
+    "choice": (Structured.of(Constraint.CHOICE, compact_json(CHOICES)),
+               {"regex": "(yes|no\\ \\(maybe\\)|a\\|b|1\\+1=2\\?)"}),
+    "grammar": (Structured.of(Constraint.GRAMMAR, b'root ::= "a" | "b"'), {"grammar": 'root ::= "a" | "b"'}),
+}
+
+
+@pytest.mark.parametrize("kind", CONSTRAINTS)
+def test_trtllm_constraint_as_guided_decoding_params(kind):
+    s, want = CONSTRAINTS[kind]
+    assert trtllm_guided(s) == want
+    kwargs = trtllm_sampling(8, [2], RequestOptions(structured=s), frozenset(TRT_SAMPLING_FIELDS))
+    assert kwargs["guided_decoding"] == want and kwargs["top_k"] == 1  # the rest as without a constraint
+    built = trtllm_sampling(8, [2], RequestOptions(structured=s), None, StubGuidedDecodingParams)["guided_decoding"]
+    assert isinstance(built, StubGuidedDecodingParams) and built.kwargs == want
+    trt_sampling_params(TRT_SAMPLING_FIELDS)(**kwargs)  # a field of SamplingParams
+
+
+def test_trtllm_choice_regex_matches_each_choice_alone():
+    pattern = re.compile(choice_regex(CHOICES))
+    assert all(pattern.fullmatch(c) for c in CHOICES)
+    assert not any(pattern.fullmatch(w) for w in ("a", "ab", "11=2", "no maybe", "yes|no (maybe)", ""))
+    assert choice_regex(["only"]) == "(only)"
+
+
+def test_trtllm_constraint_switches_have_no_field():
+    """disable_any_whitespace and disable_additional_properties are accepted and pass nothing: TensorRT-LLM's
+    GuidedDecodingParams has no field for them (the output is still valid JSON)."""
+    s = Structured.of(Constraint.JSON, compact_json(SCHEMA),
+                      Switch.DISABLE_ANY_WHITESPACE | Switch.DISABLE_ADDITIONAL_PROPERTIES)
+    assert trtllm_guided(s) == CONSTRAINTS["json"][1]
 
 
 def test_eos_token_ids_from_model_directory(tmp_path):
@@ -235,6 +296,14 @@ def test_settings_parse(engine, cls):
     assert consumer.contract == CONTRACT
 
 
+def test_trtllm_settings_guided_decoding_backend():
+    assert TRTLLMSettings().guided_decoding_backend == "xgrammar"
+    cfg = parse(consumer_config("trtllm", {"model": "m", "guided_decoding_backend": "llguidance"}))
+    assert cfg.consumers[0].engine_settings.guided_decoding_backend == "llguidance"
+    with pytest.raises(ConfigError, match=r"guided_decoding_backend: must be one of xgrammar, llguidance, none"):
+        parse(consumer_config("trtllm", {"model": "m", "guided_decoding_backend": "outlines"}))
+
+
 @pytest.mark.parametrize("engine", ["vllm", "trtllm"])
 def test_settings_refuse_missing_model_and_unknown_keys(engine):
     with pytest.raises(ConfigError, match=r"consumers\[0\]\.engine_settings\.model: is required"):
@@ -311,6 +380,25 @@ def trt_sampling_params(fields: dict):
     return TRTSamplingParams
 
 
+# `tensorrt_llm.llmapi.GuidedDecodingParams`' fields and defaults (tensorrt_llm/sampling_params.py)
+TRT_GUIDED_FIELDS = {"json": None, "regex": None, "grammar": None, "json_object": False, "structural_tag": None}
+
+
+class StubGuidedDecodingParams:
+    """Stands in for `tensorrt_llm.llmapi.GuidedDecodingParams`: its keyword-only fields, another name a
+    TypeError, more than one guide a ValueError (its `_validate`). `kwargs`: the names given."""
+
+    def __init__(self, **kwargs):
+        unknown = sorted(set(kwargs) - set(TRT_GUIDED_FIELDS))
+        if unknown:
+            raise TypeError(f"GuidedDecodingParams.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        self.kwargs = kwargs
+        self.__dict__.update(TRT_GUIDED_FIELDS, **kwargs)
+        guides = sum(bool(getattr(self, k)) for k in TRT_GUIDED_FIELDS)
+        if guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {guides}.")
+
+
 class StubCppExecutorError(RuntimeError):
     """Stands in for `tensorrt_llm.executor.CppExecutorError` (executor/executor.py): the executor's
     internal error, on which trtllm-serve stops."""
@@ -379,7 +467,7 @@ def trtllm_engine(monkeypatch):
     pkg = types.ModuleType("tensorrt_llm")
     pkg.LLM, pkg.SamplingParams = StubLLM, trt_sampling_params(TRT_SAMPLING_FIELDS)
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.KvCacheConfig = StubSamplingParams
+    llmapi.KvCacheConfig, llmapi.GuidedDecodingParams = StubSamplingParams, StubGuidedDecodingParams
     pkg.llmapi = llmapi
     executor = types.ModuleType("tensorrt_llm.executor")
     executor.CppExecutorError = StubCppExecutorError
@@ -489,6 +577,9 @@ FAIL_AT_SUBMIT = 49_999  # FakeTRTLLM.generate_async refuses a prompt holding th
 FAIL_IN_FLIGHT = 49_998  # ... a prompt holding this id fails after admission (its aresult raises)
 TIMES_OUT = 49_997  # ... a prompt holding this id ends with finish_reason "timeout"
 REQUEST_ERROR = 49_996  # ... a prompt holding this id fails in flight with a RequestError, every time
+# ... a request whose guided_decoding regex holds this fails in flight with a RequestError, as TensorRT-LLM fails
+# one whose constraint its backend cannot compile (xgrammar has no lookahead)
+UNCOMPILABLE = "(?="
 
 
 def sample_of(token_ids, k: int) -> list[int]:
@@ -629,8 +720,9 @@ class FakeTRTLLM:
     samples (FakeRequestOutput; `calls` keeps each request's SamplingParams). Each step queues
     one iteration-stats dict (cumulative kvCacheStats in blocks), read by `get_stats_async` or drained
     by `get_stats`. FAIL_AT_SUBMIT, FAIL_IN_FLIGHT, REQUEST_ERROR and TIMES_OUT in a prompt make its
-    request fail at submission, fail in flight, or end with finish_reason "timeout"; `shutdown` ends what
-    is in flight "cancelled", as the LLM API does.
+    request fail at submission, fail in flight, or end with finish_reason "timeout"; `guides` keeps each
+    request's `guided_decoding` (a GuidedDecodingParams or None), and one whose regex holds UNCOMPILABLE
+    fails in flight with a RequestError; `shutdown` ends what is in flight "cancelled", as the LLM API does.
     An executor that dies: with `fails_after`, every request from that submission index on fails in
     flight with `failure()` (and with `shuts_down` the executor shuts itself down then, as it does on a
     serious error: `_check_health()` turns false); with `refuses_after`, every submission from that
@@ -647,6 +739,7 @@ class FakeTRTLLM:
         self.submit_gate.set()
         self.calls: list = []  # (prompt, sampling params) per generate_async, in submission order
         self.in_loop: list = []  # per generate_async: whether it ran inside a running event loop
+        self.guides: list = []  # per generate_async: its SamplingParams' guided_decoding
         self.finished_order: list = []  # request ids (submission index) as they finished
         self.running_max = 0
         self.steps = 0
@@ -682,6 +775,7 @@ class FakeTRTLLM:
         with self._lock:
             future = FakeRequestOutput(len(self.calls), inputs, sampling_params)
             self.calls.append((inputs, sampling_params))
+            self.guides.append(getattr(sampling_params, "guided_decoding", None))
             self._waiting.append(future)
         if self._thread is None:
             thread = threading.Thread(target=self._run, name="fake-trtllm", daemon=True)
@@ -724,6 +818,9 @@ class FakeTRTLLM:
             if self.fails_after is not None and future.request_id >= self.fails_after:
                 self.shut_down = self.shut_down or self.shuts_down
                 future.complete([], None, self.failure())
+            elif UNCOMPILABLE in (getattr(future.params.guided_decoding, "regex", None) or ""):
+                future.complete([], None, StubRequestError(f"request {future.request_id}: Regex parsing error: "
+                                                           "assertions are not supported"))
             elif REQUEST_ERROR in prompt:
                 future.complete([], None, StubRequestError(f"request {future.request_id}: token {REQUEST_ERROR} "
                                                            "is not in the model's embedding table"))
@@ -1124,7 +1221,7 @@ def test_trtllm_options_reach_sampling_params_and_samples_come_back(trtllm, tmp_
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     fake = FakeTRTLLM()
     engine = trtllm(fake, TRTLLMSettings(model=str(tmp_path), max_new_tokens=64))
-    assert engine.honours == SAMPLES - {"stop"}  # no tokenizer here
+    assert engine.honours == SAMPLES - {"stop", "structured"}  # no tokenizer here
     prompts = [PREFIX + [k] for k in range(4)]
     stop_id = generated_for(prompts[3], 6)[3]
     sets = [None, RequestOptions(temperature=0.8, top_p=0.95, seed=7, n=3),
@@ -1162,6 +1259,37 @@ def test_trtllm_options_an_older_release_lacks_and_stop_strings_with_a_tokenizer
     out = engine.run(batch)
     assert out.results[0].status == OK
     assert fake.calls[0][1].random_seed == 9 and fake.calls[0][1].stop == ["END"]
+
+
+def test_trtllm_constraints_reach_guided_decoding_and_a_refused_one_fails_alone(trtllm, tmp_path):
+    """With a tokenizer the LLM is built with a guided decoding backend and every constraint kind reaches
+    TensorRT-LLM as a GuidedDecodingParams (a choice as its regex); a constraint TensorRT-LLM refuses fails
+    its item alone, engine_error, charged once the next request completes."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    fake = FakeTRTLLM()
+    engine = trtllm(fake, TRTLLMSettings(model=str(tmp_path), max_new_tokens=8))
+    assert engine.llm_kwargs["guided_decoding_backend"] == "xgrammar" and "structured" in engine.honours
+    bad = Structured.of(Constraint.REGEX, f"{UNCOMPILABLE}a)b".encode())
+    sets = [RequestOptions(structured=s) for s, _ in CONSTRAINTS.values()]
+    sets[2:2] = [RequestOptions(structured=bad), None]
+    prompts = [PREFIX + [k] for k in range(len(sets))]
+    batch = batch_of(list(range(len(sets))), prompts, [3] * len(sets))
+    batch.options = sets
+    out = engine.run(batch)
+    assert [r.status for r in out.results] == [OK, OK, ENGINE_ERROR, OK, OK, OK, OK]
+    assert "Regex parsing error" in out.results[2].error and "StubRequestError" in out.results[2].error
+    assert out.results[6].tokens.tolist() == generated_for(prompts[6], 3)
+    guides = fake.guides[: len(sets)]
+    assert all(isinstance(g, StubGuidedDecodingParams) for i, g in enumerate(guides) if i != 3)
+    want = [w for _, w in CONSTRAINTS.values()]
+    want[2:2] = [{"regex": f"{UNCOMPILABLE}a)b"}, None]
+    assert [None if g is None else g.kwargs for g in guides] == want
+    assert engine.streak.count == 0 and engine.pending() == 0 and engine.gone() is None
+
+
+def test_trtllm_without_a_tokenizer_builds_no_guided_decoding_backend(trtllm):
+    engine = trtllm(FakeTRTLLM(), TRTLLMSettings(model="org/hub-model"))
+    assert "guided_decoding_backend" not in engine.llm_kwargs and "structured" not in engine.honours
 
 
 def test_trtllm_refused_sampling_params_fail_their_item_alone(trtllm, trtllm_engine, monkeypatch):
