@@ -10,7 +10,7 @@ One asyncio program (the bridge process's, `node.py`; the broker's other loops s
 - **pull**: one task per partition held fetches from its durable consumer `part-<p>` while the
   staging window (`staging_items`) has room;
 - **submit** each prompt to the local broker through a local `Producer` (the ingest ring and the
-  append path every producer on this host uses);
+  append path every producer on this host uses), its constraint's payload made local first (`payloads.py`);
 - **deliver**: each local result is published to `<prefix>.results.<producer>` with message id
   `<producer>:<seq>`, and once JetStream has stored it (its PubAck) the prompt is acked.
 
@@ -38,6 +38,7 @@ from collections import deque
 from ..errors import Full
 from ..request.extras import encode_extras
 from . import placement, subjects
+from .payloads import NodePayloads
 from .publisher import AckedPublisher, PublishRefused
 from .staging import Answer, Pulled, Staged, columns, decode_message, ranges
 
@@ -49,8 +50,8 @@ ROOM_WAIT_SECONDS = 0.02  # a puller's sleep while the staging window is full
 DELIVER_BATCH = 256  # local results taken per round at most
 SUBMIT_BATCH = 1024  # pulled prompts submitted in one submit_many at most
 DRAIN_SECONDS = 60.0  # a partition placed elsewhere is released after this at the latest (the rest nak'ed)
-TOKENS_GUESS = 1.0
-COORDINATE_RETRY_SECONDS = 0.2  # a coordination that failed (a server going away) is tried again after this  # a partition's mean tokens per item before any was pulled
+TOKENS_GUESS = 1.0  # a partition's mean tokens per item before any was pulled
+COORDINATE_RETRY_SECONDS = 0.2  # a coordination that failed (a server going away) is tried again after this
 
 
 class Bridge:
@@ -64,6 +65,7 @@ class Bridge:
         self.node = node  # options.NodeSettings
         self.local = local  # the local broker's Producer
         self.clock = clock
+        self.payloads = NodePayloads(js, names, local, clock=clock)  # constraints' payloads, made local
         self.pub = AckedPublisher(nc)
         self.staged: dict[int, Staged] = {}  # local item id -> staged prompt
         self.waiting: deque = deque()  # (partition, msg) pulled, not yet submitted (the local ring was full)
@@ -227,15 +229,14 @@ class Bridge:
                     break
                 if key is not None and key != (d.model, d.prompt.prefix_len is None, d.options_header):
                     break
-                key = (d.model, d.prompt.prefix_len is None, d.options_header)
-                options = d.options
+                key, options = (d.model, d.prompt.prefix_len is None, d.options_header), d.options
                 run.append(Pulled(p, msg, d.prompt, d.producer))
             if not run:
                 continue
-            took = self._submit_run(run, key[0], options)
+            took = self._submit_run(run, key[0], options) if await self.payloads.prepare(options) else 0
             n += took
             if took < len(run):
-                break  # the local ring is full: the rest waits for the next round
+                break  # the local ring is full (or a payload is not local yet): the rest waits for the next round
         self.counts["submitted"] += n
         return n
 
@@ -245,6 +246,7 @@ class Bridge:
         refuse it)."""
         cols = columns([r.prompt for r in run])
         try:
+            self.payloads.check(options)  # PayloadRefused (a ValueError): over this node's max_payload_bytes
             ids = self.local.submit_many(cols.flat, cols.offsets, max_new_tokens=cols.max_new, prefix_len=cols.prefixes,
                                          model=model, block=False, options=options)
         except Full as exc:

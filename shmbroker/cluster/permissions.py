@@ -1,13 +1,15 @@
 """The NATS permissions that keep each producer to its own results: an `authorization` block for
 the servers' configuration.
 
-A producer `<p>` may publish prompts to any partition and nothing else of the cluster; it may read
-only its own results: the consumer `res-<p>` of the results stream (create, info, next, ack), its
-own sequence-block key `seq.<p>` of the leases bucket, and replies on its own inbox prefix
-`_INBOX_<p>` (`RemoteProducer` connects with it; a shared `_INBOX.>` would let one producer
-subscribe to the replies another's pull requests get, which carry its results). Nodes and the
-operator are trusted: they hold the whole cluster's rights. The streams, the bucket and the
-consumers are created by a node (or the operator) before producers with these permissions
+A producer `<p>` may publish prompts to any partition, and nothing else of the cluster but
+constraints' payloads to the payloads bucket (a node uses a value only when it hashes to its key's
+digest: a producer that overwrote another's payload would fail its items `corrupt`, never change
+their constraint). It may read only its own results: the consumer `res-<p>` of the results stream
+(create, info, next, ack), its own sequence-block key `seq.<p>` of the leases bucket, and replies
+on its own inbox prefix `_INBOX_<p>` (`RemoteProducer` connects with it; a shared `_INBOX.>` would
+let one producer subscribe to the replies another's pull requests get, which carry its results).
+Nodes and the operator are trusted: they hold the whole cluster's rights. The streams, the buckets
+and the consumers are created by a node (or the operator) before producers with these permissions
 connect: such a producer runs with `create_streams=False`.
 
     print(authorization_block(ClusterNames(), producers={"alice": "pw1"}, trusted={"node": "pw2"}))
@@ -34,6 +36,7 @@ def producer_permissions(names: ClusterNames, producer: str) -> dict:
     return {
         "publish": {"allow": [
             names.prompts_subjects,
+            f"$KV.{names.payloads_bucket}.*",
             f"{api}.INFO",
             f"{api}.STREAM.INFO.{names.prompts_stream}",
             f"{api}.STREAM.INFO.{res}",

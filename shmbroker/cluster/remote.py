@@ -15,7 +15,8 @@ numbers, reserved in blocks in the leases bucket (`seqs`), never reused by a lat
 the same name. A full prompts stream is back-pressure: the producer retries with a short back-off
 until its timeout, then raises `Full` (`submitted`, `ids`: the items that went in). Results come
 from the durable consumer `res-<name>`, each once per RemoteProducer, acknowledged to JetStream
-after they are handed out.
+after they are handed out. A constraint's payload (a JSON schema, ...) is published once to the
+cluster's payloads bucket before the first item that names it (`payloads.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..ring.items import as_tokens, model_id
 from .nats_loop import NatsLoop, require_nats
 from .options import DEFAULT_SERVERS, NatsOptions
 from .partition import partition_of, partitions_of
+from .payloads import PayloadPublisher, options_and_payload
 from .permissions import inbox_prefix
 from .publisher import PUBACK_GRACE_SECONDS, AckedPublisher, PublishRefused, publish_all
 from .seqs import SeqBlocks
@@ -148,6 +150,7 @@ class RemoteProducer:
                                                  stream=self.names.results_stream)
         self._pub = AckedPublisher(nc, self._max_pending)
         self.max_tokens = (nc.max_payload - PROMPT_HEADER.size - HEADER_ROOM_BYTES) // 4
+        self._payloads = PayloadPublisher(self.names, nc.max_payload - HEADER_ROOM_BYTES)
 
     # -- submit ----------------------------------------------------------------------
 
@@ -157,7 +160,7 @@ class RemoteProducer:
         `options`: its request options (`Producer.submit`'s), carried in the message's headers."""
         self._check_open()
         max_new = check_u32(max_new_tokens, "max_new_tokens")
-        header = options_header(options, max_new)
+        header, payload = options_and_payload(options, max_new)
         arr = as_tokens(tokens)
         limit = self._token_limit(header)
         if arr.size > limit:
@@ -165,6 +168,8 @@ class RemoteProducer:
         prefix = None if prefix_len is None else check_prefix_len(prefix_len, arr)
         mid = self._model_id(model)
         subject = self.names.prompt_subject(self._partition_fn(arr, prefix, mid, self.names.num_partitions))
+        if payload is not None:  # stored before the first item that names it
+            self.put_payload(payload, timeout_seconds)
         seq = self._take_seqs(1, timeout_seconds)
         msg = (subject, encode_prompt(arr, seq, max_new, prefix), prompt_headers(self.name, seq, model, header))
         self._publish([msg], np.array([seq], np.uint64), block, timeout_seconds)
@@ -182,11 +187,13 @@ class RemoteProducer:
         """
         self._check_open()
         flat = as_tokens(flat_tokens, "flat_tokens")
-        header = options_header(options, max_new_tokens)
+        header, payload = options_and_payload(options, max_new_tokens)
         offs = as_offsets(offsets, flat.size, self._token_limit(header))
         count = offs.size - 1
         mid = self._model_id(model)
         max_new, prefixes, shared = batch_fields(max_new_tokens, prefix_len, offs)
+        if payload is not None:  # stored before the first item that names it
+            self.put_payload(payload, timeout_seconds)
         first = self._take_seqs(count, timeout_seconds)
         ids = np.arange(first, first + count, dtype=np.uint64)
         num_partitions = self.names.num_partitions
@@ -199,6 +206,18 @@ class RemoteProducer:
         msgs = _Prompts(self, flat, offs, parts, max_new, prefixes, shared, first, model, header)
         self._publish(msgs, ids, block, timeout_seconds)
         return ids
+
+    def put_payload(self, payload: bytes, timeout_seconds: float | None = None) -> bytes:
+        """Publish a request payload (a constraint's schema, regex, grammar or choices) to the cluster's
+        payloads bucket, once however many items name it; its digest. `submit` does this itself for a
+        constraint it is given with its payload. PayloadRefused: one message cannot carry it."""
+        self._check_open()
+        digest = self._payloads.check(payload)
+        if digest not in self._payloads.published:
+            wait = self.timeout_seconds if timeout_seconds is None else float(timeout_seconds)
+            self._loop.call(self._payloads.publish, self._loop.js, payload, digest, wait,
+                            timeout_seconds=wait + CALL_MARGIN_SECONDS)
+        return digest
 
     def _token_limit(self, header: str | None) -> int:
         """The tokens an item may have: the servers' limit, less what its options header takes."""

@@ -4,7 +4,8 @@ Coroutines on a `NatsLoop`'s loop (`loop.call(ensure_streams, loop.js, names, se
 The names are `subjects.ClusterNames`', the limits `subjects.StreamSettings`'. Both streams keep
 work-queue retention (a message leaves when acked) in files, `discard: new` past `max_bytes`
 (a full prompts stream is the producers' back-pressure) and a duplicate window for message ids.
-The bucket has no TTL: it holds the producers' sequence blocks, which must never expire.
+The buckets have no TTL: the leases bucket holds the producers' sequence blocks, which must never
+expire, and the payloads bucket the constraints' payloads, which an item redelivered late still names.
 """
 
 from __future__ import annotations
@@ -43,17 +44,23 @@ async def _create_or_update(js, config: api.StreamConfig, update: bool) -> None:
 
 
 async def ensure_streams(js, names: ClusterNames, settings: StreamSettings, *, update: bool = True) -> None:
-    """The prompts and results streams and the bucket, created when missing; with `update` an
+    """The prompts and results streams and the two buckets, created when missing; with `update` an
     existing stream takes `settings` (False: a producer creates what is missing, and leaves the
     operator's limits as they are)."""
     await _create_or_update(js, prompts_config(names, settings), update)
     await _create_or_update(js, results_config(names, settings), update)
+    # the leases bucket takes direct gets: a read names its key in the request subject, so permissions
+    # can hold a producer to its own `seq.<producer>` (permissions.py); the payloads bucket does not, so
+    # that a node reads a payload from the stream's leader, never from a replica that lags its create
+    await _ensure_bucket(js, names.leases_bucket, settings.replicas, direct=True)
+    await _ensure_bucket(js, names.payloads_bucket, settings.replicas, direct=False)
+
+
+async def _ensure_bucket(js, bucket: str, replicas: int, *, direct: bool) -> None:
     try:
-        await js.key_value(names.leases_bucket)
+        await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
-        # direct gets: a read names its key in the request subject, so permissions can hold a
-        # producer to its own `seq.<producer>` (permissions.py)
-        await js.create_key_value(bucket=names.leases_bucket, history=1, replicas=settings.replicas, direct=True,
+        await js.create_key_value(bucket=bucket, history=1, replicas=replicas, direct=direct,
                                   storage=api.StorageType.FILE)
 
 

@@ -7,6 +7,7 @@ Streams, subjects and consumers (defaults in `ClusterNames`, stream limits in `S
 | prompts stream | SHMB_PROMPTS | `shmb.prompts.*` (an item on `shmb.prompts.<partition>`) |
 | results stream | SHMB_RESULTS | `shmb.results.*` (a producer's on `shmb.results.<producer>`) |
 | key-value bucket | SHMB_LEASES | leases, liveness, `seq.<producer>` sequence blocks |
+| key-value bucket | SHMB_PAYLOADS | constraints' payloads, each under its digest's 32 hex digits (`payloads.py`) |
 | consumer of a partition | `part-<partition>` | `shmb.prompts.<partition>` |
 | consumer of a producer's results | `res-<producer>` | `shmb.results.<producer>` |
 
@@ -57,12 +58,13 @@ class ClusterNames:
                                                                         "and producers' sequence blocks"})
     num_partitions: int = field(default=128, metadata={"help": "partitions the cluster's items spread over "
                                                                "(producers and nodes must agree)"})
+    payloads_bucket: str = "SHMB_PAYLOADS"  # the key-value bucket of constraints' payloads (payloads.py)
 
     def __post_init__(self):
         for token in self.subject_prefix.split("."):
             if _TOKEN_RE.fullmatch(token) is None:
                 raise ValueError(f"subject_prefix must be dot-separated [A-Za-z0-9_-] tokens, got {self.subject_prefix!r}")
-        for what in ("prompts_stream", "results_stream", "leases_bucket"):
+        for what in ("prompts_stream", "results_stream", "leases_bucket", "payloads_bucket"):
             if _TOKEN_RE.fullmatch(getattr(self, what)) is None:
                 raise ValueError(f"{what} must match [A-Za-z0-9_-]{{1,64}}, got {getattr(self, what)!r}")
         if isinstance(self.num_partitions, bool) or not isinstance(self.num_partitions, int) or not 1 <= self.num_partitions <= 1 << 20:
@@ -103,6 +105,10 @@ class ClusterNames:
     @staticmethod
     def seq_key(producer: str) -> str:
         return f"seq.{check_producer_name(producer)}"
+
+    def payload_subject(self, digest: bytes) -> str:
+        """The subject of a payload's key in the payloads bucket: its digest's hex."""
+        return f"$KV.{self.payloads_bucket}.{digest.hex()}"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The NATS permissions of cluster/permissions.py on a real server: a producer submits and reads its
-own results, and cannot read another producer's (by its consumer, its subject, or its inbox)."""
+own results (and publishes payloads to the payloads bucket), and cannot read another producer's (by its
+consumer, its subject, or its inbox)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from shmbroker.cluster.permissions import authorization_block  # noqa: E402
 from shmbroker.cluster.remote import RemoteProducer  # noqa: E402
 from shmbroker.cluster.streams import ensure_results_consumer, ensure_streams  # noqa: E402
 from shmbroker.cluster.subjects import ClusterNames, StreamSettings  # noqa: E402
+from shmbroker.request.structured import digest_of  # noqa: E402
 
 SMALL = StreamSettings(prompts_max_bytes=4 << 20, results_max_bytes=4 << 20)
 NAMES = ClusterNames()
@@ -53,6 +55,8 @@ def test_a_producer_submits_and_reads_only_its_own_results(server):
     opts = NatsOptions(servers=tuple(s.urls), user="alice", password="pa", inbox_prefix="_INBOX_alice")
     with RemoteProducer("alice", options=opts, create_streams=False, settings=SMALL) as alice:
         seq = alice.submit(np.arange(1, 40, dtype=np.uint32), max_new_tokens=2)
+        schema = b'{"type":"object"}'  # a constraint's payload: to the payloads bucket
+        assert alice.put_payload(schema) == digest_of(schema) and alice.put_payload(schema) == digest_of(schema)
         _answer(admin, "alice", seq)
         _answer(admin, "bob", 12345)
         got = [r for r in alice.results(3.0)]
