@@ -55,9 +55,9 @@ from shmbroker.request.structured import Constraint, Structured, Switch, compact
 CONTRACT = Contract(64, 16384, 4096)
 
 
-def batch_of(ids, prompts, max_new) -> EngineBatch:
+def batch_of(ids, prompts, max_new, options=None) -> EngineBatch:
     return EngineBatch(np.asarray(ids, np.uint64), [np.asarray(p, np.uint32) for p in prompts],
-                       np.asarray(max_new, np.int64))
+                       np.asarray(max_new, np.int64), options=options)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,6 +72,7 @@ def test_vllm_kwargs_from_contract():
         "model": "/models/m", "enable_prefix_caching": True, "max_num_seqs": 64, "max_num_batched_tokens": 16384,
         "max_model_len": 4096 + 256, "dtype": "bfloat16", "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2,
         "enforce_eager": True, "seed": 7, "skip_tokenizer_init": True, "disable_log_stats": False,
+        "structured_outputs_config": {"backend": "auto", "disable_any_whitespace": False},
     }
 
 
@@ -416,6 +417,10 @@ class StubLLM:
         raise AssertionError(f"a test built the real LLM with {kwargs}")
 
 
+class StubClientError(ValueError):
+    """Stands in for `vllm.exceptions.VLLMClientError`: a request vLLM judges wrong."""
+
+
 class StubLLMEngine:
     """Stands in for `vllm.LLMEngine`: `from_engine_args` builds a FakeVLLM that keeps its arguments."""
 
@@ -456,7 +461,14 @@ def vllm_engine(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = dict  # a TypedDict in vLLM: TokensPrompt(prompt_token_ids=...) is a dict
     pkg.inputs = inputs
-    module = import_engine(monkeypatch, "vllm", {"vllm": pkg, "vllm.inputs": inputs})
+    config = types.ModuleType("vllm.config")
+    config.StructuredOutputsConfig = StubSamplingParams
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.StructuredOutputsParams = StubSamplingParams
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMClientError = StubClientError
+    module = import_engine(monkeypatch, "vllm", {"vllm": pkg, "vllm.inputs": inputs, "vllm.config": config,
+                                                 "vllm.sampling_params": sampling, "vllm.exceptions": exceptions})
     yield module
     forget_engine(module)
 
@@ -918,6 +930,35 @@ def test_vllm_fails_overlong_generations_per_item(vllm_engine):
     assert [(ids, p.max_tokens) for _, ids, p in fake.added] == [([1, 2], 8), ([6], 2)]
 
 
+def test_vllm_constraints_become_structured_outputs_params_and_a_refused_one_fails_alone(vllm_engine):
+    from shmbroker.request.options import parse_options
+
+    fake = FakeVLLM()
+    engine = vllm_over(vllm_engine, fake)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+              {"structured_outputs": {"choice": ["x", "y"], "disable_any_whitespace": True}},
+              {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "bad"}}]
+    options = [parse_options(b) for b in bodies]
+    real_add = fake.add_request
+
+    def add_request(rid, prompt, params):  # vLLM's backend refuses what it cannot compile, at add
+        if params.structured_outputs.kwargs.get("regex") == "bad":
+            raise vllm_engine.CLIENT_ERRORS[0]("Failed to transform the regex into a grammar")
+        return real_add(rid, prompt, params)
+
+    fake.add_request = add_request
+    engine.add(batch_of([1, 2, 3, 4], [[5], [6], [7], [8]], [2, 2, 2, 2], options=options))
+    out = {}
+    while engine.pending():
+        out.update((r.item_id, r) for r in engine.poll(1.0).results)
+    assert {i: r.status for i, r in out.items()} == {1: OK, 2: OK, 3: OK, 4: INVALID}
+    assert "grammar" in out[4].error
+    assert [p.structured_outputs.kwargs for _, _, p in fake.added] == [
+        {"json": json.dumps(schema, separators=(",", ":"))}, {"choice": ["x", "y"], "disable_any_whitespace": True},
+        {"json_object": True}]
+
+
 def test_vllm_items_refused_at_add_fail_alone(vllm_engine):
     fake = FakeVLLM(vocab=100, max_model_len=40)
     engine = vllm_over(vllm_engine, fake)
@@ -1050,7 +1091,10 @@ def test_vllm_builds_the_in_process_engine_from_its_arguments(vllm_engine, monke
     settings = VLLMSettings(model="m", max_new_tokens=4, extra={"block_size": 32, "num_gpu_blocks_override": 64})
     engine = load_engine("vllm", settings, block_tokens=32, contract=CONTRACT)
     (built,) = StubLLMEngine.built
-    assert built is engine.engine and built.args.kwargs == vllm_llm_kwargs(settings, CONTRACT)
+    kwargs = dict(built.args.kwargs)
+    so = kwargs.pop("structured_outputs_config")  # a dict in the arguments, vLLM's config object in the engine
+    assert so.kwargs == {"backend": "auto", "disable_any_whitespace": False}
+    assert built is engine.engine and {**kwargs, "structured_outputs_config": so.kwargs} == vllm_llm_kwargs(settings, CONTRACT)
     assert built.args.kwargs["block_size"] == 32 and built.args.kwargs["max_num_seqs"] == 64
     import os
 
