@@ -63,9 +63,9 @@ class EngineEntry:
 # what an item's result can carry: its samples, their finish reasons, cached tokens
 SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
 WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (sim, vLLM, openai)
-# transformers has no presence or frequency penalty (the hf engine samples with its logits processors)
-# and no constraint (structured outputs): refused by name rather than run unconstrained
-HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty", "structured"}
+# transformers has no presence or frequency penalty (the hf engine samples with its logits processors);
+# constraints with xgrammar's logits processor, where the model directory holds a tokenizer
+HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (

@@ -23,11 +23,13 @@ engine turns that into compute saved:
    the kept prefix's, every other the shared prefix) as extras.
 
 Request options honoured: temperature, top_p, top_k, min_p, seed, stop_token_ids, n,
-repetition_penalty, min_tokens, ignore_eos, and `stop` strings when the model directory holds a
-tokenizer (transformers matches them in text); not presence or frequency penalties (transformers has
-none). The packer is not yet told about samples: it sizes a batch by its items, and an item asking
-for n decodes n rows (its KV rows repeated), so a batch of such items holds more sequences, and more
-KV, than its count says (an item asking for more samples than `max_batch_size` fails alone).
+repetition_penalty, min_tokens, ignore_eos, and, when the model directory holds a tokenizer, `stop`
+strings (transformers matches them in text) and `structured` (a constraint, masked by xgrammar's
+logits processor on its rows alone: `hf_structured.py`; one xgrammar cannot compile fails its item
+alone, `invalid`, and the others run); not presence or frequency penalties (transformers has none).
+The packer is not yet told about samples: it sizes a batch by its items, and an item asking for n
+decodes n rows (its KV rows repeated), so a batch of such items holds more sequences, and more KV,
+than its count says (an item asking for more samples than `max_batch_size` fails alone).
 
 The prefix's KV is kept for the next batch (`keep_prefix`). With `reuse_prefix = false` the engine
 runs plain right-padded batches (what FIFO feeding gets; `bench gpu` compares the two).
@@ -59,8 +61,10 @@ import transformers
 from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from ..request.extras import encode_extras
-from .base import BatchResults, EngineOutcome
+from .base import INVALID, BatchResults, EngineOutcome, ItemResult, merge_outcomes
+from .batch_stream import answered
 from .hf_sampling import Decoder, Sampled
+from .hf_structured import Grammars, available
 from .packed_args import has_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -94,9 +98,12 @@ class HF:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
         self._kept: tuple[np.ndarray, object] | None = None  # the last prefix's tokens and its KV (batch 1)
-        # stop strings are matched in text: without a tokenizer in the model directory there is none
+        # stop strings are matched in text, constraints compiled against the vocabulary: without a
+        # tokenizer in the model directory the engine honours neither (nor constraints without xgrammar)
         self.tokenizer = load_tokenizer(settings.model)
-        self.unhonoured = {"stop"} if self.tokenizer is None else set()
+        has_xgrammar = self.tokenizer is not None and available()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos) if has_xgrammar else None
+        self.unhonoured = ({"stop"} if self.tokenizer is None else set()) | ({"structured"} if self.grammars is None else set())
         self._criteria: dict = {}  # stop strings -> their StopStringCriteria
         params = inspect.signature(self.model.forward).parameters
         # logits of the positions that are read only (a batch's full logits are count x width x vocab)
@@ -111,6 +118,13 @@ class HF:
 
     @torch.inference_mode()
     def run(self, batch) -> EngineOutcome:
+        refused = self._uncompilable(batch)
+        if refused:  # those items fail alone; the others run
+            failed = EngineOutcome([ItemResult(int(batch.item_ids[k]), INVALID, error=e) for k, e in refused.items()])
+            keep = [k for k in range(len(batch)) if k not in refused]
+            out = answered(batch, merge_outcomes([self.run(batch.rows(keep)), failed]) if keep else failed)
+            out.results = BatchResults.of(out.results)  # in the batch's order, as a batch's results are
+            return out
         t0 = time.perf_counter()
         tokens = [np.asarray(t) for t in batch.tokens]
         n = len(tokens)
@@ -141,6 +155,19 @@ class HF:
         return EngineOutcome(results_of(batch.item_ids, generated, served), hit_blocks=hit_blocks,
                              queried_blocks=sum(x // b for x in lengths), engine_seconds=time.perf_counter() - t0,
                              padded_tokens=padded, rect_tokens=rect, reused_tokens=sum(served))
+
+    def _uncompilable(self, batch) -> dict:
+        """The items whose constraint cannot be compiled: position -> why (the rest are compiled now,
+        each distinct constraint once per engine)."""
+        out = {}
+        for k, o in enumerate(batch.options or ()):
+            if o is None or o.structured is None:
+                continue
+            if self.grammars is None:
+                out[k] = "constraints need the model directory's tokenizer and xgrammar"
+            elif (why := self.grammars.error(o.structured)) is not None:
+                out[k] = why
+        return out
 
     def _check(self, tokens: np.ndarray, max_new: int) -> None:
         if tokens.size == 0:
@@ -185,7 +212,7 @@ class HF:
         logits, mask_t, cache = self._prefill(tokens, lengths, prefix, cache)
         ends = torch.as_tensor(lengths, device=dev)
         dec = Decoder(tokens, max_new, options, eos=self.eos, vocab=self.vocab_size, device=dev,
-                      criteria=self._stop_criteria)
+                      criteria=self._stop_criteria, grammar=None if self.grammars is None else self.grammars.processor)
         if dec.expanded:  # an item's n samples: its KV rows repeated after its one prefill
             rows = torch.as_tensor(dec.row_item, device=dev)
             cache.batch_select_indices(rows)
@@ -294,10 +321,10 @@ def results_of(item_ids, generated: list[Sampled], served: list[int]) -> BatchRe
 
 
 def load_tokenizer(model):
-    """The model directory's tokenizer (for stop strings), or None: none there, or it does not load."""
+    """The model directory's tokenizer (for stop strings and constraints), or None: none there, or it does not load."""
     if not model or not has_tokenizer(model):
         return None
     try:
         return transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer: the engine does not honour stop strings
+    except Exception:  # noqa: BLE001 - no tokenizer: the engine does not honour stop strings or constraints
         return None

@@ -28,6 +28,9 @@ A row stops on its stop ids (the model's EOS ids unless `ignore_eos`, and `stop_
 `stop_strings`, matched in the row's output with the model directory's tokenizer; the engine has none
 without one and does not honour `stop` then), once `min_tokens` are out; else at its max_new_tokens.
 transformers has no presence or frequency penalty: the engine does not honour them.
+A row under a constraint (`hf_structured.py`) has its logits masked by its grammar's xgrammar logits
+processor, after the penalty and min_tokens and before the sampling warpers (where `generate` puts a
+`logits_processor` it is given), and ends when its grammar does (on the grammar's stop ids, kept).
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ def stop_ids(opts, eos) -> set:
 class OptionGroup:
     """The rows of one option set: what processes their logits, and how they draw."""
 
-    def __init__(self, opts, rows: list, items: list, *, eos, vocab: int, device, criteria=None):
+    def __init__(self, opts, rows: list, items: list, *, eos, vocab: int, device, criteria=None, grammar=None):
         self.opts = opts
+        self.grammar = grammar  # its constraint's xgrammar logits processor, or None
         self.rows = torch.as_tensor(rows, device=device)
         self.row_list = rows
         penalty = opts.repetition_penalty
@@ -89,12 +93,15 @@ class OptionGroup:
                 local = [k for k, i in enumerate(items) if i == item]
                 self.draws.append((torch.as_tensor(local, device=device), gen))
 
-    def pick(self, scores: torch.Tensor, ids, step: int) -> torch.Tensor:
-        """The rows' next tokens from their (float) logits; `ids`: their prompt and output so far."""
+    def pick(self, scores: torch.Tensor, ids, out, step: int) -> torch.Tensor:
+        """The rows' next tokens from their (float) logits; `ids`: their prompt and output so far,
+        `out`: their output so far (what the grammar's processor reads its rows' last tokens from)."""
         if self.penalty is not None:
             scores = self.penalty(ids, scores)
+        if self.grammar is not None:
+            scores = self.grammar(out, scores)
         if self.blocked is not None and step < self.min_tokens:
-            scores[:, self.blocked] = float("-inf")
+            scores = self._block(scores)
         if not self.warpers:
             return scores.argmax(-1)
         for warp in self.warpers:
@@ -104,6 +111,15 @@ class OptionGroup:
         for local, gen in self.draws:
             out[local] = torch.multinomial(probs[local], 1, generator=gen).squeeze(1)
         return out
+
+    def _block(self, scores: torch.Tensor) -> torch.Tensor:
+        """min_tokens: the stop ids cannot be drawn yet, except by a row whose grammar allows nothing
+        else (its grammar is finished: the row ends there)."""
+        blocked = scores.index_fill(1, self.blocked, float("-inf"))
+        if self.grammar is None:
+            return blocked
+        closed = (blocked == float("-inf")).all(-1, keepdim=True)
+        return torch.where(closed, scores, blocked)
 
 
 def warpers(opts) -> list:
@@ -120,9 +136,11 @@ def warpers(opts) -> list:
 
 class Decoder:
     """The rows of one rectangle under their items' options: `pick` their next tokens from the
-    logits, `take` them (True once every row is done), `items` the items' samples."""
+    logits, `take` them (True once every row is done), `items` the items' samples. `criteria(stop)`:
+    the StopStringCriteria of stop strings; `grammar(structured)`: (a logits processor of the
+    constraint, the ids that end its rows)."""
 
-    def __init__(self, tokens, max_new, options, *, eos, vocab: int, device, criteria=None):
+    def __init__(self, tokens, max_new, options, *, eos, vocab: int, device, criteria=None, grammar=None):
         self.n = len(tokens)
         self.row_item = rows_of(options, self.n)
         opts = [None if options is None else options[i] for i in self.row_item.tolist()]
@@ -132,11 +150,20 @@ class Decoder:
         self.generated: list[list[int]] = [[] for _ in opts]
         self.stopped = [False] * len(opts)
         self.done = [m <= 0 for m in self.max_new]
+        self.ends = [frozenset()] * len(opts)  # a constrained row's grammar stop ids: they end it
         self.groups = []
         for o in dict.fromkeys(o for o in opts if o is not None):
             rows = [r for r, x in enumerate(opts) if x == o]
+            processor = None
+            if o.structured is not None:
+                if grammar is None:
+                    raise ValueError("a constraint needs the model directory's tokenizer and xgrammar")
+                processor, ends = grammar(o.structured)
+                for r in rows:
+                    self.ends[r] = ends
             self.groups.append(OptionGroup(o, rows, [int(self.row_item[r]) for r in rows], eos=eos, vocab=vocab,
-                                           device=device, criteria=criteria(o.stop) if o.stop and criteria else None))
+                                           device=device, criteria=criteria(o.stop) if o.stop and criteria else None,
+                                           grammar=processor))
         self.device = device
         self._prompts = None  # the rows' prompts padded with `vocab` (no token), for a repetition penalty
         if any(g.penalty is not None for g in self.groups):
@@ -145,7 +172,7 @@ class Decoder:
             for i, t in enumerate(tokens):
                 padded[i, : t.size] = t
             self._prompts = torch.as_tensor(padded[self.row_item], device=device)
-        keep = self._prompts is not None or any(g.criteria is not None for g in self.groups)
+        keep = self._prompts is not None or any(g.criteria is not None or g.grammar is not None for g in self.groups)
         self._out = torch.zeros((len(opts), 0), dtype=torch.long, device=device) if keep else None
 
     @property
@@ -159,8 +186,9 @@ class Decoder:
         scores = logits.float()
         nxt = scores.argmax(-1)
         for g in self.groups:
-            ids = None if self._prompts is None else torch.cat([self._prompts[g.rows], self._out[g.rows]], 1)
-            nxt[g.rows] = g.pick(scores[g.rows], ids, step)
+            out = None if self._out is None else self._out[g.rows]
+            ids = None if self._prompts is None else torch.cat([self._prompts[g.rows], out], 1)
+            nxt[g.rows] = g.pick(scores[g.rows], ids, out, step)
         return nxt.tolist()
 
     def take(self, nxt: list[int], step: int) -> bool:
@@ -168,7 +196,7 @@ class Decoder:
         live = [r for r, d in enumerate(self.done) if not d]
         for r in live:
             self.generated[r].append(int(nxt[r]))
-            if nxt[r] in self.stops[r] and step + 1 >= self.min_tokens[r]:
+            if nxt[r] in self.ends[r] or (nxt[r] in self.stops[r] and step + 1 >= self.min_tokens[r]):
                 self.stopped[r] = True
         if self._out is not None:
             self._out = torch.cat([self._out, torch.as_tensor(nxt, device=self.device)[:, None]], 1)

@@ -1,10 +1,13 @@
 """The `hf` engine on the CPU with a tiny random-weight Llama: prefix reuse changes no output, a bad
 item fails alone (once a probe answers) while a dead engine fails none, generation through the whole
-broker, and a small `bench gpu` run."""
+broker, request options and constraints (xgrammar, with a byte-level BPE tokenizer), and a small
+`bench gpu` run."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import sys
 import time
 
@@ -14,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hf engine needs torch (the test extra installs it)")
 pytest.importorskip("transformers", reason="the hf engine needs transformers (the test extra installs it)")
 
+from support.bpetok import bpe_tokenizer_dir  # noqa: E402
 from support.brokerproc import BrokerProc  # noqa: E402
 
 from shmbroker.client.producer import Producer  # noqa: E402
@@ -26,7 +30,7 @@ from shmbroker.engines.options import HFSettings  # noqa: E402
 from shmbroker.gpu.core import ConsumerCore  # noqa: E402
 from shmbroker.pack.contract import Batch, Contract, Shape  # noqa: E402
 from shmbroker.request.extras import decode_extras, samples_of  # noqa: E402
-from shmbroker.request.options import RequestOptions  # noqa: E402
+from shmbroker.request.options import RequestOptions, parse_options  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 1024,
@@ -514,7 +518,7 @@ def _model_with_tokenizer(path, engine) -> str:
 
 
 def test_options_stop_strings_with_the_model_directorys_tokenizer(engine, tmp_path):
-    assert engine.unhonoured == {"stop"}  # a config model has no tokenizer
+    assert engine.unhonoured == {"stop", "structured"}  # a config model has no tokenizer
     loaded = HF(HFSettings(model=_model_with_tokenizer(tmp_path, engine), dtype="float64", device="cpu"),
                 block_tokens=16)
     assert loaded.unhonoured == set()
@@ -539,7 +543,8 @@ def test_options_through_the_whole_broker(tmp_path, engine):
     with BrokerProc(tmp_path, config=HF_CONFIG) as broker, Producer("hfo", data_dir=broker.data_dir) as p:
         ids = [p.submit(items[0], max_new_tokens=3), p.submit(items[1], max_new_tokens=4, options=sampled),
                p.submit(items[2], max_new_tokens=3, options={"presence_penalty": 0.5}),
-               p.submit(items[3], max_new_tokens=3, options={"stop": ["t1"]})]
+               p.submit(items[3], max_new_tokens=3, options={"stop": ["t1"]}),
+               p.submit(items[3], max_new_tokens=3, options={"structured_outputs": {"regex": "[a-z]+"}})]
         got = {}
         deadline = time.monotonic() + 120
         while len(got) < len(ids):
@@ -551,6 +556,7 @@ def test_options_through_the_whole_broker(tmp_path, engine):
     assert [s.tolist() for s in many.samples] == alone(engine, items[1], 4, RequestOptions(**sampled)).samples
     assert got[ids[2]].status == "invalid" and "'presence_penalty'" in got[ids[2]].error
     assert got[ids[3]].status == "invalid" and "'stop'" in got[ids[3]].error  # no tokenizer in a config model
+    assert got[ids[4]].status == "invalid" and "'structured'" in got[ids[4]].error
 
 
 def test_options_on_a_sliding_window_model():
@@ -574,3 +580,105 @@ def test_on_a_gpu_options_sample_with_a_generator_of_their_own():
     out = gpu.run(_with_options(items, [5, 5], opts)).results.items()
     assert _samples(out[0])[0] == alone(gpu, items[0], 5, opts[0]).samples
     assert _samples(out[1])[0] == alone(gpu, items[1], 5, opts[1]).samples
+
+
+# -- constraints (structured outputs: xgrammar's logits processor, engines/hf_structured.py) ------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "[a-z]{1,6}"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"]}
+REGEX = r"[a-z]{3}-[0-9]{2}"
+CHOICES = ["red", "green", "blue sky", "a|b (c)", 'q"\\']  # regex characters in a choice are its own
+UNCLOSED = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(unclosed"}}, "required": ["s"]}
+
+
+def _constrained(fields: dict) -> RequestOptions:
+    return parse_options({"structured_outputs": fields, "temperature": 0.0})
+
+
+@pytest.fixture(scope="module")
+def constrained(engine, tmp_path_factory):
+    """The engine's weights with a byte-level BPE tokenizer (a word-level one cannot spell JSON)."""
+    path = tmp_path_factory.mktemp("bpe-model")
+    engine.model.save_pretrained(path)
+    bpe_tokenizer_dir(path, TINY["vocab_size"])
+    return HF(HFSettings(model=str(path), dtype="float64", device="cpu"), block_tokens=16)
+
+
+def _text(engine: HF, result) -> str:
+    return engine.tokenizer.decode(result.tokens.tolist(), skip_special_tokens=True)
+
+
+def test_constraints_mix_with_unconstrained_rows_in_one_batch(constrained, engine):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert constrained.unhonoured == set()
+    rng = np.random.default_rng(29)
+    items = _family(rng, 16, (4, 6, 5, 7, 3))
+    opts = [_constrained({"json": SCHEMA, "disable_any_whitespace": True}), _constrained({"choice": CHOICES}),
+            _constrained({"regex": REGEX}), None, _constrained({"grammar": 'root ::= "yes" | "no"'})]
+    out = constrained.run(_with_options(items, [64] * 5, opts)).results.items()
+    assert [r.status for r in out] == ["ok"] * 5
+    text = [_text(constrained, r) for r in out]
+    jsonschema.validate(json.loads(text[0]), SCHEMA)
+    assert text[0] == json.dumps(json.loads(text[0]), separators=(",", ":"))  # disable_any_whitespace: compact
+    assert text[1] in CHOICES and re.fullmatch(REGEX, text[2]) and text[4] in ("yes", "no")
+    for k in (0, 1, 2, 4):  # each ended with its grammar, on the tokenizer's EOS (the model names none)
+        assert _samples(out[k])[1] == ("stop",) and int(out[k].tokens[-1]) in constrained.grammars.ends
+        assert out[k].tokens.tolist() == unbatched(constrained, items[k], 64, opts[k])  # batched as alone
+    assert out[3].tokens.tolist() == unbatched(engine, items[3], 64)  # unconstrained: as without any
+
+
+def test_a_constraint_xgrammar_cannot_compile_fails_its_item_alone(constrained, monkeypatch):
+    from shmbroker.engines import hf_structured
+
+    compiled = []
+    real = hf_structured.compile_constraint
+    monkeypatch.setattr(hf_structured, "compile_constraint", lambda c, s: compiled.append(s.kind) or real(c, s))
+    rng = np.random.default_rng(30)
+    items = _family(rng, 8, (3, 4, 5, 6))
+    regex = _constrained({"regex": "[0-9]{4}"})
+    opts = [_constrained({"json": UNCLOSED}), regex, None, regex]
+    for _ in range(2):
+        out = constrained.run(_with_options(items, [8] * 4, opts)).results.items()
+        assert [r.item_id for r in out] == [0, 1, 2, 3]
+        assert [r.status for r in out] == ["invalid", "ok", "ok", "ok"]
+        assert out[0].error.startswith("Regex parsing error") and "parenthesis is not closed" in out[0].error
+        assert re.fullmatch("[0-9]{4}", _text(constrained, out[1])) and out[3].tokens.size > 0
+    assert len(compiled) == 2  # each distinct constraint compiled once per engine, a failure too
+
+
+@pytest.mark.timeout(180)
+def test_constraints_through_the_whole_broker(tmp_path, constrained):
+    """The payload is stored by the producer, read back by the GPU process, and compiled by hf."""
+    model = constrained.settings.model
+    config = HF_CONFIG.split("[consumers.engine_settings.config]")[0] + f'model = "{model}"\n'
+    rng = np.random.default_rng(31)
+    items = _family(rng, 16, (4, 6, 5))
+    with BrokerProc(tmp_path, config=config) as broker, Producer("hfs", data_dir=broker.data_dir) as p:
+        ids = [p.submit(items[0], max_new_tokens=16, options={"structured_outputs": {"regex": REGEX}}),
+               p.submit(items[1], max_new_tokens=16, options={"structured_outputs": {"json": UNCLOSED}}),
+               p.submit(items[2], max_new_tokens=4)]
+        got = {}
+        deadline = time.monotonic() + 120
+        while len(got) < len(ids):
+            assert time.monotonic() < deadline, "results did not all arrive"
+            got.update((r.item_id, r) for r in p.results(timeout_seconds=1.0))
+    assert got[ids[0]].status == "ok" and re.fullmatch(REGEX, _text(constrained, got[ids[0]]))
+    assert got[ids[1]].status == "invalid" and "parenthesis is not closed" in got[ids[1]].error
+    assert got[ids[2]].status == "ok" and got[ids[2]].tokens.tolist() == unbatched(constrained, items[2], 4)
+
+
+def test_a_constraint_with_samples_and_min_tokens(constrained):
+    """n sampled rows share their option set's processor; min_tokens does not hold a finished grammar
+    open (it allows nothing but its end, which ends the row)."""
+    rng = np.random.default_rng(32)
+    items = _family(rng, 8, (3, 5))
+    opts = [parse_options({"structured_outputs": {"choice": CHOICES}, "temperature": 1.0, "seed": 5, "n": 3}),
+            parse_options({"structured_outputs": {"regex": REGEX}, "min_tokens": 40,
+                           "stop_token_ids": [constrained.tokenizer.eos_token_id]})]  # blocked until 40 are out
+    out = constrained.run(_with_options(items, [48, 48], opts)).results.items()
+    samples, reasons = _samples(out[0])
+    assert reasons == ("stop",) * 3
+    assert all(constrained.tokenizer.decode(s, skip_special_tokens=True) in CHOICES for s in samples)
+    assert samples == alone(constrained, items[0], 48, opts[0]).samples
+    assert _samples(out[1])[1] == ("stop",) and re.fullmatch(REGEX, _text(constrained, out[1]))
