@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import crc32c
 import numpy as np
@@ -322,7 +322,7 @@ class Sim(StreamingRun):
         modeled output lengths (an item with samples runs until its longest ends)."""
         max_new = max_new.copy()
         for k, opts in enumerate(batch.options):
-            if opts is None:
+            if opts is None or self._unmodeled(opts):
                 continue
             item = int(ids[k])
             key = sample_key(item, self.digest(batch.tokens[k]), opts)
@@ -335,6 +335,13 @@ class Sim(StreamingRun):
             self._sampled[item] = (tokens, extras)
             max_new[k] = max(decode_extras(extras, tokens.size).lengths)
         return max_new
+
+    def _unmodeled(self, opts) -> bool:
+        """Options that change nothing here: a constraint alone that this simulator does not model (no
+        tokenizer, or a regex or grammar): the item gets the usual ids, as without options."""
+        s = opts.structured
+        return s is not None and not (self.structured is not None and self.structured.models(s)) \
+            and not replace(opts, structured=None)
 
     def _due(self, clock: float) -> float:
         return self._origin + clock * self.pace if self.pace else 0.0
