@@ -25,7 +25,7 @@ engine turns that into compute saved:
 Request options honoured: temperature, top_p, top_k, min_p, seed, stop_token_ids, n,
 repetition_penalty, min_tokens, ignore_eos, and, when the model directory holds a tokenizer, `stop`
 strings (transformers matches them in text) and `structured` (a constraint, masked by xgrammar's
-logits processor on its rows alone: `hf_structured.py`; one xgrammar cannot compile fails its item
+logits processor on its rows alone: `grammars.py`; one xgrammar cannot compile fails its item
 alone, `invalid`, and the others run); not presence or frequency penalties (transformers has none).
 The packer is not yet told about samples: it sizes a batch by its items, and an item asking for n
 decodes n rows (its KV rows repeated), so a batch of such items holds more sequences, and more KV,
@@ -64,7 +64,7 @@ from ..request.extras import encode_extras
 from .base import INVALID, BatchResults, EngineOutcome, ItemResult, merge_outcomes
 from .batch_stream import answered
 from .hf_sampling import Decoder, Sampled
-from .hf_structured import Grammars, available
+from .grammars import Grammars, available
 from .packed_args import has_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}

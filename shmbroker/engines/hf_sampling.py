@@ -28,7 +28,7 @@ A row stops on its stop ids (the model's EOS ids unless `ignore_eos`, and `stop_
 `stop_strings`, matched in the row's output with the model directory's tokenizer; the engine has none
 without one and does not honour `stop` then), once `min_tokens` are out; else at its max_new_tokens.
 transformers has no presence or frequency penalty: the engine does not honour them.
-A row under a constraint (`hf_structured.py`) has its logits masked by its grammar's xgrammar logits
+A row under a constraint (`grammars.py`) has its logits masked by its grammar's xgrammar logits
 processor, after the penalty and min_tokens and before the sampling warpers (where `generate` puts a
 `logits_processor` it is given), and ends when its grammar does (on the grammar's stop ids, kept).
 """

@@ -31,10 +31,10 @@ SamplingParams, KvCacheConfig, GuidedDecodingParams), the "Generate text asynchr
   and constraints need the tokenizer (the LLM API encodes stop strings, the backend reads its
   vocabulary): a model directory that holds one has it loaded (`skip_tokenizer_init` false); without
   one they are not honoured (`unhonoured`: such an item fails `invalid`), nor is a field the installed
-  SamplingParams lacks. A constraint the backend cannot compile fails its request with a per-request
-  error, judged as any other (below). The n samples come back as `outputs[i]` (`index` i), each with
-  its finish reason, carried one after another with their lengths and finish reasons as extras
-  (`samples.py`); the LLM API reports no per-request cached tokens, so a result says none;
+  SamplingParams lacks. With the xgrammar backend each distinct constraint is compiled once here first
+  (`grammars.PreCheck`): one it cannot compile fails its item `invalid` at add, never in the library.
+  The n samples come back as `outputs[i]` (`index` i), with their finish reasons, carried one after
+  another as extras (`samples.py`); the LLM API reports no per-request cached tokens;
 - `LLM.get_stats_async(timeout) -> IterationResult` (beta): an async iterator over the iteration stats
   queued since the last read (dicts; JSON text in older versions), ending after `timeout` seconds
   without one; collected only with `enable_iter_perf_stats=True`. Each holds `kvCacheStats` with
@@ -51,12 +51,10 @@ SamplingParams, KvCacheConfig, GuidedDecodingParams), the "Generate text asynchr
   `/health_generate` by generating one token, as the probe here does. "Executor worker returned
   error" is a start-up error: `LLM(...)` raises it.
 
-How futures are collected without blocking, and why on an event loop. A `GenerationResult` takes in
-its responses only when its owner waits on it: `result(timeout)` / `aresult()` read its queue, and
-`finished` is set only there; the executor's dispatch thread just puts responses in that queue. So a
-non-blocking test of one future is `result(timeout=0)` (queue.Empty when not done), and a poll over a
-window of hundreds would call it on every outstanding future, every few milliseconds, against the GIL
-the executor's threads need. A result made inside a running asyncio event loop gets an AsyncQueue
+Why an event loop: a `GenerationResult` takes in its responses only when its owner waits on it
+(`result(timeout)` / `aresult()` read its queue; the dispatch thread only fills it), so polling a
+window of hundreds of futures would call `result(timeout=0)` on each, every few milliseconds, against
+the GIL the executor's threads need. A result made inside a running asyncio event loop gets an AsyncQueue
 instead, which the dispatch thread wakes with `call_soon_threadsafe` (`_SyncQueue.notify_many` in
 tensorrt_llm/llmapi/utils.py and executor/proxy.py). So the engine runs one event loop on a thread of
 its own: `add` hands the items to it and returns at once; on the loop each item's `generate_async` is
@@ -76,12 +74,10 @@ false; or after ENGINE_FAILURES_MAX failures in a row. Otherwise the item is a s
 `engine_error`) when another request completes after it, or, with nothing else in flight, once a
 probe (PROBE_TOKENS, one new token) does. A dead engine fails nothing: what it held stays pending.
 
-Cache figures: a task on the loop keeps the counters of the latest stats entry; each poll reports their
-growth since the previous poll, converted from TensorRT-LLM's blocks to the broker's `block_tokens`.
-Stats arrive in batches (the executor forwards them every 0.2 s or so), so a poll may report an item's
-blocks a little after its result; the counters are cumulative, so nothing is lost. No stats: zeros.
-`engine_seconds` are the wall seconds during which at least one request was in TensorRT-LLM
-(`BusyClock`).
+Cache figures: a task on the loop keeps the latest stats entry's counters; each poll reports their
+growth since the last, in the broker's `block_tokens` (stats come every 0.2 s or so: a poll may report
+an item's blocks after its result; the counters are cumulative, so nothing is lost). No stats: zeros.
+`engine_seconds`: wall seconds with at least one request in TensorRT-LLM (`BusyClock`).
 
 `TRTLLM(settings, contract=..., llm=fake)` runs the same code over an injected LLM object (tests use a
 test double); without `llm` it builds the real one.
@@ -97,7 +93,7 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import ENGINE_ERROR, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
+from .base import ENGINE_ERROR, INVALID, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .deaths import PROBE_ITEM_ID, PROBE_TOKENS, Streak, causes
 from .packed_args import (
     BusyClock,
@@ -109,7 +105,7 @@ from .packed_args import (
     trtllm_llm_kwargs,
 )
 from .samples import samples_result
-from .trtllm_params import sampling_fields, trtllm_sampling, trtllm_unhonoured
+from .trtllm_params import constraint_precheck, sampling_fields, trtllm_sampling, trtllm_unhonoured
 
 try:  # the executor's internal error: trtllm-serve stops on it (absent in a stub package)
     from tensorrt_llm.executor import CppExecutorError
@@ -139,6 +135,7 @@ class TRTLLM(StreamingRun):
         self.fields = sampling_fields(SamplingParams)  # what this release's SamplingParams takes
         self.unhonoured = trtllm_unhonoured(self.fields, tokenizer=not self.llm_kwargs.get("skip_tokenizer_init"),
                                             guided=bool(self.llm_kwargs.get("guided_decoding_backend")))
+        self.precheck = constraint_precheck(settings.model, self.eos_ids, self.unhonoured, self.llm_kwargs)
         self.busy = BusyClock()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # ItemResult of each finished item
         self._pending = 0
@@ -177,6 +174,9 @@ class TRTLLM(StreamingRun):
         for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
             item_id, opts = int(batch.item_ids[row]), batch.options_of(row)
             try:
+                if (why := self.precheck.error(opts) if self.precheck else None) is not None:  # grammars.PreCheck
+                    self._done.put(ItemResult(item_id, INVALID, error=why))
+                    continue
                 params = SamplingParams(**trtllm_sampling(m, self.eos_ids, opts, self.fields, GuidedDecodingParams))
             except Exception as exc:  # noqa: BLE001 - the LLM API refuses these parameters: the item fails alone
                 self._done.put(engine_error(item_id, exc))

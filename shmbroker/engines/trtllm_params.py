@@ -83,6 +83,17 @@ def trtllm_unhonoured(fields, tokenizer: bool, guided: bool = True) -> set:
     return out
 
 
+def constraint_precheck(model: str, eos_ids, unhonoured, llm_kwargs: dict):
+    """A `grammars.PreCheck` of the model directory's tokenizer when constraints are honoured and the
+    LLM's backend is xgrammar (the library checked against is the one that compiles them) and
+    xgrammar is installed here; else None (the library's own error then fails the request)."""
+    from .grammars import PreCheck, available
+
+    if "structured" in unhonoured or llm_kwargs.get("guided_decoding_backend") != "xgrammar" or not available():
+        return None
+    return PreCheck(model, eos_ids)
+
+
 def trtllm_sampling(max_new_tokens: int, eos_ids, options=None, fields=None, guided=dict) -> dict:
     """`tensorrt_llm.SamplingParams(...)` of one item: greedy (top_k=1), token ids only, unless its
     request options say otherwise (`fields`: what the installed SamplingParams takes, None: all; `guided`

@@ -582,7 +582,7 @@ def test_on_a_gpu_options_sample_with_a_generator_of_their_own():
     assert _samples(out[1])[0] == alone(gpu, items[1], 5, opts[1]).samples
 
 
-# -- constraints (structured outputs: xgrammar's logits processor, engines/hf_structured.py) ------------
+# -- constraints (structured outputs: xgrammar's logits processor, engines/grammars.py) ------------
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "[a-z]{1,6}"},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -629,11 +629,11 @@ def test_constraints_mix_with_unconstrained_rows_in_one_batch(constrained, engin
 
 
 def test_a_constraint_xgrammar_cannot_compile_fails_its_item_alone(constrained, monkeypatch):
-    from shmbroker.engines import hf_structured
+    from shmbroker.engines import grammars
 
     compiled = []
-    real = hf_structured.compile_constraint
-    monkeypatch.setattr(hf_structured, "compile_constraint", lambda c, s: compiled.append(s.kind) or real(c, s))
+    real = grammars.compile_constraint
+    monkeypatch.setattr(grammars, "compile_constraint", lambda c, s: compiled.append(s.kind) or real(c, s))
     rng = np.random.default_rng(30)
     items = _family(rng, 8, (3, 4, 5, 6))
     regex = _constrained({"regex": "[0-9]{4}"})

@@ -1331,6 +1331,30 @@ def test_trtllm_constraints_reach_guided_decoding_and_a_refused_one_fails_alone(
     assert engine.streak.count == 0 and engine.pending() == 0 and engine.gone() is None
 
 
+def test_trtllm_checks_a_constraint_with_xgrammar_first_and_one_it_cannot_compile_never_reaches_the_library(
+        trtllm, tmp_path):
+    """With the xgrammar backend each distinct constraint is compiled once against the model directory's
+    tokenizer before TensorRT-LLM sees it: one that cannot compile fails its item `invalid` at add (a run
+    of them never reads as a dead engine), the others reach the library as ever."""
+    pytest.importorskip("xgrammar")
+    from support.bpetok import bpe_tokenizer_dir
+
+    bpe_tokenizer_dir(tmp_path)
+    fake = FakeTRTLLM()
+    engine = trtllm(fake, TRTLLMSettings(model=str(tmp_path), max_new_tokens=8))
+    bad = RequestOptions(structured=Structured.of(Constraint.JSON, compact_json(
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}})))
+    good = RequestOptions(structured=CONSTRAINTS["json"][0])
+    sets = [bad, good, bad, bad, bad, good]
+    batch = batch_of(list(range(6)), [PREFIX + [k] for k in range(6)], [3] * 6)
+    batch.options = sets
+    out = engine.run(batch)
+    assert [r.status for r in out.results] == [INVALID, OK, INVALID, INVALID, INVALID, OK]
+    assert "parenthesis" in out.results[0].error
+    assert [g.kwargs for g in fake.guides] == [CONSTRAINTS["json"][1]] * 2  # only the good ones reached it
+    assert engine.streak.count == 0 and engine.gone() is None
+
+
 def test_trtllm_without_a_tokenizer_builds_no_guided_decoding_backend(trtllm):
     engine = trtllm(FakeTRTLLM(), TRTLLMSettings(model="org/hub-model"))
     assert "guided_decoding_backend" not in engine.llm_kwargs and "structured" not in engine.honours

@@ -1,6 +1,11 @@
-"""How the `hf` engine honours a constraint (request/structured.py): xgrammar compiles it against the
-model directory's tokenizer, and xgrammar's own logits processor for transformers
-(`xgrammar.contrib.hf.LogitsProcessor`) masks the logits of the rows that carry it.
+"""Constraints (request/structured.py) compiled by xgrammar against a model directory's tokenizer.
+
+The `hf` engine honours a constraint with them: xgrammar's own logits processor for transformers
+(`xgrammar.contrib.hf.LogitsProcessor`) masks the logits of the rows that carry it. The `trtllm`
+engine checks each distinct constraint with them before TensorRT-LLM sees it (`PreCheck`), since its
+library compiles it with the same xgrammar: one it could not compile fails its item alone, at add,
+as vLLM's own check does, not inside the library, where a run of such failures would read as a dead
+engine.
 
 - Compiled once per engine: a constraint (its kind, payload digest and switches) is compiled the
   first time an item carries it and kept (the last GRAMMARS_KEPT used), a failure too, so a job's
@@ -123,3 +128,30 @@ def message_of(exc: Exception) -> str:
     """xgrammar's message without its log prefix (its errors read "[time] file.cc:line: message")."""
     text = str(exc).strip() or type(exc).__name__
     return _LOG_PREFIX.sub("", text)
+
+
+class PreCheck:
+    """A constraint checked before a library that compiles it with xgrammar sees it (module
+    docstring): `error(opts)` is why an item's constraint cannot compile, or None. The model
+    directory's tokenizer is loaded at the first constraint; one transformers cannot load leaves the
+    judging to the library (every `error` is then None)."""
+
+    def __init__(self, model_dir: str, eos):
+        self.model_dir = model_dir
+        self.eos = eos
+        self._grammars: Grammars | None | bool = None  # False: no tokenizer loaded, nothing checked
+
+    def error(self, opts) -> str | None:
+        s = None if opts is None else opts.structured
+        if s is None or self._grammars is False:
+            return None
+        if self._grammars is None:
+            try:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+            except Exception:  # noqa: BLE001 - no tokenizer to check against: the library judges alone
+                self._grammars = False
+                return None
+            self._grammars = Grammars(tokenizer, len(tokenizer), self.eos)
+        return self._grammars.error(s)
