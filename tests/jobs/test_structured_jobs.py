@@ -181,3 +181,28 @@ def test_a_structured_job_survives_a_sigkill_of_the_whole_broker_and_its_submitt
         broker.start()
         assert main([*args, "--resume"]) == 0
     check_outputs(out, bodies)
+
+
+def test_one_item_with_its_own_large_schema_runs(tmp_path):
+    """A 50 KB schema of one item alone (under the default max_payload_bytes, 1 MiB): stored, read back
+    and honoured like a shared one."""
+    import jsonschema
+    from tokenizers import Tokenizer
+
+    tok = bpe_tokenizer_dir(tmp_path / "tok")
+    big = {"type": "object", "required": ["p0", "p1"],
+           "properties": {f"p{i}": {"type": "string", "description": "w" * 120} for i in range(400)}}
+    config = CONFIG.format(pace=0.0, tok=tok).replace("max_payload_bytes = 4096\n", "")
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", "sl", config) as broker:
+        with Producer("large", data_dir=broker.data_dir) as p:
+            opts = parse_options({"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}})
+            assert len(opts.structured.payload) > 50_000
+            item = p.submit(np.arange(1, 30, dtype=np.uint32), max_new_tokens=64, options=opts)
+            got = []
+            wait_for(lambda: got.extend(p.results(0.5)) or got, 60, "its result")
+        stored = list((Path(broker.data_dir) / DIR_NAME).iterdir())
+    (r,) = got
+    assert r.item_id == item and r.status == "ok"
+    jsonschema.validate(json.loads(Tokenizer.from_file(str(tok / "tokenizer.json")).decode(r.tokens.tolist())), big)
+    assert len(stored) == 1 and stored[0].stat().st_size == len(opts.structured.payload) + 48
