@@ -42,8 +42,9 @@ sent) failed on its own content, and its items fail (`engine_error`, with the re
 503 (the server's load) and a connection error (the server went away) are always handed back. A
 400/413/422 (the server refused the request's content, often one prompt: too long, a token id out
 of vocabulary) is not retried as is: a request of several prompts is split in halves and each
-half sent again, so only the prompts the server refuses fail, with its message (`invalid`: a
-constraint its backend cannot compile, say). Other 4xx (auth,
+half sent again, so only the prompts the server refuses fail, with its message; a request whose
+items carry a constraint refused as a whole fails them `invalid` (the constraint, which they share,
+is what the server could not compile). Other 4xx (auth,
 unknown model) fail the request's items at once. Nothing raises out of `add` or `poll` for a
 failed request.
 
@@ -138,6 +139,7 @@ class OpenAICompatible(StreamingRun):
         self.closed = False
         self.busy = BusyClock()
         self._requests: dict = {}  # future -> the item ids of its request, in its prompts' order
+        self._constrained: set = set()  # the futures of requests whose items carry a constraint
         self._pending = 0
         self.last_ok = 0.0  # monotonic time of the server's last 200
         tries = int(settings.retries) + 1
@@ -162,6 +164,8 @@ class OpenAICompatible(StreamingRun):
             prompts = [batch.tokens[i].tolist() for i in part]
             future = self.pool.submit(self._timed_request, prompts, max_new[part[0]], options[part[0]])
             self._requests[future] = [ids[i] for i in part]
+            if options[part[0]] is not None and options[part[0]].structured is not None:
+                self._constrained.add(future)
         self._pending += n
 
     def pending(self) -> int:
@@ -180,14 +184,16 @@ class OpenAICompatible(StreamingRun):
         hit_blocks = queried_blocks = reused_tokens = 0
         for future in done:
             ids = self._requests.pop(future)
+            constrained = future in self._constrained
+            self._constrained.discard(future)
             try:
                 reply = future.result()
             except RequestFailed as exc:
                 if exc.down and (exc.always or self.last_ok <= exc.sent):
                     down.extend(ids)  # the server is down: handed back, retried later
                     reason = str(exc)
-                else:  # a lone item the server refused for its content (a constraint it cannot compile): invalid
-                    status = INVALID if exc.status in SPLIT_STATUSES and len(ids) == 1 else ENGINE_ERROR
+                else:  # refused for its content with a constraint (which all its items share): that constraint
+                    status = INVALID if constrained and exc.status in SPLIT_STATUSES else ENGINE_ERROR
                     results.extend(ItemResult(i, status, error=str(exc)) for i in ids)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only

@@ -488,6 +488,23 @@ def test_a_refusal_of_the_request_itself_fails_it_without_splitting(server_facto
     assert [len(b["prompt"]) for b in server.bodies] == [16, 1, 1]
 
 
+def test_a_constraint_the_server_refuses_fails_its_items_invalid_and_reaches_it_as_structured_outputs(
+        server_factory, engines):
+    """A constraint travels as vLLM's `structured_outputs` body field; a server that cannot compile it
+    refuses every request of it alike: those items fail `invalid` (the constraint, which they share),
+    the others run."""
+    from shmbroker.request.options import parse_options
+
+    server = server_factory(refuse_field="structured_outputs")
+    b = batch(prompts(6), 2)
+    bad = parse_options({"structured_outputs": {"regex": "(unclosed"}})
+    b.options = [bad] * 4 + [None] * 2
+    out = engines(server, max_items_per_request=4).run(b)
+    assert [r.status for r in out.results] == ["invalid"] * 4 + ["ok"] * 2
+    assert out.results[0].error == "HTTP 400: unknown field 'structured_outputs'"
+    assert [b["structured_outputs"] for b in server.bodies if "structured_outputs" in b][0] == {"regex": "(unclosed"}
+
+
 @pytest.mark.parametrize("bad", [0, 1])
 def test_a_refused_prompt_first_or_last_of_a_request_fails_alone(server_factory, engines, bad):
     """The prompts asked alone to tell a request's refusal from a prompt's may be the refused one: the

@@ -292,7 +292,7 @@ def test_a_reply_holds_only_that_producers_rings(broker):
     b = request(broker.data_dir, connect_msg("bob"), REPLY_SECONDS)
     for reply in (a, b):
         assert reply["ok"] is True
-        assert set(reply) == {"ok", "broker_pid", "producer_id", "ingest", "results"}
+        assert set(reply) == {"ok", "broker_pid", "producer_id", "ingest", "results", "max_payload_bytes"}
         assert set(reply["ingest"]) == set(reply["results"]) == {"segment", "data_bell", "space_bell"}
     assert a["producer_id"] != b["producer_id"]
     by_name = {e.name: e for e in broker.reg.producers()}
