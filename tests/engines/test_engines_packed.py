@@ -1465,8 +1465,9 @@ def test_trtllm_a_dead_executor_fails_no_item(trtllm, knobs, why):
     engine.add(batch_of([0, 1, 2, 3], [PREFIX + [k] for k in range(4)], [3] * 4))
     first = arrivals(engine, 4)
     assert [r.status for r in first] == [OK] * 4 and engine.gone() is None
-    for b in (1, 2):
-        engine.add(batch_of([10 * b + k for k in range(4)], [PREFIX + [b, k] for k in range(4)], [3] * 4))
+    # the 8 in one add: the loop may judge the death while it submits them, and a later add raises it
+    ids = [10 * b + k for b in (1, 2) for k in range(4)]
+    engine.add(batch_of(ids, [PREFIX + [i // 10, i % 10] for i in ids], [3] * 8))
     got, dead = until_dead(engine)
     assert got == [] and why in str(dead)
     assert engine.pending() == 8 and engine.gone() == str(dead)
