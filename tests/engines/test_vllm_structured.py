@@ -18,23 +18,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
-from support.vllm_venv import vllm_python
-
-ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "tests" / "support" / "vllm_structured_check.py"
+from support.vllm_venv import check_report
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    python = vllm_python()
-    work = tmp_path_factory.mktemp("vllm-structured")
-    proc = subprocess.run([python, str(CHECK), str(work)], capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    assert proc.returncode == 0, f"the check exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return check_report("vllm_structured_check.py", tmp_path_factory.mktemp("vllm-structured"), 1500)
 
 
 def _validate(value, schema) -> None:

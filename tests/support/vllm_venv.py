@@ -25,3 +25,14 @@ def vllm_python() -> str:
         last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
         pytest.skip(f"no real vLLM here: {VENV_PYTHON} cannot import vllm and shmbroker ({last}); `make vllm` rebuilds it")
     return str(VENV_PYTHON)
+
+
+def check_report(script: str, work, timeout_seconds: float) -> dict:
+    """Run `tests/support/<script>` under the real vLLM environment on `work`; its report (the JSON
+    object of its last stdout line). The check's own exit status and output say why it failed."""
+    import json
+
+    proc = subprocess.run([vllm_python(), str(ROOT / "tests" / "support" / script), str(work)], capture_output=True,
+                          text=True, timeout=timeout_seconds, cwd=ROOT)
+    assert proc.returncode == 0, f"the check exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
