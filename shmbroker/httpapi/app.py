@@ -15,7 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .batches import ENDPOINTS, BatchRecord, BatchStore, batch_object, now
+from ..jobs.openai_batch import ENDPOINTS  # the batch line formats served
+from .batches import BatchRecord, BatchStore, batch_object, now
 from .files import PURPOSES, FileStore
 from .objects import (BATCH_PREFIX, FILE_PREFIX, FILES_LIMIT_MAX, LIST_LIMIT_MAX, ApiError, after_and_limit, cut,
                       file_object, new_id, page)

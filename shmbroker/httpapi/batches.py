@@ -27,11 +27,9 @@ from pathlib import Path
 
 from ..disk.durable import atomic_write, mkdir
 from ..jobs import store
-from ..jobs.openai_batch import ENDPOINTS as BATCH_ENDPOINTS
 from .files import http_dir
 from .objects import ID_RE, not_found
 
-ENDPOINTS = BATCH_ENDPOINTS  # the batch line formats served (jobs/openai_batch.py)
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
               "cancelled_at")
 
