@@ -35,8 +35,7 @@ import numpy as np
 
 from .. import protocol
 from ..errors import BrokerError, NotRunning, PayloadRefused
-from ..request.options import RequestOptions
-from ..request.options import encode
+from ..request.options import RequestOptions, embedding, encode
 from ..request.structured import digest_of
 from .checks import checked_options
 from .connection import Connection, connect, same_broker, store_payload
@@ -160,6 +159,17 @@ class Producer:
         """
         return self._submitter.submit_many(flat_tokens, offsets, max_new_tokens, prefix_len, model, block,
                                            timeout_seconds, self._option_words(options, max_new_tokens))
+
+    def embed(self, tokens, *, model: str | None = None, dimensions: int | None = None, **kw) -> int:
+        """Submit one prompt for its vector (an embedding: `Result.vector`), to a consumer of `model`
+        that embeds (`task = "embed"`); `dimensions` cuts it (Matryoshka models only). As `submit`."""
+        return self.submit(tokens, max_new_tokens=0, model=model, options=embedding(dimensions), **kw)
+
+    def embed_many(self, flat_tokens, offsets, *, model: str | None = None, dimensions: int | None = None,
+                   **kw) -> np.ndarray:
+        """`embed` for many prompts, as `submit_many`: item i is flat_tokens[offsets[i]:offsets[i+1]]."""
+        return self.submit_many(flat_tokens, offsets, max_new_tokens=0, model=model, options=embedding(dimensions),
+                                **kw)
 
     def put_payload(self, payload: bytes) -> bytes:
         """Store a request payload (a constraint's schema, regex, grammar or choices) in the broker,

@@ -53,6 +53,11 @@ class Result:
         return None if self.extras is None else self.extras.finish_reasons
 
     @property
+    def vector(self) -> np.ndarray | None:
+        """An embedding item's vector (float32, a view of the result's words), else None."""
+        return self.tokens.view(np.float32) if self.extras is not None and self.extras.vector else None
+
+    @property
     def logprobs(self):
         """Each sample's `request.extras.Logprobs` (each token's logprob, its top tokens' ids and
         logprobs), when the item asked for logprobs and its engine gave them; else None."""

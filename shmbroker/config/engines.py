@@ -16,12 +16,16 @@ from ..engines.options import DTYPES, GUIDED_BACKENDS, REQUIRED, SIM_FAULT_TOKEN
 from ..engines.cost import SimCost
 from ..errors import ConfigError
 from ..pack.contract import Mode
+from ..request.options import MAX_DIMENSIONS, Task
 from .validator import Choice, Flag, Integer, Number, Text, Validator
 
 ENGINE_CHECK = Choice(tuple(ENGINES))  # a consumer's or a tier's `engine`
 COST_KEYS = tuple(sorted(f.name for f in dataclasses.fields(SimCost)))  # keys of the sim's table, into SimCost
 SIM_CHECKS = {  # the simulated engine's keys, in the order they are read
     "mode": Choice(tuple(Mode)),
+    "task": Choice(tuple(Task)),
+    "embed_dimensions": Integer(1, MAX_DIMENSIONS),
+    "matryoshka": Flag(),
     "cache_tokens": Integer(0, 1 << 40),
     **{key: Flag() if key == "zero_cost" else Number(0.0, 3600.0) for key in COST_KEYS},
     "pace_seconds": Number(0.0, 3600.0),
@@ -53,6 +57,8 @@ def sim_settings(v: Validator, raw: dict, at: str) -> SimSettings:
     cost = SimCost(**{key: values.pop(key) for key in COST_KEYS if key in values})
     if "mode" in values:
         values["mode"] = Mode(values["mode"])
+    if "task" in values:
+        values["task"] = Task(values["task"])
     return SimSettings(cost=cost, **values)
 
 
@@ -79,6 +85,13 @@ def real_settings(engine: str, raw: dict, at: str):
     if out.get("disable_any_whitespace") and out.get("structured_outputs_backend", "auto") not in ("xgrammar", "guidance"):
         raise ValueError(f"{at}.disable_any_whitespace: vLLM honours it with structured_outputs_backend = \"xgrammar\" "
                          "or \"guidance\" only; name one of them")
+    if "task" in out:
+        if out["task"] not in tuple(Task):
+            raise ValueError(f"{at}.task: must be one of {', '.join(Task)}, got {out['task']!r}")
+        out["task"] = Task(out["task"])
+        if out["task"] is Task.EMBED and engine == "trtllm":
+            raise ValueError(f"{at}.task: engine 'trtllm' does not embed: TensorRT-LLM's LLM API has no pooling runner "
+                             "(serve the model with `trtllm-serve embeddings` and use engine 'openai')")
     if engine == "hf" and bool(out.get("model")) == bool(out.get("config")):
         raise ValueError(f"{at}: engine 'hf' needs exactly one of model (a local directory) or config (a table)")
     for key in AT_LEAST_ONE:
@@ -104,6 +117,8 @@ def real_values(engine: str, name: str, kind: str) -> str:
         return ", ".join(f"`{b}`" for b in GUIDED_BACKENDS)
     if name == "timeout_seconds":
         return "> 0"
+    if name == "task":
+        return ", ".join(f"`{t}`" for t in Task) + (" (`embed` refused)" if engine == "trtllm" else "")
     if name in AT_LEAST_ONE:
         return ">= 1"
     return ">= 0" if kind.startswith(("int", "float")) else ""

@@ -56,6 +56,7 @@ import numpy as np
 
 from ..errors import BrokerError
 from ..pack.contract import Mode
+from ..request.extras import vector_extras, vector_words
 from ..ring.items import STATUS_CODES, STATUS_NAMES, Status
 
 # an engine reports each item's status by its label (ItemResult.status; ring.items.Status is the table)
@@ -263,6 +264,12 @@ class StreamingRun:
                          for i in batch.item_ids]
         total.down = None
         return total
+
+
+def vector_result(item_id, vector, cached_tokens: int | None = None) -> ItemResult:
+    """An embedding item's result: its vector's float32 values as the result's words (no copy of a
+    contiguous float32 vector), marked as a vector by its extras (request/extras.py)."""
+    return ItemResult(int(item_id), OK, vector_words(vector), extras=vector_extras(cached_tokens))
 
 
 def engine_error(item_id, exc: Exception) -> ItemResult:

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from ..request.options import Task
 from .base import ENGINE_ERROR, BatchResults, EngineBatch, EngineDead, EngineDown, EngineOutcome, ItemResult, merge_outcomes
 from .deaths import PROBE_ITEM_ID, PROBE_TOKENS, Streak
 
@@ -30,6 +31,7 @@ class BatchStream:
         self.mode = engine.mode
         self.engine_name = getattr(engine, "engine_name", type(engine).__name__)
         self.honours = getattr(engine, "honours", frozenset())
+        self.task = getattr(engine, "task", Task.GENERATE)
         self.streak = Streak(self.engine_name, getattr(engine, "fatal_types", ()))
         self.probe = EngineBatch(np.array([PROBE_ITEM_ID], np.uint64), [PROBE_TOKENS], np.ones(1, np.int64))
         self._todo: queue.Queue = queue.Queue()

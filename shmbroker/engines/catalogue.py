@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..pack.contract import Mode, as_mode
-from ..request.options import OPTION_NAMES
+from ..request.options import EMBED_OPTIONS, GENERATE_OPTIONS, Task
 from .base import EngineUnavailable
 from .batch_stream import BatchStream
 
@@ -47,6 +47,9 @@ class EngineEntry:
     # entry says (its `unhonoured`, from its settings: vLLM, TensorRT-LLM and hf without a tokenizer
     # have no stop strings; a TensorRT-LLM release without a SamplingParams field has no such option).
     honours: frozenset = frozenset()
+    # what it honours when its consumer embeds (`task = "embed"`); empty: it does not embed, and its
+    # settings refuse the task (config/engines.py). `dimensions` only where the model declares it.
+    embeds: frozenset = frozenset()
 
     def __post_init__(self):
         if self.mode is not SETTINGS:
@@ -61,22 +64,23 @@ class EngineEntry:
 
 
 # what an item's result can carry: its samples, their finish reasons, cached tokens
-SAMPLES = frozenset(OPTION_NAMES) - {"logprobs", "top_logprobs"}
-WITH_LOGPROBS = frozenset(OPTION_NAMES)  # and each token's logprob with its top ones (sim, vLLM, openai)
+SAMPLES = frozenset(GENERATE_OPTIONS) - {"logprobs", "top_logprobs"}
+WITH_LOGPROBS = frozenset(GENERATE_OPTIONS)  # and each token's logprob with its top ones (sim, vLLM, openai)
 # transformers has no presence or frequency penalty (the hf engine samples with its logits processors);
 # constraints with xgrammar's logits processor, where the model directory holds a tokenizer
 HF_SAMPLES = SAMPLES - {"presence_penalty", "frequency_penalty"}
+EMBEDS = frozenset(EMBED_OPTIONS)  # a vector, cut to `dimensions` where the model declares Matryoshka
 
 _OPT = "shmbroker.engines.options"
 ENGINES = {e.name: e for e in (
-    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, WITH_LOGPROBS),
-    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False, HF_SAMPLES),
+    EngineEntry("sim", "shmbroker.engines.sim", "Sim", None, f"{_OPT}:SimSettings", SETTINGS, True, WITH_LOGPROBS, EMBEDS),
+    EngineEntry("hf", "shmbroker.engines.hf", "HF", "hf", f"{_OPT}:HFSettings", Mode.PADDED, False, HF_SAMPLES, EMBEDS),
     EngineEntry("vllm", "shmbroker.engines.vllm", "VLLM", "vllm", f"{_OPT}:VLLMSettings", Mode.PACKED, True,
-                WITH_LOGPROBS),
+                WITH_LOGPROBS, EMBEDS),
     EngineEntry("trtllm", "shmbroker.engines.trtllm", "TRTLLM", "trtllm", f"{_OPT}:TRTLLMSettings", Mode.PACKED, True,
                 SAMPLES),
     EngineEntry("openai", "shmbroker.engines.openai", "OpenAICompatible", "openai", f"{_OPT}:OpenAISettings",
-                Mode.PACKED, True, WITH_LOGPROBS),
+                Mode.PACKED, True, WITH_LOGPROBS, EMBEDS),
 )}
 
 
@@ -124,5 +128,6 @@ def load_engine(name: str, settings, **options):
     engine = impl(settings, **options)
     engine.mode = mode
     engine.engine_name = e.name
-    engine.honours = e.honours - frozenset(getattr(engine, "unhonoured", ()))
+    engine.task = Task(getattr(settings, "task", Task.GENERATE))
+    engine.honours = (e.embeds if engine.task is Task.EMBED else e.honours) - frozenset(getattr(engine, "unhonoured", ()))
     return engine if e.streaming else BatchStream(engine)

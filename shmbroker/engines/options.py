@@ -17,7 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..pack.contract import Mode
+from ..request.options import Task
 from .cost import SimCost
+
+def task_field():
+    """Every engine's `task` key: what its consumer serves."""
+    return field(default=Task.GENERATE, metadata={"help": "what the consumer serves: `generate` (tokens) or `embed` "
+                                                          "(one vector a prompt); an item of the other task fails "
+                                                          "alone"})
+
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
@@ -41,6 +49,11 @@ class SimSettings:
     raises RuntimeError."""
 
     mode: Mode = field(default=Mode.PACKED, metadata={"help": "`padded` or `packed`: the engine the simulation models"})
+    task: Task = task_field()
+    embed_dimensions: int = field(default=1024, metadata={"help": "task `embed`: the vectors' length (each a "
+                                                                  "deterministic unit vector of its prompt)"})
+    matryoshka: bool = field(default=False, metadata={"help": "task `embed`: the modeled model declares Matryoshka "
+                                                             "dimensions (items may ask for `dimensions`)"})
     cache_tokens: int = field(default=2 << 20, metadata={"help": "the prefix cache's size in tokens"})
     cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, cost.py)
     pace_seconds: float = field(default=0.04, metadata={"help": "wall seconds per modeled second (0: unpaced, as "
@@ -89,6 +102,7 @@ class HFSettings:
     keep_prefix: bool = field(default=True, metadata={"help": "keep the last prefix's KV for the next batch of the "
                                                               "same family"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    task: Task = task_field()
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,7 @@ class VLLMSettings:
     disable_any_whitespace: bool = field(default=False, metadata={
         "help": "JSON constraints without free whitespace (xgrammar and guidance; vLLM reads it per engine)"})
     extra: dict = field(default_factory=dict, metadata={"help": "more `LLM(...)` keyword arguments, passed as given"})
+    task: Task = task_field()
 
 
 STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
@@ -129,6 +144,7 @@ class TRTLLMSettings:
     guided_decoding_backend: str = field(default="xgrammar", metadata={
         "help": "the backend that compiles constraints (structured outputs): `xgrammar`, `llguidance`, or `none` "
                 "(not passed: constraints are not honoured); passed only when a tokenizer is loaded"})
+    task: Task = task_field()  # `embed` is refused: TensorRT-LLM's LLM API has no pooling runner
     extra: dict = field(default_factory=dict, metadata={"help": "more `LLM(...)` keyword arguments, passed as given"})
 
 
@@ -152,6 +168,7 @@ class OpenAISettings:
     retries: int = field(default=3, metadata={"help": "tries after the first of a request the server could not answer"})
     backoff_seconds: float = field(default=0.5, metadata={"help": "the wait before a retry, doubled after each "
                                                                   "failed try"})
+    task: Task = task_field()
 
 
 REQUIRED = {"vllm": ("model",), "trtllm": ("model",), "openai": ("model",)}  # keys each must be given

@@ -46,6 +46,7 @@ from .base import BatchResults, EngineOutcome, StreamingRun
 from .cost import SimCost
 from .faults import SimFaults
 from ..request.extras import decode_extras
+from .sim_embed import SimEmbedder
 from .sim_requests import item_keys, sample_key, sampled_result
 from .sim_structured import StructuredText
 
@@ -174,12 +175,11 @@ class Sim(StreamingRun):
       it is ready when the rectangle is.
 
     Time: modeled seconds. Unpaced (`pace_seconds` 0) a poll computes until an item is ready and reports
-    the modeled seconds, spending none. Paced, an item is handed back only when the wall clock reaches
-    its modeled finish x pace_seconds (counted from when the engine last became busy), so consumers of
-    different sizes split the work as real cards would. `zero_cost` hands everything back at once and
-    reads no prompt (outputs of digest 0: `generated_many(ids, counts, zeros)`): a benchmark measures
-    the broker. `start_seconds` makes the constructor take that long, as a model loading does. Request
-    options: `sim_requests.py`."""
+    the modeled seconds, spending none. Paced, an item is handed back when the wall clock reaches its
+    modeled finish x pace_seconds (from when the engine last became busy), so consumers of different
+    sizes split the work as real cards would. `zero_cost` hands everything back at once, reading no
+    prompt (outputs of digest 0): a benchmark measures the broker. `start_seconds`: the constructor
+    takes that long. Request options: `sim_requests.py`; vectors (`task = "embed"`): `sim_embed.py`."""
 
     VOCAB = 32_000
 
@@ -202,16 +202,17 @@ class Sim(StreamingRun):
         self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
         self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
         self._seqs: dict[int, tuple[int, int]] = {}  # packed: sequence key -> (item id, max_new_tokens)
-        self._num_seqs = 0
-        self._pending = 0
+        self._num_seqs = self._pending = 0
         self.clock = 0.0  # modeled seconds computed
         self._origin = 0.0  # wall time (monotonic) of modeled 0 for a paced engine
         self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
-        self._sampled: dict[int, tuple] = {}  # item id in flight with options -> (its samples, its extras)
-        tokenizer = getattr(settings, "tokenizer", None)  # constrained outputs as text (sim_structured.py)
-        self.structured = StructuredText(tokenizer) if tokenizer else None
+        self._sampled: dict[int, tuple] = {}  # item id in flight with options -> (its tokens or vector, extras)
+        tokenizer = getattr(settings, "tokenizer", None)
+        self.structured = StructuredText(tokenizer) if tokenizer else None  # constrained outputs as text
+        self.embedder = SimEmbedder(settings) if SimEmbedder.serves(settings) else None  # vectors (sim_embed.py)
+        self.unhonoured = self.embedder.unhonoured if self.embedder is not None else ()
 
     def pending(self) -> int:
         return self._pending
@@ -226,7 +227,11 @@ class Sim(StreamingRun):
         max_new = np.asarray(batch.max_new_tokens, np.int64)
         if not self.cost.zero_cost:  # zero cost reads no prompt (outputs of digest 0): it measures the broker
             self._remember(ids, batch.tokens)
-            max_new = max_new if batch.options is None else self._sample(ids, batch, max_new)
+        if self.embedder is not None:  # each item's vector is its result; prefill only
+            self._sampled.update(self.embedder.results(ids, batch))
+            max_new = np.zeros(n, np.int64)
+        elif batch.options is not None and not self.cost.zero_cost:
+            max_new = self._sample(ids, batch, max_new)
         if self._pending == 0 and not self._ready:
             # idle until now: the modeled clock resumes at the wall clock
             self._origin = time.monotonic() - self.clock * self.pace
@@ -343,7 +348,7 @@ class Sim(StreamingRun):
         return s is not None and not (self.structured is not None and self.structured.models(s)) \
             and not replace(opts, structured=None)
 
-    def _due(self, clock: float) -> float:
+    def _due(self, clock: float) -> float:  # the wall time of a modeled clock reading
         return self._origin + clock * self.pace if self.pace else 0.0
 
     def _remember(self, ids: np.ndarray, tokens) -> None:
@@ -372,8 +377,7 @@ class Sim(StreamingRun):
     @classmethod
     def generated(cls, item_id: int, count: int, tokens) -> np.ndarray:
         """An item's `count` generated ids, from its id and its prompt's `digest` (damaged input: other ids)."""
-        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64),
-                                  np.array([cls.digest(tokens)], np.uint32)).flat
+        return cls.generated_many(np.array([item_id], np.uint64), np.array([count], np.int64), np.array([cls.digest(tokens)], np.uint32)).flat
 
     @classmethod
     def generated_many(cls, item_ids: np.ndarray, counts: np.ndarray, digests: np.ndarray | None = None, *,

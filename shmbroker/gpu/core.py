@@ -41,6 +41,7 @@ from ..engines.base import (
 from ..engines.batch_stream import BatchStream
 from ..pack.contract import Batch, Contract, Mode
 from ..pack.guard import Guard
+from ..request.options import Task
 from ..ring.items import Status
 from ..spill.records import CHECK_CRC, CHECK_GONE, CHECK_OK
 from .requests import RequestReader
@@ -102,7 +103,8 @@ class ConsumerCore:
         # the request options this engine honours (its registry entry's; none for an engine made
         # without the registry): an item asking for another fails alone (`requests.py`)
         self.requests = RequestReader(getattr(engine, "engine_name", type(engine).__name__),
-                                      frozenset(getattr(engine, "honours", ())), contract.max_batch_size, payloads)
+                                      frozenset(getattr(engine, "honours", ())), contract.max_batch_size, payloads,
+                                      getattr(engine, "task", Task.GENERATE))
         self.stats = ConsumerStats()
         self._last_family: int | None = None
         # the families served, for excess switches: the last MAX_FAMILIES_TRACKED of them (a card that
@@ -161,7 +163,9 @@ class ConsumerCore:
             checks = np.full(n, CHECK_OK, np.int64)
             checks[fits] = tokens.check(fits)
             bad |= checks != CHECK_OK
-            _, refused = tokens.options(self.requests, np.flatnonzero(~bad))
+            fine = np.flatnonzero(~bad)
+            column, refused = tokens.options(self.requests, fine)
+            refused = {**refused, **self.requests.wrong_task(column, fine)}
             bad[list(refused)] = True
         if not bad.any():
             return None, np.arange(n)

@@ -3,7 +3,9 @@ distinct set: a job's items usually share one) and checked against what the engi
 registry entry's `honours`, engines/catalogue.py). An item whose options are not readable, or ask
 for something its engine cannot honour, fails alone (`invalid`, naming the option) before its engine
 sees it: it is never run other than as asked. So does one asking for more samples (`n`) than its
-consumer's max_batch_size: a card must hold them all at once.
+consumer's max_batch_size: a card must hold them all at once. So does an item of the other task
+than its consumer's (request/options.py `Task`): an embedding on a consumer that generates, or the
+other way round.
 
 A constraint (request/structured.py) names its payload by digest: it is read from the payload store
 (disk/payloads.py) once per distinct set and checked against its digest. A payload that is missing
@@ -20,7 +22,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..disk.payloads import PayloadError
-from ..request.options import OptionsColumn, OptionsError, RequestOptions, decode
+from ..request.options import OptionsColumn, OptionsError, RequestOptions, Task, decode
 from ..request.structured import NO_DIGEST
 from ..ring.items import Status
 
@@ -38,8 +40,10 @@ class RequestReader:
     """Decodes option words (with a cache of the last DECODED_MAX sets) for one engine; `payloads`:
     the broker's payload store (disk/payloads.py), where constraints' payloads are read."""
 
-    def __init__(self, engine_name: str, honours: frozenset[str], max_samples: int = 1 << 30, payloads=None):
+    def __init__(self, engine_name: str, honours: frozenset[str], max_samples: int = 1 << 30, payloads=None,
+                 task: Task = Task.GENERATE):
         self.engine_name = engine_name
+        self.task = task
         self.honours = honours
         self.max_samples = max_samples  # the consumer's max_batch_size: a card runs n samples at once
         self.payloads = payloads
@@ -57,6 +61,23 @@ class RequestReader:
             for row in np.flatnonzero(np.isin(words.index, bad)).tolist():
                 errors[row] = decoded[int(words.index[row])]
         return OptionsColumn([None if isinstance(d, Refusal) else d for d in decoded], words.index), errors
+
+    def wrong_task(self, column: OptionsColumn | None, rows) -> dict[int, Refusal]:
+        """{row: Refusal} of items `rows` without options whose consumer embeds (an item without
+        options generates); an item with options is judged with them (`_checked`)."""
+        if self.task is Task.GENERATE:
+            return {}
+        rows = np.asarray(rows, np.int64)
+        if column is not None:
+            rows = rows[column.index[rows] < 0]
+        why = self._task_refusal(Task.GENERATE)
+        return {int(r): why for r in rows.tolist()}
+
+    def _task_refusal(self, asked: Task) -> Refusal:
+        serves = "embeds (task = \"embed\")" if self.task is Task.EMBED else "generates (task = \"generate\")"
+        wants = "a vector of its prompt" if asked is Task.EMBED else "generated tokens"
+        return Refusal(Status.INVALID, f"it asks for {wants}, and this consumer's engine {self.engine_name!r} "
+                                       f"{serves}: its model's requests of that kind go to a consumer that serves them")
 
     def _decode(self, words) -> RequestOptions | Refusal:
         """The options of these words (their constraint's payload read), or why the item must fail."""
@@ -78,6 +99,8 @@ class RequestReader:
             opts = decode(words)
         except OptionsError as exc:
             return Refusal(Status.INVALID, f"its request options are not readable: {exc}")
+        if opts.task is not self.task:
+            return self._task_refusal(opts.task)
         refused = [name for name in opts.given() if name not in self.honours]
         if refused:
             return Refusal(Status.INVALID, f"engine {self.engine_name!r} does not honour the option(s) "

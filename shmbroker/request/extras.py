@@ -14,6 +14,13 @@ none, and reads as one sample of all its tokens, finish reason unknown.
 | ...  | with logprobs, for each token of each sample in order: its logprob (float32   |
 |      | bits), then c - 1 pairs of a top token id and its logprob (float32 bits)      |
 
+A vector (an embedding item's result, request/options.py `Task.EMBED`) is carried as the result's
+tokens: its float32 values' bits, one word each, bit-exact and covered by the record's checksum like
+any tokens. Its extras are two words: VECTOR_MAGIC (high 8 bits), then the prompt tokens served from
+the engine's cache, or NO_COUNT. How long a vector may be is a result record's limit: half of the
+smaller of the GPU process's results ring (16 MiB: 2M values) and the producer's result ring
+(`result_ring_bytes`), far above any model's width.
+
 The samples' tokens are the result's tokens, one after another. A result's extras are at most
 EXTRAS_MAX_WORDS words (the result record's count is 16 bits): logprobs of many tokens with many
 top_logprobs can exceed it, and `encode_extras` then refuses them (ExtrasError, saying so).
@@ -28,6 +35,7 @@ import numpy as np
 from .options import MAX_N
 
 EXTRAS_MAGIC = 0xB6
+VECTOR_MAGIC = 0xB7  # the extras of a vector
 EXTRAS_MAX_WORDS = 0xFFFF  # the result record's extras count is 16 bits (ring/wire.py)
 NO_COUNT = 0xFFFFFFFF
 STOPPED = 1 << 31
@@ -53,6 +61,7 @@ class Extras:
     stopped: tuple[bool, ...]  # each sample ended on a stop (EOS, a stop id or string), not its length
     cached_tokens: int | None = None
     logprobs: tuple[Logprobs, ...] | None = None  # one per sample, when asked for
+    vector: bool = False  # the tokens are a vector's float32 values (one sample, all of them)
 
     @property
     def finish_reasons(self) -> tuple[str, ...]:
@@ -86,9 +95,22 @@ def encode_extras(lengths, stopped, cached_tokens: int | None = None, logprobs=N
     return words
 
 
+def vector_extras(cached_tokens: int | None = None) -> np.ndarray:
+    """The extras words of a vector result (its values are the result's tokens, as float32 bits)."""
+    cached = NO_COUNT if cached_tokens is None else min(int(cached_tokens), NO_COUNT - 1)
+    return np.array([VECTOR_MAGIC << 24, cached], np.uint32)
+
+
+def vector_words(vector) -> np.ndarray:
+    """A vector's values as a result's token words: float32 bits (no copy of a contiguous float32 array)."""
+    return np.ascontiguousarray(vector, "<f4").reshape(-1).view(np.uint32)
+
+
 def decode_extras(words, num_tokens: int) -> Extras:
     """The extras of a result with `num_tokens` tokens; ExtrasError when the words are not extras."""
     w = np.asarray(words, np.uint32)
+    if w.size == 2 and int(w[0]) == VECTOR_MAGIC << 24:
+        return Extras((num_tokens,), (True,), None if int(w[1]) == NO_COUNT else int(w[1]), vector=True)
     if w.size < 3 or int(w[0]) >> 24 != EXTRAS_MAGIC:
         raise ExtrasError("these words are not a result's extras")
     n, columns = int(w[0]) & 0xFF, (int(w[0]) >> 8) & 0xFF

@@ -21,12 +21,18 @@ without options carries no word.
 |       | (request/structured.py: the payload itself is stored once, by digest)       |
 
 `max_tokens` is not an option: it is the item's max_new_tokens, carried as ever.
+
+An item asks for generated tokens (its task is `Task.GENERATE`) or, with the option `embed`, for
+one vector of its prompt (`Task.EMBED`), optionally cut to `dimensions` (Matryoshka truncation,
+where the engine's model declares it); an embedding takes no sampling option. A consumer serves one
+task (its `engine_settings.task`): an item of the other fails alone there (gpu/requests.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import StrEnum
 
 import numpy as np
 
@@ -40,6 +46,7 @@ MAX_STOP_BYTES = 256  # UTF-8 bytes per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 128  # samples per item (the OpenAI API's limit)
 MAX_TOP_LOGPROBS = 20
+MAX_DIMENSIONS = 1 << 20  # the longest vector an item may ask for (a result record holds far more)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 # Body fields the broker refuses by name: each asks for something no engine here does, and
@@ -54,6 +61,13 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs")
 
 class OptionsError(ValueError):
     """An option that is wrong (its message names the field)."""
+
+
+class Task(StrEnum):
+    """What an item asks of its engine, and what a consumer serves (`engine_settings.task`)."""
+
+    GENERATE = "generate"  # generated tokens
+    EMBED = "embed"  # one vector of the prompt (a pooling model's)
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,12 @@ class RequestOptions:
     logprobs: bool | None = None
     top_logprobs: int | None = None
     structured: Structured | None = None  # a constraint on the output (request/structured.py)
+    embed: bool | None = None  # True: the item asks for its prompt's vector, not generated tokens
+    dimensions: int | None = None  # an embedding cut to this many values and renormalised (Matryoshka)
+
+    @property
+    def task(self) -> Task:
+        return Task.EMBED if self.embed else Task.GENERATE
 
     def given(self) -> dict:
         """The fields given, by name (what an engine maps to its own parameters)."""
@@ -99,8 +119,11 @@ class RequestOptions:
 FIELDS = (("temperature", "float"), ("top_p", "float"), ("top_k", "int"), ("min_p", "float"), ("seed", "int"),
           ("stop", "strs"), ("stop_token_ids", "ids"), ("n", "int"), ("presence_penalty", "float"),
           ("frequency_penalty", "float"), ("repetition_penalty", "float"), ("min_tokens", "int"),
-          ("ignore_eos", "bool"), ("logprobs", "bool"), ("top_logprobs", "int"), ("structured", "struct"))
+          ("ignore_eos", "bool"), ("logprobs", "bool"), ("top_logprobs", "int"), ("structured", "struct"),
+          ("embed", "bool"), ("dimensions", "int"))
 OPTION_NAMES = tuple(name for name, _ in FIELDS)
+EMBED_OPTIONS = ("embed", "dimensions")  # what an embedding item may carry
+GENERATE_OPTIONS = tuple(name for name in OPTION_NAMES if name not in EMBED_OPTIONS)
 assert OPTION_NAMES == tuple(f.name for f in fields(RequestOptions)), "FIELDS follows RequestOptions"
 assert len(FIELDS) <= 24, "the presence mask has 24 bits"
 
@@ -109,6 +132,7 @@ RANGES = {
     "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "top_k": (-1, 1 << 31),
     "seed": INT64, "n": (1, MAX_N), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
     "repetition_penalty": (0.0, 2.0), "min_tokens": (0, 0xFFFFFFFF), "top_logprobs": (0, MAX_TOP_LOGPROBS),
+    "dimensions": (1, MAX_DIMENSIONS),
 }
 OPEN_BELOW = {"top_p", "repetition_penalty"}  # these must be above their low end, not at it
 
@@ -182,10 +206,26 @@ def _stop_token_ids(value) -> tuple[int, ...]:
 
 
 def _check_together(opts: RequestOptions, max_tokens: int | None) -> None:
+    if opts.embed is False:
+        raise OptionsError("'embed' is true or not given (an item generates by default)")
+    if opts.embed:
+        other = [name for name in opts.given() if name not in EMBED_OPTIONS]
+        if other:
+            raise OptionsError(f"an embedding takes no generation option: {', '.join(map(repr, other))}")
+    elif opts.dimensions is not None:
+        raise OptionsError("'dimensions' is an embedding's: it needs 'embed': true")
     if opts.top_logprobs is not None and not opts.logprobs:
         raise OptionsError("'top_logprobs' needs 'logprobs': true")
     if opts.min_tokens is not None and max_tokens is not None and opts.min_tokens > max_tokens:
         raise OptionsError(f"'min_tokens' ({opts.min_tokens}) is more than 'max_tokens' ({max_tokens})")
+
+
+EMBED = RequestOptions(embed=True)
+
+
+def embedding(dimensions: int | None = None) -> RequestOptions:
+    """The options of an embedding item (cut to `dimensions` when given), checked."""
+    return EMBED if dimensions is None else parse_options({"embed": True, "dimensions": dimensions})
 
 
 # -- the wire form ---------------------------------------------------------------------------------

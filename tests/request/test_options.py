@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmbroker.request.options import (
+    GENERATE_OPTIONS,
     MAX_N,
-    OPTION_NAMES,
     OptionsError,
     RequestOptions,
     decode,
@@ -30,13 +30,22 @@ FULL = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "seed": -
 
 def test_every_option_parses_and_reads_back_exactly():
     opts = parse_options(FULL, max_tokens=16)
-    # every option, the constraint (`structured`) read from its body field
-    assert set(opts.given()) == set(OPTION_NAMES) == set(FULL) - {"structured_outputs"} | {"structured"}
+    # every generation option, the constraint (`structured`) read from its body field
+    assert set(opts.given()) == set(GENERATE_OPTIONS) == set(FULL) - {"structured_outputs"} | {"structured"}
     assert opts.stop == ("\n\n", "Ünïcødé 🙂") and opts.stop_token_ids == (2, 0xFFFFFFFF)
     words = encode(opts)
     assert words.dtype == np.uint32
     assert decode(words) == opts
     assert decode(words.copy()).temperature == 0.8  # a double: bit-exact, not a float32's 0.800000011
+
+
+def test_an_embeddings_options_read_back_exactly():
+    opts = parse_options({"embed": True, "dimensions": 256})
+    assert decode(encode(opts)) == opts and encode(opts).size == 4  # the mask, a bool, an int64
+    words = encode(opts)
+    words[1] = 0  # embed false: not the one encoding of any options
+    with pytest.raises(OptionsError):
+        decode(words)
 
 
 def test_no_options_cost_no_words():

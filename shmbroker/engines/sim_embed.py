@@ -1,0 +1,69 @@
+"""The simulated engine's vectors, for a consumer that embeds (`task = "embed"`).
+
+Each prompt's vector is a deterministic unit vector of its tokens (splitmix64 of the prompt's
+crc32c and length, as float32), so equal prompts get equal vectors in any batch, on any consumer,
+after any restart: a whole embedding job runs and is checked end to end without a model. With
+`zero_cost` (a benchmark of the broker) the engine reads no prompt, and every vector is one shared
+unit vector. An item's `dimensions` (where `matryoshka` says the modeled model declares them) keeps
+the first values, renormalised, as a Matryoshka model's truncation does. The cost is the engine's
+own mode's (`padded`: count x longest, the encoder's rectangle), with no decode step.
+"""
+
+from __future__ import annotations
+
+import crc32c
+import numpy as np
+
+from ..request.extras import vector_extras, vector_words
+from ..request.options import Task
+
+
+def unit_vector(key: int, dims: int) -> np.ndarray:
+    """A deterministic float32 unit vector of `dims` values from a 64-bit key."""
+    z = np.uint64(key) + np.arange(1, dims + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    v = (z >> np.uint64(40)).astype(np.float64) / float(1 << 24) - 0.5
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def truncated(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """The first `dimensions` values renormalised (a Matryoshka cut); the vector itself when None."""
+    if dimensions is None or dimensions >= vector.size:
+        return vector
+    head = vector[:dimensions].astype(np.float64)
+    return (head / np.linalg.norm(head)).astype(np.float32)
+
+
+class SimEmbedder:
+    """The vectors of a simulated embedding model of `embed_dimensions` values."""
+
+    def __init__(self, settings):
+        self.dims = int(settings.embed_dimensions)
+        self.matryoshka = bool(settings.matryoshka)
+        self.zero_cost = bool(settings.cost.zero_cost)
+        self.shared = unit_vector(0, self.dims)  # zero cost: every vector (no prompt is read)
+        self.extras = vector_extras()
+
+    @staticmethod
+    def serves(settings) -> bool:
+        return Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED
+
+    @property
+    def unhonoured(self) -> tuple[str, ...]:
+        """`dimensions` is refused by name unless the modeled model declares Matryoshka dimensions."""
+        return () if self.matryoshka else ("dimensions",)
+
+    def vector(self, tokens) -> np.ndarray:
+        t = np.ascontiguousarray(tokens, np.uint32)
+        return unit_vector(crc32c.crc32c(t) | (t.size << 32), self.dims)
+
+    def results(self, item_ids, batch) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{item id: (its vector's words, its extras)} of every item of `batch` (an EngineBatch)."""
+        out = {}
+        for k, item in enumerate(np.asarray(item_ids).tolist()):
+            opts = batch.options_of(k)
+            v = self.shared if self.zero_cost else self.vector(batch.tokens[k])
+            out[int(item)] = (vector_words(truncated(v, None if opts is None else opts.dimensions)), self.extras)
+        return out
