@@ -107,7 +107,10 @@ class HFSettings:
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    """Offline `vllm.LLM`; the contract gives max_num_seqs, max_num_batched_tokens, max_model_len."""
+    """Offline `vllm.LLM`; the contract gives max_num_seqs, max_num_batched_tokens, max_model_len.
+    `task = "embed"`: vLLM's pooling runner (`runner = "pooling"`, `convert` vLLM's default: `embed`
+    for a decoder), one vector a prompt; `max_new_tokens` and the structured-output keys then play no
+    part (max_model_len = max_input_len)."""
 
     model: str = field(default="", metadata={"help": "the model (a directory or a name vLLM loads)"})
     dtype: str = field(default="auto", metadata={"help": "the weights' dtype; `auto`: the model's"})
@@ -153,7 +156,8 @@ GUIDED_BACKENDS = ("xgrammar", "llguidance", "none")  # TRTLLMSettings.guided_de
 
 @dataclass(frozen=True)
 class OpenAISettings:
-    """Any OpenAI-compatible completions server (vLLM serve, SGLang, TGI, trtllm-serve)."""
+    """Any OpenAI-compatible completions server (vLLM serve, SGLang, TGI, trtllm-serve); with
+    `task = "embed"` its embeddings endpoint (`/embeddings`, token-id inputs, base64 float32 vectors)."""
 
     base_url: str = field(default="http://127.0.0.1:8000/v1", metadata={"help": "the server's API root"})
     model: str = field(default="", metadata={"help": "the model name the server serves"})

@@ -6,6 +6,7 @@ package is an ImportError when `base.load_engine` loads them (it becomes EngineU
 extra to install). Everything they pass those packages is computed here and tested on any machine:
 
 - the contract (docs/design.md "Words") turned into engine limits: `vllm_llm_kwargs`, `trtllm_llm_kwargs`;
+- an embedding consumer's pooling runner: `pooling_kwargs`;
 - one item's vLLM sampling: `vllm_sampling` (TensorRT-LLM's: `trtllm_params.py`, with the
   end-of-sequence ids `eos_token_ids` finds in the model directory, as no tokenizer is loaded);
 - the engines' cumulative prefix-cache counters turned into one batch's hit and queried blocks in the
@@ -38,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..request.options import Task
 from ..request.structured import FIELD_OF, SWITCH_OF
 
 from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, ItemResult
@@ -48,9 +50,15 @@ VLLM_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 VLLM_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 
 
+def embeds(settings) -> bool:
+    """Does this consumer's engine embed (`task = "embed"`: vLLM's pooling runner, no generation)?"""
+    return Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED
+
+
 def max_model_len(settings, contract) -> int:
-    """The longest sequence an engine holds: the longest input plus the longest generation."""
-    return int(contract.max_input_len) + int(settings.max_new_tokens)
+    """The longest sequence an engine holds: the longest input plus the longest generation (an
+    embedding engine generates nothing)."""
+    return int(contract.max_input_len) + (0 if embeds(settings) else int(settings.max_new_tokens))
 
 
 def step_tokens(settings, contract, *, chunked_prefill: bool) -> int:
@@ -62,7 +70,7 @@ def step_tokens(settings, contract, *, chunked_prefill: bool) -> int:
 def vllm_llm_kwargs(settings, contract) -> dict:
     """Keyword arguments of `vllm.EngineArgs(...)` (the engine is `LLMEngine.from_engine_args`; `vllm.LLM`
     takes the same) for a consumer's contract; `settings.extra` is passed as given and wins over what
-    is derived here."""
+    is derived here. An embedding consumer gets vLLM's pooling runner (`pooling_kwargs`)."""
     kwargs = {
         "model": settings.model,
         "enable_prefix_caching": True,
@@ -83,8 +91,21 @@ def vllm_llm_kwargs(settings, contract) -> dict:
         "structured_outputs_config": {"backend": settings.structured_outputs_backend,
                                       "disable_any_whitespace": bool(settings.disable_any_whitespace)},
     }
+    if embeds(settings):
+        pooling_kwargs(kwargs)
     kwargs.update(settings.extra)
     return kwargs
+
+
+def pooling_kwargs(kwargs: dict) -> None:
+    """An embedding engine's arguments, in place: `runner="pooling"` with vLLM's `convert="auto"`
+    (`embed` for a *ForCausalLM, none for a model that pools already: vLLM's
+    `ModelConfig._get_default_convert_type`); prefix caching and chunked prefill left to vLLM's
+    default for the model (`is_prefix_caching_supported`: on for causal last-token pooling, off for
+    bidirectional attention or mean/CLS pooling, whose vectors a cached prefix cannot give); no
+    structured outputs (nothing is generated)."""
+    kwargs.update(runner="pooling", convert="auto")
+    del kwargs["enable_prefix_caching"], kwargs["structured_outputs_config"]
 
 
 # request options (request/options.py) that are `vllm.SamplingParams` fields of the same name and meaning
@@ -280,10 +301,11 @@ class Plan:
     results: list  # [ItemResult | None], one per batch item
 
 
-def plan_batch(batch, *, max_new_tokens_max: int, max_input_len: int) -> Plan:
+def plan_batch(batch, *, max_new_tokens_max: int, max_input_len: int, embed: bool = False) -> Plan:
     """Split a batch: an item without tokens is invalid, one longer than max_input_len too long, one
     asking more than the engine's max_new_tokens fails alone (the engine's max_model_len has no room
-    for it), one asking none is answered with no tokens; the rest run."""
+    for it), one asking none is answered with no tokens; the rest run. `embed`: every item runs for
+    its vector (it asks for no tokens)."""
     n = len(batch)
     results: list = [None] * n
     rows, prompts, max_new = [], [], []
@@ -295,11 +317,11 @@ def plan_batch(batch, *, max_new_tokens_max: int, max_input_len: int) -> Plan:
             results[i] = ItemResult(item_id, INVALID, error="no tokens")
         elif tokens.size > max_input_len:
             results[i] = ItemResult(item_id, TOO_LONG, error=f"{tokens.size} tokens > max_input_len {max_input_len}")
-        elif m > max_new_tokens_max:
+        elif m > max_new_tokens_max and not embed:
             results[i] = ItemResult(item_id, ENGINE_ERROR, error=(
                 f"max_new_tokens {m} > the engine's max_new_tokens {max_new_tokens_max} "
                 "(raise engine_settings.max_new_tokens)"))
-        elif m <= 0:
+        elif m <= 0 and not embed:
             results[i] = ItemResult(item_id, OK)
         else:
             rows.append(i)

@@ -48,6 +48,10 @@ Cache figures per poll, from the finished items' `num_cached_tokens` in the brok
 reused_tokens = cached tokens (`packed_args.hits_from_requests`). engine_seconds = time inside
 `step()`.
 
+Embeddings (`task = "embed"`): the same engine on vLLM's pooling runner, one `PoolingParams` per
+item, each finished request's vector its result (`vllm_pooling.py`); deaths, isolation and probes
+as above (the probe is a one-token pooling request).
+
 `VLLM(settings, contract=..., engine=fake)` (or `llm=fake`) runs the same code over an injected engine
 object (tests use a test double); without one it builds the real engine.
 """
@@ -68,7 +72,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .deaths import PROBE_TOKENS, Streak, death_of
-from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
+from .packed_args import embeds, hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 from .samples import samples_result
 
 try:
@@ -171,6 +175,12 @@ class VLLM(StreamingRun):
         # stop strings are matched in text: without a tokenizer in the model directory there is none
         # and constraints compile against its vocabulary
         self.unhonoured = {"stop", "structured"} if self.llm_kwargs.get("skip_tokenizer_init") else set()
+        self.pooling = None  # vllm_pooling, for an engine that embeds (imported only then)
+        if embeds(settings):
+            from . import vllm_pooling
+
+            self.pooling = vllm_pooling
+            self.unhonoured = set() if vllm_pooling.matryoshka(self.engine) else {"dimensions"}
         self._live: dict[str, tuple] = {}  # request id -> (item id, prompt, max_new_tokens, options), in add order
         self._answered: list[ItemResult] = []  # results decided at add, handed out by the next poll
         self._alone: deque = deque()  # the requests of a step that raised, to run one at a time
@@ -189,7 +199,7 @@ class VLLM(StreamingRun):
         if self.engine is None:
             raise RuntimeError("engine 'vllm' is closed")
         plan = plan_batch(batch, max_new_tokens_max=self.settings.max_new_tokens,
-                          max_input_len=self.contract.max_input_len)
+                          max_input_len=self.contract.max_input_len, embed=self.pooling is not None)
         self._answered.extend(r for r in plan.results if r is not None)
         for row, prompt, m in zip(plan.rows, plan.prompts, plan.max_new_tokens):
             item_id = int(batch.item_ids[row])
@@ -211,8 +221,7 @@ class VLLM(StreamingRun):
             self._answered.append(ItemResult(item_id, ENGINE_ERROR, error=f"item {item_id} is already in the engine"))
             return
         try:
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                                    sampling_params(max_new_tokens, opts))
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(max_new_tokens, opts))
         except Exception as exc:  # noqa: BLE001 - vLLM refuses this item: it fails alone, unless the engine is dead
             why = death_of(exc, FATAL_TYPES)
             if why is not None:
@@ -220,6 +229,12 @@ class VLLM(StreamingRun):
             self._answered.append(refused(item_id, exc))
             return
         self._live[rid] = (item_id, prompt, max_new_tokens, opts)
+
+    def _params(self, max_new_tokens: int, opts):
+        """One request's parameters: an embedding's `PoolingParams`, else its `SamplingParams`."""
+        if self.pooling is not None:
+            return self.pooling.pooling_params(opts)
+        return sampling_params(max_new_tokens, opts)
 
     def poll(self, timeout_seconds: float) -> EngineOutcome:
         if self.engine is None:
@@ -249,7 +264,8 @@ class VLLM(StreamingRun):
                 if item is None:  # aborted earlier
                     continue
                 item_id, prompt = item[0], item[1]
-                result = finished_result(item_id, out, item[3])
+                result = finished_result(item_id, out, item[3]) if self.pooling is None \
+                    else self.pooling.pooled_result(item_id, out)
                 results.append(result)
                 self.streak.answered()
                 if result.status == OK:
@@ -281,9 +297,9 @@ class VLLM(StreamingRun):
             pass
 
     def _probe(self) -> None:
-        """One token from a one-token prompt, alone in the engine; raises what the engine raises."""
-        self.engine.add_request(PROBE_REQUEST, TokensPrompt(prompt_token_ids=PROBE_TOKENS.tolist()),
-                                SamplingParams(**vllm_sampling(1, None), **FINAL_ONLY))
+        """One token (or one vector) from a one-token prompt, alone in the engine; raises what the engine
+        raises."""
+        self.engine.add_request(PROBE_REQUEST, TokensPrompt(prompt_token_ids=PROBE_TOKENS.tolist()), self._params(1, None))
         try:
             for _ in range(PROBE_STEPS_MAX):
                 if any(str(out.request_id) == PROBE_REQUEST and getattr(out, "finished", True)
