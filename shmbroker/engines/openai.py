@@ -68,6 +68,12 @@ block_tokens; a server that does not report it counts 0 for both. Each poll repo
 it returns. Its `engine_seconds` are the wall seconds since the last poll during which at least one
 request was at the server (`BusyClock`): the server's busy time as far as this consumer can see it. Reading an answer (the token ids, the
 usage, a server's error text) is `openai_reply.py`'s.
+
+Embeddings (`task = "embed"`): the items go to `POST {base_url}/embeddings` instead, grouped and cut
+into requests the same way (by their options: `dimensions`), with the same retries, hand-backs and
+splits of a refused request, except that a refusal of an embedding's content (400, 413, 422: too
+long, a token id out of vocabulary, `dimensions` the model does not declare) fails its item
+`invalid`, with the server's message; each vector is read bit-exact from base64 (`openai_embed.py`).
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ import httpx
 
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, INVALID, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
+from .openai_embed import embeddings_body, parse_embeddings
 from .openai_reply import Reply, RequestFailed, parse_reply, server_message
-from .packed_args import BusyClock, structured_fields
+from .packed_args import BusyClock, embeds, structured_fields
 
 RETRY_STATUSES = (408, 429)  # and every 5xx
 LOAD_STATUSES = (429, 503)  # the server's load: handed back (down) even while it answers others
@@ -123,7 +130,8 @@ class OpenAICompatible(StreamingRun):
         if not settings.model:
             raise ValueError("engine 'openai' needs engine_settings.model (the served model's name)")
         self._configure("openai", settings, block_tokens, contract, needs=None)
-        self.url = settings.base_url.rstrip("/") + "/completions"
+        self.embeds = embeds(settings)  # task "embed": the server's embeddings endpoint (openai_embed.py)
+        self.url = settings.base_url.rstrip("/") + ("/embeddings" if self.embeds else "/completions")
         self.in_flight_max = max(1, int(settings.max_in_flight))
         self.items_per_request = default_items_per_request(settings, contract)
         headers = {"Content-Type": "application/json"}
@@ -193,7 +201,7 @@ class OpenAICompatible(StreamingRun):
                     down.extend(ids)  # the server is down: handed back, retried later
                     reason = str(exc)
                 else:  # refused for its content with a constraint (which all its items share): that constraint
-                    status = INVALID if constrained and exc.status in SPLIT_STATUSES else ENGINE_ERROR
+                    status = INVALID if (constrained or self.embeds) and exc.status in SPLIT_STATUSES else ENGINE_ERROR
                     results.extend(ItemResult(i, status, error=str(exc)) for i in ids)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug or an odd answer fails this request's items only
@@ -201,8 +209,9 @@ class OpenAICompatible(StreamingRun):
                 continue
             for k, i in enumerate(ids):
                 tokens, error = reply.tokens[k], reply.errors[k]
+                refused = self.embeds and reply.refused_of(k)  # an embedding's content the server refused
                 results.append(ItemResult(i, OK, tokens, extras=reply.extras_of(k)) if error is None
-                               else ItemResult(i, ENGINE_ERROR, error=error))
+                               else ItemResult(i, INVALID if refused else ENGINE_ERROR, error=error))
             for r in reply.sub_replies or [reply]:
                 if r.cached_tokens is not None:
                     reused_tokens += r.cached_tokens
@@ -257,10 +266,12 @@ class OpenAICompatible(StreamingRun):
             except RequestFailed as exc:
                 if exc.down:
                     raise
-                replies.append(Reply([None] * len(sub), [str(exc)] * len(sub)))
+                replies.append(Reply([None] * len(sub), [str(exc)] * len(sub),
+                                     refused=[exc.status in SPLIT_STATUSES] * len(sub)))
         return Reply(replies[0].tokens + replies[1].tokens, replies[0].errors + replies[1].errors,
                      sub_replies=[s for r in replies for s in (r.sub_replies or [r])],
-                     extras=[r.extras_of(k) for r in replies for k in range(len(r.tokens))])
+                     extras=[r.extras_of(k) for r in replies for k in range(len(r.tokens))],
+                     refused=[r.refused_of(k) for r in replies for k in range(len(r.tokens))])
 
     def _refused_alone(self, prompt: list, whole, max_tokens: int, options=None) -> bool:
         """Whether this one prompt alone is refused with the very reason the whole request was. Both the
@@ -274,10 +285,22 @@ class OpenAICompatible(StreamingRun):
         return False
 
     def post(self, prompts: list, max_tokens: int, options=None) -> Reply:
-        """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed.
-        The request options become the body's fields of the same names (greedy without any)."""
-        s = self.settings
-        body = {"model": s.model, "prompt": prompts, "max_tokens": int(max_tokens), "temperature": 0,
+        """One request, retried on connection errors, timeouts, 408, 429 and 5xx; raises RequestFailed:
+        a completion (`completion_body`) or, for an engine that embeds, the prompts' vectors."""
+        if self.embeds:
+            resp = self.send(json.dumps(embeddings_body(self.settings.model, prompts, options)).encode())
+            return parse_embeddings(resp, prompts)
+        body, top = self.completion_body(prompts, max_tokens, options)
+        resp = self.send(json.dumps(body, separators=(",", ":")).encode())
+        reply, from_token_ids = parse_reply(resp, prompts, int(body["n"]), top)
+        if from_token_ids:
+            self.ask_logprobs = False
+        return reply
+
+    def completion_body(self, prompts: list, max_tokens: int, options=None) -> tuple[dict, int | None]:
+        """(a completions request's body, the logprobs its items ask: None for none). The request
+        options become the body's fields of the same names (greedy without any)."""
+        body = {"model": self.settings.model, "prompt": prompts, "max_tokens": int(max_tokens), "temperature": 0,
                 "n": 1, "stream": False, "return_token_ids": True}
         top = None  # the logprobs the items ask: the completions API's `logprobs` count
         if options is not None:
@@ -292,7 +315,12 @@ class OpenAICompatible(StreamingRun):
         if self.ask_logprobs or top is not None:
             body["logprobs"] = top or 0
             body["return_tokens_as_token_ids"] = True  # top_logprobs' keys then name their token ids
-        content = json.dumps(body, separators=(",", ":")).encode()
+        return body, top
+
+    def send(self, content: bytes) -> httpx.Response:
+        """POST `content` to the engine's endpoint until the server answers 200 (that answer), retried
+        as `post` says; raises RequestFailed."""
+        s = self.settings
         delay_seconds = s.backoff_seconds
         tries = int(s.retries) + 1
         for attempt in range(tries):
@@ -310,10 +338,7 @@ class OpenAICompatible(StreamingRun):
                 status = resp.status_code
                 if status == 200:
                     self.last_ok = monotonic()
-                    reply, from_token_ids = parse_reply(resp, prompts, int(body["n"]), top)
-                    if from_token_ids:
-                        self.ask_logprobs = False
-                    return reply
+                    return resp
                 reason = f"HTTP {status}: {server_message(resp)}"
                 if status not in RETRY_STATUSES and status < 500:
                     raise RequestFailed(reason, status)

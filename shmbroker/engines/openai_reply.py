@@ -1,6 +1,6 @@
 """An OpenAI-compatible server's answers, read: the token ids of each choice (in the fields the
 `openai` engine's module docstring lists) and its finish reason, the usage's cache figures, a failed
-request's reason and the server's error text.
+request's reason and the server's error text (an embeddings answer's vectors: `openai_embed.py`).
 
 A request of P prompts asking n samples each is answered with P * n choices; choice c is sample
 c % n of prompt c // n (vLLM's and OpenAI's numbering: each prompt's choices one after another).
@@ -51,9 +51,13 @@ class Reply:
     cached_tokens: int | None = None
     sub_replies: list = field(default_factory=list)  # a split request's halves, in order
     extras: list = field(default_factory=list)  # np.ndarray (uint32) or None per prompt; empty: none
+    refused: list = field(default_factory=list)  # per prompt: the server refused it for its content (400/413/422)
 
     def extras_of(self, k: int):
         return self.extras[k] if k < len(self.extras) else None
+
+    def refused_of(self, k: int) -> bool:
+        return k < len(self.refused) and bool(self.refused[k])
 
 
 def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None = None) -> tuple[Reply, bool]:
@@ -68,14 +72,7 @@ def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list):
         raise RequestFailed(f"the server's answer has no choices: {resp.text[:MESSAGE_CHARS_MAX]!r}")
-    usage = data.get("usage")
-    usage = usage if isinstance(usage, dict) else {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
-    prompt_tokens = usage.get("prompt_tokens")
-    if not isinstance(prompt_tokens, int):
-        prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens, cached = usage_of(data, prompts)
     samples, from_ids = read_choices(choices, len(prompts), n, top)
     reply = Reply([None] * len(prompts), [None] * len(prompts), prompt_tokens, cached, extras=[None] * len(prompts))
     for k, got in enumerate(samples):
@@ -91,6 +88,20 @@ def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None
         except ExtrasError as exc:
             reply.tokens[k], reply.errors[k] = None, f"its logprobs: {exc}"
     return reply, from_ids
+
+
+def usage_of(data: dict, prompts: list) -> tuple[int, int | None]:
+    """An answer's (prompt tokens, cached prompt tokens or None) from its `usage`: the prompts' own
+    length when the server gives none, `prompt_tokens_details.cached_tokens` when it reports them."""
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+    prompt_tokens = usage.get("prompt_tokens")
+    if not isinstance(prompt_tokens, int):
+        prompt_tokens = sum(len(p) for p in prompts)
+    return prompt_tokens, cached
 
 
 def read_choices(choices: list, num_prompts: int, n: int, top: int | None = None) -> tuple[list, bool]:

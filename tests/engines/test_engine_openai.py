@@ -5,13 +5,15 @@ vLLM CPU build serves a tiny random-weight model, but takes ~20 s to start and ~
 so these tests run the engine against `FakeCompletionsServer`, a test double: a stdlib HTTP server
 on 127.0.0.1 implementing `POST /v1/completions` for token-id prompts as vLLM documents it
 (`CompletionRequest` / `CompletionResponse` in vllm/entrypoints/openai/completion/protocol.py),
-with knobs for the failures a real server shows. Its generated tokens are a function of the
-prompt, so every item's result can be checked. tests/engines/test_vllm_chat.py runs the engine
+with knobs for the failures a real server shows, and `POST /v1/embeddings` for token-id inputs
+(`EmbeddingCompletionRequest` in vllm/entrypoints/pooling/embed/protocol.py). Its generated tokens
+and its vectors are functions of the prompt, so every item's result can be checked. tests/engines/test_vllm_chat.py runs the engine
 against a real server: `vllm serve` from `.venv-vllm`, behind a broker.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import sys
@@ -38,6 +40,16 @@ REJECTED = 5000  # a prompt holding this token id is refused (400) by the fake, 
 SLOW = 4000  # a request with a prompt holding this token id answers after slow_seconds
 
 
+EMBED_DIMS = 12  # the fake's vectors' length
+MATRYOSHKA = (4, 8, 12)  # the cuts its embedding model declares (with matryoshka=True)
+
+
+def embedded(prompt, dimensions=None) -> np.ndarray:
+    """The fake's vector of a prompt (float32): a function of the prompt, cut and renormalised."""
+    v = np.cos(np.arange(1, EMBED_DIMS + 1) * (1 + int(np.sum(np.asarray(prompt, np.int64))) % 997))[:dimensions]
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
 def generated(prompt, count: int) -> list:
     """The fake's generated tokens for a prompt: a function of the prompt, so results are checkable."""
     total = int(np.sum(np.asarray(prompt, np.int64)))
@@ -58,11 +70,15 @@ class FakeCompletionsServer:
     server refusing (400) a request carrying that field; `retry_after`: a Retry-After header (seconds)
     on the failures; `style` "vllm" (the above), "old_vllm" (ignores return_token_ids),
     "sglang_output_ids" (answers `output_ids` only), "text_only" (no token ids at all).
+    Embeddings: vectors `embedded` of each input, base64 of little-endian float32 when asked (else
+    lists of floats, as `style="float_only"` always answers), `dimensions` one of MATRYOSHKA when
+    `matryoshka`, else refused (400) as vLLM refuses a model without Matryoshka dimensions.
     It counts requests in flight at once (`in_flight_max`) and keeps every request body and time."""
 
     def __init__(self, *, fail_first=0, fail_status=500, slow_seconds=5.0, latency_seconds=0.0, style="vllm",
-                 refuse_field=None, retry_after=None, held=False):
+                 refuse_field=None, retry_after=None, held=False, matryoshka=True):
         self.refuse_field = refuse_field
+        self.matryoshka = matryoshka
         self.gate = threading.Event()  # answers wait for it (open unless held)
         if not held:
             self.gate.set()
@@ -128,7 +144,7 @@ class FakeCompletionsServer:
         return status, answer
 
     def _answer(self, path: str, raw: bytes, tries: int):
-        if path != "/v1/completions":
+        if path not in ("/v1/completions", "/v1/embeddings"):
             return 404, error(f"no route {path}", 404)
         try:
             body = json.loads(raw)
@@ -140,6 +156,8 @@ class FakeCompletionsServer:
             return 404, error(f"The model `{body.get('model')}` does not exist.", 404)
         if self.refuse_field and self.refuse_field in body:
             return 400, error(f"unknown field {self.refuse_field!r}", 400)
+        if path == "/v1/embeddings":
+            return self.embeddings(body, tries)
         prompts, max_tokens = body.get("prompt"), body.get("max_tokens")
         if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for p in prompts for t in p)):
@@ -165,6 +183,32 @@ class FakeCompletionsServer:
                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens * len(prompts),
                                "total_tokens": prompt_tokens + max_tokens * len(prompts),
                                "prompt_tokens_details": {"cached_tokens": cached}}}
+
+    def embeddings(self, body: dict, tries: int):
+        """The fake's answer to an embeddings request (the knobs as for completions)."""
+        inputs, dims = body.get("input"), body.get("dimensions")
+        if not (isinstance(inputs, list) and inputs and all(isinstance(p, list) and p for p in inputs)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for p in inputs for t in p)):
+            return 400, error("input must be a non-empty list of non-empty token id lists", 400)
+        if dims is not None and not self.matryoshka:
+            return 400, error(f"Model '{MODEL}' does not support Matryoshka embeddings; dimensions must be unset "
+                              f"(received dimensions={dims}).", 400)
+        if dims is not None and dims not in MATRYOSHKA:
+            return 400, error(f"Model '{MODEL}' only supports Matryoshka dimensions {list(MATRYOSHKA)}, got {dims}.", 400)
+        self.gate.wait()
+        if self.latency_seconds:
+            self.stopping.wait(self.latency_seconds)
+        if tries <= self.fail_first:
+            return self.fail_status, error("engine overloaded", self.fail_status)
+        if any(REJECTED in p for p in inputs):
+            return 400, error(f"token id {REJECTED} is out of vocabulary", 400)
+        as_base64 = body.get("encoding_format") == "base64" and self.style != "float_only"
+        data = [{"index": i, "object": "embedding",
+                 "embedding": base64.b64encode(embedded(p, dims).astype("<f4").tobytes()).decode() if as_base64
+                 else [float(x) for x in embedded(p, dims)]} for i, p in enumerate(inputs)]
+        total = sum(len(p) for p in inputs)
+        return 200, {"id": f"embd-{tries}", "object": "list", "created": 0, "model": MODEL, "data": data[::-1],
+                     "usage": {"prompt_tokens": total, "total_tokens": total}}
 
     def choice(self, index: int, prompt: list, max_tokens: int, body: dict, sample: int = 0) -> dict:
         """Choice `index`, sample `sample` of its prompt (sample 0 is the greedy `generated`; a sample
@@ -757,3 +801,71 @@ def test_without_httpx_load_engine_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "shmbroker.engines.openai", raising=False)
     with pytest.raises(EngineUnavailable, match=r"pip install 'shmbroker\[openai\]'"):
         load_engine("openai", OpenAISettings(model=MODEL), block_tokens=16)
+
+
+# -- embeddings (task = "embed": the server's /v1/embeddings) ----------------------------------------
+
+
+def embed_batch(tokens, options=None):
+    from shmbroker.request.options import EMBED
+
+    return EngineBatch(np.arange(100, 100 + len(tokens), dtype=np.uint64), tokens, np.zeros(len(tokens), np.int64),
+                       options=options if options is not None else [EMBED] * len(tokens))
+
+
+def test_embeddings_come_back_bit_exact_one_request_per_dimensions(server_factory, engines):
+    """Token-id inputs, several a request, base64 asked; each vector decoded to the server's very
+    float32 values, marked a vector by its extras; items asking another cut go in another request."""
+    from shmbroker.request.extras import decode_extras
+    from shmbroker.request.options import Task, embedding
+
+    server = server_factory()
+    engine = engines(server, task=Task.EMBED, max_items_per_request=4)
+    assert engine.honours == {"embed", "dimensions"}
+    tokens = prompts(6)
+    cuts = [None, 8, None, 8, None, None]
+    out = engine.run(embed_batch(tokens, [embedding(d) for d in cuts]))
+    assert [r.status for r in out.results] == ["ok"] * 6
+    for r, t, d in zip(out.results, tokens, cuts):
+        assert np.array_equal(r.tokens, embedded(t.tolist(), d).view(np.uint32))  # bit-exact
+        assert decode_extras(r.extras, r.tokens.size).vector
+    bodies = sorted(server.bodies, key=lambda b: b.get("dimensions", 0))
+    assert [len(b["input"]) for b in bodies] == [4, 2] and bodies[1]["dimensions"] == 8
+    assert bodies[0]["input"] == [tokens[i].tolist() for i in (0, 2, 4, 5)]
+    assert all(b["encoding_format"] == "base64" and "max_tokens" not in b for b in bodies)
+
+
+def test_embeddings_as_floats_from_a_server_ignoring_base64(server_factory, engines):
+    from shmbroker.request.options import Task
+
+    server = server_factory(style="float_only")
+    tokens = prompts(3)
+    out = engines(server, task=Task.EMBED).run(embed_batch(tokens))
+    for r, t in zip(out.results, tokens):
+        assert r.status == "ok" and np.array_equal(r.tokens.view(np.float32), embedded(t.tolist()))
+
+
+def test_an_embedding_the_server_refuses_fails_alone_invalid(server_factory, engines):
+    """A 400 for one input fails only its item, `invalid` with the server's message (the request is
+    split as for completions); dimensions a model without Matryoshka refuses fail their items."""
+    from shmbroker.request.options import EMBED, Task, embedding
+
+    server = server_factory(matryoshka=False)
+    tokens = prompts(5)
+    tokens[3] = np.concatenate([tokens[3], [REJECTED]]).astype(np.uint32)
+    out = engines(server, task=Task.EMBED, max_items_per_request=4).run(
+        embed_batch(tokens, [EMBED, EMBED, EMBED, EMBED, embedding(8)]))
+    assert [r.status for r in out.results] == ["ok", "ok", "ok", "invalid", "invalid"]
+    assert out.results[3].error == f"HTTP 400: token id {REJECTED} is out of vocabulary"
+    assert "does not support Matryoshka" in out.results[4].error
+
+
+def test_an_overloaded_embeddings_server_hands_the_items_back(server_factory, engines):
+    from shmbroker.request.options import Task
+
+    server = server_factory(fail_first=100, fail_status=503)
+    engine = engines(server, task=Task.EMBED, retries=1)
+    engine.add(embed_batch(prompts(2)))
+    out = engine.poll(5.0)
+    assert out.results == [] and sorted(out.down.item_ids.tolist()) == [100, 101]
+    assert "HTTP 503" in str(out.down) and engine.pending() == 0
