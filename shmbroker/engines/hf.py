@@ -36,7 +36,8 @@ runs plain right-padded batches (what FIFO feeding gets; `bench gpu` compares th
 
 Weights: a local directory (`model`, loaded with `local_files_only`: never downloaded), or a
 transformers config (`config`) built with random weights from `seed` (benchmarks, tests). bf16 on
-CUDA, fp32 on the CPU unless `dtype` says otherwise.
+CUDA, fp32 on the CPU unless `dtype` says otherwise. A consumer that embeds (`task = "embed"`) gets
+an encoder instead (`HF(settings)` returns an `hf_embed.HFEmbed`): no decoding, one vector an item.
 
 Failures (judged by `BatchStream`, engines/batch_stream.py, with engines/deaths.py): a batch that raises is
 run item by item. An item the model cannot take (a token id outside its vocabulary, longer than its
@@ -61,6 +62,7 @@ import transformers
 from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from ..request.extras import encode_extras
+from ..request.options import Task
 from .base import INVALID, BatchResults, EngineOutcome, ItemResult, merge_outcomes
 from .batch_stream import answered
 from .hf_sampling import Decoder, Sampled
@@ -74,19 +76,18 @@ CRITERIA_KEPT = 64  # distinct stop-string sets whose StopStringCriteria the eng
 class HF:
     mode = Mode.PADDED
 
+    def __new__(cls, settings, **options):
+        """An encoder (`hf_embed.HFEmbed`) where the consumer embeds (`task = "embed"`), else this engine."""
+        if Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED:
+            from .hf_embed import HFEmbed
+
+            return HFEmbed(settings, **options)
+        return super().__new__(cls)
+
     def __init__(self, settings, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, contract=None, **_options):
         self.settings = settings
         self.block_tokens = block_tokens
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
-        device = settings.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        dtype = settings.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = DTYPES[dtype]
+        self.device, self.dtype = placement(settings)
         self.model = build_model(settings, self.dtype).to(self.device).eval()
         # transformers renamed forward's `past_key_values` to `cache` (5.x deprecates the old name)
         self._kv = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -279,19 +280,38 @@ class HF:
             torch.cuda.empty_cache()
 
 
-def build_model(settings, dtype):
-    """The model: from a local directory (never downloaded), or random weights from a config table."""
-    auto = transformers.AutoModelForCausalLM
-    # transformers >= 4.56 takes `dtype`, older releases `torch_dtype`
+def placement(settings) -> tuple:
+    """(torch device, torch dtype) of the settings, with the CPU threads set: `auto` is cuda when torch
+    sees a GPU, bf16 on CUDA and fp32 on the CPU."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    return torch.device(device), DTYPES[dtype]
+
+
+def dtype_argument(dtype) -> dict:
+    """`from_pretrained`'s dtype keyword: transformers >= 4.56 takes `dtype`, older releases `torch_dtype`."""
     key = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+    return {key: dtype}
+
+
+def build_model(settings, dtype, auto=None):
+    """The model (`auto`: a transformers Auto class, the causal LM's by default): from a local
+    directory (never downloaded), or random weights from a config table."""
+    auto = auto or transformers.AutoModelForCausalLM
     if settings.model:
         return auto.from_pretrained(settings.model, local_files_only=True, attn_implementation=settings.attn_implementation,
-                                    **{key: dtype})
+                                    **dtype_argument(dtype))
     raw = dict(settings.config)
     model_type = raw.pop("model_type", "llama")
     config = transformers.AutoConfig.for_model(model_type, **raw)
     torch.manual_seed(settings.seed)
-    return auto.from_config(config, attn_implementation=settings.attn_implementation, **{key: dtype})
+    return auto.from_config(config, attn_implementation=settings.attn_implementation, **dtype_argument(dtype))
 
 
 def alone(engine: HF, tokens: np.ndarray, max_new_tokens: int, options=None) -> Sampled:

@@ -85,7 +85,10 @@ SIM_KILLS = ("abort", "segfault", "exit")
 class HFSettings:
     """transformers on torch. `model`: a local directory (never downloaded); or `config`: a
     transformers config as a table (e.g. { model_type = "llama", hidden_size = 64, ... }) built with
-    random weights seeded by `seed` (benchmarks, tests)."""
+    random weights seeded by `seed` (benchmarks, tests). With `task = "embed"` the model is an
+    encoder (engines/hf_embed.py): a sentence-transformers directory pools and normalises with its
+    own modules; a plain encoder with `pooling` and `normalize`; `matryoshka` declares that an
+    item may ask for fewer `dimensions`. Those three keys are refused with `task = "generate"`."""
 
     model: str | None = field(default=None, metadata={"help": "a local model directory (loaded with `local_files_only`: "
                                                                "never downloaded); exactly one of `model` and `config`"})
@@ -103,6 +106,27 @@ class HFSettings:
                                                               "same family"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     task: Task = task_field()
+    pooling: str = field(default="auto", metadata={"help": "task `embed`: a plain encoder's pooling, `mean`, `cls` or "
+                                                           "`last` (`auto`: a sentence-transformers directory's own "
+                                                           "Pooling module, else `mean`)"})
+    normalize: bool = field(default=False, metadata={"help": "task `embed`: scale every vector to length 1 (a "
+                                                             "sentence-transformers directory's Normalize module "
+                                                             "does so already)"})
+    matryoshka: bool = field(default=False, metadata={"help": "task `embed`: the model was trained for Matryoshka "
+                                                              "dimensions: an item may ask for `dimensions` (its "
+                                                              "vector's first values, renormalised); else such an "
+                                                              "item fails, naming the option"})
+
+    POOLINGS = ("auto", "mean", "cls", "last")  # not a field: the values of `pooling`
+
+    def __post_init__(self):
+        if self.pooling not in self.POOLINGS:
+            raise ValueError(f"pooling: must be one of {', '.join(self.POOLINGS)}, got {self.pooling!r}")
+        if self.task != Task.EMBED:
+            asked = [k for k, v in (("pooling", self.pooling != "auto"), ("normalize", self.normalize),
+                                    ("matryoshka", self.matryoshka)) if v]
+            if asked:
+                raise ValueError(f"{', '.join(asked)}: only with task = \"embed\" (an encoder's vectors)")
 
 
 @dataclass(frozen=True)
