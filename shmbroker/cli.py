@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http", "faults")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http", "faults", "embed")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -73,7 +73,7 @@ def _bench(args) -> int:
         from .errors import BrokerError
 
         try:
-            result = gen.run(engine=args.engine, kv_blocks=args.kv_blocks, trace=args.trace, runs=args.runs,
+            result = gen.run(engine=args.engine or "vllm", kv_blocks=args.kv_blocks, trace=args.trace, runs=args.runs,
                              max_new_tokens=args.max_new_tokens, sampling=args.sampling, structured=args.structured,
                              say=lambda line: print(line, file=sys.stderr))
         except (BrokerError, ValueError) as exc:  # no engine packages, no trace: say so, no traceback
@@ -99,6 +99,12 @@ def _bench(args) -> int:
 
         result = http.run(lines=args.items or int(50_000 * args.scale), repeats=args.repeats or 4, seed=args.seed,
                           say=lambda line: print(line, file=sys.stderr))
+    elif args.name == "embed":
+        from .bench import embed
+
+        result = embed.from_command(args)
+        if result is None:  # no engine packages, no vLLM part: said on stderr, no traceback
+            return 2
     elif args.name == "faults":
         from .bench import faults
         result = faults.run(items=args.items or int(240 * args.scale), say=lambda line: print(line, file=sys.stderr))
@@ -240,26 +246,12 @@ def _add_bench(sub) -> None:
                    help="streaming: maximum wait in modeled seconds before aging (default: a quarter of the arrival span)")
     g.add_argument("--padding-tolerance", type=float, default=None,
                    help="padded engines: longest item <= (1 + tol) x shortest in a batch (default 1/16)")
-    g = p.add_argument_group("gen")
-    g.add_argument("--engine", choices=("vllm", "hf", "sim"), default="vllm",
-                   help="gen: the engine on both sides (default vllm: .venv-vllm, `make vllm`)")
-    g.add_argument("--kv-blocks", type=int, default=None,
-                   help="gen: the engine's KV cache in blocks of 32 tokens (default 256)")
-    g.add_argument("--runs", type=int, default=2, help="gen: runs of each side, alternated (default 2)")
-    g.add_argument("--sampling", action="store_true", help="gen: every item samples (temperature 0.7, top_p 0.95, "
-                   "its own seed, a stop token, n = 2 on every fourth), the same requests on both sides")
-    g.add_argument("--structured", action="store_true", help="gen: every item constrained by one of 4 JSON schemas")
-    g = p.add_argument_group("e2e")
-    g.add_argument("--options", action="store_true",
-                   help="e2e: every item carries one shared set of request options (e2e.SHARED_OPTIONS)")
-    g.add_argument("--schema", action="store_true", help="e2e: every item references one shared JSON schema")
-    g = p.add_argument_group("chaos")
-    g.add_argument("--seconds", type=float, default=30.0,
-                   help="chaos: how long processes and readers are killed at random (default 30)")
-    g.add_argument("--fs-mib", type=int, default=None,
-                   help="chaos: run the broker's data directory on a tmpfs of this many MiB that a filler keeps "
-                        "filling (needs the right to mount)")
+    from .bench.options import add_e2e_and_chaos, add_embed, add_gen  # light: declarations only
     from .cluster.options import NodeSettings  # light: declarations only (no nats, no kernels)
+
+    add_gen(p)
+    add_e2e_and_chaos(p)
+    add_embed(p)
 
     g = p.add_argument_group("cluster")
     g.add_argument("--key-blocks", type=int, default=None,

@@ -172,6 +172,7 @@ class HFEmbed:
             return f"'dimensions' {dimensions} is more than the model's vectors have ({self.dims})"
         return None
 
+    @torch.inference_mode()
     def vectors(self, tokens: list) -> np.ndarray:
         """float32 [n, dims]: the items as one right-padded rectangle, one forward."""
         width = max(t.size for t in tokens)
