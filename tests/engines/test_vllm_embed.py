@@ -9,7 +9,8 @@
 2. The real thing (`tests/support/vllm_embed_check.py` under `.venv-vllm`; skipped, saying why,
    without it): a broker with a real vLLM pooling consumer; every vector equals vLLM's own `LLM.embed`
    of the same input (cosine >= 0.9999, the Matryoshka cuts included); the items that must fail do,
-   alone; the consumer reports prefix-cache hits.
+   alone; the consumer reports prefix-cache hits. The same items through the `openai` engine in front of
+   `vllm serve --runner pooling` equal it too.
 """
 
 from __future__ import annotations
@@ -201,3 +202,25 @@ def test_every_vector_through_a_real_vllm_consumer_equals_llm_embed(report):
     # the families' later members found their shared prefixes in vLLM's cache
     assert sum(got[str(k)]["cached_tokens"] or 0 for k in range(len(got))) > 0
     assert report["consumer"]["reused_tokens"] > 0 and report["consumer"]["hit_blocks"] > 0
+
+
+@pytest.mark.timeout(700)
+def test_every_vector_through_an_openai_consumer_of_vllm_serve_equals_llm_embed(report):
+    """The same items through the `openai` engine in front of `vllm serve --runner pooling` (base64
+    vectors, two items a request): each equals `LLM.embed`'s; what the server refuses fails alone,
+    `invalid`, with its message (a token id past the vocabulary too: the server checks it)."""
+    served = report["served"]
+    assert served["supervisor_exit"] == 0, served["log_tail"]
+    got, ref = served["results"], report["reference"]
+    assert len(got) == len(report["kinds"]), served["log_tail"]
+    refusals = {}
+    for k, kind in enumerate(report["kinds"]):
+        r = got[str(k)]
+        if kind == "ok":
+            assert r["status"] == "ok", (k, r["error"])
+            assert len(r["vector"]) == len(ref[str(k)]) and cosine(r["vector"], ref[str(k)]) >= 0.9999, k
+        else:
+            assert r["status"] == ("too_long" if kind == "too_long" else "invalid"), (k, r)
+            refusals[kind] = r["error"]
+    assert refusals["invalid"].startswith("HTTP 400") and "got 50" in refusals["invalid"]
+    assert "out of vocabulary" in refusals["engine_error"]

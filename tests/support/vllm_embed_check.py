@@ -11,6 +11,8 @@ under .venv-vllm; prints one JSON object, the last line):
    same prompts submitted with `Producer.embed`, among them items that must fail alone: one longer
    than the contract, one with a token id past the vocabulary, one asking for dimensions the model
    does not declare. Every result and the consumer's counters (`BrokerView`) are recorded.
+4. `vllm serve` on the same model (`--runner pooling`) and a broker whose consumer is engine =
+   "openai", task = "embed", pointed at it (two items a request): the same items, recorded alike.
 The test asserts on the report; this script only runs and records.
 """
 
@@ -111,12 +113,40 @@ def broker_config(model: str) -> str:
             f"[consumers.engine_settings]\nmodel = {json.dumps(model)}\n{settings}\nextra = {{ {extra} }}\n")
 
 
-def through_broker(work: Path, model: str, prompts, dims) -> dict:
+def openai_config(base_url: str) -> str:
+    """A broker whose consumer embeds through the server at `base_url` (two items a request)."""
+    from support.vllm_chat_check import SERVED
+
+    contract = "\n".join(f"{k} = {v}" for k, v in CONTRACT.items())
+    return (f'instance = "vllmembedoa{os.getpid()}"\nblock_tokens = {BLOCK}\nmax_wait_seconds = 0.2\n\n'
+            f'[[consumers]]\nname = "cpu"\nengine = "openai"\nmodel = "emb"\n{contract}\n\n'
+            f'[consumers.engine_settings]\nbase_url = "{base_url}"\nmodel = "{SERVED}"\ntask = "embed"\n'
+            f"max_in_flight = 4\nmax_items_per_request = 2\ntimeout_seconds = 120.0\n")
+
+
+def through_served(work: Path, model: str, prompts, dims) -> dict:
+    """The items through an `openai` consumer in front of `vllm serve --runner pooling`."""
+    import signal
+
+    from support import vllm_chat_check as chat
+
+    chat.MAX_NEW = 0  # the server's max_model_len: the contract's max_input_len
+    work.mkdir(parents=True, exist_ok=True)
+    proc, base_url = chat.vllm_serve(model, work / "serve.log", ["--runner", "pooling", "--enforce-eager"])
+    try:
+        return through_broker(work / "broker", openai_config(base_url), prompts, dims)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+def through_broker(work: Path, config: str, prompts, dims) -> dict:
     from shmbroker.client.producer import Producer
     from shmbroker.observe.watch import BrokerView
     from support.brokerproc import BrokerProc
 
-    broker = BrokerProc(work, broker_config(model))
+    work.mkdir(parents=True, exist_ok=True)
+    broker = BrokerProc(work, config)
     broker.start(ready_timeout_seconds=180)
     got: dict = {}
     try:
@@ -149,15 +179,15 @@ def through_broker(work: Path, model: str, prompts, dims) -> dict:
 def main(work: str) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the report alone
     work_dir = Path(work)
-    (work_dir / "broker").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     model = tiny_model(work_dir / "model")
     prompts, dims, kinds = workload()
     ref = reference(model, prompts, dims, kinds)
-    live = through_broker(work_dir / "broker", model, prompts, dims)
+    live = through_broker(work_dir / "broker", broker_config(model), prompts, dims)
+    served = through_served(work_dir / "served", model, prompts, dims)
     print(json.dumps({"kinds": kinds, "dimensions": dims, "prompt_lengths": [len(p) for p in prompts],
                       "reference": {str(k): v for k, v in ref.items()}, "total_seconds": round(time.monotonic() - t0, 1),
-                      **live}))
+                      **live, "served": served}))
     return 0
 
 
