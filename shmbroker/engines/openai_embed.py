@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 
 from ..request.extras import vector_extras, vector_words
-from .openai_reply import MESSAGE_CHARS_MAX, Reply, RequestFailed, usage_of
+from .openai_reply import Reply, answer_list, usage_of
 
 
 def embeddings_body(model: str, prompts: list, options=None) -> dict:
@@ -56,13 +56,7 @@ def decoded_vector(value) -> np.ndarray:
 def parse_embeddings(resp: httpx.Response, prompts: list) -> Reply:
     """A 200 answer to an embeddings request for `prompts`: per prompt its vector's words and extras
     (request/extras.py), or the error that fails it. RequestFailed: no answer to read."""
-    try:
-        data = resp.json()
-    except ValueError as exc:
-        raise RequestFailed(f"the server's answer is not JSON ({exc}): {resp.text[:MESSAGE_CHARS_MAX]!r}") from None
-    rows = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(rows, list):
-        raise RequestFailed(f"the server's answer has no data: {resp.text[:MESSAGE_CHARS_MAX]!r}")
+    data, rows = answer_list(resp, "data")
     prompt_tokens, cached = usage_of(data, prompts)
     n = len(prompts)
     reply = Reply([None] * n, ["the server returned no embedding for it"] * n, prompt_tokens, cached,

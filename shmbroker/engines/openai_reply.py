@@ -65,13 +65,7 @@ def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None
     tokens came from `token_ids`: the server needs no logprobs asked for). `top`: the logprobs asked
     for (each token's and `top` more; None: none), read from each choice's `logprobs`.
     RequestFailed: no answer to read."""
-    try:
-        data = resp.json()
-    except ValueError as exc:
-        raise RequestFailed(f"the server's answer is not JSON ({exc}): {resp.text[:MESSAGE_CHARS_MAX]!r}") from None
-    choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list):
-        raise RequestFailed(f"the server's answer has no choices: {resp.text[:MESSAGE_CHARS_MAX]!r}")
+    data, choices = answer_list(resp, "choices")
     prompt_tokens, cached = usage_of(data, prompts)
     samples, from_ids = read_choices(choices, len(prompts), n, top)
     reply = Reply([None] * len(prompts), [None] * len(prompts), prompt_tokens, cached, extras=[None] * len(prompts))
@@ -88,6 +82,19 @@ def parse_reply(resp: httpx.Response, prompts: list, n: int = 1, top: int | None
         except ExtrasError as exc:
             reply.tokens[k], reply.errors[k] = None, f"its logprobs: {exc}"
     return reply, from_ids
+
+
+def answer_list(resp: httpx.Response, key: str) -> tuple[dict, list]:
+    """(a 200 answer's JSON object, its list under `key`: "choices", or an embeddings answer's
+    "data"); RequestFailed when there is none to read."""
+    try:
+        data = resp.json()
+    except ValueError as exc:
+        raise RequestFailed(f"the server's answer is not JSON ({exc}): {resp.text[:MESSAGE_CHARS_MAX]!r}") from None
+    rows = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise RequestFailed(f"the server's answer has no {key}: {resp.text[:MESSAGE_CHARS_MAX]!r}")
+    return data, rows
 
 
 def usage_of(data: dict, prompts: list) -> tuple[int, int | None]:
