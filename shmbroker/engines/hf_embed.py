@@ -18,7 +18,8 @@ model:
   to length 1 if `normalize` says so.
 
 `dimensions` (a Matryoshka cut: the vector's first values, renormalised) is honoured only where the
-settings declare `matryoshka`; otherwise the instance's `unhonoured` names it, and an item asking
+settings declare `matryoshka` or the model's config does as vLLM reads it (`matryoshka_dimensions`,
+the cuts it lists and no other, or `is_matryoshka`); otherwise the instance's `unhonoured` names it, and an item asking
 for it fails alone, `invalid`, before it reaches the engine (gpu/requests.py). An item with a token
 outside the vocabulary, more tokens than the model takes or more dimensions than its vectors have
 fails alone, `invalid`, saying which; the rest of its rectangle runs.
@@ -78,6 +79,7 @@ class SentenceStack:
         if model is None:
             raise ValueError(f"{settings.model}: its first module ({type(self.st[0]).__name__}) is no transformers "
                              "model: the broker feeds token ids to a Transformer module")
+        self.config = model.config
         self.vocab_size, positions = model_limits(model.config)
         self.max_tokens = min(positions, int(self.st.max_seq_length or positions))
         self.limit_name = "max_seq_length" if self.max_tokens < positions else "positions"
@@ -100,7 +102,7 @@ class PooledEncoder:
     def __init__(self, settings, device, dtype):
         self.model = build_model(settings, dtype, transformers.AutoModel).to(device).eval()
         self.pooling = "mean" if settings.pooling == "auto" else settings.pooling
-        cfg = self.model.config
+        cfg = self.config = self.model.config
         self.vocab_size, self.max_tokens = model_limits(cfg)
         self.limit_name = "positions"
         self.pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
@@ -137,8 +139,12 @@ class HFEmbed:
         kind = SentenceStack if is_sentence_transformers(settings.model) else PooledEncoder
         self.encoder = kind(settings, self.device, self.dtype)
         self.dims = self.encoder.dims
-        # an item's `dimensions` only where the settings declare the model Matryoshka-trained
-        self.unhonoured = () if settings.matryoshka else ("dimensions",)
+        # an item's `dimensions` only where the settings or the model's config (as vLLM reads it:
+        # `matryoshka_dimensions`, `is_matryoshka`) declare the model Matryoshka-trained
+        listed = getattr(self.encoder.config, "matryoshka_dimensions", None)
+        self.cuts = tuple(int(d) for d in listed) if listed else None  # None: any cut
+        declared = settings.matryoshka or bool(listed) or bool(getattr(self.encoder.config, "is_matryoshka", False))
+        self.unhonoured = () if declared else ("dimensions",)
 
     @torch.inference_mode()
     def run(self, batch) -> EngineOutcome:
@@ -170,6 +176,8 @@ class HFEmbed:
             return f"token id {top} is outside the model's vocabulary ({enc.vocab_size})"
         if dimensions is not None and dimensions > self.dims:
             return f"'dimensions' {dimensions} is more than the model's vectors have ({self.dims})"
+        if dimensions is not None and self.cuts is not None and dimensions not in (*self.cuts, self.dims):
+            return f"'dimensions' {dimensions} is not a cut the model declares ({', '.join(map(str, self.cuts))})"
         return None
 
     @torch.inference_mode()

@@ -114,7 +114,9 @@ class HFSettings:
                                                              "does so already)"})
     matryoshka: bool = field(default=False, metadata={"help": "task `embed`: the model was trained for Matryoshka "
                                                               "dimensions: an item may ask for `dimensions` (its "
-                                                              "vector's first values, renormalised); else such an "
+                                                              "vector's first values, renormalised); the model's "
+                                                              "config declares it too with `matryoshka_dimensions` "
+                                                              "(those cuts only) or `is_matryoshka`; else such an "
                                                               "item fails, naming the option"})
 
     POOLINGS = ("auto", "mean", "cls", "last")  # not a field: the values of `pooling`

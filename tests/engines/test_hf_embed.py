@@ -174,6 +174,21 @@ def test_dimensions_are_honoured_only_where_matryoshka_is_declared(model_dir):
         mat.close()
 
 
+def test_a_config_that_lists_matryoshka_cuts_honours_those_alone():
+    cfg = {**bert_config(2, 64, VOCAB, MAX_TOKENS), "matryoshka_dimensions": [16, 32]}
+    engine = load_engine("hf", HFSettings(config=cfg, task=Task.EMBED, device="cpu", threads=1))
+    try:
+        assert "dimensions" in engine.honours  # declared by the model, not the settings
+        item = np.array([CLS, 10, 11, SEP], np.uint32)
+        out = engine.run(EngineBatch(np.arange(3, dtype=np.uint64), [item] * 3, np.zeros(3, np.int64),
+                                     options=[embedding(16), embedding(20), embedding(64)]))
+        listed, unlisted, whole = out.results
+        assert _vector(listed).size == 16 and _vector(whole).size == 64
+        assert unlisted.status == "invalid" and "not a cut the model declares (16, 32)" in unlisted.error
+    finally:
+        engine.close()
+
+
 def test_bad_settings_say_which_key(model_dir, tmp_path):
     with pytest.raises(ValueError, match="pooling: must be one of"):
         HFSettings(config={"model_type": "bert"}, task=Task.EMBED, pooling="max")
