@@ -36,7 +36,7 @@ import time
 from collections import deque
 
 from ..errors import Full
-from ..request.extras import encode_extras
+from ..request.extras import words_of as extras_words
 from . import placement, subjects
 from .payloads import NodePayloads
 from .publisher import AckedPublisher, PublishRefused
@@ -289,8 +289,7 @@ class Bridge:
             if st is None:
                 self.counts["unknown_results"] += 1
             else:
-                extras = None if r.extras is None else encode_extras(r.extras.lengths, r.extras.stopped,
-                                                                     r.extras.cached_tokens)
+                extras = None if r.extras is None else extras_words(r.extras)  # a vector's, logprobs and all
                 self.unsent.append(Answer(st.producer, st.seq, r.status, r.tokens, r.error, local_id=int(r.item_id),
                                           extras=extras))
         if got:

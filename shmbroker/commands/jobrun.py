@@ -1,4 +1,4 @@
-"""`submit --job`: the job a submit makes or resumes, and the files its results are written to.
+"""`submit --job`: the job a submit makes or resumes (its results' files: `jobsink.py`).
 
 A job's name is its producer name. Before a run of prompts is pushed, each prompt's entry
 ({"item_id", "id", "line", "n", "max_new", "model"}: the item id it will get, its key, its line,
@@ -7,9 +7,8 @@ prompt's last ids its output text is decoded after, `jobs/text.py`) is appended 
 SIGKILL at any point leaves every pushed item named there. `--resume` then counts a line as
 submitted when its item was pushed: an item id of this broker lifetime below the producer's next
 sequence number, one the backlog on disk still holds (an earlier lifetime's), or one the job's
-tally counted a result for (read after the backlog: `attach`); every other line is submitted again. The output is keyed by custom_id
-(a native line's `id`, else its line number): a run on the same --out (and error file) skips the
-keys they hold, so each custom_id is in the output once.
+tally counted a result for (read after the backlog: `attach`); every other line is submitted again.
+A line of several items (an embeddings line's inputs) counts as submitted once all of them were.
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from ..jobs import store
-from ..jobs.openai_batch import line_error_row, output_row
 from ..jobs.store import JobError, JobMeta
 from ..jobs.text import DECODE_CONTEXT_TOKENS
 from ..ring.items import SEQ_BITS, SEQ_MASK
-from .common import ResultSink, load_entries, print_error
+from .common import load_entries, print_error
+from .jobsink import key_of
 
 META_SECONDS = 1.0  # job.json is rewritten at most this often while submitting
 CANCEL_POLL_SECONDS = 0.5
@@ -54,40 +53,22 @@ def new_name() -> str:
     return f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def key_of(cid, line: int) -> str:
-    return f"line:{line}" if cid is None else f"id:{json.dumps(cid)}"
-
-
-def _row_key(row: dict) -> str | None:
-    if "custom_id" in row:  # an OpenAI output or error line
-        if row["custom_id"] is not None:
-            return key_of(row["custom_id"], 0)
-        err = row.get("error") or {}
-        return key_of(None, err["line"]) if isinstance(err.get("line"), int) else None
-    if row.get("id") is not None:
-        return key_of(row["id"], 0)
-    return key_of(None, row["line"]) if isinstance(row.get("line"), int) else None
-
-
-def written_keys(*paths: str | None) -> set[str]:
-    """The keys the output files hold already (an earlier run's whole lines)."""
-    keys = set()
-    for path in paths:
-        try:
-            fh = open(path, encoding="utf-8") if path else None
-        except FileNotFoundError:
-            continue
-        if fh is None:
-            continue
-        with fh:
-            for line in fh:
-                try:
-                    k = _row_key(json.loads(line))
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if k is not None:
-                    keys.add(k)
-    return keys
+def whole_lines(entries: list[dict]) -> set[int]:
+    """The lines all of whose items these entries name (a line of several items, an embeddings line's
+    inputs, names its count `parts` and each item's `part`); a line only partly named is submitted
+    again whole, and the results of the parts it had are still read (each part counted once)."""
+    parts: dict[int, set[int]] = {}
+    whole = set()
+    for e in entries:
+        line, want = int(e["line"]), int(e.get("parts", 1))
+        if want == 1:
+            whole.add(line)
+        else:
+            got = parts.setdefault(line, set())
+            got.add(int(e.get("part", 0)))
+            if len(got) == want:
+                whole.add(line)
+    return whole
 
 
 class JobRun:
@@ -195,17 +176,19 @@ class JobRun:
                 mine = pids == p
                 counted[mine] = tally.seen[p].contains(seqs[mine])
         submitted = pushed | counted
-        self.done_lines = {int(self.entries[int(i)]["line"]) for i in ids[submitted].tolist()}
+        self.done_lines = whole_lines([self.entries[int(i)] for i in ids[submitted].tolist()])
         self.meta.submitted = len(self.done_lines)
         self.meta.tokens = sum(int(self.entries[int(i)].get("n", 0)) for i in ids[submitted].tolist())
         self.entries = {i: self.entries[i] for i in ids[submitted].tolist()}
 
-    def waiting_for(self, written: set[str]) -> set[int]:
-        """The items of earlier runs whose results this run waits for: those not in the output. A result
-        is acknowledged only once written there, so each of them comes to this run's reader (still to
-        come, or again: popped by the killed run and never acknowledged), however far the job's tally
-        has counted it. The entries of the others are dropped."""
-        self.entries = {i: e for i, e in self.entries.items() if key_of(e.get("id"), int(e["line"])) not in written}
+    def waiting_for(self, written: set[str], held=lambda entry: False) -> set[int]:
+        """The items of earlier runs whose results this run waits for: those not in the output, nor
+        `held` (an input's vector kept for its line, `jobsink.JobSink.holds`). A result is acknowledged
+        only once written or held, so each of them comes to this run's reader (still to come, or again:
+        popped by the killed run and never acknowledged), however far the job's tally has counted it.
+        The entries of the others are dropped."""
+        self.entries = {i: e for i, e in self.entries.items()
+                        if key_of(e.get("id"), int(e["line"])) not in written and not held(e)}
         return set(self.entries)
 
     def _backlog_ids(self) -> np.ndarray:
@@ -225,6 +208,7 @@ class JobRun:
              "model": p.model}
         if p.endpoint is not None:
             e["endpoint"] = p.endpoint
+        if p.endpoint is not None and p.max_new_tokens:
             e["tail"] = p.tokens[-DECODE_CONTEXT_TOKENS:].tolist()  # its output's text is decoded after them
         if p.reply:
             e.update(p.reply)
@@ -272,59 +256,6 @@ class JobRun:
         self.save()
 
 
-class JobSink(ResultSink):
-    """A job's results to its output (and, in the OpenAI format, failed ones to the error file), keyed
-    by custom_id (`key_of`), on `ResultSink`'s rule: acknowledged once both files are durable."""
-
-    def __init__(self, out, errors, producer, fmt: str, tokenizer, written: set[str]):
-        super().__init__(out, producer, written, errors)
-        self.fmt, self.tokenizer = fmt, tokenizer
-        self.cancel = store.CANCEL_REASONS["cancelled"]  # code and message of a cancelled result
-
-    def result(self, r, entry: dict | None) -> bool:
-        """Write one result (False: its key is in the output already, or no entry names it)."""
-        if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
-            return False
-        tokenizer = self.tokenizer.of(entry.get("model")) if self.tokenizer is not None else None
-        tail = entry.get("tail", ())
-        texts = [tokenizer.decode(s, tail) for s in r.samples] if tokenizer is not None and r.status == "ok" else None
-        text = texts[0] if texts is not None and len(texts) == 1 else None
-        if self.fmt == "openai":
-            self._row(*output_row(r, entry.get("id"), entry, texts, None if tokenizer is None else tokenizer.token_text,
-                                  self.cancel))
-        else:
-            row = {"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": r.status,
-                   "tokens": r.tokens.tolist(), "error": r.error}
-            if text is not None:
-                row["text"] = text
-            if r.extras is not None:  # samples, finish reasons and cached prompt tokens, as the engine said
-                row.update(samples=[list(map(int, x)) for x in r.samples], finish_reasons=list(r.finish_reasons),
-                           cached_tokens=r.cached_tokens)
-                if texts is not None and len(texts) > 1:
-                    row["texts"] = texts
-            self._row(row, False)
-        return True
-
-    def line(self, number: int, message: str, cid=None, code: str = "invalid_request", status: str = "invalid") -> None:
-        """A line that was not submitted: not a prompt (its error), or left when the job was cancelled."""
-        if not self._fresh(key_of(cid, number)):
-            return
-        if self.fmt == "openai":
-            self._row(line_error_row(number, message, cid, code), True)
-        else:
-            self._row({"item_id": None, "id": cid, "line": number, "status": status, "tokens": [], "error": message}, False)
-
-    def _fresh(self, key: str) -> bool:
-        if key in self.written:
-            self.skipped += 1
-            return False
-        self.written.add(key)
-        return True
-
-    def _row(self, row: dict, is_error: bool) -> None:
-        self._put(self.errors if is_error and self.errors is not None else self.out, json.dumps(row))
-
-
 def open_tokenizer(path: str | None, data_dir: str | None = None):
     """(the tokenizer lookup, 0): the tokenizer at `path` for every model, else the broker's
     `[tokenizers]` table (broker.json), else None; or (None, 2) after saying why it cannot be read."""
@@ -349,12 +280,3 @@ def broker_description(data_dir: str) -> dict:
     except (OSError, ValueError):
         return {}
     return desc if isinstance(desc, dict) else {}
-
-
-def error_path(out: str | None) -> str | None:
-    """The error file beside --out: results.jsonl -> results.errors.jsonl."""
-    if out is None:
-        return None
-    root, ext = os.path.splitext(out)
-    return f"{root}.errors{ext or '.jsonl'}"
-

@@ -42,11 +42,12 @@ def read_prompts(path: str, default_max_new: int | None, tokenizer=None, model: 
                     if isinstance(exc, json.JSONDecodeError):
                         msg = f"not JSON ({exc.msg} at column {exc.colno})"
                     got = LineError(path, number, msg, custom_id_of(line))
-                if not held and not ahead and not isinstance(got, Tokenized):
-                    yield got  # nothing waits to be tokenized before it
+                got = got if isinstance(got, list) else [got]  # an embeddings line: a Prompt per input
+                if not held and not ahead and not isinstance(got[0], Tokenized):
+                    yield from got  # nothing waits to be tokenized before it
                     continue
-                held.append(got)
-                waiting += isinstance(got, Tokenized)
+                held.extend(got)
+                waiting += isinstance(got[0], Tokenized)
                 if waiting >= ENCODE_LINES:
                     pool = pool or ThreadPoolExecutor(1, thread_name_prefix="tokenize")
                     ahead.append((held, encodings(held, pool)))
@@ -88,7 +89,7 @@ def tokenized(held: list, encoded: list, path: str):
     yield from held
 
 
-def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt | Tokenized:
+def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt | Tokenized | list[Prompt]:
     p = None
     if '"custom_id"' in line:
         row = json.loads(line)
@@ -102,7 +103,8 @@ def _parse(line: str, number: int, default_max_new, tokenizer, model) -> Prompt 
                 line = json.dumps(row)
         p = parse_line(line, number)
     if model is not None:
-        (p.prompt if isinstance(p, Tokenized) else p).model = None if model == DEFAULT_MODEL else model
+        for one in p if isinstance(p, list) else [p]:
+            (one.prompt if isinstance(one, Tokenized) else one).model = None if model == DEFAULT_MODEL else model
     return p
 
 

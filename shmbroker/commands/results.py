@@ -12,7 +12,9 @@ from .common import ResultSink, config_data_dir, load_entries, load_ids, open_ou
 def results(args) -> int:
     from ..errors import BrokerError
     from ..jobs import store
-    from .jobrun import JobSink, error_path, open_tokenizer, written_keys
+    from ..jobs.store import job_dir
+    from .jobrun import open_tokenizer
+    from .jobsink import JobSink, error_path, written_keys
 
     data_dir = config_data_dir(args)
     if data_dir is None:
@@ -44,7 +46,10 @@ def results(args) -> int:
         with producer, open_output(args.out) as out, ExitStack() as files:
             if as_job:
                 errors = files.enter_context(open_output(errors_at)) if errors_at else None
-                sink = JobSink(out, errors, producer, fmt, tokenizer, written_keys(args.out, errors_at))
+                sink = JobSink(out, errors, producer, fmt, tokenizer, written_keys(args.out, errors_at),
+                               job_dir(data_dir, args.name))
+                files.callback(sink.close)
+                sink.write_whole(entries.values())
 
                 def write(r) -> bool:
                     return sink.result(r, entries.get(r.item_id))

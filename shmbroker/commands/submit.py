@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import numpy as np
 
 from ..jobs.progress import Progress
-from ..jobs.store import CANCEL_REASONS
+from ..jobs.store import CANCEL_REASONS, job_dir
 from ..jobs.prompts import U32_MAX, LineError, Prompt
 from ..ring.items import DEFAULT_MODEL
 from .common import IdLog, ResultSink, config_data_dir, load_ids, open_output, open_producer, print_error, result_row, written_ids
@@ -308,7 +308,7 @@ def _announce(args, job, name: str, producer) -> None:
 
 def _attach_sink(args, run: _Submission, files: ExitStack, tokenizer) -> None:
     """--wait: where the run's results go (--out, and a job's error file), opened in `files`."""
-    from .jobrun import JobSink, error_path, written_keys
+    from .jobsink import JobSink, error_path, written_keys
 
     out = files.enter_context(open_output(args.out))
     job = run.job
@@ -317,9 +317,11 @@ def _attach_sink(args, run: _Submission, files: ExitStack, tokenizer) -> None:
         return
     errors_at = (args.error_file or error_path(args.out)) if args.out_format == "openai" else None
     errors = files.enter_context(open_output(errors_at)) if errors_at is not None else None
-    run.sink = JobSink(out, errors, run.producer, args.out_format, tokenizer, written_keys(args.out, errors_at))
-    waiting = job.waiting_for(run.sink.written)
-    run.outstanding |= waiting
+    written = written_keys(args.out, errors_at)
+    run.sink = JobSink(out, errors, run.producer, args.out_format, tokenizer, written, job_dir(run.data_dir, job.name))
+    files.callback(run.sink.close)
+    run.sink.write_whole(job.entries.values())
+    run.outstanding |= (waiting := job.waiting_for(run.sink.written, run.sink.holds))
     for item in sorted(waiting):
         run.item_models.add(item, job.entries[item].get("model"))
     job.keep_entries = True

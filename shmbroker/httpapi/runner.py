@@ -26,6 +26,7 @@ import threading
 import time
 
 from ..jobs import cancels, store
+from ..jobs.embeddings import EMBEDDINGS
 from .batches import BatchRecord, BatchStore, job_view_ended, now, request_counts
 from .files import FileStore, http_dir
 
@@ -191,6 +192,9 @@ class Runner:
             if got is not None:
                 described[kind] = got
         counts = request_counts(view, self.files.lines(rec.owner, rec.input_file_id))
+        if view is not None and rec.endpoint == EMBEDDINGS:  # its job counts inputs: the requests are its lines
+            counts.update(completed=self.files.lines(rec.owner, described.get("output", "")),
+                          failed=self.files.lines(rec.owner, described.get("error", "")))
         t = now()
         with self.lock:
             final = "failed" if errors else "expired" if rec.expiring else "cancelled" if rec.cancelling_at \

@@ -53,7 +53,7 @@ import numpy as np
 
 from ..request.chat import ChatError
 from ..request.options import (
-    OPTION_NAMES,
+    GENERATE_OPTIONS,
     STRUCTURED_FIELDS,
     OptionsError,
     RequestOptions,
@@ -61,27 +61,27 @@ from ..request.options import (
     refused_fields,
 )
 from ..ring.items import DEFAULT_MODEL
-from . import responses, tools
+from . import embeddings, responses, tools
+from .embeddings import EMBEDDINGS, read_embeddings
 from .prompts import U32_MAX, Prompt, token_ids
+from .text import NO_TOKENIZER
 from .store import CANCEL_REASONS
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
-ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
 TOOL_KEYS = {"tools", "tool_choice", "parallel_tool_calls"}
 # body fields each endpoint reads besides the request options
 BODY_KEYS = {COMPLETIONS: {"model", "prompt", "max_tokens", *STRUCTURED_FIELDS},
              CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "chat_template_kwargs",
                     *STRUCTURED_FIELDS, *TOOL_KEYS},
-             RESPONSES: responses.BODY_KEYS}
+             RESPONSES: responses.BODY_KEYS, EMBEDDINGS: embeddings.BODY_KEYS}
 HTTP_STATUS = {"too_long": 400, "invalid": 400, "engine_error": 500, "corrupt": 500}
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` count
 
 
-NO_TOKENIZER = ("--tokenizer (a tokenizer.json or the model's tokenizer directory), or the model's entry in the "
-                "broker's [tokenizers] table")
 
 
 def is_request(row) -> bool:
@@ -99,9 +99,10 @@ class Tokenized(NamedTuple):
 
 def parse_request(row: dict, number: int, tokenizer=None, model: str | None = None,
                   default_max_tokens: int | None = None) -> Prompt:
-    """A Prompt from one request line (its `id` the custom_id); ValueError says what is wrong.
-    `model`, when given, is every item's model in place of the body's. `tokenizer`: a `jobs/text.py`
-    Tokenizer or Tokenizers, asked for the line's model's (`of`), or None."""
+    """A Prompt from one request line (its `id` the custom_id), or an embeddings line's Prompts (one
+    per input); ValueError says what is wrong. `model`, when given, is every item's model in place
+    of the body's. `tokenizer`: a `jobs/text.py` Tokenizer or Tokenizers, asked for the line's
+    model's (`of`), or None."""
     got = read_request(row, number, tokenizer, model, default_max_tokens)
     if isinstance(got, Tokenized):
         got.prompt.tokens = checked_tokens(got.tokenizer.encode(got.text), got.prompt.endpoint)
@@ -110,8 +111,9 @@ def parse_request(row: dict, number: int, tokenizer=None, model: str | None = No
 
 
 def read_request(row: dict, number: int, tokenizer=None, model: str | None = None,
-                 default_max_tokens: int | None = None) -> Prompt | Tokenized:
-    """`parse_request`, leaving a text prompt to tokenize (a Tokenized)."""
+                 default_max_tokens: int | None = None) -> Prompt | Tokenized | list[Prompt]:
+    """`parse_request`, leaving a text prompt to tokenize (a Tokenized); an embeddings line's inputs
+    are tokenized here, all at once."""
     unknown = sorted(set(row) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)} in a batch request")
@@ -130,7 +132,7 @@ def read_request(row: dict, number: int, tokenizer=None, model: str | None = Non
         [k for k in refused_fields(body) if not (url == CHAT and k in TOOL_KEYS)]
     if refused:
         raise ValueError(f"body field(s) {', '.join(refused)} are not served: no engine here honours them")
-    extra = sorted(set(body) - BODY_KEYS[url] - (set() if url == RESPONSES else set(OPTION_NAMES)))
+    extra = sorted(set(body) - BODY_KEYS[url] - (set() if url in (RESPONSES, EMBEDDINGS) else set(GENERATE_OPTIONS)))
     if extra:
         raise ValueError(f"body field(s) {', '.join(extra)} are not known for {url}")
     name = body.get("model")
@@ -138,6 +140,8 @@ def read_request(row: dict, number: int, tokenizer=None, model: str | None = Non
         raise ValueError(f"'model' must be a non-empty string, got {name!r}")
     model = model if model is not None else name
     tokenizer = tokenizer.of(model) if tokenizer is not None else None
+    if url == EMBEDDINGS:
+        return read_embeddings(body, number, cid, model, tokenizer)
     call, forced = tools.forced_call(body) if url == CHAT else (None, None)
     if url == COMPLETIONS:
         tokens = completion_prompt(body, tokenizer)
@@ -174,7 +178,7 @@ def line_options(body: dict, url: str, max_tokens: int, forced=None):
 
 def option_fields(body: dict, url: str) -> dict:
     """The body's request options; the completions API's `logprobs` count as logprobs/top_logprobs."""
-    fields = {k: body[k] for k in (*OPTION_NAMES, *STRUCTURED_FIELDS) if k in body}
+    fields = {k: body[k] for k in (*GENERATE_OPTIONS, *STRUCTURED_FIELDS) if k in body}
     if url == COMPLETIONS and "logprobs" in fields and fields["logprobs"] is not None:
         count = fields.pop("logprobs")
         if type(count) is not int or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
@@ -225,8 +229,7 @@ def output_row(r, cid, entry: dict, texts: list | None, token_text=None,
     item_id, status = r.item_id, r.status
     ids = {"id": f"batch_req_{item_id:x}", "custom_id": cid}
     if status == "ok":
-        body = ok_body(r, entry, texts, token_text)
-        return {**ids, "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, False
+        return ok_row(item_id, cid, ok_body(r, entry, texts, token_text)), False
     if status == "cancelled":
         return {**ids, "response": None, "error": {
             "code": cancel[0], "message": r.error if r.error and cancel == CANCEL_REASONS["cancelled"] else cancel[1]}}, True
@@ -234,6 +237,12 @@ def output_row(r, cid, entry: dict, texts: list | None, token_text=None,
     body = {"error": {"message": r.error or status, "type": "invalid_request_error" if code == 400 else "server_error",
                       "param": None, "code": status}}
     return {**ids, "response": {"status_code": code, "request_id": f"req_{item_id:x}", "body": body}, "error": None}, True
+
+
+def ok_row(item_id: int, cid, body: dict) -> dict:
+    """The output line of a request that ran, around its body."""
+    return {"id": f"batch_req_{item_id:x}", "custom_id": cid,
+            "response": {"status_code": 200, "request_id": f"req_{item_id:x}", "body": body}, "error": None}
 
 
 def ok_body(r, entry: dict, texts: list | None, token_text=None) -> dict:

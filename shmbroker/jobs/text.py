@@ -22,6 +22,9 @@ from ..ring.items import DEFAULT_MODEL
 # from as many: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 DECODE_CONTEXT_TOKENS = 5
 HEADS_KEPT = 4096  # decoded contexts a Tokenizer keeps
+# what a text prompt needs, in an error
+NO_TOKENIZER = ("--tokenizer (a tokenizer.json or the model's tokenizer directory), or the model's entry in the "
+                "broker's [tokenizers] table")
 
 
 class TextError(ValueError):
@@ -59,19 +62,21 @@ class Tokenizer:
             self._chat = ChatTemplate.from_dir(self.directory)
         return self._chat
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
+    def encode(self, text: str, special_tokens: bool = False) -> np.ndarray:
+        """A text's ids; `special_tokens`: with the ones the tokenizer adds (an encoder's [CLS] and [SEP],
+        as an embedding model reads its inputs), else without (a chat template writes its own)."""
+        return np.array(self._tok.encode(text, add_special_tokens=special_tokens).ids, np.uint32)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (for logprobs), as decoding it alone gives it."""
         return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_many(self, texts: list[str], special_tokens: bool = False) -> list[np.ndarray]:
         """`encode` of each text, as the tokenizer's own batch (on every core). The batch's fast form
         (tokenizers 0.21 and later) computes no character offsets, which nothing here reads: about
         0.7 of the CPU."""
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [np.array(e.ids, np.uint32) for e in encode(texts, add_special_tokens=False)]
+        return [np.array(e.ids, np.uint32) for e in encode(texts, add_special_tokens=special_tokens)]
 
     def decode(self, ids, context=()) -> str:
         """Generated ids as text. `context`: the prompt's last ids (DECODE_CONTEXT_TOKENS), decoded

@@ -106,6 +106,13 @@ def vector_words(vector) -> np.ndarray:
     return np.ascontiguousarray(vector, "<f4").reshape(-1).view(np.uint32)
 
 
+def words_of(extras: Extras) -> np.ndarray:
+    """An Extras back as its words (what `decode_extras` read): a vector's, or samples' with their logprobs."""
+    if extras.vector:
+        return vector_extras(extras.cached_tokens)
+    return encode_extras(extras.lengths, extras.stopped, extras.cached_tokens, extras.logprobs)
+
+
 def decode_extras(words, num_tokens: int) -> Extras:
     """The extras of a result with `num_tokens` tokens; ExtrasError when the words are not extras."""
     w = np.asarray(words, np.uint32)

@@ -41,6 +41,14 @@ max_input_len = 1024
 engine_settings = {{ mode = "packed", cache_tokens = 262144 }}
 
 [[consumers]]
+name = "enc"
+model = "enc"
+max_batch_size = 16
+max_batch_tokens = 8192
+max_input_len = 256
+engine_settings = {{ mode = "padded", task = "embed", embed_dimensions = 32, pace_seconds = 0 }}
+
+[[consumers]]
 name = "slow"
 model = "slow"
 max_batch_size = 4
@@ -50,6 +58,7 @@ engine_settings = {{ mode = "packed", cache_tokens = 65536, pace_seconds = 20.0 
 
 [tokenizers]
 default = "{tok_dir}"
+enc = "{tok_dir}"
 
 [http]
 addr = "127.0.0.1:0"
@@ -146,6 +155,43 @@ def test_chat_and_completions_batches_through_the_openai_client(broker):
     assert view["status"] == "completed" and view["completed"] == 21
 
 
+def embedding_line(i: int) -> str:
+    words = [" ".join(f"w{(i * 5 + k) % 200}" for k in range(2 + (i + j) % 11)) for j in range(1 + i % 4)]
+    return json.dumps({"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings",
+                       "body": {"model": "enc", "input": words if i % 2 else words[0],
+                                "encoding_format": "base64" if i % 3 == 0 else "float"}})
+
+
+def test_an_embeddings_batch_through_the_openai_client(broker):
+    """Every custom_id once in the output, each body the API's CreateEmbeddingResponse (one vector
+    per input, in order), the request counts by line (a line of four inputs is one request)."""
+    import base64
+
+    import numpy as np
+    from openai.types import CreateEmbeddingResponse
+
+    c = client(broker)
+    lines = [embedding_line(i) for i in range(30)] + [json.dumps({
+        "custom_id": "emb-bad", "method": "POST", "url": "/v1/embeddings", "body": {"model": "enc", "input": []}})]
+    f = c.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
+    b = wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert b.status == "completed"
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (31, 30, 1)
+    out = lines_of(c, b.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"emb-{i}" for i in range(30))
+    for row in out:
+        i = int(row["custom_id"].split("-")[1])
+        body = row["response"]["body"]
+        if i % 3 == 0:
+            body["data"] = [{**d, "embedding": np.frombuffer(base64.b64decode(d["embedding"]), "<f4").tolist()}
+                            for d in body["data"]]
+        got = CreateEmbeddingResponse.model_validate(body)
+        assert len(got.data) == (1 if i % 2 == 0 else 1 + i % 4) and [d.index for d in got.data] == list(range(len(got.data)))
+        assert all(len(d.embedding) == 32 for d in got.data) and got.usage.prompt_tokens > 0
+    (err,) = lines_of(c, b.error_file_id)
+    assert err["custom_id"] == "emb-bad" and "input" in err["error"]["message"]
+
+
 def test_lists_page_and_files_delete(broker):
     c = client(broker)
     ids = [c.files.create(file=(f"f{i}.jsonl", jsonl([completion_line(i)])), purpose="batch").id for i in range(5)]
@@ -227,7 +273,7 @@ def test_keys_ids_and_bodies_get_the_apis_errors(broker):
         r = httpx.get(f"{url}{path}", headers=auth)
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     f = client(broker).files.create(file=("x.jsonl", jsonl([completion_line(0)])), purpose="batch")
-    for body, param in (({"input_file_id": f.id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
+    for body, param in (({"input_file_id": f.id, "endpoint": "/v1/moderations", "completion_window": "24h"}, "endpoint"),
                         ({"input_file_id": f.id, "endpoint": "/v1/completions", "completion_window": "forever"},
                          "completion_window"),
                         ({"input_file_id": f.id, "endpoint": "/v1/completions", "completion_window": "24h",

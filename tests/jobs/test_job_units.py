@@ -127,7 +127,7 @@ def test_cancel_list_is_read_when_it_changes(tmp_path):
 @pytest.mark.parametrize("row, message", [
     ({"custom_id": "", "url": "/v1/completions", "body": {"prompt": [1]}}, "custom_id"),
     ({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {"prompt": [1]}}, "POST"),
-    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"prompt": [1]}}, "/v1/completions"),
+    ({"custom_id": "a", "url": "/v1/moderations", "body": {"prompt": [1]}}, "/v1/completions"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "temperature": 9}}, "'temperature'"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "tools": []}}, "tools"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": [1], "response_format": {}}}, "response_format"),

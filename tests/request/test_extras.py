@@ -39,3 +39,19 @@ def test_logprobs_past_what_a_result_carries_are_refused_by_size():
     with pytest.raises(ExtrasError, match="more than a result carries"):
         encode_extras([n], [False], None, [lp])
     assert encode_extras([n], [False]).size == 3  # without logprobs the same result is three words
+
+
+def test_a_vector_and_logprobs_are_written_back_as_they_were_read():
+    """`words_of` (what a cluster node forwards) gives back the very words: a vector's mark and
+    cached count, samples with their logprobs."""
+    from shmbroker.request.extras import vector_extras, vector_words, words_of
+
+    v = np.linspace(-1, 1, 37, dtype=np.float32)
+    words = vector_extras(12)
+    got = decode_extras(words, vector_words(v).size)
+    assert got.vector and got.cached_tokens == 12 and got.lengths == (37,)
+    assert np.array_equal(words_of(got), words)
+    lp = Logprobs(np.array([-0.5, -1.25], np.float32), np.array([[3, 4], [5, 6]], np.uint32),
+                  np.array([[-0.5, -2.0], [-1.25, -3.0]], np.float32))
+    words = encode_extras([2], [True], None, [lp])
+    assert np.array_equal(words_of(decode_extras(words, 2)), words)
