@@ -54,7 +54,7 @@ def _bench(args) -> int:
     elif args.name == "e2e":
         from .bench import e2e
 
-        result = e2e.run(scale=args.scale, options=args.options, schema=args.schema)
+        result = e2e.run(scale=args.scale, options=args.options, schema=args.schema, embed=args.embed)
     elif args.name == "restart":
         from .bench import restart
 

@@ -9,7 +9,11 @@ must come back exactly once with an ok status. With `--options` every item carri
 (one set of request options, as a job's items do): what carrying them costs. With `--schema` the
 runs that would be observed instead carry, besides, a reference to one JSON schema (SHARED_SCHEMA,
 stored once as a payload and read once by the GPU process): `schema_items_per_s` and
-`schema_vs_plain` against the plain runs, alternated in the same run. Figures:
+`schema_vs_plain` against the plain runs, alternated in the same run. With `--embed DIMS` those
+runs are embeddings instead: the consumers embed (`task = "embed"`, zero-cost vectors of DIMS
+float32 values), the items ask for vectors (max_new_tokens 0), and each result carries DIMS words
+through the results ring, the results log and the producer's ring: `embed_items_per_s` and
+`embed_vs_plain`. Figures:
 
 - items_per_s, tokens_per_s: items over the time from the first submit to the last result;
 - submit_to_result_us_p50/p99: from the submit call that sent an item to its result's arrival;
@@ -32,7 +36,6 @@ stored once as a payload and read once by the GPU process): `schema_items_per_s`
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -48,6 +51,7 @@ from ..ring.wire import res_bytes
 from ..spill.layout import record_bytes
 from . import mpqueue
 from .broker import ZERO_COST_CONSUMERS, BenchBroker
+from .observer import Observer
 
 TOKENS = 256
 CHUNK = 1024
@@ -63,7 +67,13 @@ DISK_PROBE_BYTES = 256 << 20
 OBSERVER_FIELDS = ("scrapes", "scrape_seconds_max", "top_bytes", "exported_tokens", "exported_tokens_match",
                    "watch_cpu_seconds", "watch_cpu_share")
 
-def _producer(index: int, data_dir: str, items: int, conn, options: dict | None = None) -> None:
+def embedding_consumers(dims: int) -> str:
+    """The zero-cost consumers, embedding: each result a vector of `dims` float32 values."""
+    return ZERO_COST_CONSUMERS.replace("zero_cost = true }", f'zero_cost = true, task = "embed", embed_dimensions = {dims} }}')
+
+
+def _producer(index: int, data_dir: str, items: int, conn, options: dict | None = None,
+              max_new: int = MAX_NEW_TOKENS) -> None:
     from ..client.producer import Producer
     from ..ring.items import SEQ_MASK
 
@@ -90,7 +100,7 @@ def _producer(index: int, data_dir: str, items: int, conn, options: dict | None 
                 n = min(CHUNK, items - done)
                 rows[:n, :64] = prefixes[(done // CHUNK + np.arange(n)) % 64]
                 now = time.perf_counter_ns()
-                p.submit_many(flat[: n * TOKENS], offsets[: n + 1], max_new_tokens=MAX_NEW_TOKENS, options=options)
+                p.submit_many(flat[: n * TOKENS], offsets[: n + 1], max_new_tokens=max_new, options=options)
                 sent_ns[done : done + n] = now
                 done += n
             while True:
@@ -129,11 +139,16 @@ def disk_write_bandwidth(directory: str, total: int = DISK_PROBE_BYTES) -> float
 
 
 def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale: float = 1.0,
-        data_dir: str | None = None, pairs: int = 4, options: bool = False, schema: bool = False) -> dict:
+        data_dir: str | None = None, pairs: int = 4, options: bool = False, schema: bool = False,
+        embed: int = 0) -> dict:
     items = max(CHUNK, int(items_per_producer * scale))
     shared = SHARED_OPTIONS if options else None
-    # the runs of the second kind: observed, or with `schema` the same items referencing SHARED_SCHEMA
-    second = {**(shared or {}), **SHARED_SCHEMA} if schema else shared
+    if embed and (options or schema):
+        raise ValueError("--embed runs embeddings, which take no generation option: not with --options or --schema")
+    # the runs of the second kind: observed, or with `schema` the same items referencing SHARED_SCHEMA, or
+    # with `embed` embeddings
+    second = {**(shared or {}), **SHARED_SCHEMA} if schema else {"embed": True} if embed else shared
+    variant = {"config": embedding_consumers(embed), "max_new": 0} if embed else {}
     tmp = tempfile.mkdtemp(prefix="shmb-e2e-", dir=data_dir)
     try:
         disk_bw = disk_write_bandwidth(tmp, int(DISK_PROBE_BYTES * min(1.0, max(scale, 0.125))))
@@ -146,8 +161,8 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
             observed = k % 4 in (1, 2)  # plain, observed, observed, plain, ...
             run_dir = os.path.join(tmp, f"run{k}")
             os.mkdir(run_dir, 0o700)
-            runs[observed].append(_run_broker(run_dir, items, observe=observed and not schema,
-                                              options=second if observed else shared))
+            runs[observed].append(_run_broker(run_dir, items, observe=observed and not (schema or embed),
+                                              options=second if observed else shared, **(variant if observed else {})))
             shutil.rmtree(run_dir, ignore_errors=True)
         out = _median_run(runs[False])
         watched = _median_run(runs[True])
@@ -158,6 +173,12 @@ def run(items_per_producer: int = 500_000, *, mpqueue_items: int = 40_000, scale
             out["schema_items_per_s"] = watched["items_per_s"]
             out["schema_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
             out["schema_option_words"] = int(encode(parse_options(second)).size)
+        elif embed:
+            out["embed_runs_items_per_s"] = out.pop("observed_runs_items_per_s")
+            out["embed_items_per_s"] = watched["items_per_s"]
+            out["embed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
+            out["embed_dimensions"] = embed
+            out["embed_result_bytes_per_item"] = res_bytes(embed, 0, 2)
         else:
             out["observed_items_per_s"] = watched["items_per_s"]
             out["observed_vs_plain"] = round(watched["items_per_s"] / out["items_per_s"], 3)
@@ -187,8 +208,9 @@ def _median_run(runs: list[dict]) -> dict:
     return out
 
 
-def _run_broker(tmp: str, items: int, *, observe: bool = False, options: dict | None = None) -> dict:
-    broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + ZERO_COST_CONSUMERS)
+def _run_broker(tmp: str, items: int, *, observe: bool = False, options: dict | None = None,
+                config: str = ZERO_COST_CONSUMERS, max_new: int = MAX_NEW_TOKENS) -> dict:
+    broker = BenchBroker(tmp, f'instance = "e2e{os.getpid()}"\n' + config)
     data = broker.data_dir
     ctx = mp.get_context("fork")
     procs, conns = [], []
@@ -197,7 +219,7 @@ def _run_broker(tmp: str, items: int, *, observe: bool = False, options: dict | 
         broker.wait_ready()
         for i in range(2):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_producer, args=(i, data, items, child, options), daemon=True)
+            proc = ctx.Process(target=_producer, args=(i, data, items, child, options, max_new), daemon=True)
             proc.start()
             procs.append(proc)
             conns.append(parent)
@@ -240,155 +262,3 @@ def _run_broker(tmp: str, items: int, *, observe: bool = False, options: dict | 
                 proc.kill()
             proc.join(5)
         broker.stop()
-
-
-SCRAPE_SECONDS = 1.0
-EXPORTED_WAIT_SECONDS = 10.0
-
-
-class Observer:
-    """What an operator attaches to a running broker: Prometheus scraping its exporter every second
-    (a thread here), and `shmbroker top` in a pseudo-terminal (its screen is read and dropped)."""
-
-    def __init__(self, data_dir: str):
-        import pty
-        import subprocess
-        import sys
-        import threading
-
-        from ..observe.watch import BrokerView
-
-        self.addr = json.loads((Path(data_dir) / "broker.json").read_text())["metrics_addr"]
-        view = BrokerView.attach(data_dir)
-        try:
-            self.exporter_pid = next(p["pid"] for p in view.snapshot()["processes"] if p["role"] == "metrics")
-        finally:
-            view.close()
-        self.scrapes = 0
-        self.scrape_seconds_max = 0.0
-        self.top_bytes = 0
-        self.scrape_errors: list[str] = []
-        self._stop = threading.Event()
-        self._scraper = threading.Thread(target=self._scrape_loop, daemon=True)
-        self._scraper.start()
-        self._master, slave = pty.openpty()
-        _set_window(slave, 50, 160)
-        env = dict(os.environ, TERM="xterm-256color")
-        self.top = subprocess.Popen([sys.executable, "-m", "shmbroker.cli", "top", "--data-dir", data_dir],
-                                    stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-        os.close(slave)
-        self._reader = threading.Thread(target=self._read_loop, daemon=True)
-        self._reader.start()
-
-    def wait_attached(self, timeout_seconds: float = 60.0) -> None:
-        """Until top drew its first screen and one scrape came back (their start-up is not the cost
-        of watching a broker, which is what the observed runs measure)."""
-        deadline = time.monotonic() + timeout_seconds
-        while self.top_bytes == 0 or self.scrapes == 0:
-            if self.scrape_errors:
-                raise RuntimeError(f"the exporter did not answer: {self.scrape_errors[0]}")
-            if self.top.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"shmbroker top did not attach (exit status {self.top.poll()})")
-            time.sleep(0.05)
-        self._cpu_from = self._cpu()
-
-    def _cpu(self) -> tuple[float, dict[str, float]]:
-        """(monotonic seconds, CPU seconds so far of top, the exporter process and this process's
-        scraping and pty-reading threads (the whole bench process: its main thread only waits))."""
-        t = os.times()
-        return time.monotonic(), {"top": _cpu_seconds(self.top.pid), "exporter": _cpu_seconds(self.exporter_pid),
-                                  "scraper": t.user + t.system}
-
-    def scrape(self) -> str:
-        import urllib.request
-
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(f"http://{self.addr}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        self.scrape_seconds_max = max(self.scrape_seconds_max, time.perf_counter() - t0)
-        self.scrapes += 1
-        return text
-
-    def _scrape_loop(self) -> None:
-        while True:
-            try:
-                self.scrape()
-            except OSError as exc:  # counted, and `finish` fails the run: an unscraped run is not observed
-                self.scrape_errors.append(repr(exc))
-            if self._stop.wait(SCRAPE_SECONDS):
-                return
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self._master, 65536)
-            except OSError:  # the terminal closed: top exited
-                return
-            if not chunk:
-                return
-            self.top_bytes += len(chunk)
-
-    def finish(self, expected_tokens: int) -> dict:
-        """Stop scraping and quit top (q); then the exporter's consumer input tokens, once the GPU
-        processes published their last batches, against what the producers sent."""
-        import subprocess
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        t1, cpu1 = self._cpu()
-        t0, cpu0 = self._cpu_from
-        watch_cpu = {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1}
-        self._stop.set()
-        self._scraper.join(30)
-        deadline = time.monotonic() + 30
-        while self.top_bytes == 0 and time.monotonic() < deadline:  # a short run may end before top drew
-            time.sleep(0.05)
-        while True:
-            os.write(self._master, b"q")
-            try:
-                top_code = self.top.wait(1.0)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("shmbroker top did not quit on q") from None
-        deadline = time.monotonic() + EXPORTED_WAIT_SECONDS
-        while True:
-            exported = 0
-            for fam in text_string_to_metric_families(self.scrape()):
-                exported += sum(int(s.value) for s in fam.samples if s.name == "shmbroker_consumer_input_tokens_total")
-            if exported >= expected_tokens or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if top_code != 0:
-            raise RuntimeError(f"shmbroker top exited with {top_code}")
-        if self.scrape_errors:
-            raise RuntimeError(f"{len(self.scrape_errors)} scrapes failed: {self.scrape_errors[0]}")
-        return {"scrapes": self.scrapes, "scrape_seconds_max": round(self.scrape_seconds_max, 4),
-                "top_bytes": self.top_bytes, "exported_tokens": exported,
-                "exported_tokens_match": exported == expected_tokens, "watch_cpu_seconds": watch_cpu,
-                "watch_cpu_share": round(sum(watch_cpu.values()) / (os.cpu_count() * (t1 - t0)), 4)
-                if t1 > t0 else 0.0}
-
-    def close(self) -> None:
-        self._stop.set()
-        if self.top.poll() is None:
-            self.top.kill()
-            self.top.wait(10)
-        try:
-            os.close(self._master)
-        except OSError:
-            pass
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _set_window(fd: int, rows: int, cols: int) -> None:
-    import fcntl
-    import struct
-    import termios
-
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

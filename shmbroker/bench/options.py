@@ -26,6 +26,9 @@ def add_e2e_and_chaos(p) -> None:
     g.add_argument("--options", action="store_true",
                    help="e2e: every item carries one shared set of request options (e2e.SHARED_OPTIONS)")
     g.add_argument("--schema", action="store_true", help="e2e: every item references one shared JSON schema")
+    g.add_argument("--embed", type=int, default=0, metavar="DIMS",
+                   help="e2e: runs of embeddings alternated with the plain ones, each result a vector of DIMS float32 "
+                        "values (embed_vs_plain)")
     g = p.add_argument_group("chaos")
     g.add_argument("--seconds", type=float, default=30.0,
                    help="chaos: how long processes and readers are killed at random (default 30)")

@@ -97,6 +97,27 @@ def fdatasync(fd: int) -> None:
     return _observer.run("fdatasync", os.fdatasync, (fd,))
 
 
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, wait for none
+_libc = None
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing back a file range's dirty pages and return at once (Linux `sync_file_range` with
+    SYNC_FILE_RANGE_WRITE): a hint, not a sync. It promises nothing about durability (a power loss
+    may still take those bytes), so it passes no observer; a later `fdatasync` finds little left to
+    write and blocks its caller for less. A no-op where the call is missing."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        lib = ctypes.CDLL(None, use_errno=True)
+        _libc = getattr(lib, "sync_file_range", False)
+        if _libc:
+            _libc.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    if _libc:
+        _libc(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the names in directory `path` durable (creates, renames, unlinks in it)."""
     if _observer is None:

@@ -272,6 +272,15 @@ def vector_result(item_id, vector, cached_tokens: int | None = None) -> ItemResu
     return ItemResult(int(item_id), OK, vector_words(vector), extras=vector_extras(cached_tokens))
 
 
+def truncated(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """The first `dimensions` values renormalised (a Matryoshka model's cut, as sentence-transformers'
+    `truncate_dim` and vLLM's `dimensions` make it); the vector itself when None."""
+    if dimensions is None or dimensions >= vector.size:
+        return vector
+    head = vector[:dimensions].astype(np.float64)
+    return (head / np.linalg.norm(head)).astype(np.float32)
+
+
 def engine_error(item_id, exc: Exception) -> ItemResult:
     return ItemResult(int(item_id), ENGINE_ERROR, error=f"{type(exc).__name__}: {exc}")
 

@@ -37,9 +37,8 @@ import transformers
 
 from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
-from .base import INVALID, EngineOutcome, ItemResult, vector_result
+from .base import INVALID, EngineOutcome, ItemResult, truncated, vector_result
 from .hf import build_model, dtype_argument, placement
-from .sim_embed import truncated
 
 # RoBERTa-like models number positions from past the pad id: they take that many fewer tokens
 POSITION_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer")

@@ -49,11 +49,6 @@ class SimSettings:
     raises RuntimeError."""
 
     mode: Mode = field(default=Mode.PACKED, metadata={"help": "`padded` or `packed`: the engine the simulation models"})
-    task: Task = task_field()
-    embed_dimensions: int = field(default=1024, metadata={"help": "task `embed`: the vectors' length (each a "
-                                                                  "deterministic unit vector of its prompt)"})
-    matryoshka: bool = field(default=False, metadata={"help": "task `embed`: the modeled model declares Matryoshka "
-                                                             "dimensions (items may ask for `dimensions`)"})
     cache_tokens: int = field(default=2 << 20, metadata={"help": "the prefix cache's size in tokens"})
     cost: SimCost = SimCost()  # its fields are keys of the same table (the cost model, cost.py)
     pace_seconds: float = field(default=0.04, metadata={"help": "wall seconds per modeled second (0: unpaced, as "
@@ -75,6 +70,11 @@ class SimSettings:
                                                                    "is refused (ValueError)"})
     fail_after: int | None = field(default=None, metadata={"help": "tests: once this many items were added, every "
                                                                    "poll raises (a dead engine)"})
+    task: Task = task_field()
+    embed_dimensions: int = field(default=1024, metadata={"help": "task `embed`: the vectors' length (each a "
+                                                                  "deterministic unit vector of its prompt)"})
+    matryoshka: bool = field(default=False, metadata={"help": "task `embed`: the modeled model declares Matryoshka "
+                                                             "dimensions (items may ask for `dimensions`)"})
 
 
 SIM_FAULT_TOKENS = ("poison_token", "hang_token", "block_token", "fail_token")

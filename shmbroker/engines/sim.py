@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
@@ -48,7 +48,7 @@ from .faults import SimFaults
 from ..request.extras import decode_extras
 from .sim_embed import SimEmbedder
 from .sim_requests import item_keys, sample_key, sampled_result
-from .sim_structured import StructuredText
+from .sim_structured import StructuredText, unmodeled
 
 
 @dataclass
@@ -208,13 +208,13 @@ class Sim(StreamingRun):
         self._figures = CacheFigures()  # since the last poll
         self.faults = SimFaults.of(settings)  # faults.py: None unless a test asks for one
         self._digests: dict[int, tuple[int, int]] = {}  # item id in flight -> (prompt digest, times in flight)
-        self._sampled: dict[int, tuple] = {}  # item id in flight with options -> (its tokens or vector, extras)
+        self._sampled: dict[int, object] = {}  # item id in flight -> (its tokens, extras), or its vector's words
         tokenizer = getattr(settings, "tokenizer", None)
         self.structured = StructuredText(tokenizer) if tokenizer else None  # constrained outputs as text
         self.embedder = SimEmbedder(settings) if SimEmbedder.serves(settings) else None  # vectors (sim_embed.py)
         self.unhonoured = self.embedder.unhonoured if self.embedder is not None else ()
 
-    def pending(self) -> int:
+    def pending(self) -> int:  # items added and not handed back
         return self._pending
 
     def add(self, batch) -> None:
@@ -305,9 +305,12 @@ class Sim(StreamingRun):
         max_new = np.concatenate([o[2] for o in out])
         self._pending -= ids.size
         digests = np.zeros(ids.size, np.uint32) if self.cost.zero_cost else self._recall(ids)
-        res = self.generated_many(ids, max_new, digests)
-        if self._sampled and not self._sampled.keys().isdisjoint(ids.tolist()):
-            res = self._with_samples(res)
+        if self.embedder is not None:  # the vectors as columns (an item in flight twice keeps its own)
+            res = self.embedder.batch(ids, self._sampled, self._digests)
+        elif self._sampled and not self._sampled.keys().isdisjoint(ids.tolist()):
+            res = self._with_samples(self.generated_many(ids, max_new, digests))
+        else:
+            res = self.generated_many(ids, max_new, digests)
         return EngineOutcome(res, f.hit_blocks, f.queried_blocks, seconds, f.padded_tokens, f.rect_tokens)
 
     def _with_samples(self, res: BatchResults) -> BatchResults:
@@ -327,7 +330,7 @@ class Sim(StreamingRun):
         modeled output lengths (an item with samples runs until its longest ends)."""
         max_new = max_new.copy()
         for k, opts in enumerate(batch.options):
-            if opts is None or self._unmodeled(opts):
+            if opts is None or unmodeled(opts, self.structured):
                 continue
             item = int(ids[k])
             key = sample_key(item, self.digest(batch.tokens[k]), opts)
@@ -340,13 +343,6 @@ class Sim(StreamingRun):
             self._sampled[item] = (tokens, extras)
             max_new[k] = max(decode_extras(extras, tokens.size).lengths)
         return max_new
-
-    def _unmodeled(self, opts) -> bool:
-        """Options that change nothing here: a constraint alone that this simulator does not model (no
-        tokenizer, or a regex or grammar): the item gets the usual ids, as without options."""
-        s = opts.structured
-        return s is not None and not (self.structured is not None and self.structured.models(s)) \
-            and not replace(opts, structured=None)
 
     def _due(self, clock: float) -> float:  # the wall time of a modeled clock reading
         return self._origin + clock * self.pace if self.pace else 0.0

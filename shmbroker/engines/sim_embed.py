@@ -16,6 +16,7 @@ import numpy as np
 
 from ..request.extras import vector_extras, vector_words
 from ..request.options import Task
+from .base import BatchResults, truncated
 
 
 def unit_vector(key: int, dims: int) -> np.ndarray:
@@ -28,13 +29,6 @@ def unit_vector(key: int, dims: int) -> np.ndarray:
     return (v / np.linalg.norm(v)).astype(np.float32)
 
 
-def truncated(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
-    """The first `dimensions` values renormalised (a Matryoshka cut); the vector itself when None."""
-    if dimensions is None or dimensions >= vector.size:
-        return vector
-    head = vector[:dimensions].astype(np.float64)
-    return (head / np.linalg.norm(head)).astype(np.float32)
-
 
 class SimEmbedder:
     """The vectors of a simulated embedding model of `embed_dimensions` values."""
@@ -45,6 +39,7 @@ class SimEmbedder:
         self.zero_cost = bool(settings.cost.zero_cost)
         self.shared = unit_vector(0, self.dims)  # zero cost: every vector (no prompt is read)
         self.extras = vector_extras()
+        self._shared_words: dict = {}  # zero cost: the shared vector's words, by cut
 
     @staticmethod
     def serves(settings) -> bool:
@@ -59,11 +54,36 @@ class SimEmbedder:
         t = np.ascontiguousarray(tokens, np.uint32)
         return unit_vector(crc32c.crc32c(t) | (t.size << 32), self.dims)
 
-    def results(self, item_ids, batch) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """{item id: (its vector's words, its extras)} of every item of `batch` (an EngineBatch)."""
-        out = {}
-        for k, item in enumerate(np.asarray(item_ids).tolist()):
-            opts = batch.options_of(k)
-            v = self.shared if self.zero_cost else self.vector(batch.tokens[k])
-            out[int(item)] = (vector_words(truncated(v, None if opts is None else opts.dimensions)), self.extras)
-        return out
+    def batch(self, item_ids: np.ndarray, held: dict, in_flight) -> BatchResults:
+        """The results of finished items, as columns, from `held` ({item id: its vector's words}, what
+        `results` made at their add); each is forgotten unless a copy of it is still `in_flight`."""
+        ids = item_ids.tolist()
+        words = [held[i] if i in in_flight else held.pop(i) for i in ids] if in_flight else list(map(held.pop, ids))
+        offsets = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum([w.size for w in words], out=offsets[1:])
+        flat = np.concatenate(words) if words else np.zeros(0, np.uint32)
+        return BatchResults(item_ids, np.zeros(len(ids), np.uint32), flat, offsets,
+                            extras=dict.fromkeys(range(len(ids)), self.extras))
+
+    def results(self, item_ids, batch) -> dict[int, np.ndarray]:
+        """{item id: its vector's words} of every item of `batch` (an EngineBatch). With zero cost
+        (a benchmark of the broker) each distinct cut of the shared vector is made once."""
+        ids = np.asarray(item_ids).tolist()
+        if not self.zero_cost:
+            return {item: vector_words(truncated(self.vector(batch.tokens[k]), self._dims(batch, k)))
+                    for k, item in enumerate(ids)}
+        column = batch.options
+        if column is not None and len(getattr(column, "sets", ())) == 1 and (column.index == 0).all():
+            return dict.fromkeys(ids, self._shared_cut(column.sets[0].dimensions))  # one set: no Python per item
+        return {item: self._shared_cut(self._dims(batch, k)) for k, item in enumerate(ids)}
+
+    @staticmethod
+    def _dims(batch, k: int) -> int | None:
+        opts = batch.options_of(k)
+        return None if opts is None else opts.dimensions
+
+    def _shared_cut(self, dims: int | None) -> np.ndarray:
+        words = self._shared_words.get(dims)
+        if words is None:
+            words = self._shared_words[dims] = vector_words(truncated(self.shared, dims))
+        return words

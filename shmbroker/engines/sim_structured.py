@@ -16,6 +16,7 @@ with its text (`stop`). Without a tokenizer a constrained item gets the usual id
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 
@@ -96,3 +97,10 @@ def instance(schema, root: dict, depth: int):
     if kind == "boolean":
         return False
     return None
+
+
+def unmodeled(opts, text: StructuredText | None) -> bool:
+    """Options that change nothing in the simulator: a constraint alone that it does not model (no
+    tokenizer, `text` None, or a regex or grammar): the item gets the usual ids, as without options."""
+    s = opts.structured
+    return s is not None and not (text is not None and text.models(s)) and not replace(opts, structured=None)

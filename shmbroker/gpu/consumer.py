@@ -31,7 +31,7 @@ from ..ring import layout as L
 from ..ring.items import Status
 from ..ring.ring import CONSUMER, PRODUCER, Ring
 from ..ring.waits import SLEEP_SLICE_SECONDS
-from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_one, encode_results
+from ..ring.wire import RES_HEADER_BYTES, RES_MAX_ERROR_BYTES, chunk_meta_words, encode_error, encode_one, encode_results_extras
 from .backoff import WindowLimits
 from .core import ConsumerCore
 from .deliveries import Deliveries
@@ -47,6 +47,20 @@ log = logging.getLogger("shmbroker.gpu")
 IDLE_PUBLISH_NS = 500_000_000  # an idle GPU process publishes its idle seconds this often
 
 
+def extras_columns(res: BatchResults) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's extras words as columns: (words, offsets), row k's words[offsets[k]:offsets[k+1]]."""
+    offsets = np.zeros(len(res) + 1, np.int64)
+    if not res.extras:
+        return NO_EXTRAS, offsets
+    first = next(iter(res.extras.values()))
+    if len(res.extras) == len(res) and all(x is first for x in res.extras.values()):  # one set for all (vectors)
+        offsets[1:] = np.arange(1, len(res) + 1) * first.size
+        return np.tile(first, len(res)).astype(np.uint32, copy=False), offsets
+    rows = [res.extras.get(k, NO_EXTRAS) for k in range(len(res))]
+    np.cumsum([r.size for r in rows], out=offsets[1:])
+    return np.concatenate(rows).astype(np.uint32, copy=False), offsets
+
+
 class ResultWriter:
     """Encodes a batch's results as result records and pushes them to the results ring (in chunks
     that fit its largest record)."""
@@ -59,17 +73,19 @@ class ResultWriter:
         self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
 
     def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
-        """Runs of plain records in one kernel call each; a failed item with an error text, or an item
-        with extras (samples, finishes, cached tokens: `request/extras.py`), alone."""
+        """Runs of records, their tokens and extras words (samples, finishes, cached tokens, a vector's
+        mark: `request/extras.py`), in one kernel call each; a failed item with an error text alone."""
         n = len(res)
-        texts = sorted({k for k in res.errors if res.status[k] != Status.OK} | set(res.extras))
+        texts = sorted(k for k in res.errors if res.status[k] != Status.OK)
+        xflat, xoffs = extras_columns(res)
         i = at = 0
         for stop in texts + [n]:
             while i < stop:
-                j, at = encode_results(self.buf, at, res.item_ids, seqs, writers, res.status, res.flat, res.offsets,
-                                       i, stop)
+                j, at = encode_results_extras(self.buf, at, res.item_ids, seqs, writers, res.status, res.flat,
+                                              res.offsets, xflat, xoffs, i, stop)
                 if j == i:  # the next record does not fit what is left
-                    at = self._flush(at, RES_HEADER_BYTES + 4 * int(res.offsets[i + 1] - res.offsets[i]) + 8)
+                    words = int(res.offsets[i + 1] - res.offsets[i] + xoffs[i + 1] - xoffs[i])
+                    at = self._flush(at, RES_HEADER_BYTES + 4 * words + 8)
                 i = j
             if stop < n:
                 at = self._write_one(res, stop, seqs, writers, at)

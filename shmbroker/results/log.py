@@ -31,6 +31,7 @@ CURSOR_FILE = "cursor.json"
 LOG_FILE_BYTES = 64 << 20
 FILE_BYTES_MIN = 1 << 20
 PREALLOCATE_BYTES = 4 << 20
+WRITEBACK_BYTES = 4 << 20  # appended bytes after which their writeback is started (`durable.start_writeback`)
 FALLOC_FL_KEEP_SIZE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -74,6 +75,7 @@ class ResultsLog:
         self.fd = os.open(self.path(self.start), os.O_RDWR | os.O_APPEND)
         self.end = self.start + os.fstat(self.fd).st_size
         self.allocated = self.end  # log offset up to which the current file's blocks are allocated
+        self.written_back = self.end  # log offset up to which the disk was told to start writing
         # what a killed predecessor wrote may be in the page cache only: the first sync syncs it
         self.dirty = True
 
@@ -112,6 +114,11 @@ class ResultsLog:
         self.dirty = True
         if self.fsync == "always":
             self.sync()
+        elif self.end - (kick := max(self.written_back, self.start)) >= WRITEBACK_BYTES and self.fsync != "never":
+            # the disk starts on what the next checkpoint's sync would wait for: that sync, which holds
+            # up routing, finds little left (vectors make results as large as prompts)
+            durable.start_writeback(self.fd, kick - self.start, self.end - kick)
+            self.written_back = self.end
         return at
 
     def sync(self) -> None:
@@ -139,6 +146,7 @@ class ResultsLog:
         dropped = self.end - at
         durable.ftruncate(self.fd, at - self.start)  # (frees the blocks allocated past it too)
         self.end = self.allocated = at
+        self.written_back = min(self.written_back, at)
         return dropped
 
     def truncate_to(self, at: int) -> int:

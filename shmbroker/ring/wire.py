@@ -166,9 +166,8 @@ def res_bytes(num_tokens: int, error_bytes: int = 0, extras_words: int = 0) -> i
 
 
 @kernel
-def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne, extras):
-    """Write one result record at out[at:]; returns its length."""
-    nx = extras.size
+def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne, extras, x0, nx):
+    """Write one result record at out[at:] (its extras words extras[x0:x0+nx]); returns its length."""
     size = (RES_HEADER_BYTES + 4 * (n + nx) + ne + 7) & ~7
     out[at : at + size] = 0
     w32 = out[at : at + RES_HEADER_BYTES].view(np.uint32)
@@ -183,7 +182,7 @@ def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne, 
     if n > 0:
         memcpy(out[at + RES_HEADER_BYTES : at + RES_HEADER_BYTES + 4 * n].view(np.uint32), 0, tokens, t0, n)
     if nx > 0:
-        memcpy(out[at + RES_HEADER_BYTES + 4 * n : at + RES_HEADER_BYTES + 4 * (n + nx)].view(np.uint32), 0, extras, 0, nx)
+        memcpy(out[at + RES_HEADER_BYTES + 4 * n : at + RES_HEADER_BYTES + 4 * (n + nx)].view(np.uint32), 0, extras, x0, nx)
     for i in range(ne):
         out[at + RES_HEADER_BYTES + 4 * (n + nx) + i] = err[e0 + i]
     crc = crc32c_update(crc32c_init(), out, at + 8, at + size)
@@ -195,15 +194,23 @@ def _put_res(out, at, item_id, seq, status, writer, tokens, t0, n, err, e0, ne, 
 def encode_results(out, at, item_ids, seqs, writers, status, flat, offsets, first, last):
     """Result records for items first..last-1 (tokens flat[offsets[i]:offsets[i+1]]) from out[at:];
     stops before a record that would not fit. Returns (next item, next byte)."""
+    return encode_results_extras(out, at, item_ids, seqs, writers, status, flat, offsets, np.zeros(0, np.uint32),
+                                 np.zeros(offsets.size, np.int64), first, last)
+
+
+@kernel
+def encode_results_extras(out, at, item_ids, seqs, writers, status, flat, offsets, xflat, xoffsets, first, last):
+    """`encode_results` with each item's extras words xflat[xoffsets[i]:xoffsets[i+1]] (none: equal offsets)."""
     empty = np.zeros(0, np.uint8)
-    none = np.zeros(0, np.uint32)
     i = first
     while i < last:
         n = offsets[i + 1] - offsets[i]
-        size = (RES_HEADER_BYTES + 4 * n + 7) & ~7
+        nx = xoffsets[i + 1] - xoffsets[i]
+        size = (RES_HEADER_BYTES + 4 * (n + nx) + 7) & ~7
         if at + size > out.size:
             break
-        at += _put_res(out, at, item_ids[i], seqs[i], status[i], writers[i], flat, offsets[i], n, empty, 0, 0, none)
+        at += _put_res(out, at, item_ids[i], seqs[i], status[i], writers[i], flat, offsets[i], n, empty, 0, 0, xflat,
+                       xoffsets[i], nx)
         i += 1
     return i, at
 
@@ -212,14 +219,15 @@ def encode_results(out, at, item_ids, seqs, writers, status, flat, offsets, firs
 def encode_error(out, at, item_id, seq, status, writer, err):
     """One result record with no tokens and an error text (uint8); returns the next byte."""
     tokens = np.zeros(0, np.uint32)
-    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, 0, err, 0, err.size, tokens)
+    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, 0, err, 0, err.size, tokens, 0, 0)
 
 
 @kernel
 def encode_one(out, at, item_id, seq, status, writer, tokens, extras, err):
     """One result record with its tokens, its extras words and an error text (uint8, may be empty);
     returns the next byte."""
-    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, tokens.size, err, 0, err.size, extras)
+    return at + _put_res(out, at, item_id, seq, status, writer, tokens, 0, tokens.size, err, 0, err.size, extras, 0,
+                         extras.size)
 
 
 @kernel

@@ -114,6 +114,7 @@ def warm_broker() -> None:
     offs = np.array([0, 1, 3], np.int64)
     u32 = np.zeros(2, np.uint32)
     _, at = wire.encode_results(out, 0, ids, ids, u32, u32, flat, offs, 0, 2)
+    _, at = wire.encode_results_extras(out, at, ids, ids, u32, u32, flat, offs, flat, offs, 0, 2)
     at = wire.encode_error(out, at, np.uint64(5), np.uint64(5), np.uint32(3), np.uint32(0), np.frombuffer(b"x", np.uint8))
     at = wire.encode_one(out, at, np.uint64(6), np.uint64(6), np.uint32(0), np.uint32(0), flat[:2], flat[:3],
                          np.frombuffer(b"", np.uint8))

@@ -11,7 +11,8 @@ from support.brokerproc import serve
 
 from shmbroker.client.producer import Producer
 from shmbroker.engines.options import SimSettings
-from shmbroker.engines.sim_embed import SimEmbedder, truncated
+from shmbroker.engines.base import truncated
+from shmbroker.engines.sim_embed import SimEmbedder
 from shmbroker.request.options import EMBED, OptionsError, Task, parse_options
 
 pytestmark = pytest.mark.timeout(180)

@@ -30,7 +30,8 @@ from support.harness import wait_for
 
 from shmbroker.cli import main
 from shmbroker.engines.options import SimSettings
-from shmbroker.engines.sim_embed import SimEmbedder, truncated
+from shmbroker.engines.base import truncated
+from shmbroker.engines.sim_embed import SimEmbedder
 from shmbroker.jobs.text import Tokenizer
 from shmbroker.request.options import Task
 

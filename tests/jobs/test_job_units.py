@@ -256,3 +256,13 @@ def test_resume_counts_an_item_acked_while_it_reads(tmp_path, monkeypatch):
     run = JobRun(str(tmp_path), store.read_meta(tmp_path, "j"), True)
     run.attach(SimpleNamespace(producer_id=9, next_item_id=9 << SEQ_BITS))  # this lifetime's producer
     assert run.done_lines == {1, 2, 3}  # every line was submitted: none goes again
+
+
+def test_a_line_of_several_items_counts_as_submitted_only_whole():
+    """`--resume` submits again a line only some of whose items were pushed (an embeddings line's
+    inputs); a line of one item is whole with it."""
+    from shmbroker.commands.jobrun import whole_lines
+
+    entries = [{"line": 1}, {"line": 2, "parts": 3, "part": 0}, {"line": 2, "parts": 3, "part": 2},
+               {"line": 3, "parts": 2, "part": 1}, {"line": 3, "parts": 2, "part": 0}, {"line": 3, "parts": 2, "part": 0}]
+    assert whole_lines(entries) == {1, 3}
