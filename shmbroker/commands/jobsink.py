@@ -70,7 +70,7 @@ class JobSink(ResultSink):
 
     def result(self, r, entry: dict | None) -> bool:
         """Write one result (False: its key is in the output already, or no entry names it)."""
-        if entry is not None and entry.get("endpoint") == EMBEDDINGS and self.fmt == "openai":
+        if entry is not None and entry.get("endpoint") == EMBEDDINGS:
             return self._embedding(r, entry)
         if entry is None or not self._fresh(key_of(entry.get("id"), int(entry["line"]))):
             return False
@@ -108,7 +108,11 @@ class JobSink(ResultSink):
             why = r.error or ("the engine returned no vector" if r.status == "ok" else r.status)
             failed = replace(r, status="engine_error" if r.status == "ok" else r.status,
                              error=f"input {part}: {why}" if parts > 1 else why)
-            self._row(*output_row(failed, entry.get("id"), entry, None, None, self.cancel))
+            if self.fmt == "openai":
+                self._row(*output_row(failed, entry.get("id"), entry, None, None, self.cancel))
+            else:
+                self._row({"item_id": r.item_id, "id": entry.get("id"), "line": entry["line"], "status": failed.status,
+                           "tokens": [], "error": failed.error}, False)
             return True
         if parts == 1:
             got = [r.vector], int(entry.get("n", 0))
@@ -119,8 +123,18 @@ class JobSink(ResultSink):
             if got is None:
                 return True
         self._fresh(key)
-        self._row(ok_row(r.item_id, entry.get("id"), embeddings_body(*got, entry)), False)
+        self._vectors(r.item_id, entry, got)
         return True
+
+    def _vectors(self, item_id: int, entry: dict, got: tuple) -> None:
+        """A line's output: its vectors (in input order) and prompt tokens, as the API's body or, in the
+        native format, a row with its `embeddings` (lists of floats)."""
+        if self.fmt == "openai":
+            self._row(ok_row(item_id, entry.get("id"), embeddings_body(*got, entry)), False)
+            return
+        vectors, tokens = got
+        self._row({"item_id": item_id, "id": entry.get("id"), "line": entry["line"], "status": "ok", "tokens": [],
+                   "error": None, "embeddings": [v.tolist() for v in vectors], "prompt_tokens": tokens}, False)
 
     def write_whole(self, entries) -> None:
         """Write the lines whose vectors are all held already (`LineParts.whole`): a killed run held
@@ -130,7 +144,7 @@ class JobSink(ResultSink):
             key = key_of(e.get("id"), int(e["line"]))
             if key in whole and self._fresh(key):
                 whole.discard(key)
-                self._row(ok_row(int(e["item_id"]), e.get("id"), embeddings_body(*self.parts.take(key), e)), False)
+                self._vectors(int(e["item_id"]), e, self.parts.take(key))
 
     def holds(self, entry: dict) -> bool:
         """Whether this item's vector is held for its line already (its result was acknowledged)."""

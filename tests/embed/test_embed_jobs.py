@@ -166,3 +166,22 @@ def test_an_embeddings_job_survives_sigkills_of_the_gpu_process_the_broker_and_i
         broker.start()
         assert main([*args, "--resume"]) == 0
     check_outputs(out, rows, tok)
+
+
+def test_the_native_format_writes_a_line_of_vectors_whole(tmp_path):
+    tokdir = bpe_tokenizer_dir(tmp_path / "tok")
+    tok = Tokenizer(tokdir)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = write_lines(src, 40, seed=3)
+    (tmp_path / "b").mkdir()
+    with serve(tmp_path / "b", "en", CONFIG.format(dims=DIMS, pace=0.0, overhead=0.0)) as broker:
+        args = job_args(src, broker.data_dir, "j-native", tokdir, out)
+        assert main(args[: args.index("--out-format")]) == 0
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == sorted(r["custom_id"] for r in rows)
+    for row in rows:
+        want, tokens = expected(row, tok)
+        line = got[row["custom_id"]]
+        assert line["status"] == "ok" and line["prompt_tokens"] == tokens
+        assert [np.array(v, np.float32).view(np.uint32).tolist() for v in line["embeddings"]] == \
+            [v.view(np.uint32).tolist() for v in want]
