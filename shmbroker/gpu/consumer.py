@@ -61,23 +61,41 @@ def extras_columns(res: BatchResults) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows).astype(np.uint32, copy=False), offsets
 
 
+def oversized_failed(res: BatchResults, limit_bytes: int) -> BatchResults:
+    """`res` with every result whose record would pass `limit_bytes` failed, engine_error, saying so."""
+    items = res.items()
+    for r in items:
+        size = RES_HEADER_BYTES + 4 * (r.tokens.size + (0 if r.extras is None else r.extras.size))
+        if size > limit_bytes:
+            r.status, r.tokens, r.extras = Status.ENGINE_ERROR.label, np.zeros(0, np.uint32), None
+            r.error = f"its result of {size} bytes is larger than a result record may be ({limit_bytes}: half a " \
+                      "result ring; see result_ring_bytes)"
+    return BatchResults.of(items)
+
+
 class ResultWriter:
     """Encodes a batch's results as result records and pushes them to the results ring (in chunks
     that fit its largest record)."""
 
-    def __init__(self, ring, stopping, on_wait=None):
+    def __init__(self, ring, stopping, on_wait=None, result_ring_bytes: int | None = None):
         self.ring = ring
         self.stopping = stopping
         self.on_wait = on_wait  # called while the results ring holds us up (the process beats, no deadline runs)
         self.max_bytes = ring.max_tokens * 4
         self.buf = np.zeros(min(self.max_bytes, 1 << 20), np.uint8)
+        # the largest record a producer's result ring takes (half of it, as any ring's), when smaller
+        self.record_bytes_max = min(self.max_bytes, (result_ring_bytes or 1 << 62) // 2 - 64)
 
     def write(self, res: BatchResults, seqs: np.ndarray, writers: np.ndarray) -> None:
         """Runs of records, their tokens and extras words (samples, finishes, cached tokens, a vector's
-        mark: `request/extras.py`), in one kernel call each; a failed item with an error text alone."""
+        mark: `request/extras.py`), in one kernel call each; a failed item with an error text alone.
+        A result larger than a record may be (a vector wider than the rings allow) fails alone."""
+        xflat, xoffs = extras_columns(res)
+        if len(res) and int((np.diff(res.offsets) + np.diff(xoffs)).max()) * 4 + RES_HEADER_BYTES > self.record_bytes_max:
+            res = oversized_failed(res, self.record_bytes_max)
+            xflat, xoffs = extras_columns(res)
         n = len(res)
         texts = sorted(k for k in res.errors if res.status[k] != Status.OK)
-        xflat, xoffs = extras_columns(res)
         i = at = 0
         for stop in texts + [n]:
             while i < stop:
@@ -161,7 +179,7 @@ def gpu_main(c: int, cfg, control, batch_ring, results_ring, stopping) -> None:
                         counted=lambda: counting.engine_died())
     core = ConsumerCore(consumer.contract, WatchedEngine(engine, watch, call_seconds(cfg, consumer.contract)),
                         tolerance=cfg.padding_tolerance, payloads=PayloadStore(cfg.data_dir, cfg.max_payload_bytes))
-    window = Window(core, ring, ResultWriter(out, stopping, held_up), views, c,
+    window = Window(core, ring, ResultWriter(out, stopping, held_up, cfg.result_ring_bytes), views, c,
                     window_items(consumer.contract.max_batch_size, engine.mode), deliveries=deliveries,
                     limits=WindowLimits.of(cfg))
     counting = GpuCounting(stats, core, window)

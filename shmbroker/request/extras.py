@@ -19,7 +19,7 @@ tokens: its float32 values' bits, one word each, bit-exact and covered by the re
 any tokens. Its extras are two words: VECTOR_MAGIC (high 8 bits), then the prompt tokens served from
 the engine's cache, or NO_COUNT. How long a vector may be is a result record's limit: half of the
 smaller of the GPU process's results ring (16 MiB: 2M values) and the producer's result ring
-(`result_ring_bytes`), far above any model's width.
+(`result_ring_bytes`), far above any model's width; the GPU process fails a larger result alone.
 
 The samples' tokens are the result's tokens, one after another. A result's extras are at most
 EXTRAS_MAX_WORDS words (the result record's count is 16 bits): logprobs of many tokens with many

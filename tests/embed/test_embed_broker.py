@@ -107,3 +107,17 @@ def test_embedding_options_are_checked_at_the_producer():
     with pytest.raises(OptionsError, match="'dimensions' must be"):
         parse_options({"embed": True, "dimensions": 0})
     assert parse_options({"embed": True, "dimensions": 8}).task is Task.EMBED
+
+
+def test_a_vector_wider_than_a_result_record_fails_alone(tmp_path):
+    """A result ring of 64 KiB takes records of at most 32 KiB: a vector of 16,384 values (64 KiB)
+    fails `engine_error` saying so, and its neighbours of 1,024 values come back."""
+    config = CONFIG.format(dims=16384).replace("segment_bytes", "result_ring_bytes = 65536\nsegment_bytes")
+    config = config.replace('embed_dimensions = 8,', 'embed_dimensions = 1024,')
+    with serve(tmp_path, "ebig", config) as broker:
+        with Producer("wide", data_dir=broker.data_dir) as p:
+            t = np.arange(1, 30, dtype=np.uint32)
+            wide, narrow = p.embed(t, model="enc"), p.embed(t, model="flat")
+            got = results_of(p, 2)
+    assert got[wide].status == "engine_error" and "larger than a result record may be" in got[wide].error
+    assert got[narrow].status == "ok" and got[narrow].vector.size == 1024
