@@ -201,3 +201,47 @@ def test_bad_settings_say_which_key(model_dir, tmp_path):
                     'max_input_len = 256\nengine_settings = { config = { model_type = "bert" }, normalize = true }\n')
     with pytest.raises(config_settings.ConfigError, match="normalize: only with task"):
         config_settings.load(str(path))
+
+
+@pytest.mark.timeout(180)
+def test_an_embeddings_batch_file_through_the_hf_engine_equals_sentence_transformers(tmp_path, model_dir, st):
+    """`/v1/embeddings` lines (a string, an array of strings, token ids, arrays of token ids; float and
+    base64) through `submit --job`, texts tokenized with the directory's own tokenizer: every vector
+    is sentence-transformers' `encode` of that input alone."""
+    import base64
+    import json
+    import os
+
+    from openai.types import CreateEmbeddingResponse
+
+    from shmbroker.cli import main
+
+    flat, offsets = corpus(40, vocab_size=VOCAB, max_tokens=MAX_TOKENS, seed=11)
+    items = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(40)]
+    text = texts(flat, offsets)
+    rows, want = [], {}
+    for k in range(0, 36, 2):
+        kind = (k // 2) % 4
+        inputs = [text[k]] if kind == 0 else [text[k], text[k + 1]] if kind == 1 else [items[k]] if kind == 2 else \
+            [items[k], items[k + 1]]
+        body = {"model": "enc", "input": inputs[0] if kind in (0, 2) else inputs}
+        if kind in (1, 3):
+            body["encoding_format"] = "base64"
+        rows.append({"custom_id": f"e{k}", "method": "POST", "url": "/v1/embeddings", "body": body})
+        want[f"e{k}"] = st.encode([text[k]] if kind in (0, 2) else [text[k], text[k + 1]])
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+    with serve(tmp_path, "hfj", CONFIG.format(model=model_dir)) as broker:
+        assert main(["submit", str(src), "--data-dir", broker.data_dir, "--job", "emb", "--tokenizer", model_dir,
+                     "--wait", "--out", str(out), "--out-format", "openai"]) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got) == sorted(want)
+    for cid, body in got.items():
+        for d in body["data"]:
+            if isinstance(d["embedding"], str):
+                d["embedding"] = np.frombuffer(base64.b64decode(d["embedding"]), "<f4").tolist()
+        reply = CreateEmbeddingResponse.model_validate(body)
+        assert len(reply.data) == len(want[cid])
+        for d, w in zip(reply.data, want[cid]):
+            assert len(d.embedding) == w.size and _cosine(np.array(d.embedding, np.float32), w) >= 0.99999
