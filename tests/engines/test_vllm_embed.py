@@ -205,6 +205,20 @@ def test_every_vector_through_a_real_vllm_consumer_equals_llm_embed(report):
 
 
 @pytest.mark.timeout(700)
+def test_an_embeddings_batch_file_through_a_real_vllm_consumer_equals_llm_embed(report):
+    """The runnable prompts as `/v1/embeddings` lines (token arrays, float and base64, one line of
+    three inputs) through `submit --job --wait`: each line's vectors are `LLM.embed`'s, in order."""
+    file, ref = report["file"], report["reference"]
+    assert file["exit"] == 0, report["log_tail"]
+    runnable = [k for k, kind in enumerate(report["kinds"]) if kind == "ok"]
+    assert sorted(file["vectors"]) == sorted([f"p{k}" for k in runnable] + ["three"])
+    for k in runnable:
+        (v,) = file["vectors"][f"p{k}"]
+        assert len(v) == len(ref[str(k)]) and cosine(v, ref[str(k)]) >= 0.9999, k
+    assert [cosine(v, ref[str(k)]) >= 0.9999 for v, k in zip(file["vectors"]["three"], file["three"])] == [True] * 3
+
+
+@pytest.mark.timeout(700)
 def test_every_vector_through_an_openai_consumer_of_vllm_serve_equals_llm_embed(report):
     """The same items through the `openai` engine in front of `vllm serve --runner pooling` (base64
     vectors, two items a request): each equals `LLM.embed`'s; what the server refuses fails alone,

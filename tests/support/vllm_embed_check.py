@@ -10,7 +10,8 @@ under .venv-vllm; prints one JSON object, the last line):
 3. `shmbroker supervise` with one consumer, engine = "vllm", task = "embed", on the same model; the
    same prompts submitted with `Producer.embed`, among them items that must fail alone: one longer
    than the contract, one with a token id past the vocabulary, one asking for dimensions the model
-   does not declare. Every result and the consumer's counters (`BrokerView`) are recorded.
+   does not declare. Every result and the consumer's counters (`BrokerView`) are recorded; then the
+   runnable prompts as a `/v1/embeddings` batch file through `submit --job --wait`.
 4. `vllm serve` on the same model (`--runner pooling`) and a broker whose consumer is engine =
    "openai", task = "embed", pointed at it (two items a request): the same items, recorded alike.
 The test asserts on the report; this script only runs and records.
@@ -140,7 +141,36 @@ def through_served(work: Path, model: str, prompts, dims) -> dict:
         proc.wait(60)
 
 
-def through_broker(work: Path, config: str, prompts, dims) -> dict:
+def through_file(work: Path, data_dir: str, prompts, dims, kinds) -> dict:
+    """The runnable prompts as `/v1/embeddings` lines of a batch file (token arrays; base64 on every
+    other line; one line of three inputs) through `submit --job --wait`: {custom_id: [its vectors]}."""
+    import base64
+
+    from shmbroker.cli import main as cli
+
+    runnable = [i for i, k in enumerate(kinds) if k == "ok"]
+    rows = []
+    for n, i in enumerate(runnable):
+        body = {"model": "emb", "input": prompts[i], **({"dimensions": dims[i]} if dims[i] else {}),
+                **({"encoding_format": "base64"} if n % 2 else {})}
+        rows.append({"custom_id": f"p{i}", "method": "POST", "url": "/v1/embeddings", "body": body})
+    three = [i for i in runnable if not dims[i]][:3]
+    rows.append({"custom_id": "three", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": "emb", "input": [prompts[i] for i in three]}})
+    src, out = work / "file.jsonl", work / "file.out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = cli(["submit", str(src), "--data-dir", data_dir, "--job", "vllm-file", "--wait", "--out", str(out),
+                "--out-format", "openai"])
+    vectors = {}
+    for line in (out.read_text().splitlines() if out.exists() else ()):
+        row = json.loads(line)
+        body = row["response"]["body"] if row.get("response") else {}
+        vectors[row["custom_id"]] = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4").tolist()
+                                     if isinstance(d["embedding"], str) else d["embedding"] for d in body.get("data", ())]
+    return {"exit": code, "vectors": vectors, "three": three}
+
+
+def through_broker(work: Path, config: str, prompts, dims, kinds=None) -> dict:
     from shmbroker.client.producer import Producer
     from shmbroker.observe.watch import BrokerView
     from support.brokerproc import BrokerProc
@@ -159,6 +189,7 @@ def through_broker(work: Path, config: str, prompts, dims) -> dict:
                     v = r.vector
                     got[index[int(r.item_id)]] = {"status": r.status, "error": r.error, "cached_tokens": r.cached_tokens,
                                                   "vector": None if v is None else [float(x) for x in v]}
+        file = through_file(work, broker.data_dir, prompts, dims, kinds) if kinds is not None else None
         view = BrokerView.attach(broker.data_dir)
         try:
             for _ in range(200):  # the consumer's counters follow its results closely
@@ -172,7 +203,7 @@ def through_broker(work: Path, config: str, prompts, dims) -> dict:
             view.close()
     finally:
         code = broker.stop(120)
-    return {"results": {str(k): v for k, v in got.items()}, "consumer": counters, "supervisor_exit": code,
+    return {"results": {str(k): v for k, v in got.items()}, "consumer": counters, "supervisor_exit": code, "file": file,
             "log_tail": broker.log()[-3000:] if len(got) < len(prompts) or code else ""}
 
 
@@ -183,7 +214,7 @@ def main(work: str) -> int:
     model = tiny_model(work_dir / "model")
     prompts, dims, kinds = workload()
     ref = reference(model, prompts, dims, kinds)
-    live = through_broker(work_dir / "broker", broker_config(model), prompts, dims)
+    live = through_broker(work_dir / "broker", broker_config(model), prompts, dims, kinds)
     served = through_served(work_dir / "served", model, prompts, dims)
     print(json.dumps({"kinds": kinds, "dimensions": dims, "prompt_lengths": [len(p) for p in prompts],
                       "reference": {str(k): v for k, v in ref.items()}, "total_seconds": round(time.monotonic() - t0, 1),
