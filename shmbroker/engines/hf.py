@@ -76,9 +76,10 @@ CRITERIA_KEPT = 64  # distinct stop-string sets whose StopStringCriteria the eng
 class HF:
     mode = Mode.PADDED
 
-    def __new__(cls, settings, **options):
-        """An encoder (`hf_embed.HFEmbed`) where the consumer embeds (`task = "embed"`), else this engine."""
-        if Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED:
+    def __new__(cls, settings=None, **options):
+        """An encoder (`hf_embed.HFEmbed`) where the consumer embeds (`task = "embed"`), else this engine
+        (without settings too: `copy.copy` makes its copy so)."""
+        if settings is not None and Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED:
             from .hf_embed import HFEmbed
 
             return HFEmbed(settings, **options)

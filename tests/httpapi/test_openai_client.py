@@ -219,7 +219,7 @@ def test_lists_page_and_files_delete(broker):
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(ids[4])
     assert ids[4] not in [f.id for f in c.files.list()]
-    assert {m.id for m in c.models.list()} == {"default", "slow"}
+    assert {m.id for m in c.models.list()} == {"default", "slow", "enc"}
 
 
 def test_cancelling_a_running_batch_leaves_the_other_exact(broker):
