@@ -35,6 +35,17 @@ def test_bench_e2e_schema_run_compares_items_with_a_shared_schema_to_plain_ones(
 
 
 @pytest.mark.timeout(180)
+def test_bench_e2e_embed_run_moves_vectors_beside_plain_runs():
+    out = e2e.run(items_per_producer=2048, mpqueue_items=1000, pairs=1, embed=256)
+    assert out["items"] == 2 * 2048  # every vector came back exactly once, ok (the producers check each status)
+    assert out["embed_items_per_s"] > 0 and out["embed_vs_plain"] > 0 and out["embed_dimensions"] == 256
+    assert out["embed_result_bytes_per_item"] == 40 + 4 * (256 + 2)
+    assert len(out["plain_runs_items_per_s"]) == len(out["embed_runs_items_per_s"]) == 1
+    with pytest.raises(ValueError, match="no generation option"):
+        e2e.run(items_per_producer=2048, mpqueue_items=1000, pairs=1, embed=256, options=True)
+
+
+@pytest.mark.timeout(180)
 def test_bench_restart_small_run_serves_the_recovered_backlog():
     out = restart.run(tokens=3_000_000)
     assert out["backlog_tokens"] == 3_000_000
