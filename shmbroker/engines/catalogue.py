@@ -22,6 +22,7 @@ from ..pack.contract import Mode, as_mode
 from ..request.options import EMBED_OPTIONS, GENERATE_OPTIONS, Task
 from .base import EngineUnavailable
 from .batch_stream import BatchStream
+from .options import task_of
 
 
 class FromSettings(Enum):
@@ -128,6 +129,6 @@ def load_engine(name: str, settings, **options):
     engine = impl(settings, **options)
     engine.mode = mode
     engine.engine_name = e.name
-    engine.task = Task(getattr(settings, "task", Task.GENERATE))
+    engine.task = task_of(settings)
     engine.honours = (e.embeds if engine.task is Task.EMBED else e.honours) - frozenset(getattr(engine, "unhonoured", ()))
     return engine if e.streaming else BatchStream(engine)

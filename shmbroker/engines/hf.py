@@ -62,11 +62,11 @@ import transformers
 from ..pack.contract import Mode
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from ..request.extras import encode_extras
-from ..request.options import Task
 from .base import INVALID, BatchResults, EngineOutcome, ItemResult, merge_outcomes
 from .batch_stream import answered
 from .hf_sampling import Decoder, Sampled
 from .grammars import Grammars, available
+from .options import embeds
 from .packed_args import has_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -79,7 +79,7 @@ class HF:
     def __new__(cls, settings=None, **options):
         """An encoder (`hf_embed.HFEmbed`) where the consumer embeds (`task = "embed"`), else this engine
         (without settings too: `copy.copy` makes its copy so)."""
-        if settings is not None and Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED:
+        if settings is not None and embeds(settings):
             from .hf_embed import HFEmbed
 
             return HFEmbed(settings, **options)

@@ -91,7 +91,8 @@ from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, INVALID, OK, EngineDown, EngineOutcome, ItemResult, StreamingRun
 from .openai_embed import embeddings_body, parse_embeddings
 from .openai_reply import Reply, RequestFailed, parse_reply, server_message
-from .packed_args import BusyClock, embeds, structured_fields
+from .options import embeds
+from .packed_args import BusyClock, structured_fields
 
 RETRY_STATUSES = (408, 429)  # and every 5xx
 LOAD_STATUSES = (429, 503)  # the server's load: handed back (down) even while it answers others

@@ -27,6 +27,16 @@ def task_field():
                                                           "alone"})
 
 
+def task_of(settings) -> Task:
+    """The task an engine's settings declare (`generate` where they have no `task` key)."""
+    return Task(getattr(settings, "task", Task.GENERATE))
+
+
+def embeds(settings) -> bool:
+    """Does this consumer's engine embed (`task = "embed"`)?"""
+    return task_of(settings) is Task.EMBED
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
 

@@ -39,20 +39,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..request.options import Task
 from ..request.structured import FIELD_OF, SWITCH_OF
 
 from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, ItemResult
+from .options import embeds
 
 # vLLM v1 counters, in tokens (docs.vllm.ai "Production Metrics"); the `gpu_` names are the older ones
 # (vLLM 0.8-0.9), read only when the current ones are absent.
 VLLM_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 VLLM_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
-
-
-def embeds(settings) -> bool:
-    """Does this consumer's engine embed (`task = "embed"`: vLLM's pooling runner, no generation)?"""
-    return Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED
 
 
 def max_model_len(settings, contract) -> int:

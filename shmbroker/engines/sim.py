@@ -46,6 +46,7 @@ from .base import BatchResults, EngineOutcome, StreamingRun
 from .cost import SimCost
 from .faults import SimFaults
 from ..request.extras import decode_extras
+from .options import embeds
 from .sim_embed import SimEmbedder
 from .sim_requests import item_keys, sample_key, sampled_result
 from .sim_structured import StructuredText, unmodeled
@@ -211,7 +212,7 @@ class Sim(StreamingRun):
         self._sampled: dict[int, object] = {}  # item id in flight -> (its tokens, extras), or its vector's words
         tokenizer = getattr(settings, "tokenizer", None)
         self.structured = StructuredText(tokenizer) if tokenizer else None  # constrained outputs as text
-        self.embedder = SimEmbedder(settings) if SimEmbedder.serves(settings) else None  # vectors (sim_embed.py)
+        self.embedder = SimEmbedder(settings) if embeds(settings) else None  # vectors (sim_embed.py)
         self.unhonoured = self.embedder.unhonoured if self.embedder is not None else ()
 
     def pending(self) -> int:  # items added and not handed back

@@ -15,7 +15,6 @@ import crc32c
 import numpy as np
 
 from ..request.extras import vector_extras, vector_words
-from ..request.options import Task
 from .base import BatchResults, truncated
 
 
@@ -40,10 +39,6 @@ class SimEmbedder:
         self.shared = unit_vector(0, self.dims)  # zero cost: every vector (no prompt is read)
         self.extras = vector_extras()
         self._shared_words: dict = {}  # zero cost: the shared vector's words, by cut
-
-    @staticmethod
-    def serves(settings) -> bool:
-        return Task(getattr(settings, "task", Task.GENERATE)) is Task.EMBED
 
     @property
     def unhonoured(self) -> tuple[str, ...]:

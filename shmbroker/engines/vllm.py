@@ -72,7 +72,8 @@ from vllm.sampling_params import StructuredOutputsParams
 from ..pack.shapes import DEFAULT_BLOCK_TOKENS
 from .base import ENGINE_ERROR, INVALID, OK, TOO_LONG, EngineDead, EngineOutcome, ItemResult, StreamingRun, engine_error
 from .deaths import PROBE_TOKENS, Streak, death_of
-from .packed_args import embeds, hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
+from .options import embeds
+from .packed_args import hits_from_requests, plan_batch, vllm_llm_kwargs, vllm_sampling
 from .samples import samples_result
 
 try:
