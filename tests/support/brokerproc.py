@@ -100,10 +100,18 @@ class BrokerProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"supervisor exited with {self.proc.returncode}:\n{self.log()}")
             info = self.info()
-            if info is not None and all(self.role_pids(info).values()):
+            if info is not None and all(self.role_pids(info).values()) and self.log_says_up():
                 return info
             time.sleep(0.05)
         raise TimeoutError(f"broker not ready in {timeout_seconds} s:\n{self.log()}")
+
+    def log_says_up(self) -> bool:
+        """The log holds this supervisor's "up" line: it is written just after the registry starts to
+        answer, so a test that reads the log from here on never sees a start it did not make."""
+        try:
+            return self.log_path.read_text(errors="replace").count("' up in ") >= self.starts
+        except FileNotFoundError:
+            return False
 
     def role_pids(self, info: dict | None = None) -> dict[str, int]:
         from shmbroker.control.segment import Control
