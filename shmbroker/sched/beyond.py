@@ -1,11 +1,15 @@
-"""What waits beyond the scheduler's index, first in first out, until batches free room in it.
+"""What waits beyond the scheduler's index until batches free room in it, kept in prefix groups.
 
 Two parts, in this order:
 - the front, in memory: of what was read back or announced, the items the index could not take
   at once, with their block hashes (at most what one read-back or one announcement holds);
-- the waiting queue on disk (`spill.waiting`): what a start recovered and what came while items
+- the waiting rows on disk (`spill.waiting`): what a start recovered and what came while items
   already waited, as item locations only (their block hashes are computed again when read back);
   only a full disk keeps rows of it in memory (`rows_in_memory`, which the scheduler bounds).
+  Beside them, in memory, each row's prefix groups (`pack.groups`: its branch and a deep key, from
+  its block hashes, which an announcement carries and a start computes from the backlog), so the
+  rows enter the index oldest first, each with the waiting members of its group however far
+  apart they came: a group meets in the index, where the packer orders it.
 
 Its gauges are statistics words it keeps current: `overflow_items` (items beyond the index held
 in memory) and `waiting_items` (those on disk).
@@ -18,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..pack.groups import WaitingGroups, group_keys
 from ..ring.wire import Announcement
 from ..spill.waiting import WaitingQueue
 from .pending import S_OVERFLOW, S_WAITING
@@ -38,25 +43,44 @@ class ReadBack(NamedTuple):
 
 
 class BeyondIndex:
-    """The front (in memory) and the waiting queue (on disk) behind it."""
+    """The front (in memory) and the waiting rows (on disk) behind it, in their groups; a group no
+    larger than `wait_limit` that does not fit the room the index has waits for more."""
 
-    def __init__(self, data_dir: str, segment_bytes: int, values: np.ndarray):
+    def __init__(self, data_dir: str, segment_bytes: int, values: np.ndarray, wait_limit: int):
         self.front: deque[Arrived] = deque()
         self.waiting = WaitingQueue(data_dir, segment_bytes)
+        self.groups = WaitingGroups()
         self.values = values
+        self.wait_limit = wait_limit
 
     def __bool__(self) -> bool:
         """Whether anything waits (an item that comes now goes behind it)."""
-        return bool(self.front) or len(self.waiting) > 0
+        return bool(self.front) or len(self.groups) > 0
 
     @property
     def rows_in_memory(self) -> int:
         """Rows of the waiting queue kept in memory because the disk was full."""
         return self.waiting.in_memory
 
-    def append(self, locs: np.ndarray, arrival_ns: int) -> None:
-        """Items (locations only) behind all that waits."""
-        self.waiting.append(locs, arrival_ns)
+    @property
+    def group_bytes(self) -> int:
+        """Memory the waiting rows' groups take."""
+        return self.groups.nbytes
+
+    def append(self, ann: Announcement, arrival_ns: int) -> None:
+        """Announced items (their block hashes give their groups) behind all that waits."""
+        key1, key2 = group_keys(ann.locs["prefix_key"], ann.hash_offsets, ann.hashes)
+        self._rows(ann.locs, arrival_ns, key1, key2)
+
+    def append_recovered(self, locs: np.ndarray, arrival_ns: int, block_tokens: int) -> None:
+        """Items a start found in the backlog, their groups from block hashes read there."""
+        hash_offsets, hashes = self.waiting.hashes_of(locs, block_tokens)
+        key1, key2 = group_keys(locs["prefix_key"], hash_offsets, hashes)
+        self._rows(locs, arrival_ns, key1, key2)
+
+    def _rows(self, locs: np.ndarray, arrival_ns: int, key1: np.ndarray, key2: np.ndarray) -> None:
+        first = self.waiting.append(locs, arrival_ns)
+        assert self.groups.append(key1, key2) == first, "a waiting row numbered twice"
         self.count()
 
     def put_front(self, arrived: Arrived) -> None:
@@ -73,20 +97,27 @@ class BeyondIndex:
         return arrived
 
     def on_disk(self) -> bool:
-        """Whether the front is empty and items wait in the queue behind it."""
-        return not self.front and len(self.waiting) > 0
+        """Whether the front is empty and rows wait behind it."""
+        return not self.front and len(self.groups) > 0
 
-    def read_back(self, n: int, block_tokens: int) -> ReadBack:
-        """The next `n` (at most) items of the waiting queue, their block hashes computed from the
-        backlog; call only when `on_disk`."""
+    def read_back(self, room: int, block_tokens: int) -> ReadBack | None:
+        """The rows that enter the index now (at most `room`: the oldest with its groups), their
+        block hashes computed from the backlog; None when the oldest's group waits for more room.
+        Call only when `on_disk`."""
         assert not self.front, "the front goes into the index first"
-        (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(n, block_tokens)
+        rows = self.groups.take(room, self.wait_limit)
+        if rows.size == 0:
+            return None
+        (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(rows, block_tokens)
+        self.waiting.forget_below(self.groups.head)
+        if not self.groups:
+            self.waiting.idle()
         self.count()
         return ReadBack(Arrived(Announcement(locs, hash_offsets, hashes), arrival_ns), gone)
 
     def drop_front(self, drop) -> list[np.ndarray]:
         """Take out of the front the items for whose LOC rows `drop(locs)` (a bool mask) is true;
-        their rows. The queue on disk is not read: its items meet admission when read back."""
+        their rows. The rows on disk are not read: their items meet admission when read back."""
         out = []
         for _ in range(len(self.front)):
             arrived = self.front.popleft()
@@ -99,7 +130,7 @@ class BeyondIndex:
 
     def oldest_ns(self) -> int | None:
         """When the oldest waiting item came; None when none waits."""
-        head = self.waiting.head_arrival_ns()
+        head = self.waiting.head_arrival_ns(self.groups.head) if len(self.groups) else None
         if not self.front:
             return head
         first = int(self.front[0].arrival_ns)
@@ -109,9 +140,10 @@ class BeyondIndex:
         """Refresh the gauges of what waits."""
         in_memory = self.waiting.in_memory
         self.values[S_OVERFLOW] = sum(a.items.locs.size for a in self.front) + in_memory
-        self.values[S_WAITING] = len(self.waiting) - in_memory
+        self.values[S_WAITING] = len(self.groups) - in_memory
 
     def close(self) -> None:
         """Drop what waits (the next start's scan finds it again on disk)."""
         self.front.clear()
         self.waiting.close()
+        self.groups = WaitingGroups()

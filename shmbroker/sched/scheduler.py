@@ -108,7 +108,9 @@ class Scheduler:
         # items longer than every contract of their model are refused here against the packer's
         # model_max, so its walks never meet one (its `batch.failed` stays empty)
         self.admission = Admission(self.packer.model_max, self.cancels.poll() or (), self.values)
-        self.beyond = BeyondIndex(cfg.data_dir, cfg.segment_bytes, self.values)
+        # a group up to a quarter of the index (and of one read-back) waits for room to enter whole
+        self.beyond = BeyondIndex(cfg.data_dir, cfg.segment_bytes, self.values,
+                                  max(1, min(cfg.index_items // 4, REFILL_ROWS)))
         self.failed = FailedRows()
         self.feeds = [Feed(r, queued_items(c.contract.max_batch_size, m))
                       for r, c, m in zip(batch_rings, cfg.consumers, modes)]
@@ -142,11 +144,12 @@ class Scheduler:
         self.values[S_RECOVERED_CORRUPT] = corrupt.size
         self.values[S_RECOVERED_UNNAMED] = report.unnamed_corrupt
         items, tokens = int(pending.size), int(pending["num_tokens"].sum()) if pending.size else 0
-        # every recovered record counts as pending now; they wait on disk and are read back, their
-        # block hashes computed, as the index has room (`_refill`)
+        # every recovered record counts as pending now; they wait on disk, in their prefix groups
+        # (block hashes read from the backlog), and enter the index as it has room (`_refill`)
         self.pending.count(pending["model"], pending["num_tokens"], 1)
         for at in range(0, pending.size, REFILL_ROWS):
-            self.beyond.append(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
+            self.beyond.append_recovered(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns(),
+                                         self.cfg.block_tokens)
         del pending
         self.beyond.count()
         self._refill()
@@ -192,8 +195,8 @@ class Scheduler:
             return
         self.pending.count_locs(ann.locs, 1)
         now_ns = time.monotonic_ns()
-        if self.beyond:  # behind what is older; its block hashes are computed again when read back
-            self.beyond.append(ann.locs, now_ns)
+        if self.beyond:  # behind what is older, in its groups; its block hashes computed again when read back
+            self.beyond.append(ann, now_ns)
             return
         self._index(Arrived(ann, now_ns))
 
@@ -238,6 +241,8 @@ class Scheduler:
                 break
         while self.table.num_free and self.beyond.on_disk():
             back = self.beyond.read_back(min(self.table.num_free, REFILL_ROWS), self.cfg.block_tokens)
+            if back is None:  # the oldest row's group waits for more room
+                break
             self.pending.count(back.gone["model"], back.gone["num_tokens"], -1)  # done meanwhile
             items = self._admit(back.arrived.items, counted=True)
             if items.locs.size:

@@ -65,6 +65,13 @@ def warm_pack() -> None:
             packer.add_many(np.arange(len(shapes), dtype=np.uint64), 0.0, shapes, 1)
     Guard(0.1).check(shapes.families, shapes.models, shapes.lengths, Shape(0, int(shapes.families[0]), 1, 700),
                      Contract(4, 4096, 1024))
+    from ..pack.groups import WaitingGroups, group_keys
+
+    waiting = WaitingGroups()
+    waiting.append(*group_keys(shapes.families, shapes.hash_offsets, shapes.hashes))
+    waiting.take(2, 1)
+    waiting.append(np.arange(2000, dtype=np.uint64), np.arange(2000, dtype=np.uint64))  # grows
+    waiting.take(4000, 1)
     out = np.empty(600, np.uint32)
     trace.synthesise(np.array([1, 2], np.int64), np.array([0, 2], np.int64), np.array([600], np.int64), 512, 100,
                      out, np.array([0, 600], np.int64))

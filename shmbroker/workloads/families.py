@@ -10,15 +10,19 @@ an EOS), drawn from a wide spread.
 - `oneoffs`: unrelated prompts of log-uniform length (50 to 12k tokens), outputs log-uniform
   (1 to 2k), caps from a few fixed values.
 - `mixed`: the three interleaved in arrival order, a third each.
+- `spread`: template-major jobs (`spread.py`): groups sharing a system prompt and a document,
+  each member a question, the members spread evenly through the file, as a script that loops over
+  its prompt templates writes them; `spread-grouped` is the same items written group by group.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .spread import spread
 from .synthetic import Workload
 
-FAMILIES = ("templates", "chains", "oneoffs", "mixed")
+FAMILIES = ("templates", "chains", "oneoffs", "mixed", "spread", "spread-grouped")
 CAPS = np.array([64, 256, 1024, 2048])
 
 
@@ -76,6 +80,8 @@ def oneoffs(n: int, rng, vocab: int = 32_000) -> tuple:
 def generate_family(name: str, num_items: int = 8000, seed: int = 0) -> Workload:
     if name not in FAMILIES:
         raise ValueError(f"a workload family is one of {', '.join(FAMILIES)}, got {name!r}")
+    if name.startswith("spread"):
+        return spread(num_items, seed, grouped=name == "spread-grouped").workload
     rng = np.random.default_rng(seed)
     if name != "mixed":
         prompts, max_new, real, prefixes = {"templates": templates, "chains": chains, "oneoffs": oneoffs}[name](num_items, rng)

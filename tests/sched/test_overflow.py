@@ -124,9 +124,10 @@ def test_a_restart_keeps_what_the_index_cannot_hold_on_disk_not_in_memory(tmp_pa
         broker.stop()
 
 
-def test_the_waiting_queue_keeps_arrival_order_across_files_and_a_full_disk(tmp_path, monkeypatch):
-    """Rows go to files of CHUNK_ROWS, read back in order, each file deleted once read; a full disk
-    keeps the rest in memory behind those on disk, and the disk is tried again once all is read."""
+def test_the_waiting_queue_reads_rows_back_by_number_across_files_and_a_full_disk(tmp_path, monkeypatch):
+    """Rows go to files of CHUNK_ROWS, numbered in arrival order and read back by number in any
+    order; a file goes once every row below the oldest waiting one is taken; a full disk keeps the
+    rows in memory, and the disk is tried again once none of them waits."""
     import errno
 
     from shmbroker.ring.wire import LOC_DTYPE
@@ -140,25 +141,29 @@ def test_the_waiting_queue_keeps_arrival_order_across_files_and_a_full_disk(tmp_
         rows["item_id"] = np.arange(first, first + n)
         return rows
 
-    q.append(locs(0, 250), 7)
-    assert len(q) == 250 and q.in_memory == 0 and q.files == 3
+    assert q.append(locs(0, 250), 7) == 0
+    assert q.tail == 250 and q.in_memory == 0 and q.files == 3
     waiting_dir = tmp_path / "sched" / "waiting"
     assert waiting_dir.stat().st_mode & 0o777 == 0o700
     assert {f.stat().st_mode & 0o777 for f in waiting_dir.glob("*.bin")} == {0o600}  # the files are the owner's
     real = W.os.pwrite
     monkeypatch.setattr(W.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
-    q.append(locs(250, 30), 8)  # the disk is full: in memory, behind
+    assert q.append(locs(250, 30), 8) == 250  # the disk is full: in memory
     monkeypatch.setattr(W.os, "pwrite", real)
-    q.append(locs(280, 20), 9)  # room again, but behind rows in memory: memory too (the order holds)
-    assert len(q) == 300 and q.in_memory == 50 and q.head_arrival_ns() == 7
-    seen = []
-    while len(q):
-        rows = q._read(64)
-        seen += rows["item_id"].tolist()
-        if len(seen) == 100:
-            assert q.files == 2  # the first file, read to its end, is gone
-    assert seen == list(range(300)) and q.files == 0 and q.in_memory == 0
-    q.append(locs(300, 5), 10)  # all read: the disk again
-    assert q.in_memory == 0 and q.files == 1 and q.head_arrival_ns() == 10
+    q.append(locs(280, 20), 9)  # room again, but rows wait in memory: memory too
+    assert q.tail == 300 and q.in_memory == 50 and q.head_arrival_ns(0) == 7 and q.head_arrival_ns(260) == 8
+    spread = np.array([5, 105, 205, 255, 290, 0, 299], np.int64)
+    assert q.gather(spread)["item_id"].tolist() == spread.tolist()  # any order, any piece
+    q.taken(spread)
+    assert q.in_memory == 47
+    q.forget_below(100)  # rows 0..99 all taken: the first file goes
+    assert q.files == 2
+    rest = np.setdiff1d(np.arange(100, 300), spread)
+    assert q.gather(rest)["item_id"].tolist() == rest.tolist()
+    q.taken(rest)
+    q.forget_below(300)
+    assert q.files == 0 and q.in_memory == 0 and not q.pieces
+    assert q.append(locs(300, 5), 10) == 300  # none waits in memory: the disk again
+    assert q.in_memory == 0 and q.files == 1 and q.head_arrival_ns(300) == 10
     q.close()
     assert not (tmp_path / "sched" / "waiting").exists()

@@ -102,10 +102,10 @@ def test_index_slots_are_taken_from_the_free_stack_and_given_back():
 
 def test_beyond_the_index_the_front_goes_first_and_a_cancel_takes_from_it(tmp_path):
     values = np.zeros(len(SCHED), np.int64)
-    beyond = BeyondIndex(str(tmp_path), 1 << 20, values)
+    beyond = BeyondIndex(str(tmp_path), 1 << 20, values, wait_limit=8)
     try:
         assert not beyond and beyond.oldest_ns() is None
-        beyond.append(announcement([3] * 4, producer=2).locs, 50)
+        beyond.append(announcement([3] * 4, producer=2), 50)
         beyond.put_front(Arrived(announcement([5, 6, 7], blocks=[1, 2, 1]), 40))
         assert beyond and not beyond.on_disk()
         assert (values[P.S_OVERFLOW], values[P.S_WAITING]) == (3, 4)

@@ -1,0 +1,321 @@
+"""Prefix groups of the items waiting beyond the packing index, so that a group enters it together.
+
+The index can only order what it holds. A group whose members are farther apart in arrival than
+the index holds never meets there, so what waits beyond it is kept grouped: each waiting item is a
+*row* (rows are numbered in arrival order) on two lists, one per level of prefix:
+
+- level 1, its **branch**: the hash of its first block past the family root (the index's
+  branch: a conversation, a document after a declared system prompt); the family key itself for
+  an item with no block past its root;
+- level 2, a **deep key**: the hash of its block at depth d, d the largest power of two not over
+  its blocks past the root less one (its last block is where its own tail usually starts), so
+  items that share a long prefix under a common branch (a document under a shared system prompt
+  that declares nothing) meet even when the branch is everybody's.
+
+Rows enter the index oldest first, each with its group (`take`): the oldest row's branch when it
+fits in the room the index has, else its deep group; a group that does not fit but is no larger
+than `wait_limit` waits for more room (the index is draining meanwhile), a larger one enters
+oldest first as room allows. Since the oldest row always goes first, nothing waits forever.
+
+Rows live in a ring indexed by row number (slot = row & mask): every row between the oldest live
+one and the newest is live or taken, and the ring doubles when that span fills it. Lists are
+doubly linked through slots (int32), a group is a record (first, last, count, key) found through
+an open-addressing table per level (`tables.py`). A row costs 33 bytes (two keys, four links, a
+flag), a group 32 bytes with its table slots: tens of bytes an item, whatever its tokens.
+`append` and `take` are one kernel call each, O(rows) and O(rows taken).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..jit import kernel
+from .tables import ht_delete, ht_find, ht_put, table_size
+
+# meta words
+G_HEAD = 0  # the oldest row not taken (all rows below it are taken)
+G_TAIL = 1  # the next row number
+G_LIVE = 2  # rows not taken
+G_FREE = 3  # top of the free list of group records
+META_WORDS = 4
+
+MIN_ROWS = 1 << 10
+NONE = -1
+
+
+class GroupState(NamedTuple):
+    """The arrays of the waiting groups (see the module doc)."""
+
+    key1: np.ndarray  # u64 per slot: the row's branch key
+    key2: np.ndarray  # u64 per slot: its deep key
+    links: np.ndarray  # int32 (slots, 4): next and previous slot at level 1, then at level 2
+    taken: np.ndarray  # u8 per slot
+    g_first: np.ndarray  # int32 per group record: its oldest row's slot
+    g_last: np.ndarray  # int32: its newest row's slot
+    g_count: np.ndarray  # int64: its rows
+    g_key: np.ndarray  # u64: its key (to rehash)
+    g_level: np.ndarray  # u8: 0 for a branch, 1 for a deep group
+    free: np.ndarray  # int32 stack of free group records
+    t1_keys: np.ndarray  # level 1: key -> group record
+    t1_vals: np.ndarray
+    t2_keys: np.ndarray  # level 2
+    t2_vals: np.ndarray
+    meta: np.ndarray  # int64 META_WORDS
+
+
+def new_state(rows: int = MIN_ROWS, groups: int = MIN_ROWS) -> GroupState:
+    rows = max(MIN_ROWS, 1 << (int(rows) - 1).bit_length())
+    size = table_size(groups)
+    meta = np.zeros(META_WORDS, np.int64)
+    meta[G_FREE] = groups
+    return GroupState(np.zeros(rows, np.uint64), np.zeros(rows, np.uint64), np.full((rows, 4), NONE, np.int32),
+                      np.ones(rows, np.uint8), np.full(groups, NONE, np.int32), np.full(groups, NONE, np.int32),
+                      np.zeros(groups, np.int64), np.zeros(groups, np.uint64), np.zeros(groups, np.uint8),
+                      np.arange(groups - 1, -1, -1, dtype=np.int32),
+                      np.zeros(size, np.uint64), np.full(size, NONE, np.int32), np.zeros(size, np.uint64),
+                      np.full(size, NONE, np.int32), meta)
+
+
+@kernel(_nrt=False)
+def _link(S, level, key, s):
+    """Row slot s at the end of the group of `key` at `level` (made when new)."""
+    tk, tv = (S.t1_keys, S.t1_vals) if level == 0 else (S.t2_keys, S.t2_vals)
+    g = ht_find(tk, tv, key)
+    nxt, prv = 2 * level, 2 * level + 1
+    S.links[s, nxt] = NONE
+    if g == NONE:
+        top = S.meta[G_FREE] - 1
+        S.meta[G_FREE] = top
+        g = S.free[top]
+        ht_put(tk, tv, key, g)
+        S.g_key[g] = key
+        S.g_level[g] = level
+        S.g_first[g] = s
+        S.g_count[g] = 0
+        S.links[s, prv] = NONE
+    else:
+        last = S.g_last[g]
+        S.links[last, nxt] = s
+        S.links[s, prv] = last
+    S.g_last[g] = s
+    S.g_count[g] += 1
+
+
+@kernel(_nrt=False)
+def _unlink(S, level, s):
+    """Row slot s out of its group at `level` (the group freed when it was the last)."""
+    tk, tv = (S.t1_keys, S.t1_vals) if level == 0 else (S.t2_keys, S.t2_vals)
+    key = S.key1[s] if level == 0 else S.key2[s]
+    g = ht_find(tk, tv, key)
+    nxt, prv = 2 * level, 2 * level + 1
+    a, b = S.links[s, prv], S.links[s, nxt]
+    if a == NONE:
+        S.g_first[g] = b
+    else:
+        S.links[a, nxt] = b
+    if b == NONE:
+        S.g_last[g] = a
+    else:
+        S.links[b, prv] = a
+    S.g_count[g] -= 1
+    if S.g_count[g] == 0:
+        S.g_first[g] = NONE
+        ht_delete(tk, tv, key)
+        S.free[S.meta[G_FREE]] = g
+        S.meta[G_FREE] += 1
+
+
+@kernel(_nrt=False)
+def append_rows(S, key1, key2):
+    """Rows for these items (their keys), after the newest; the first one's row number. The caller
+    made room (`room_for`)."""
+    mask = S.key1.size - 1
+    first = S.meta[G_TAIL]
+    for i in range(key1.size):
+        s = (first + i) & mask
+        S.key1[s] = key1[i]
+        S.key2[s] = key2[i]
+        S.taken[s] = 0
+        _link(S, 0, key1[i], s)
+        _link(S, 1, key2[i], s)
+    S.meta[G_TAIL] = first + key1.size
+    S.meta[G_LIVE] += key1.size
+    return first
+
+
+@kernel(_nrt=False)
+def _take_row(S, s):
+    _unlink(S, 0, s)
+    _unlink(S, 1, s)
+    S.taken[s] = 1
+    S.meta[G_LIVE] -= 1
+
+
+@kernel(_nrt=False)
+def _take_group(S, level, g, limit, out, k):
+    """Up to `limit` rows of group g at `level`, oldest first, into out[k:]; the new k."""
+    mask = S.key1.size - 1
+    head = S.meta[G_HEAD]
+    nxt = 2 * level
+    s = S.g_first[g]
+    n = 0
+    while s != NONE and n < limit:
+        after = S.links[s, nxt]
+        out[k] = head + ((s - head) & mask)  # the slot's row number
+        _take_row(S, s)
+        k += 1
+        n += 1
+        s = after
+    return k
+
+
+@kernel(_nrt=False)
+def take_rows(S, room, wait_limit, out):
+    """Rows to enter the index, at most `room`, into `out` (row numbers); how many. Oldest row first,
+    with its branch when it fits, else its deep group; a group that does not fit waits for room
+    unless it is larger than `wait_limit` (then its oldest rows enter as room allows)."""
+    mask = S.key1.size - 1
+    k = 0
+    while k < room and S.meta[G_LIVE] > 0:
+        head = S.meta[G_HEAD]
+        while S.taken[head & mask]:
+            head += 1
+        S.meta[G_HEAD] = head
+        s = head & mask
+        left = room - k
+        g1 = ht_find(S.t1_keys, S.t1_vals, S.key1[s])
+        c1 = S.g_count[g1]
+        if c1 <= left:
+            k = _take_group(S, 0, g1, c1, out, k)
+            continue
+        if c1 <= wait_limit:
+            break
+        g2 = ht_find(S.t2_keys, S.t2_vals, S.key2[s])
+        c2 = S.g_count[g2]
+        if c2 <= left:
+            k = _take_group(S, 1, g2, c2, out, k)
+        elif c2 <= wait_limit:
+            break
+        else:
+            k = _take_group(S, 1, g2, left, out, k)
+    head = S.meta[G_HEAD]
+    while head < S.meta[G_TAIL] and S.taken[head & mask]:
+        head += 1
+    S.meta[G_HEAD] = head
+    return k
+
+
+@kernel(_nrt=False)
+def _move_rows(old, new):
+    """The live span of `old`'s ring into `new`'s (a larger power of two), links remapped."""
+    om, nm = old.key1.size - 1, new.key1.size - 1
+    head, tail = old.meta[G_HEAD], old.meta[G_TAIL]
+    for r in range(head, tail):
+        s, t = r & om, r & nm
+        new.key1[t] = old.key1[s]
+        new.key2[t] = old.key2[s]
+        new.taken[t] = old.taken[s]
+        for j in range(4):
+            x = old.links[s, j]
+            new.links[t, j] = NONE if x == NONE else (head + ((x - head) & om)) & nm
+    for g in range(old.g_first.size):
+        for arr, out in ((old.g_first, new.g_first), (old.g_last, new.g_last)):
+            x = arr[g]
+            out[g] = NONE if x == NONE else (head + ((x - head) & om)) & nm
+
+
+def group_keys(families: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's branch key and deep key (see the module doc) from its family key and its block
+    hashes past the root (item i's at hashes[hash_offsets[i]:hash_offsets[i + 1]])."""
+    families = np.asarray(families, np.uint64)
+    nb = np.diff(hash_offsets)
+    if hashes.size == 0:
+        return families.copy(), families.copy()
+    at = hash_offsets[:-1]
+    depth = np.left_shift(1, np.floor(np.log2(np.maximum(1, nb - 1))).astype(np.int64))
+    has = nb > 0
+    last = hashes.size - 1
+    key1 = np.where(has, hashes[np.minimum(at, last)], families)
+    key2 = np.where(has, hashes[np.minimum(at + depth - 1, last)], families)
+    return key1, key2
+
+
+class WaitingGroups:
+    """The waiting rows and their groups: `append(key1, key2)` numbers rows, `take(room)` the rows
+    that enter the index. Grows its arrays by doubling, in Python, between kernel calls."""
+
+    def __init__(self, rows: int = MIN_ROWS):
+        self.S = new_state(rows, rows)
+
+    def __len__(self) -> int:
+        return int(self.S.meta[G_LIVE])
+
+    @property
+    def head(self) -> int:
+        """The oldest row not taken (the tail when none waits)."""
+        return int(self.S.meta[G_HEAD])
+
+    @property
+    def tail(self) -> int:
+        return int(self.S.meta[G_TAIL])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.S)
+
+    def append(self, key1: np.ndarray, key2: np.ndarray) -> int:
+        """Rows for items with these keys (a key 0, a table's empty slot, is read as 1); the first one's number."""
+        n = int(key1.size)
+        self._room_for(n)
+        return int(append_rows(self.S, _nonzero(key1), _nonzero(key2)))
+
+    def take(self, room: int, wait_limit: int) -> np.ndarray:
+        """Row numbers (int64, at most `room`) that enter the index now, in the order taken."""
+        out = np.empty(max(0, int(room)), np.int64)
+        k = take_rows(self.S, np.int64(room), np.int64(wait_limit), out)
+        return out[:k]
+
+    def _room_for(self, n: int) -> None:
+        S = self.S
+        span = int(S.meta[G_TAIL] - S.meta[G_HEAD]) + n
+        groups_needed = (S.g_first.size - int(S.meta[G_FREE])) + 2 * n
+        rows, groups = S.key1.size, S.g_first.size
+        while rows < span:
+            rows *= 2
+        while groups < groups_needed:
+            groups *= 2
+        if rows == S.key1.size and groups == S.g_first.size:
+            return
+        new = new_state(rows, groups)
+        old = S.g_first.size
+        new.g_count[:old] = S.g_count
+        new.g_key[:old] = S.g_key
+        new.g_level[:old] = S.g_level
+        _move_rows(S, new)
+        # free records: the new ones, then the old free ones on top (handed out first)
+        stack = np.concatenate([np.arange(groups - 1, old - 1, -1, dtype=np.int32), S.free[: int(S.meta[G_FREE])]])
+        new.free[: stack.size] = stack
+        new.meta[:] = S.meta
+        new.meta[G_FREE] = stack.size
+        _rehash(new)
+        self.S = new
+
+
+def _nonzero(keys) -> np.ndarray:
+    """Keys with 0 (an empty table slot) mapped to 1."""
+    keys = np.asarray(keys, np.uint64)
+    return np.where(keys == 0, np.uint64(1), keys)
+
+
+@kernel(_nrt=False)
+def _rehash(S):
+    """Every live group into S's (empty) table of its level."""
+    for g in range(S.g_first.size):
+        if S.g_first[g] == NONE or S.g_count[g] == 0:
+            continue
+        if S.g_level[g] == 0:
+            ht_put(S.t1_keys, S.t1_vals, S.g_key[g], g)
+        else:
+            ht_put(S.t2_keys, S.t2_vals, S.g_key[g], g)
