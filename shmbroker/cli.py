@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http", "faults", "embed")
+BENCHMARKS = ("ring", "backlog", "pack", "e2e", "restart", "gpu", "gen", "chaos", "cluster", "jobs", "http", "faults", "embed", "scale")
 GPUS_HELP = ("auto: one consumer per visible card (NVML, else the configuration's [[gpus]]) from its [[tiers]], "
              "in place of [[consumers]] (default: [[consumers]] as written)")
 
@@ -105,6 +105,9 @@ def _bench(args) -> int:
         result = embed.from_command(args)
         if result is None:  # no engine packages, no vLLM part: said on stderr, no traceback
             return 2
+    elif args.name == "scale":
+        from .bench import scale
+        result = scale.run(scale=args.scale, seed=args.seed, say=lambda line: print(line, file=sys.stderr))
     elif args.name == "faults":
         from .bench import faults
         result = faults.run(items=args.items or int(240 * args.scale), say=lambda line: print(line, file=sys.stderr))
@@ -226,13 +229,15 @@ def _add_demo(sub) -> None:
 
 def _add_bench(sub) -> None:
     """`bench NAME`, with each benchmark's options in its own group."""
+    from .workloads import FAMILIES  # light: names only
+
     p = sub.add_parser("bench", help="run a benchmark against its baseline in the same run")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--scale", type=float, default=1.0, help="workload size factor (default 1.0)")
     g = p.add_argument_group("pack")
     g.add_argument("--trace", default=None, help="Mooncake-format trace (JSONL) instead of the seeded generator")
-    g.add_argument("--workload", choices=("generator", "templates", "chains", "oneoffs", "mixed"), default="generator",
+    g.add_argument("--workload", choices=("generator",) + FAMILIES, default="generator",
                    help="pack: the seeded workload (default generator; the others: workloads/families.py, 8000 x scale items)")
     g.add_argument("--mode", choices=("offline", "streaming"), default="offline",
                    help="offline: the whole workload is the backlog; streaming: items arrive by timestamp")

@@ -19,10 +19,11 @@ oldest first as room allows. Since the oldest row always goes first, nothing wai
 
 Rows live in a ring indexed by row number (slot = row & mask): every row between the oldest live
 one and the newest is live or taken, and the ring doubles when that span fills it. Lists are
-doubly linked through slots (int32), a group is a record (first, last, count, key) found through
-an open-addressing table per level (`tables.py`). A row costs 33 bytes (two keys, four links, a
-flag), a group 32 bytes with its table slots: tens of bytes an item, whatever its tokens.
-`append` and `take` are one kernel call each, O(rows) and O(rows taken).
+doubly linked through slots (int32); a group is a record (first, last, count, table key) found by
+key through one open-addressing table (`tables.py`; a deep key is xored with DEEP_SALT there), and
+a row names its two records. A row costs 25 bytes (two records, four links, a flag), a group 20
+and its table slots 24: tens of bytes an item, whatever its tokens. `append` and `take` are one
+kernel call each, O(rows) and O(rows taken).
 """
 
 from __future__ import annotations
@@ -45,23 +46,22 @@ MIN_ROWS = 1 << 10
 NONE = -1
 
 
+DEEP_SALT = np.uint64(0xD1B54A32D192ED03)  # a deep key's table key: its key xor this (one table, two levels)
+
+
 class GroupState(NamedTuple):
     """The arrays of the waiting groups (see the module doc)."""
 
-    key1: np.ndarray  # u64 per slot: the row's branch key
-    key2: np.ndarray  # u64 per slot: its deep key
+    group: np.ndarray  # int32 (slots, 2): the row's group record at level 1 and at level 2
     links: np.ndarray  # int32 (slots, 4): next and previous slot at level 1, then at level 2
     taken: np.ndarray  # u8 per slot
     g_first: np.ndarray  # int32 per group record: its oldest row's slot
     g_last: np.ndarray  # int32: its newest row's slot
-    g_count: np.ndarray  # int64: its rows
-    g_key: np.ndarray  # u64: its key (to rehash)
-    g_level: np.ndarray  # u8: 0 for a branch, 1 for a deep group
+    g_count: np.ndarray  # int32: its rows
+    g_key: np.ndarray  # u64: its table key (to rehash)
     free: np.ndarray  # int32 stack of free group records
-    t1_keys: np.ndarray  # level 1: key -> group record
-    t1_vals: np.ndarray
-    t2_keys: np.ndarray  # level 2
-    t2_vals: np.ndarray
+    t_keys: np.ndarray  # table key -> group record
+    t_vals: np.ndarray
     meta: np.ndarray  # int64 META_WORDS
 
 
@@ -70,28 +70,28 @@ def new_state(rows: int = MIN_ROWS, groups: int = MIN_ROWS) -> GroupState:
     size = table_size(groups)
     meta = np.zeros(META_WORDS, np.int64)
     meta[G_FREE] = groups
-    return GroupState(np.zeros(rows, np.uint64), np.zeros(rows, np.uint64), np.full((rows, 4), NONE, np.int32),
-                      np.ones(rows, np.uint8), np.full(groups, NONE, np.int32), np.full(groups, NONE, np.int32),
-                      np.zeros(groups, np.int64), np.zeros(groups, np.uint64), np.zeros(groups, np.uint8),
-                      np.arange(groups - 1, -1, -1, dtype=np.int32),
-                      np.zeros(size, np.uint64), np.full(size, NONE, np.int32), np.zeros(size, np.uint64),
-                      np.full(size, NONE, np.int32), meta)
+    return GroupState(np.full((rows, 2), NONE, np.int32), np.full((rows, 4), NONE, np.int32), np.ones(rows, np.uint8),
+                      np.full(groups, NONE, np.int32), np.full(groups, NONE, np.int32), np.zeros(groups, np.int32),
+                      np.zeros(groups, np.uint64), np.arange(groups - 1, -1, -1, dtype=np.int32),
+                      np.zeros(size, np.uint64), np.full(size, NONE, np.int32), meta)
 
 
 @kernel(_nrt=False)
 def _link(S, level, key, s):
     """Row slot s at the end of the group of `key` at `level` (made when new)."""
-    tk, tv = (S.t1_keys, S.t1_vals) if level == 0 else (S.t2_keys, S.t2_vals)
-    g = ht_find(tk, tv, key)
+    if level == 1:
+        key = key ^ DEEP_SALT
+        if key == 0:
+            key = np.uint64(1)
+    g = ht_find(S.t_keys, S.t_vals, key)
     nxt, prv = 2 * level, 2 * level + 1
     S.links[s, nxt] = NONE
     if g == NONE:
         top = S.meta[G_FREE] - 1
         S.meta[G_FREE] = top
         g = S.free[top]
-        ht_put(tk, tv, key, g)
+        ht_put(S.t_keys, S.t_vals, key, g)
         S.g_key[g] = key
-        S.g_level[g] = level
         S.g_first[g] = s
         S.g_count[g] = 0
         S.links[s, prv] = NONE
@@ -101,14 +101,13 @@ def _link(S, level, key, s):
         S.links[s, prv] = last
     S.g_last[g] = s
     S.g_count[g] += 1
+    S.group[s, level] = g
 
 
 @kernel(_nrt=False)
 def _unlink(S, level, s):
     """Row slot s out of its group at `level` (the group freed when it was the last)."""
-    tk, tv = (S.t1_keys, S.t1_vals) if level == 0 else (S.t2_keys, S.t2_vals)
-    key = S.key1[s] if level == 0 else S.key2[s]
-    g = ht_find(tk, tv, key)
+    g = S.group[s, level]
     nxt, prv = 2 * level, 2 * level + 1
     a, b = S.links[s, prv], S.links[s, nxt]
     if a == NONE:
@@ -122,27 +121,26 @@ def _unlink(S, level, s):
     S.g_count[g] -= 1
     if S.g_count[g] == 0:
         S.g_first[g] = NONE
-        ht_delete(tk, tv, key)
+        ht_delete(S.t_keys, S.t_vals, S.g_key[g])
         S.free[S.meta[G_FREE]] = g
         S.meta[G_FREE] += 1
 
 
 @kernel(_nrt=False)
-def append_rows(S, key1, key2):
-    """Rows for these items (their keys), after the newest; the first one's row number. The caller
-    made room (`room_for`)."""
-    mask = S.key1.size - 1
-    first = S.meta[G_TAIL]
-    for i in range(key1.size):
-        s = (first + i) & mask
-        S.key1[s] = key1[i]
-        S.key2[s] = key2[i]
+def append_rows(S, key1, key2, start):
+    """Rows for items start.. of these keys, after the newest, while two group records are free
+    (an item may make two groups); how far it got. The caller made room in the ring (`_grow`)."""
+    mask = S.taken.size - 1
+    i = start
+    while i < key1.size and S.meta[G_FREE] >= 2:
+        s = S.meta[G_TAIL] & mask
         S.taken[s] = 0
         _link(S, 0, key1[i], s)
         _link(S, 1, key2[i], s)
-    S.meta[G_TAIL] = first + key1.size
-    S.meta[G_LIVE] += key1.size
-    return first
+        S.meta[G_TAIL] += 1
+        S.meta[G_LIVE] += 1
+        i += 1
+    return i
 
 
 @kernel(_nrt=False)
@@ -156,7 +154,7 @@ def _take_row(S, s):
 @kernel(_nrt=False)
 def _take_group(S, level, g, limit, out, k):
     """Up to `limit` rows of group g at `level`, oldest first, into out[k:]; the new k."""
-    mask = S.key1.size - 1
+    mask = S.taken.size - 1
     head = S.meta[G_HEAD]
     nxt = 2 * level
     s = S.g_first[g]
@@ -176,7 +174,7 @@ def take_rows(S, room, wait_limit, out):
     """Rows to enter the index, at most `room`, into `out` (row numbers); how many. Oldest row first,
     with its branch when it fits, else its deep group; a group that does not fit waits for room
     unless it is larger than `wait_limit` (then its oldest rows enter as room allows)."""
-    mask = S.key1.size - 1
+    mask = S.taken.size - 1
     k = 0
     while k < room and S.meta[G_LIVE] > 0:
         head = S.meta[G_HEAD]
@@ -185,14 +183,14 @@ def take_rows(S, room, wait_limit, out):
         S.meta[G_HEAD] = head
         s = head & mask
         left = room - k
-        g1 = ht_find(S.t1_keys, S.t1_vals, S.key1[s])
+        g1 = S.group[s, 0]
         c1 = S.g_count[g1]
         if c1 <= left:
             k = _take_group(S, 0, g1, c1, out, k)
             continue
         if c1 <= wait_limit:
             break
-        g2 = ht_find(S.t2_keys, S.t2_vals, S.key2[s])
+        g2 = S.group[s, 1]
         c2 = S.g_count[g2]
         if c2 <= left:
             k = _take_group(S, 1, g2, c2, out, k)
@@ -210,12 +208,12 @@ def take_rows(S, room, wait_limit, out):
 @kernel(_nrt=False)
 def _move_rows(old, new):
     """The live span of `old`'s ring into `new`'s (a larger power of two), links remapped."""
-    om, nm = old.key1.size - 1, new.key1.size - 1
+    om, nm = old.taken.size - 1, new.taken.size - 1
     head, tail = old.meta[G_HEAD], old.meta[G_TAIL]
     for r in range(head, tail):
         s, t = r & om, r & nm
-        new.key1[t] = old.key1[s]
-        new.key2[t] = old.key2[s]
+        new.group[t, 0] = old.group[s, 0]
+        new.group[t, 1] = old.group[s, 1]
         new.taken[t] = old.taken[s]
         for j in range(4):
             x = old.links[s, j]
@@ -247,7 +245,7 @@ class WaitingGroups:
     that enter the index. Grows its arrays by doubling, in Python, between kernel calls."""
 
     def __init__(self, rows: int = MIN_ROWS):
-        self.S = new_state(rows, rows)
+        self.S = new_state(rows, MIN_ROWS)
 
     def __len__(self) -> int:
         return int(self.S.meta[G_LIVE])
@@ -267,32 +265,41 @@ class WaitingGroups:
 
     def append(self, key1: np.ndarray, key2: np.ndarray) -> int:
         """Rows for items with these keys (a key 0, a table's empty slot, is read as 1); the first one's number."""
-        n = int(key1.size)
-        self._room_for(n)
-        return int(append_rows(self.S, _nonzero(key1), _nonzero(key2)))
+        key1, key2 = _nonzero(key1), _nonzero(key2)
+        first = self.tail
+        self._grow(key1.size, 0)
+        at = 0
+        while True:
+            at = int(append_rows(self.S, key1, key2, at))
+            if at == key1.size:
+                return first
+            self._grow(0, self.S.g_first.size)  # out of group records: twice as many
 
     def take(self, room: int, wait_limit: int) -> np.ndarray:
         """Row numbers (int64, at most `room`) that enter the index now, in the order taken."""
         out = np.empty(max(0, int(room)), np.int64)
         k = take_rows(self.S, np.int64(room), np.int64(wait_limit), out)
+        if not len(self) and self.S.taken.size > MIN_ROWS:  # drained: give the memory back
+            tail = self.tail
+            self.S = new_state()
+            self.S.meta[G_HEAD] = self.S.meta[G_TAIL] = tail
         return out[:k]
 
-    def _room_for(self, n: int) -> None:
+    def _grow(self, n: int, more_groups: int) -> None:
+        """Room in the ring for n more rows, and `more_groups` more group records (doubling)."""
         S = self.S
         span = int(S.meta[G_TAIL] - S.meta[G_HEAD]) + n
-        groups_needed = (S.g_first.size - int(S.meta[G_FREE])) + 2 * n
-        rows, groups = S.key1.size, S.g_first.size
+        rows, groups = S.taken.size, S.g_first.size
         while rows < span:
             rows *= 2
-        while groups < groups_needed:
+        while groups < S.g_first.size + more_groups:
             groups *= 2
-        if rows == S.key1.size and groups == S.g_first.size:
+        if rows == S.taken.size and groups == S.g_first.size:
             return
         new = new_state(rows, groups)
         old = S.g_first.size
         new.g_count[:old] = S.g_count
         new.g_key[:old] = S.g_key
-        new.g_level[:old] = S.g_level
         _move_rows(S, new)
         # free records: the new ones, then the old free ones on top (handed out first)
         stack = np.concatenate([np.arange(groups - 1, old - 1, -1, dtype=np.int32), S.free[: int(S.meta[G_FREE])]])
@@ -311,11 +318,7 @@ def _nonzero(keys) -> np.ndarray:
 
 @kernel(_nrt=False)
 def _rehash(S):
-    """Every live group into S's (empty) table of its level."""
+    """Every live group into S's (empty) table."""
     for g in range(S.g_first.size):
-        if S.g_first[g] == NONE or S.g_count[g] == 0:
-            continue
-        if S.g_level[g] == 0:
-            ht_put(S.t1_keys, S.t1_vals, S.g_key[g], g)
-        else:
-            ht_put(S.t2_keys, S.t2_vals, S.g_key[g], g)
+        if S.g_first[g] != NONE and S.g_count[g] > 0:
+            ht_put(S.t_keys, S.t_vals, S.g_key[g], g)

@@ -7,3 +7,5 @@ Run in the benchmarks', the demo's and `submit`'s own processes, never in the br
 time, fed by one of `feeders` (the packer, FIFO, the engine alone): the offline half of `bench pack`
 and of the demo's FIFO comparison. None of them touches shared memory or a running broker.
 """
+
+FAMILIES = ("templates", "chains", "oneoffs", "mixed", "spread", "spread-grouped")  # families.py's workloads

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import FAMILIES
 from .spread import spread
 from .synthetic import Workload
-
-FAMILIES = ("templates", "chains", "oneoffs", "mixed", "spread", "spread-grouped")
 CAPS = np.array([64, 256, 1024, 2048])
 
 
