@@ -42,6 +42,17 @@ class ReadBack(NamedTuple):
     gone: np.ndarray
 
 
+class Unkeyed(NamedTuple):
+    """Rows from `first` on, waiting to be put in their groups: by their LOC rows (`locs`, their
+    block hashes to be read) or by their keys."""
+
+    first: int
+    locs: np.ndarray | None
+    key1: np.ndarray | None
+    key2: np.ndarray | None
+    arrival_ns: int
+
+
 class BeyondIndex:
     """The front (in memory) and the waiting rows (on disk) behind it, in their groups; a group no
     larger than `wait_limit` that does not fit the room the index has waits for more."""
@@ -50,12 +61,17 @@ class BeyondIndex:
         self.front: deque[Arrived] = deque()
         self.waiting = WaitingQueue(data_dir, segment_bytes)
         self.groups = WaitingGroups()
+        # rows on disk not yet in their groups, in row order: a start's recovered locations (their
+        # keys computed a slice at a time, `key_some`, so a restart serves before it hashed its
+        # whole backlog) and, behind them, keys of rows announced meanwhile
+        self.unkeyed: deque[Unkeyed] = deque()
+        self.num_unkeyed = 0
         self.values = values
         self.wait_limit = wait_limit
 
     def __bool__(self) -> bool:
         """Whether anything waits (an item that comes now goes behind it)."""
-        return bool(self.front) or len(self.groups) > 0
+        return bool(self.front) or len(self.groups) > 0 or self.num_unkeyed > 0
 
     @property
     def rows_in_memory(self) -> int:
@@ -70,18 +86,42 @@ class BeyondIndex:
     def append(self, ann: Announcement, arrival_ns: int) -> None:
         """Announced items (their block hashes give their groups) behind all that waits."""
         key1, key2 = group_keys(ann.locs["prefix_key"], ann.hash_offsets, ann.hashes)
-        self._rows(ann.locs, arrival_ns, key1, key2)
-
-    def append_recovered(self, locs: np.ndarray, arrival_ns: int, block_tokens: int) -> None:
-        """Items a start found in the backlog, their groups from block hashes read there."""
-        hash_offsets, hashes = self.waiting.hashes_of(locs, block_tokens)
-        key1, key2 = group_keys(locs["prefix_key"], hash_offsets, hashes)
-        self._rows(locs, arrival_ns, key1, key2)
-
-    def _rows(self, locs: np.ndarray, arrival_ns: int, key1: np.ndarray, key2: np.ndarray) -> None:
-        first = self.waiting.append(locs, arrival_ns)
-        assert self.groups.append(key1, key2) == first, "a waiting row numbered twice"
+        first = self.waiting.append(ann.locs, arrival_ns)
+        if self.unkeyed:
+            self.unkeyed.append(Unkeyed(first, None, key1, key2, arrival_ns))
+            self.num_unkeyed += key1.size
+        else:
+            self._group(first, key1, key2)
         self.count()
+
+    def append_recovered(self, locs: np.ndarray, arrival_ns: int) -> None:
+        """Items a start found in the backlog: on disk now, in their groups once `key_some` read
+        their block hashes there."""
+        first = self.waiting.append(locs, arrival_ns)
+        self.unkeyed.append(Unkeyed(first, locs, None, None, arrival_ns))
+        self.num_unkeyed += locs.size
+        self.count()
+
+    def key_some(self, max_rows: int, block_tokens: int) -> int:
+        """Put up to about `max_rows` unkeyed rows in their groups, oldest first; how many."""
+        done = 0
+        while self.unkeyed and done < max_rows:
+            first, locs, key1, key2, arrival_ns = self.unkeyed.popleft()
+            if locs is not None:
+                if locs.size > max_rows - done:  # the rest stays first in line
+                    cut = max_rows - done
+                    self.unkeyed.appendleft(Unkeyed(first + cut, locs[cut:], None, None, arrival_ns))
+                    locs = locs[:cut]
+                hash_offsets, hashes = self.waiting.hashes_of(locs.copy(), block_tokens)
+                key1, key2 = group_keys(locs["prefix_key"], hash_offsets, hashes)
+            self._group(first, key1, key2)
+            self.num_unkeyed -= key1.size
+            done += key1.size
+        self.count()
+        return done
+
+    def _group(self, first: int, key1: np.ndarray, key2: np.ndarray) -> None:
+        assert self.groups.append(key1, key2) == first, "a waiting row numbered twice"
 
     def put_front(self, arrived: Arrived) -> None:
         """Items the index could not take, ahead of all that waits."""
@@ -110,7 +150,7 @@ class BeyondIndex:
             return None
         (locs, hash_offsets, hashes, arrival_ns), gone = self.waiting.take(rows, block_tokens)
         self.waiting.forget_below(self.groups.head)
-        if not self.groups:
+        if not self.groups and not self.unkeyed:
             self.waiting.idle()
         self.count()
         return ReadBack(Arrived(Announcement(locs, hash_offsets, hashes), arrival_ns), gone)
@@ -131,6 +171,9 @@ class BeyondIndex:
     def oldest_ns(self) -> int | None:
         """When the oldest waiting item came; None when none waits."""
         head = self.waiting.head_arrival_ns(self.groups.head) if len(self.groups) else None
+        if self.unkeyed:
+            first = int(self.unkeyed[0].arrival_ns)
+            head = first if head is None else min(first, head)
         if not self.front:
             return head
         first = int(self.front[0].arrival_ns)
@@ -140,10 +183,12 @@ class BeyondIndex:
         """Refresh the gauges of what waits."""
         in_memory = self.waiting.in_memory
         self.values[S_OVERFLOW] = sum(a.items.locs.size for a in self.front) + in_memory
-        self.values[S_WAITING] = len(self.groups) - in_memory
+        self.values[S_WAITING] = len(self.groups) + self.num_unkeyed - in_memory
 
     def close(self) -> None:
         """Drop what waits (the next start's scan finds it again on disk)."""
         self.front.clear()
         self.waiting.close()
         self.groups = WaitingGroups()
+        self.unkeyed.clear()
+        self.num_unkeyed = 0

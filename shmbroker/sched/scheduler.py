@@ -64,6 +64,7 @@ from .slots import NO_ITEM_NS, SlotTable
 POP_RECORDS = 64
 GAUGE_SECONDS = 0.25  # the oldest-item age and the index's families are refreshed this often
 REFILL_ROWS = 1 << 16  # waiting items read back from disk (and hashed) at a time
+KEY_ROWS = 1 << 13  # recovered items put in their prefix groups a loop round (their block hashes read)
 
 
 class PopBuffers(NamedTuple):
@@ -148,8 +149,8 @@ class Scheduler:
         # (block hashes read from the backlog), and enter the index as it has room (`_refill`)
         self.pending.count(pending["model"], pending["num_tokens"], 1)
         for at in range(0, pending.size, REFILL_ROWS):
-            self.beyond.append_recovered(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns(),
-                                         self.cfg.block_tokens)
+            self.beyond.append_recovered(record_locations(pending[at : at + REFILL_ROWS]), time.monotonic_ns())
+        self.beyond.key_some(REFILL_ROWS, self.cfg.block_tokens)  # enough to fill the index; the rest a slice a round
         del pending
         self.beyond.count()
         self._refill()
@@ -282,6 +283,11 @@ class Scheduler:
             self._refill()
         return pushed
 
+    def key_backlog(self) -> int:
+        """Put a slice of what a start recovered in its prefix groups (a loop round's worth, so
+        dispatch is never held up long); the rows put."""
+        return self.beyond.key_some(KEY_ROWS, self.cfg.block_tokens) if self.beyond.unkeyed else 0
+
     def _push_one(self, c: int, now: float) -> bool:
         """Push consumer c's next record if its ring wants one; False when it wants none, there is
         none, or the ring is full (the record is held for it)."""
@@ -348,6 +354,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
             beat(slot)
             got = sched.take_announcements()
             sent = sched.dispatch()
+            keyed = sched.key_backlog()
             now = time.monotonic()
             if now >= next_gauges:
                 cancelled = sched.cancels.poll()
@@ -356,9 +363,9 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
                 sched.refresh_gauges()
                 next_gauges = now + GAUGE_SECONDS
                 stats.publish()
-            elif got or sent:
+            elif got or sent or keyed:
                 stats.publish()
-            if got == 0 and sent == 0:
+            if got == 0 and sent == 0 and keyed == 0:
                 try:
                     sched.wait(SLEEP_SLICE_SECONDS)
                 except PeerDead:

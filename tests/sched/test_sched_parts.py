@@ -145,3 +145,60 @@ def test_a_feed_wants_more_once_the_items_of_held_records_are_done(owner):
     finally:
         prod.close()
         cons.close()
+
+
+def test_recovered_rows_join_their_groups_a_slice_at_a_time_announced_ones_behind_them(tmp_path):
+    """A start's backlog goes on disk at once and into its prefix groups a slice at a time (their
+    block hashes read from the backlog); rows announced meanwhile wait behind them; read back, the
+    oldest row brings every member of its group, however far apart they were written."""
+    from shmbroker.pack.groups import group_keys
+    from shmbroker.pack.shapes import shape_items
+    from shmbroker.ring.items import NO_PREFIX
+    from shmbroker.spill.layout import ITEM_DTYPE
+    from shmbroker.spill.locate import record_locations
+    from shmbroker.spill.store import Backlog
+    from shmbroker.workloads.spread import spread
+
+    wl = spread(300, 3).workload
+    shapes = shape_items(wl.tokens, wl.offsets, wl.prefix_lens, block_tokens=64)
+    backlog, _ = Backlog.open(str(tmp_path))
+    writer = backlog.writer(0, fsync="never")
+    meta = np.zeros(len(wl), ITEM_DTYPE)
+    meta["item_id"] = (np.uint64(1) << np.uint64(SEQ_BITS)) | np.arange(len(wl), dtype=np.uint64)
+    meta["prefix_key"] = shapes.families
+    meta["producer"] = 1
+    meta["prefix_len"] = np.where(wl.prefix_lens > 0, wl.prefix_lens, NO_PREFIX)
+    meta["max_new_tokens"] = 1
+    writer.append_many(wl.tokens, wl.offsets, meta, cluster=False)
+    writer.close()
+    backlog.close()
+    backlog, _ = Backlog.open(str(tmp_path), readonly=True)  # as a start finds it
+    pending = backlog.pending()
+    backlog.close()
+    values = np.zeros(len(SCHED), np.int64)
+    beyond = BeyondIndex(str(tmp_path), 1 << 26, values, wait_limit=64)
+    try:
+        locs = record_locations(pending)
+        beyond.append_recovered(locs, 5)
+        beyond.append(announcement([70, 80], producer=2, blocks=[2, 2]), 6)
+        assert values[P.S_WAITING] == 302 and not beyond.on_disk() and beyond.oldest_ns() == 5
+        assert beyond.key_some(100, 64) == 100 and len(beyond.groups) == 100 and beyond.on_disk()
+        assert beyond.key_some(10**6, 64) == 202 and len(beyond.groups) == 302 and not beyond.unkeyed
+        round_of = {}
+        for r in range(1000):
+            back = beyond.read_back(64, 64)
+            if back is None:
+                break
+            ids = back.arrived.items.locs["item_id"]
+            mine = ids >> np.uint64(SEQ_BITS) == 1  # the backlog's items (the announced two are producer 2's)
+            round_of.update((int(i), r) for i in (ids[mine] & np.uint64((1 << SEQ_BITS) - 1)).tolist())
+        assert len(round_of) == len(wl) and round_of[0] == 0 and not beyond
+        _, deep = group_keys(shapes.families, shapes.hash_offsets, shapes.hashes)
+        spans = []
+        for key in np.unique(deep).tolist():
+            same = np.flatnonzero(deep == key)
+            assert len({round_of[int(i)] for i in same}) == 1, same  # a group comes in together
+            spans.append(int(same.max() - same.min()))
+        assert max(spans) > 64  # members written far apart came in together
+    finally:
+        beyond.close()
