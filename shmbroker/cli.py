@@ -107,7 +107,8 @@ def _bench(args) -> int:
             return 2
     elif args.name == "scale":
         from .bench import scale
-        result = scale.run(scale=args.scale, seed=args.seed, say=lambda line: print(line, file=sys.stderr))
+        result = scale.run(scale=args.scale, seed=args.seed, indexed=tuple(int(x) for x in args.indexed.split(",") if int(x)),
+                           say=lambda line: print(line, file=sys.stderr))
     elif args.name == "faults":
         from .bench import faults
         result = faults.run(items=args.items or int(240 * args.scale), say=lambda line: print(line, file=sys.stderr))
@@ -251,12 +252,13 @@ def _add_bench(sub) -> None:
                    help="streaming: maximum wait in modeled seconds before aging (default: a quarter of the arrival span)")
     g.add_argument("--padding-tolerance", type=float, default=None,
                    help="padded engines: longest item <= (1 + tol) x shortest in a batch (default 1/16)")
-    from .bench.options import add_e2e_and_chaos, add_embed, add_gen  # light: declarations only
+    from .bench.options import add_e2e_and_chaos, add_embed, add_gen, add_scale  # light: declarations only
     from .cluster.options import NodeSettings  # light: declarations only (no nats, no kernels)
 
     add_gen(p)
     add_e2e_and_chaos(p)
     add_embed(p)
+    add_scale(p)
 
     g = p.add_argument_group("cluster")
     g.add_argument("--key-blocks", type=int, default=None,

@@ -43,3 +43,11 @@ def add_embed(p) -> None:
     g.add_argument("--threads", type=int, default=1,
                    help="embed: torch CPU threads of every side: the broker's engine, the fixed batches, "
                         "sentence-transformers (default 1)")
+
+
+def add_scale(p) -> None:
+    """`bench scale`'s options (it shares --scale and --seed)."""
+    g = p.add_argument_group("scale")
+    g.add_argument("--indexed", default="1000000", metavar="N[,N...]",
+                   help="scale: the packing index alone at these sizes (items, comma-separated; 0: left out), "
+                        "its bytes per item and decision times (default 1000000)")

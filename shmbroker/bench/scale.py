@@ -18,6 +18,11 @@ seconds from the first submit to the last result, `small_index_vs_grouped` and
 index's seconds over the grouped run's), `sched_rss_mb` (the scheduler's peak resident memory in the small-index run) and
 `bytes_per_waiting_item` (the waiting groups' memory for the whole backlog waiting, measured on
 the workload's own keys; each waiting row's 72 bytes are on disk, not in memory).
+
+Then the packing index alone at each size of `--indexed` (`scale_index.py`): its bytes per indexed
+item, and the p99 of a decision from a full index of that size, padded and packed
+(`decision_us_p99_padded`, `decision_us_p99_packed`, at the largest size; every size in
+`index_runs`).
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ def waiting_bytes(wl) -> float:
     return groups.nbytes / len(wl)
 
 
-def run(scale: float = 1.0, seed: int = 0, say=lambda line: None) -> dict:
+def run(scale: float = 1.0, seed: int = 0, indexed: tuple[int, ...] = (1_000_000,), say=lambda line: None) -> dict:
+    """The live runs, then the index alone at each size of `indexed` (none: left out)."""
     n = max(2000, int(1_000_000 * scale))
     spread_wl = spread(n, seed).workload
     grouped_wl = spread(n, seed, grouped=True).workload
@@ -146,4 +152,9 @@ def run(scale: float = 1.0, seed: int = 0, say=lambda line: None) -> dict:
     out["full_index_makespan_vs_grouped"] = round(runs["full_index"]["seconds"] / g["seconds"], 4)
     out["sched_rss_mb"] = runs["small_index"]["sched_rss_mb"]
     out["all_ok"] = all(r["ok"] == r["items"] for r in runs.values())
+    del spread_wl, grouped_wl
+    if indexed:
+        from .scale_index import run as index_run
+
+        out.update(index_run(list(indexed), seed, say))
     return out
