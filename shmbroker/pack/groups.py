@@ -7,10 +7,11 @@ the index holds never meets there, so what waits beyond it is kept grouped: each
 - level 1, its **branch**: the hash of its first block past the family root (the index's
   branch: a conversation, a document after a declared system prompt); the family key itself for
   an item with no block past its root;
-- level 2, a **deep key**: the hash of its block at depth d, d the largest power of two not over
-  its blocks past the root less one (its last block is where its own tail usually starts), so
-  items that share a long prefix under a common branch (a document under a shared system prompt
-  that declares nothing) meet even when the branch is everybody's.
+- level 2, a **deep key**: the hash of its deep block (`shapes.deep_block`: at the largest
+  power-of-two depth short of its last block, where its own tail usually starts), so items that
+  share a long prefix under a common branch (a document under a shared system prompt that
+  declares nothing) meet even when the branch is everybody's. The index's trie gives the same
+  block a node, so they are drained together there too.
 
 Rows enter the index oldest first, each with its group (`take`): the oldest row's branch when it
 fits in the room the index has, else its deep group; a group that does not fit but is no larger
@@ -33,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..jit import kernel
+from .shapes import deep_block
 from .tables import ht_delete, ht_find, ht_put, table_size
 
 # meta words
@@ -224,19 +226,25 @@ def _move_rows(old, new):
             out[g] = NONE if x == NONE else (head + ((x - head) & om)) & nm
 
 
+@kernel
+def _deep_hashes(families, hash_offsets, hashes, key1, key2):
+    for i in range(families.size):
+        nb = hash_offsets[i + 1] - hash_offsets[i]
+        if nb == 0:
+            key1[i] = families[i]
+            key2[i] = families[i]
+        else:
+            key1[i] = hashes[hash_offsets[i]]
+            key2[i] = hashes[hash_offsets[i] + deep_block(nb)]
+
+
 def group_keys(families: np.ndarray, hash_offsets: np.ndarray, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each item's branch key and deep key (see the module doc) from its family key and its block
     hashes past the root (item i's at hashes[hash_offsets[i]:hash_offsets[i + 1]])."""
-    families = np.asarray(families, np.uint64)
-    nb = np.diff(hash_offsets)
-    if hashes.size == 0:
-        return families.copy(), families.copy()
-    at = hash_offsets[:-1]
-    depth = np.left_shift(1, np.floor(np.log2(np.maximum(1, nb - 1))).astype(np.int64))
-    has = nb > 0
-    last = hashes.size - 1
-    key1 = np.where(has, hashes[np.minimum(at, last)], families)
-    key2 = np.where(has, hashes[np.minimum(at + depth - 1, last)], families)
+    families = np.ascontiguousarray(families, np.uint64)
+    key1, key2 = np.empty_like(families), np.empty_like(families)
+    _deep_hashes(families, np.ascontiguousarray(hash_offsets, np.int64), np.ascontiguousarray(hashes, np.uint64),
+                 key1, key2)
     return key1, key2
 
 

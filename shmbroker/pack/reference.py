@@ -71,7 +71,8 @@ tolerance=tol)`:
   group: no count x longest bound) stops at the first item past count, or at the `FAILED_MAX`+1-th failure; a
   branch left part-way stays claimed for the next decision. Shape bounds: (1, max_input_len).
 - **The trie** is path-compressed as in the index: an item's node is its last block hash, created
-  under its deepest existing ancestor among its block hashes (else under its branch) when absent;
+  under its deepest existing ancestor among its block hashes (else under its branch) when absent,
+  with a node for its deep block (`shapes.deep_block`) between them when that ancestor is above it;
   a node dies (leaves its parent's children and every list) when it has no items and no children.
   A branch that dies records the consumer in a direct-mapped hint table of `hint_slots(capacity)`
   slots indexed by the key's low bits (a later key with the same low bits overwrites it); a

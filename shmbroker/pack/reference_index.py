@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .contract import Contract
+from .shapes import deep_block
 
 BAND_SUB_BITS = 8  # 256 bands per octave above 256 tokens, exact below
 BAND_SUB = 1 << BAND_SUB_BITS
@@ -153,6 +154,9 @@ class ReferenceIndex:
                     if hashes[d] in self.nodes:
                         parent = self.nodes[hashes[d]]
                         break
+                k = deep_block(len(hashes))
+                if k >= 1 and parent.depth < k + 1:  # the deep block's node, between them
+                    parent = self._new_node(hashes[k], parent, k + 1, fam)
                 end = self._new_node(hashes[last], parent, last + 1, fam)
             node = end
         node.items.append(item)

@@ -115,6 +115,18 @@ def num_blocks(n, prefix, block_tokens):
 
 
 @kernel
+def deep_block(nb):
+    """Which of an item's `nb` blocks past its family root is its deep block (0-based): the one at
+    the largest power-of-two depth short of its last block, where its own tail usually starts. Items
+    under one branch that share it share a long prefix (a document under a common system prompt):
+    the trie gives it a node (`trie.end_node`) and the waiting groups a list (`groups.py`)."""
+    depth = 1
+    while depth * 2 <= nb - 1:
+        depth *= 2
+    return depth - 1
+
+
+@kernel
 def family_key(tokens, start, n, prefix, model, block_tokens, seed):
     """Family key of tokens[start:start+n]: the model and the declared prefix, else the first block;
     an item shorter than one block that declares no prefix has no prefix an engine could cache (a

@@ -1,8 +1,9 @@
 """The packing index's prefix trie (numba kernels over its node records, `state.py`).
 
-Path-compressed: a family's root (its family key), its branches (an item's first block, depth 1)
-and the items' end nodes (their last block, hung under their deepest indexed ancestor) are the only
-nodes, so the trie holds O(items) nodes, not O(blocks). Nodes are found by block hash
+Path-compressed: a family's root (its family key), its branches (an item's first block, depth 1),
+the items' deep blocks (`shapes.deep_block`) and their end nodes (their last block, hung under
+their deepest indexed ancestor) are the only nodes, so the trie holds O(items) nodes, not
+O(blocks). Nodes are found by block hash
 (`tables.py`); a node is live while an item hangs from it or from a live descendant. `index.py`
 calls these as items come; it unlinks them as they go.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from ..jit import kernel
 from .links import child_append, nitem_append
 from .listing import branch_reclass, hinted_consumer
+from .shapes import deep_block
 from .state import M_NODES_FREE, pop_free
 from .tables import ht_find, ht_put
 
@@ -51,8 +53,11 @@ def new_node(S, block_hash, parent, depth, f):
 def end_node(S, f, family_key, hashes):
     """The trie node an item of family f with these block hashes hangs from: the family root, the
     branch (first block), then the item's own end node under its deepest indexed ancestor
-    (path-compressed: only roots, branches and item ends are nodes, so the trie holds O(items)
-    nodes, not O(blocks)). Makes the nodes missing (at most 3: the caller checked there are)."""
+    (path-compressed: only roots, branches, deep blocks and item ends are nodes, so the trie holds
+    O(items) nodes, not O(blocks)). An end node made under an ancestor above the item's deep block
+    (`shapes.deep_block`) gets a node there between them, while a node is left for it, so items
+    sharing a long prefix under a common branch hang together and are drained together. Makes
+    the nodes missing (at most 4; the caller checked there are 3, the deep one is left out short)."""
     fm = S.families
     x = fm[f].root
     if x == -1:
@@ -74,9 +79,17 @@ def end_node(S, f, family_key, hashes):
                 if a != -1:
                     p = a
                     break
+            k = deep_block(hashes.size)
+            if k >= 1 and nd_depth(S, p) < k + 1 and S.meta[M_NODES_FREE] >= 2:
+                p = new_node(S, hashes[k], p, k + 1, f)  # the deep block: its items meet under it
             y = new_node(S, hashes[last], p, last + 1, f)
         x = y
     return x
+
+
+@kernel(inline="always", _nrt=False)
+def nd_depth(S, x):
+    return S.nodes[x].depth
 
 
 @kernel(inline="always", _nrt=False)

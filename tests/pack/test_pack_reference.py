@@ -358,12 +358,14 @@ def test_packed_drains_a_conversation_parent_first_on_one_branch():
 
 
 def test_packed_children_in_the_order_they_became_live():
-    """Path compression: turn 3 arriving before turn 2 hangs under the branch (turn 2 has no node yet);
-    turn 2, arriving later, becomes the branch's second child, so it is drained after turn 3."""
+    """Path compression: turn 4 arriving before turns 2 and 3 hangs under its deep block's node (its
+    second block past the root: turn 2's end), made for it under the branch; turn 3, arriving later,
+    hangs under that node too, after turn 4 (the order they became live); turn 2 finds its end node
+    there, so it drains before both: a parent first, though it came last."""
     twin = Twin(Contract(8, 10_000, 500), "packed", 16)
-    a = conversation([16, 16, 16], 1)
-    twin.add_items([(a[0], 0, 0), (a[2], 0, 0), (a[1], 0, 0)])  # keys 0 = A1, 1 = A3, 2 = A2
-    assert twin.drain() == [([0, 1, 2], [])]
+    a = conversation([16, 16, 16, 16], 1)
+    twin.add_items([(a[0], 0, 0), (a[3], 0, 0), (a[2], 0, 0), (a[1], 0, 0)])  # keys 0 = A1, 1 = A4, 2 = A3, 3 = A2
+    assert twin.drain() == [([0, 3, 1, 2], [])]
 
 
 def test_packed_prefers_the_branch_it_served_then_overflow_branches():
