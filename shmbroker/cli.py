@@ -36,14 +36,10 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    if args.name == "ring":
-        from .bench import ring
+    if args.name in ("ring", "backlog", "restart"):  # the workload's size is all they take
+        import importlib
 
-        result = ring.run(scale=args.scale)
-    elif args.name == "backlog":
-        from .bench import backlog
-
-        result = backlog.run(scale=args.scale)
+        result = importlib.import_module(f".bench.{args.name}", __package__).run(scale=args.scale)
     elif args.name == "pack":
         from .bench import pack
 
@@ -55,10 +51,6 @@ def _bench(args) -> int:
         from .bench import e2e
 
         result = e2e.run(scale=args.scale, options=args.options, schema=args.schema, embed=args.embed)
-    elif args.name == "restart":
-        from .bench import restart
-
-        result = restart.run(scale=args.scale)
     elif args.name == "gpu":
         from .bench import gpu
         from .errors import BrokerError
@@ -107,8 +99,7 @@ def _bench(args) -> int:
             return 2
     elif args.name == "scale":
         from .bench import scale
-        result = scale.run(scale=args.scale, seed=args.seed, indexed=tuple(int(x) for x in args.indexed.split(",") if int(x)),
-                           say=lambda line: print(line, file=sys.stderr))
+        result = scale.from_command(args)
     elif args.name == "faults":
         from .bench import faults
         result = faults.run(items=args.items or int(240 * args.scale), say=lambda line: print(line, file=sys.stderr))

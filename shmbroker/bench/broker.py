@@ -113,10 +113,23 @@ class CardRun:
     num_tokens: np.ndarray
     card_before: dict
     card: dict
+    sched_peak_rss_mb: float = 0.0  # the scheduler's peak resident memory (VmHWM) at the end
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM), in MiB; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_new_tokens,
-                     timeout_seconds: float, options: list | None = None) -> CardRun:
+                     timeout_seconds: float, options: list | None = None, prefix_len=None) -> CardRun:
     """Start a broker of `config` (one consumer named "card") under `tmp`, wait until its engine is
     built, submit the items in one `submit_many` (with `options`, each item's own request options:
     one `submit` each), take every result back, stop the broker."""
@@ -127,7 +140,7 @@ def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_ne
     broker = BenchBroker(tmp, config)
     n = len(offsets) - 1
     try:
-        broker.wait_ready()
+        info = broker.wait_ready()
         with Producer(producer, data_dir=broker.data_dir) as p:
             view = BrokerView.attach(broker.data_dir)
             try:
@@ -136,7 +149,7 @@ def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_ne
                 before = view.snapshot()["consumers"]["card"]
                 t0 = time.perf_counter()
                 if options is None:
-                    p.submit_many(flat, offsets, max_new_tokens=max_new_tokens)
+                    p.submit_many(flat, offsets, max_new_tokens=max_new_tokens, prefix_len=prefix_len)
                 else:
                     for i, o in enumerate(options):
                         p.submit(flat[offsets[i] : offsets[i + 1]], max_new_tokens=int(max_new_tokens[i]), options=o)
@@ -155,8 +168,9 @@ def through_one_card(tmp: str, config: str, producer: str, flat, offsets, max_ne
                     if card["items"] - before["items"] >= n or time.monotonic() > deadline:
                         break
                     time.sleep(0.01)
+                rss = peak_rss_mb(broker.role_pids(info)["sched"])
             finally:
                 view.close()
     finally:
         broker.stop()
-    return CardRun(seconds, np.concatenate(status), np.concatenate(num_tokens), before, card)
+    return CardRun(seconds, np.concatenate(status), np.concatenate(num_tokens), before, card, rss)

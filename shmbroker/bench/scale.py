@@ -30,13 +30,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
-
-import numpy as np
 
 from ..pack.shapes import shape_items
 from ..workloads.spread import spread
-from .broker import BenchBroker
+from .broker import through_one_card
 
 BLOCK_TOKENS = 64
 CACHE_TOKENS = 262_144
@@ -57,60 +54,20 @@ engine_settings = {{ mode = "packed", cache_tokens = {cache_tokens} }}
 """
 
 
-def peak_rss_mb(pid: int) -> float:
-    """A process's peak resident memory (VmHWM), in MiB; 0 when it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def through_broker(wl, index_items: int, tmp: str) -> dict:
     """The workload through a broker of one packed card, all submitted at once: its hit rate, its
     seconds from the first submit to the last result, the scheduler's peak memory."""
-    from ..client.producer import Producer
-    from ..observe.watch import BrokerView
-
-    os.makedirs(tmp, exist_ok=True)
-    broker = BenchBroker(tmp, CONFIG.format(index_items=index_items, block_tokens=BLOCK_TOKENS,
-                                            cache_tokens=CACHE_TOKENS))
-    n = len(wl)
+    config = CONFIG.format(index_items=index_items, block_tokens=BLOCK_TOKENS, cache_tokens=CACHE_TOKENS)
     try:
-        info = broker.wait_ready()
-        with Producer("scale", data_dir=broker.data_dir) as p:
-            view = BrokerView.attach(broker.data_dir)
-            try:
-                broker.wait_engine(view, "gpu-card", 120.0)
-                before = view.snapshot()["consumers"]["card"]
-                t0 = time.perf_counter()
-                p.submit_many(wl.tokens, wl.offsets, max_new_tokens=wl.max_new_tokens, prefix_len=wl.prefix_lens)
-                got, ok = 0, 0
-                deadline = time.monotonic() + TIMEOUT_SECONDS
-                while got < n:
-                    batch = p.take_results(1.0)
-                    got += len(batch)
-                    ok += int((batch.status == 0).sum())
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{got} of {n} results through the broker")
-                seconds = time.perf_counter() - t0
-                while True:  # the card's counters follow its results
-                    card = view.snapshot()["consumers"]["card"]
-                    if card["items"] - before["items"] >= n or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
-                rss = peak_rss_mb(broker.role_pids(info)["sched"])
-            finally:
-                view.close()
+        run = through_one_card(tmp, config, "scale", wl.tokens, wl.offsets, wl.max_new_tokens, TIMEOUT_SECONDS,
+                               prefix_len=wl.prefix_lens)
     finally:
-        broker.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    queried = card["queried_blocks"] - before["queried_blocks"]
-    return {"hit_rate": round((card["hit_blocks"] - before["hit_blocks"]) / queried, 4) if queried else None,
-            "seconds": round(seconds, 2), "items": n, "ok": ok, "index_items": index_items, "sched_rss_mb": round(rss, 1)}
+    hits = run.card["hit_blocks"] - run.card_before["hit_blocks"]
+    queried = run.card["queried_blocks"] - run.card_before["queried_blocks"]
+    return {"hit_rate": round(hits / queried, 4) if queried else None, "seconds": round(run.seconds, 2),
+            "items": len(wl), "ok": int((run.status == 0).sum()), "index_items": index_items,
+            "sched_rss_mb": round(run.sched_peak_rss_mb, 1)}
 
 
 def waiting_bytes(wl) -> float:
@@ -158,3 +115,11 @@ def run(scale: float = 1.0, seed: int = 0, indexed: tuple[int, ...] = (1_000_000
 
         out.update(index_run(list(indexed), seed, say))
     return out
+
+
+def from_command(args) -> dict:
+    """`bench scale` from the command line's options (progress on stderr)."""
+    import sys
+
+    return run(scale=args.scale, seed=args.seed, indexed=tuple(int(x) for x in args.indexed.split(",") if int(x)),
+               say=lambda line: print(line, file=sys.stderr))

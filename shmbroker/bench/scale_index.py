@@ -21,7 +21,7 @@ import numpy as np
 from ..pack.contract import Contract, Mode
 from ..pack.packer import ConsumerSpec, Packer
 from ..pack.shapes import ItemShapes
-from .scale import peak_rss_mb
+from .broker import peak_rss_mb
 
 BLOCK_TOKENS = 64
 DECISIONS = 2000

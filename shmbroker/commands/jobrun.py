@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..jobs import store
+from ..jobs import arriving, store
 from ..jobs.store import JobError, JobMeta
 from ..jobs.text import DECODE_CONTEXT_TOKENS
 from ..ring.items import SEQ_BITS, SEQ_MASK
@@ -143,6 +143,7 @@ class JobRun:
     def fail(self, message: str) -> None:
         self.meta.phase, self.meta.error, self.meta.finished_at = "failed", message, time.time()
         self.save()
+        arriving.done(self.data_dir, self.name)
 
     def save(self) -> None:
         store.write_meta(self.data_dir, self.meta)
@@ -153,6 +154,7 @@ class JobRun:
     def attach(self, producer) -> None:
         """Find what an earlier run pushed (module docstring), once the producer is connected."""
         self.producer_id = producer.producer_id
+        arriving.add(self.data_dir, self.name, producer.producer_id)  # held a moment while its lines come
         self.entries = load_entries(self.data_dir, self.name)
         if not self.entries:
             return
@@ -238,6 +240,7 @@ class JobRun:
         self.meta.refused = refused
         self.meta.submit_done = True
         self.save()
+        arriving.done(self.data_dir, self.name)
 
     def finished(self, cancelled: bool) -> None:
         """Every result is written (a cancelled job's phase stays: its status comes from the cancel).

@@ -103,6 +103,10 @@ class BrokerConfig:
     index_items: int = key(1 << 20, check=Integer(1024, 1 << 28),
                            help="items the scheduler's packing index holds; more wait on disk (`sched/waiting/`) "
                                 "and enter as batches leave")
+    job_hold_seconds: float = key(2.0, check=Number(0.0, 3600.0),
+                                  help="while a batch job's file is still arriving, its items wait beyond the index "
+                                       "at most this long when the cards have other work, so a prefix group's first "
+                                       "member does not run before the others come (0: never held)")
     overflow_items: int = key(1 << 22, check=Integer(1024, 1 << 30),
                               help="items past a full index that wait in the scheduler's memory when the disk is full; "
                                    "past it the scheduler takes no more announcements, and ingest, then producers, wait")

@@ -42,6 +42,11 @@ class ReadBack(NamedTuple):
     gone: np.ndarray
 
 
+class WaitingRow(NamedTuple):
+    item_id: int
+    arrival_ns: int
+
+
 class Unkeyed(NamedTuple):
     """Rows from `first` on, waiting to be put in their groups: by their LOC rows (`locs`, their
     block hashes to be read) or by their keys."""
@@ -154,6 +159,13 @@ class BeyondIndex:
             self.waiting.idle()
         self.count()
         return ReadBack(Arrived(Announcement(locs, hash_offsets, hashes), arrival_ns), gone)
+
+    def head(self) -> WaitingRow | None:
+        """The oldest row in its groups: its item and when it came (None when none is)."""
+        if not len(self.groups):
+            return None
+        row = self.waiting.gather(np.array([self.groups.head], np.int64))[0]
+        return WaitingRow(int(row["item_id"]), int(row["arrival_ns"]))
 
     def drop_front(self, drop) -> list[np.ndarray]:
         """Take out of the front the items for whose LOC rows `drop(locs)` (a bool mask) is true;

@@ -45,6 +45,7 @@ from ..spill.locate import record_locations
 from ..spill.store import Backlog
 from .admission import Admission
 from .beyond import Arrived, BeyondIndex
+from .hold import JobHold
 from .pending import (
     GAUGES,
     S_BATCHES,
@@ -106,6 +107,7 @@ class Scheduler:
         self.pending = Pending(cfg, self.values)
         self.table = SlotTable(cfg.index_items)
         self.cancels = CancelWatch(cfg.data_dir)  # cancelled jobs (`jobs/cancels.py`), read before any item
+        self.hold = JobHold(cfg.data_dir, cfg.job_hold_seconds)  # jobs still arriving (`hold.py`)
         # items longer than every contract of their model are refused here against the packer's
         # model_max, so its walks never meet one (its `batch.failed` stays empty)
         self.admission = Admission(self.packer.model_max, self.cancels.poll() or (), self.values)
@@ -196,10 +198,18 @@ class Scheduler:
             return
         self.pending.count_locs(ann.locs, 1)
         now_ns = time.monotonic_ns()
-        if self.beyond:  # behind what is older, in its groups; its block hashes computed again when read back
+        # behind what waits, in its groups (hashed again when read back); a job still arriving waits too
+        if self.beyond or self.hold.holds(ann.locs, len(self.packer)):
             self.beyond.append(ann, now_ns)
             return
         self._index(Arrived(ann, now_ns))
+
+    def watch_jobs(self) -> None:
+        """Obey the cancels and the jobs still arriving, as their files say now."""
+        cancelled = self.cancels.poll()
+        if cancelled:
+            self.cancel(cancelled)
+        self.hold.poll()
 
     def _admit(self, ann: Announcement, counted: bool = False) -> Announcement:
         """The items of `ann` some consumer can take; the others go to the failed rows (and, `counted`:
@@ -240,7 +250,7 @@ class Scheduler:
             arrived = self.beyond.pop_front()
             if arrived is None or self._index(arrived) == 0:
                 break
-        while self.table.num_free and self.beyond.on_disk():
+        while self.table.num_free and self.beyond.on_disk() and not self.hold.head_held(self.beyond, len(self.packer)):
             back = self.beyond.read_back(min(self.table.num_free, REFILL_ROWS), self.cfg.block_tokens)
             if back is None:  # the oldest row's group waits for more room
                 break
@@ -357,9 +367,7 @@ def sched_main(cfg, modes, control, appended_rings, batch_rings, bell, stopping)
             keyed = sched.key_backlog()
             now = time.monotonic()
             if now >= next_gauges:
-                cancelled = sched.cancels.poll()
-                if cancelled:
-                    sched.cancel(cancelled)
+                sched.watch_jobs()
                 sched.refresh_gauges()
                 next_gauges = now + GAUGE_SECONDS
                 stats.publish()

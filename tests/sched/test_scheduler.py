@@ -275,3 +275,35 @@ def test_items_beyond_a_full_index_wait_and_are_indexed_as_room_frees(rigs, tmp_
     assert sorted(run) == sorted(ids) and len(set(run)) == 100
     assert (v[P.S_OVERFLOW], v[P.S_WAITING], v[P.S_PENDING_ITEMS]) == (0, 0, 0)
     assert not list(waiting.glob("*.bin"))
+
+
+def test_a_job_still_arriving_waits_beyond_the_index_while_the_cards_have_other_work(rigs, tmp_path):
+    """A job whose file is still arriving (its producer id in `jobs/arriving.json`) has its items wait
+    beyond the index, in their groups, while the index has other work; they enter once the job is
+    all in. With nothing else in the index they enter at once: an idle card never waits for a job."""
+    from shmbroker.jobs import arriving
+
+    cfg = config(tmp_path / "data", [consumer("c", 4, 4096, 2048)], job_hold_seconds=30.0)
+    rig = rigs(cfg)
+    sched = rig.sched
+    with Producer("other", data_dir=cfg.data_dir) as other, Producer("job", data_dir=cfg.data_dir) as job:
+        arriving.add(cfg.data_dir, "job", job.producer_id)
+        sched.watch_jobs()
+        alone = rig.submit(job, [100] * 2, seed=3)
+        rig.take(2)
+        assert len(sched.packer) == 1 and sched.values[P.S_WAITING] == 1  # the first: nothing else to do
+        rig.run_until(2)  # the index drained: the second is not held any more
+        others = rig.submit(other, [100] * 20)
+        rig.take(20)
+        held = rig.submit(job, [100] * 4, seed=1)
+        rig.take(4)
+        assert len(sched.packer) == 20 and sched.values[P.S_WAITING] == 4
+        sched.dispatch()
+        indexed = len(sched.packer)
+        assert 0 < indexed < 20 and sched.values[P.S_WAITING] == 4  # batches went, the job still waits
+        arriving.done(cfg.data_dir, "job")
+        sched.watch_jobs()
+        sched.dispatch()  # the rings are full: only the refill moves
+        assert len(sched.packer) == indexed + 4 and sched.values[P.S_WAITING] == 0
+        rig.run_until(26)
+    assert sorted(rig.run_ids()) == sorted(alone + others + held)  # each once
