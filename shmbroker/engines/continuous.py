@@ -47,7 +47,8 @@ Counters (cumulative): steps, seconds, hit_blocks, queried_blocks (blocks looked
 admission: all of an item's blocks), computed_tokens (prefill tokens computed), decode_tokens
 (tokens decoded after the first), scheduled_tokens (prefill + decode tokens, for the budget's
 fill), running_steps (running sequences summed over steps, for the slots' fill), admitted,
-finished. `last_hits` maps each key finished by the last step to (hit_blocks, queried_blocks).
+finished. `last_hits` maps each key finished by the last step to (hit_blocks, queried_blocks), and
+`last_cached` to the prompt tokens its cached blocks held (what vLLM reports as `num_cached_tokens`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ from .cost import SimCost
 
 
 class _Seq:
-    __slots__ = ("blocks", "done_tokens", "hit_blocks", "key", "length", "max_new", "next_block", "pinned",
-                 "remaining")
+    __slots__ = ("blocks", "done_tokens", "hit_blocks", "hit_tokens", "key", "length", "max_new", "next_block",
+                 "pinned", "remaining")
 
     def __init__(self, key, blocks, length, max_new):
         self.key = key
@@ -68,6 +69,7 @@ class _Seq:
         self.length = length
         self.max_new = max_new
         self.hit_blocks = 0
+        self.hit_tokens = 0  # prompt tokens of its cached blocks
         self.next_block = 0  # the first block not yet scheduled (cached or computed)
         self.done_tokens = 0  # tokens of blocks[next_block] already scheduled
         self.remaining = 0  # prefill tokens left to compute
@@ -107,6 +109,7 @@ class ContinuousSim:
         self.admitted = 0
         self.finished = 0
         self.last_hits: dict = {}
+        self.last_cached: dict = {}
 
     # ---- the interface ------------------------------------------------------------------------
 
@@ -132,6 +135,7 @@ class ContinuousSim:
     def step(self) -> tuple[float, list]:
         """Run one step: (modeled seconds, keys finished in it). An idle engine returns (0.0, [])."""
         self.last_hits = {}
+        self.last_cached = {}
         if self.idle:
             return 0.0, []
         budget = self.max_batch_tokens
@@ -183,6 +187,7 @@ class ContinuousSim:
         for seq in done:
             self._release(seq)
             self.last_hits[seq.key] = (seq.hit_blocks, len(seq.blocks))
+            self.last_cached[seq.key] = seq.hit_tokens
             keys.append(seq.key)
         self.finished += len(done)
         return seconds, keys
@@ -202,6 +207,7 @@ class ContinuousSim:
         seq.next_block = seq.hit_blocks
         self.hit_blocks += seq.hit_blocks
         seq.remaining = max(1, seq.length - hit_tokens)
+        seq.hit_tokens = hit_tokens
 
     def _pin_cached(self, h) -> bool:
         pin = self._pins.get(h)

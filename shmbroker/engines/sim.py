@@ -48,7 +48,7 @@ from .faults import SimFaults
 from ..request.extras import decode_extras
 from .options import embeds
 from .sim_embed import SimEmbedder
-from .sim_requests import item_keys, sample_key, sampled_result
+from .sim_requests import item_keys, sample_key, sampled_result, with_cached
 from .sim_structured import StructuredText, unmodeled
 
 
@@ -201,7 +201,7 @@ class Sim(StreamingRun):
             bt = contract.max_batch_tokens if contract is not None else 1 << 40
             self.stream = ContinuousSim(bs, bt, settings.cache_tokens, settings.cost)
         self._groups: deque = deque()  # padded: (ids, max_new, shapes) not run yet
-        self._ready: list = []  # (modeled finish, ids, max_new) computed, not handed back
+        self._ready: list = []  # (modeled finish, ids, max_new, cached tokens or None) computed, not handed back
         self._seqs: dict[int, tuple[int, int]] = {}  # packed: sequence key -> (item id, max_new_tokens)
         self._num_seqs = self._pending = 0
         self.clock = 0.0  # modeled seconds computed
@@ -238,7 +238,7 @@ class Sim(StreamingRun):
             self._origin = time.monotonic() - self.clock * self.pace
         self._pending += n
         if self.cost.zero_cost:
-            self._ready.append((self.clock, ids, max_new))
+            self._ready.append((self.clock, ids, max_new, None))
             return
         lengths = np.array([t.size for t in batch.tokens], np.int64)
         offsets = np.zeros(lengths.size + 1, np.int64)
@@ -266,7 +266,8 @@ class Sim(StreamingRun):
             if keys:
                 done = [self._seqs.pop(k) for k in keys]
                 self._ready.append((self.clock, np.array([i for i, _ in done], np.uint64),
-                                    np.array([m for _, m in done], np.int64)))
+                                    np.array([m for _, m in done], np.int64),
+                                    np.array([self.stream.last_cached[k] for k in keys], np.int64)))
             return True
         if not self._groups:
             return False
@@ -278,7 +279,7 @@ class Sim(StreamingRun):
         f.queried_blocks += cost.queried_blocks
         f.padded_tokens += cost.padded_tokens
         f.rect_tokens += cost.rect_tokens
-        self._ready.append((self.clock, ids, max_new))
+        self._ready.append((self.clock, ids, max_new, None))
         return True
 
     def poll(self, timeout_seconds: float) -> EngineOutcome:
@@ -312,6 +313,8 @@ class Sim(StreamingRun):
             res = self._with_samples(self.generated_many(ids, max_new, digests))
         else:
             res = self.generated_many(ids, max_new, digests)
+        if self.embedder is None and all(o[3] is not None for o in out):  # a packed engine says what it cached
+            with_cached(res, np.concatenate([o[3] for o in out]))
         return EngineOutcome(res, f.hit_blocks, f.queried_blocks, seconds, f.padded_tokens, f.rect_tokens)
 
     def _with_samples(self, res: BatchResults) -> BatchResults:

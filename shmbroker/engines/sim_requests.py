@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..request.extras import Logprobs, encode_extras
+from ..request.extras import Logprobs, decode_extras, encode_extras
 
 GREEDY_SALT = np.uint64(0xD6E8FEB86659FD93)
 SEED_SALT = np.uint64(0xA0761D6478BD642F)
@@ -91,3 +91,16 @@ def modeled_logprobs(tokens: np.ndarray, k: int) -> Logprobs:
     ids = ((t[:, None] + np.arange(k)) % (1 << 32)).astype(np.uint32)
     top = (own[:, None] - 0.5 * np.arange(k)).astype(np.float32)
     return Logprobs(own, ids, top)
+
+
+def with_cached(res, cached: np.ndarray) -> None:
+    """Give each result of `res` (a BatchResults, changed in place) the prompt tokens its engine
+    served from its cache, as vLLM reports them: in its extras, beside its samples' lengths and
+    finishes (a plain result's one sample ends at its length)."""
+    for i, c in enumerate(cached.tolist()):
+        words = res.extras.get(i)
+        if words is None:
+            res.extras[i] = encode_extras([int(res.offsets[i + 1] - res.offsets[i])], [False], c)
+        else:
+            e = decode_extras(words, int(res.offsets[i + 1] - res.offsets[i]))
+            res.extras[i] = encode_extras(e.lengths, e.stopped, c, e.logprobs)

@@ -11,6 +11,7 @@ from shmbroker.engines.base import EngineDead, EngineOutcome, EngineUnavailable,
 from shmbroker.engines.catalogue import load_engine
 from shmbroker.engines.cost import SimCost
 from shmbroker.engines.sim import Sim
+from shmbroker.request.extras import decode_extras
 from shmbroker.gpu.core import ConsumerCore
 from shmbroker.pack.contract import Batch, Contract, Shape
 from shmbroker.pack.shapes import shape_items
@@ -199,3 +200,16 @@ def test_the_families_a_consumer_remembers_are_bounded(monkeypatch):
     assert len(core._families) == 8
     core.process(batch_of(tokens, max_new=1, family=38), tokens)  # a recent one: an excess switch
     assert core.stats.excess_shape_switches == 1
+
+
+def test_a_packed_sim_says_each_items_cached_prompt_tokens_as_vllm_does():
+    """Five prompts sharing a 64-token head (blocks of 16): the first computes it, the others are
+    served it from the cache, and each result says so in its extras (`Result.cached_tokens`), as
+    vLLM's `num_cached_tokens`; a padded one says nothing of its cache."""
+    tokens = prompts(5)
+    results = ConsumerCore(CONTRACT, sim()).process(batch_of(tokens, max_new=4), tokens).items()
+    cached = [decode_extras(r.extras, r.tokens.size).cached_tokens for r in results]
+    assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
+    assert all(decode_extras(r.extras, r.tokens.size).lengths == (4,) for r in results)
+    padded = ConsumerCore(CONTRACT, sim("padded")).process(batch_of(tokens, max_new=4), tokens).items()
+    assert all(r.extras is None for r in padded)

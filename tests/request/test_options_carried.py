@@ -80,7 +80,8 @@ def test_options_reach_the_engine_and_an_unhonoured_one_fails_alone(tmp_path):
     assert outs[seeded_ids[0]] == expected(seeded_ids[0], prompt, 16, seeded).tolist()
     assert outs[stop_id] == sim_stop[:10].tolist()  # ended at the stop id, which it keeps
     assert got[stop_id].finish_reasons == ("stop",) and got[greedy_ids[0]].finish_reasons == ("length",)
-    assert got[plain[0]].extras is None and got[plain[0]].samples[0].tolist() == outs[plain[0]]
+    assert got[plain[0]].samples[0].tolist() == outs[plain[0]] and got[plain[0]].finish_reasons == ("length",)
+    assert all(got[i].cached_tokens is not None for i in got if i != n_big)  # the packed engine says what it cached
     samples = [s.tolist() for s in got[n4].samples]  # four samples, one after another, each its own
     assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4 and sum(map(len, samples)) == len(outs[n4])
     assert samples[0] == expected(n4, prompt, 64, RequestOptions(temperature=1.0, seed=5,
