@@ -7,7 +7,8 @@ in whole batches and a half-second rate jumps between zero and twice the truth.
 
 When no broker runs on the data directory `top` says so (the `NoBroker` message) and keeps looking;
 when the broker it watches goes away it drops the view and goes back to looking. It never needs a
-broker to exit: `q`, Ctrl-C and SIGTERM all end it with status 0 and the terminal as it found it.
+broker to exit: `q`, Ctrl-C and SIGTERM all end it with status 0 and the terminal as it found it,
+Ctrl-C also when top was started with SIGINT ignored (it installs Python's handler itself).
 
 The rendering (`render`, `waiting`) is pure: snapshot dicts in, a rich renderable out, so tests
 check it without a terminal. `run` is the loop around it: a `Keys` reader (cbreak mode only when
@@ -356,6 +357,9 @@ def run(data_dir: str, interval_seconds: float = INTERVAL_SECONDS_MAX) -> int:
     lower_priority()  # a watcher yields the CPU to the broker it watches
     previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Ctrl-C quits even when top was started with SIGINT ignored (from a script or a background job
+    # that ignores it: the terminal's Ctrl-C still reaches a foreground top, and Python would drop it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     top = Top(data_dir)
     try:
         with Keys(sys.stdin) as keys, Live(screen=True, auto_refresh=False, redirect_stderr=False) as live:

@@ -45,13 +45,14 @@ def _no_leftovers(instance: str) -> None:
     assert left == [], f"broker left {left}"
 
 
-def _spawn(data_dir: str, *extra: str, stdin_devnull: bool = False):
+def _spawn(data_dir: str, *extra: str, stdin_devnull: bool = False, preexec_fn=None):
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env["TERM"] = "xterm-256color"
     cmd = [sys.executable, "-m", "shmbroker.cli", "top", "--data-dir", data_dir, *extra]
     if stdin_devnull:  # stdout still the pty, stdin not a terminal
         cmd = ["/bin/sh", "-c", 'exec "$@" < /dev/null', "sh", *cmd]
-    return pexpect.spawn(cmd[0], cmd[1:], dimensions=(60, 200), env=env, encoding="utf-8", codec_errors="replace")
+    return pexpect.spawn(cmd[0], cmd[1:], dimensions=(60, 200), env=env, encoding="utf-8", codec_errors="replace",
+                         preexec_fn=preexec_fn)
 
 
 def _until(child, *patterns: str, timeout_seconds: float = SCREEN_SECONDS) -> str:
@@ -151,6 +152,18 @@ def test_top_exits_zero_on_ctrl_c(broker):
     child = _spawn(broker.data_dir, "--interval", "0.2")
     try:
         _until(child, *(rf"─ {name} " for name in CONSUMERS))
+        child.sendintr()
+        _exits_zero(child)
+    finally:
+        child.close(force=True)
+
+
+def test_top_started_with_sigint_ignored_still_exits_zero_on_ctrl_c(tmp_path):
+    """A script or a background job may start top with SIGINT ignored (a shell's `cmd &` does), and
+    Python keeps an ignored SIGINT ignored: the terminal's Ctrl-C must still quit it."""
+    child = _spawn(str(tmp_path), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        _until(child, r"no broker is running")
         child.sendintr()
         _exits_zero(child)
     finally:
