@@ -10,7 +10,7 @@ are the items removed from the index. Items no consumer of their model can
 take come back in `batch.failed` with reason "too_long" (a batch may hold
 only failures), when a walk meets them. Only this standalone use (tests,
 `bench pack`, `workloads.packsim`) gives the packer such items: the scheduler
-fails them at admission against `model_max` (`Scheduler._unservable`), so in
+fails them at admission against `model_max` (`sched/admission.py`), so in
 the broker `batch.failed` is always empty. Nothing here knows about rings,
 disks or engines.
 """

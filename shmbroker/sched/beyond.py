@@ -83,11 +83,6 @@ class BeyondIndex:
         """Rows of the waiting queue kept in memory because the disk was full."""
         return self.waiting.in_memory
 
-    @property
-    def group_bytes(self) -> int:
-        """Memory the waiting rows' groups take."""
-        return self.groups.nbytes
-
     def append(self, ann: Announcement, arrival_ns: int) -> None:
         """Announced items (their block hashes give their groups) behind all that waits."""
         key1, key2 = group_keys(ann.locs["prefix_key"], ann.hash_offsets, ann.hashes)

@@ -51,11 +51,10 @@ class TakenItems(NamedTuple):
 class _Piece:
     """Rows [start, end): a file's (mapped read-only, `path` set) or, on a full disk, memory's."""
 
-    __slots__ = ("end", "live", "path", "rows", "start")
+    __slots__ = ("end", "path", "rows", "start")
 
     def __init__(self, start: int, rows: np.ndarray, path: Path | None, end: int):
         self.start, self.rows, self.path, self.end = start, rows, path, end
-        self.live = end - start  # rows not yet taken (counted for the memory pieces)
 
 
 class WaitingQueue:
@@ -168,7 +167,6 @@ class WaitingQueue:
         for k, n in zip(*np.unique(which, return_counts=True)):
             piece = self.pieces[int(k)]
             if piece.path is None:
-                piece.live -= int(n)
                 self.in_memory -= int(n)
 
     def forget_below(self, head: int) -> None:
